@@ -1,0 +1,43 @@
+# kvfleet — `make help` lists every target.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+
+help: ## Show this help: every target with what it does.
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP) ## Create or refresh the virtual environment in .venv with every dependency.
+
+lint: $(STAMP) ## ruff (style, imports, bugbear) over the package, tests and benchmarks.
+	$(VENV)/bin/ruff check kvfleet tests bench e2e
+
+typecheck: $(STAMP) ## mypy: strict for the cache core and config, typed everywhere else.
+	$(VENV)/bin/mypy kvfleet bench
+
+layers: $(STAMP) ## import-linter: layers only import downwards; the core imports nothing above it.
+	$(VENV)/bin/lint-imports
+
+unit: $(STAMP) ## pytest: every test (unit, property-based, real Envoy/Redis/kmock, e2e on loopback).
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck layers unit ## The test command: venv, ruff, mypy, import layers, pytest.
+
+bench: $(STAMP) ## Run every benchmark in quick mode; each prints one JSON line last.
+	@set -e; for b in $$(ls bench/*.py | xargs -n1 basename | sed 's/\.py$$//' | grep -v '^_' | grep -v '^__init__$$'); do \
+		echo "== bench.$$b"; $(PY) -m bench.$$b --quick; done
+
+clean: ## Remove caches and build outputs (keeps .venv).
+	rm -rf .mypy_cache .ruff_cache .pytest_cache .hypothesis build dist *.egg-info demo-report
+
+.PHONY: help venv lint typecheck layers unit test bench clean

@@ -1,0 +1,1 @@
+"""kvfleet.demo: the one-machine stack and its report."""

@@ -36,7 +36,7 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, forbi
     """Base of the three event types (a msgpack map tagged ``type`` = class name)."""
 
 
-class BlockStored(KVCacheEvent, omit_defaults=False):
+class BlockStored(KVCacheEvent):
     """Blocks were stored (``token_ids`` covers all of them, ``block_size`` each)."""
 
     block_hashes: list[BlockHashWire]
@@ -45,7 +45,9 @@ class BlockStored(KVCacheEvent, omit_defaults=False):
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None = None
+    #: ``UNSET`` when an older publisher left it out; written whenever set (even to ``None``),
+    #: which keeps our encoding byte-identical to vLLM's.
+    lora_name: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class BlockRemoved(KVCacheEvent):

@@ -46,8 +46,8 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     #: ``UNSET`` when an older publisher left it out; written whenever set (even to ``None``),
-    #: which keeps our encoding byte-identical to vLLM's.
-    lora_name: str | None | msgspec.UnsetType = msgspec.UNSET
+    #: which keeps our messages field-for-field equal to vLLM's.
+    lora_name: str | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class BlockRemoved(KVCacheEvent):

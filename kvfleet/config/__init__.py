@@ -19,8 +19,13 @@ import yaml
 
 from kvfleet.config._loader import ConfigError, from_dict, to_dict
 from kvfleet.config.cache import CacheSettings
+from kvfleet.config.engine import EngineSettings
+from kvfleet.config.epp import EppSettings
+from kvfleet.config.operator import OperatorSettings
+from kvfleet.config.tiers import TierSettings
+from kvfleet.config.transfer import TransferSettings
 
-__all__ = ["CacheSettings", "ConfigError", "Settings", "from_dict", "load", "to_dict"]
+__all__ = ["CacheSettings", "ConfigError", "EngineSettings", "Settings", "from_dict", "load", "to_dict"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,11 @@ class Settings:
     """All settings; a YAML file with the same nesting overrides any subset."""
 
     cache: CacheSettings = field(default_factory=CacheSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    epp: EppSettings = field(default_factory=EppSettings)
+    operator: OperatorSettings = field(default_factory=OperatorSettings)
+    transfer: TransferSettings = field(default_factory=TransferSettings)
+    tiers: TierSettings = field(default_factory=TierSettings)
 
 
 def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:

@@ -1,0 +1,78 @@
+"""The codec interface: a KV block (ndarray) ↔ an encoded byte payload.
+
+A codec turns a float block into a flat ``uint8`` payload and back. The
+payload alone does not say what it decodes to: the block's ``dtype`` and
+``shape`` travel in the record header next to the codec name (see
+:mod:`kvfleet.agent.tiers.record`), and :meth:`Codec.decode` takes them back.
+
+Quantizing codecs work on *groups* of ``group_size`` consecutive values of
+the flattened block (the last axis is ``head_dim`` in the usual KV layout, so
+a group size dividing ``head_dim`` gives per-head scales). A block whose size
+is not a multiple of the group size is zero-padded; the padding is dropped
+again on decode.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+Payload = npt.NDArray[np.uint8]
+
+
+class CodecError(ValueError):
+    """Base of codec errors."""
+
+
+class UnknownCodecError(CodecError):
+    """A codec name is not registered; the message lists the known names."""
+
+
+class CodecInputError(CodecError):
+    """A block cannot be encoded by this codec (wrong dtype, non-finite values)."""
+
+
+class CorruptPayloadError(CodecError):
+    """A payload has the wrong length for the dtype/shape it claims to decode to."""
+
+
+class Codec(ABC):
+    """Encode a block to bytes and back. Implementations are stateless and thread-safe."""
+
+    name: ClassVar[str]
+    #: ``True`` when decode(encode(x)) == x bit for bit.
+    lossless: ClassVar[bool] = False
+
+    @abstractmethod
+    def encode(self, block: npt.NDArray[Any]) -> Payload:
+        """The encoded bytes of ``block`` as a fresh contiguous ``uint8`` array."""
+
+    @abstractmethod
+    def decode(self, payload: Payload | bytes | memoryview, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> npt.NDArray[Any]:
+        """The block back, with ``dtype`` and ``shape`` (raises :class:`CorruptPayloadError`)."""
+
+    @abstractmethod
+    def encoded_nbytes(self, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> int:
+        """Exactly how many bytes :meth:`encode` produces for such a block."""
+
+
+def as_payload(buf: Payload | bytes | memoryview | bytearray) -> Payload:
+    """A read-only ``uint8`` view of ``buf`` (no copy)."""
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def num_values(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def check_float(block: npt.NDArray[Any], codec: str) -> None:
+    if block.dtype.kind != "f" and block.dtype.name not in ("bfloat16",):
+        raise CodecInputError(f"codec {codec!r} encodes float blocks, got dtype {block.dtype}")

@@ -1,0 +1,161 @@
+"""The self-describing record a block is stored as in the SSD and remote tiers.
+
+Layout (little-endian)::
+
+    prefix  28 bytes  magic "KVFB" | version u16 | flags u16 | header_len u32 | payload_len u64 | checksum u64
+    header            msgpack [hash, codec, dtype, shape, raw_nbytes, parent, token_ids]
+    payload           the codec's bytes
+
+``checksum`` is xxh3-64 over header and payload, so a torn write, a flipped
+bit or a foreign file is detected when the record is read or rescanned;
+writes therefore need no fsync for correctness (a block lost in a crash is a
+cache miss, never wrong data).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import xxhash
+
+from kvfleet.agent.codecs import Payload
+from kvfleet.agent.tiers.errors import CorruptBlockError, TruncatedBlockError
+from kvfleet.cache.hashing import BlockHash
+
+MAGIC = b"KVFB"
+VERSION = 1
+_PREFIX = struct.Struct("<4sHHIQQ")
+PREFIX_SIZE = _PREFIX.size
+MAX_HEADER = 1 << 20
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """Everything about a block except its bytes; travels in every record header."""
+
+    hash: BlockHash
+    codec: str = "none"
+    dtype: str = "float16"
+    shape: tuple[int, ...] = ()
+    #: bytes of the decoded block.
+    raw_nbytes: int = 0
+    parent: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class _Header(msgspec.Struct, array_like=True):
+    hash: int | bytes
+    codec: str
+    dtype: str
+    shape: list[int]
+    raw_nbytes: int
+    parent: int | bytes | None
+    token_ids: list[int]
+
+
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder(_Header)
+
+
+def key_name(block_hash: BlockHash) -> str:
+    """A file/key-safe name: ``i`` + 16 hex digits for int hashes, ``b`` + hex for bytes."""
+    if isinstance(block_hash, int):
+        return f"i{block_hash:016x}"
+    return "b" + block_hash.hex()
+
+
+def hash_from_key(name: str) -> BlockHash:
+    """Inverse of :func:`key_name`; raises ``ValueError`` for anything else."""
+    if name.startswith("i") and len(name) == 17:
+        return int(name[1:], 16)
+    if name.startswith("b") and len(name) > 1:
+        return bytes.fromhex(name[1:])
+    raise ValueError(f"not a block key: {name!r}")
+
+
+def pack(meta: BlockMeta, payload: Payload) -> tuple[bytes, memoryview]:
+    """``(prefix + header, payload)``: write them back to back."""
+    header = _ENC.encode(
+        _Header(
+            hash=meta.hash,
+            codec=meta.codec,
+            dtype=meta.dtype,
+            shape=list(meta.shape),
+            raw_nbytes=meta.raw_nbytes,
+            parent=meta.parent,
+            token_ids=list(meta.token_ids),
+        )
+    )
+    body = memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
+    h = xxhash.xxh3_64(header)
+    h.update(body)
+    prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header), body.nbytes, h.intdigest())
+    return prefix + header, body
+
+
+def packed_size(meta_header_len: int, payload_len: int) -> int:
+    return PREFIX_SIZE + meta_header_len + payload_len
+
+
+def read_prefix(buf: bytes | bytearray | memoryview) -> tuple[int, int, int]:
+    """``(header_len, payload_len, checksum)`` of a record's first bytes."""
+    if len(buf) < PREFIX_SIZE:
+        raise TruncatedBlockError(f"record of {len(buf)} bytes is shorter than its {PREFIX_SIZE}-byte prefix")
+    magic, version, _flags, header_len, payload_len, checksum = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptBlockError(f"bad magic {bytes(magic)!r}", reason="foreign")
+    if version != VERSION:
+        raise CorruptBlockError(f"unsupported record version {version}", reason="version")
+    if header_len > MAX_HEADER:
+        raise CorruptBlockError(f"header length {header_len} is implausible")
+    return header_len, payload_len, checksum
+
+
+def decode_header(raw: bytes | memoryview) -> BlockMeta:
+    try:
+        h = _DEC.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CorruptBlockError(f"unreadable record header: {exc}") from exc
+    return BlockMeta(
+        hash=h.hash,
+        codec=h.codec,
+        dtype=h.dtype,
+        shape=tuple(h.shape),
+        raw_nbytes=h.raw_nbytes,
+        parent=h.parent,
+        token_ids=tuple(h.token_ids),
+    )
+
+
+def unpack(buf: bytes | bytearray | memoryview, verify: bool = True) -> tuple[BlockMeta, memoryview]:
+    """Parse and check a whole record; returns the meta and a view of the payload."""
+    view = memoryview(buf)
+    header_len, payload_len, checksum = read_prefix(view)
+    total = PREFIX_SIZE + header_len + payload_len
+    if len(view) != total:
+        raise TruncatedBlockError(f"record is {len(view)} bytes, its prefix says {total}")
+    header = view[PREFIX_SIZE : PREFIX_SIZE + header_len]
+    payload = view[PREFIX_SIZE + header_len :]
+    if verify:
+        h = xxhash.xxh3_64(header)
+        h.update(payload)
+        if h.intdigest() != checksum:
+            raise CorruptBlockError("checksum mismatch")
+    return decode_header(header), payload
+
+
+def meta_for(block_hash: BlockHash, block: Any, codec: str, parent: BlockHash | None, token_ids: tuple[int, ...]) -> BlockMeta:
+    arr = np.asarray(block)
+    return BlockMeta(
+        hash=block_hash,
+        codec=codec,
+        dtype=arr.dtype.name,
+        shape=tuple(int(d) for d in arr.shape),
+        raw_nbytes=int(arr.nbytes),
+        parent=parent,
+        token_ids=token_ids,
+    )

@@ -1,0 +1,68 @@
+"""The transfer engine: move KV blocks prefill → decode, pipelined, with failover.
+
+Layers (each imports only those above it):
+
+==============  ============================================  ===========================
+module          cares about                                   in → out
+==============  ============================================  ===========================
+``errors``      typed failures that decide retry vs. fail     —
+``frames``      the 64-byte header, control bodies            values ↔ bytes
+``auth``        HMAC challenge with the pool secret           nonces → MACs
+``channel``     one socket: sendmsg / recv_into, timeouts     frames ↔ socket
+``shm``         the same-host shared-memory ring              slots
+``topology``    which backend for which peer                  PeerInfo × PeerInfo → names
+``source``      where sent blocks come from                   hash → bytes
+``metrics``     Prometheus series                             events → counters
+``server``      serve blocks to authenticated peers           BlockSource → wire
+``client``      pull, reorder, flow control, failover         wire → Block, in order
+==============  ============================================  ===========================
+
+Typical use (a decode pod pulling from a prefill pod)::
+
+    async with TransferServer(store, secret) as srv:          # prefill side
+        ...
+    client = TransferClient(secret)                           # decode side
+    handle = client.pull(("10.0.0.7", 7400), hashes)
+    async for block in handle:                                # in sequence order
+        engine.load(block.block_hash, block.data)
+"""
+
+from kvfleet.agent.transfer.client import Allocator, Block, Peer, TransferClient, TransferHandle, TransferStats
+from kvfleet.agent.transfer.errors import (
+    AuthError,
+    BlockNotFoundError,
+    ChecksumError,
+    FrameError,
+    StreamError,
+    TransferCancelled,
+    TransferError,
+    UnknownBackendError,
+)
+from kvfleet.agent.transfer.metrics import TransferMetrics
+from kvfleet.agent.transfer.server import TransferServer
+from kvfleet.agent.transfer.source import BlockSource, MemoryBlockStore
+from kvfleet.agent.transfer.topology import PeerInfo, choose_backends, local_host_id
+
+__all__ = [
+    "Allocator",
+    "AuthError",
+    "Block",
+    "BlockNotFoundError",
+    "BlockSource",
+    "ChecksumError",
+    "FrameError",
+    "MemoryBlockStore",
+    "Peer",
+    "PeerInfo",
+    "StreamError",
+    "TransferCancelled",
+    "TransferClient",
+    "TransferError",
+    "TransferHandle",
+    "TransferMetrics",
+    "TransferServer",
+    "TransferStats",
+    "UnknownBackendError",
+    "choose_backends",
+    "local_host_id",
+]

@@ -1,0 +1,118 @@
+"""One authenticated connection's byte plumbing over a blocking socket.
+
+Sends are ``sendmsg([header, payload])`` straight from the block's memory (a
+memoryview: no copy in user space); receives are ``recv_into`` a caller-given
+memoryview, so a block payload lands directly in its destination slot. Calls
+block the calling I/O thread only; the GIL is released inside the syscalls, so
+several streams move data in parallel. Any socket failure or timeout becomes a
+:class:`StreamError`; any bad header a :class:`FrameError`.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+from kvfleet.agent.transfer.errors import StreamError
+
+
+class PeerClosed(StreamError):
+    """The peer closed the connection cleanly, between two frames."""
+
+
+class IdleTimeout(StreamError):
+    """Nothing arrived within the timeout, between two frames."""
+from kvfleet.agent.transfer.frames import HEADER_SIZE, Header, decode_body, decode_header
+
+_IOV_MAX_BYTES = 1 << 30
+
+
+class Channel:
+    """A framed, thread-safe-for-send wrapper around one connected socket."""
+
+    def __init__(self, sock: socket.socket, *, max_block_bytes: int, timeout_s: float | None) -> None:
+        self.sock = sock
+        self.max_block_bytes = max_block_bytes
+        self._send_lock = threading.Lock()
+        self._hdr = bytearray(HEADER_SIZE)
+        self._hdr_view = memoryview(self._hdr)
+        self.closed = False
+        sock.settimeout(timeout_s)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    @property
+    def peer(self) -> str:
+        try:
+            name = self.sock.getpeername()
+        except OSError:
+            return "?"
+        return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else str(name)
+
+    def settimeout(self, timeout_s: float | None) -> None:
+        self.sock.settimeout(timeout_s)
+
+    # -- sending ------------------------------------------------------------
+    def send(self, *parts: bytes | bytearray | memoryview) -> int:
+        """Send all parts as one gather write (``sendmsg``); returns bytes sent."""
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        total = sum(len(v) for v in views)
+        with self._send_lock:
+            try:
+                while views:
+                    n = self.sock.sendmsg(views)
+                    while n and views:
+                        if n >= len(views[0]):
+                            n -= len(views[0])
+                            views.pop(0)
+                        else:
+                            views[0] = views[0][n:]
+                            n = 0
+            except (OSError, ValueError) as exc:
+                raise StreamError(f"send to {self.peer} failed: {exc}") from exc
+        return total
+
+    # -- receiving ----------------------------------------------------------
+    def recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` completely or raise :class:`StreamError`."""
+        got, n = 0, len(view)
+        try:
+            while got < n:
+                r = self.sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+                if r == 0:
+                    if got == 0 and view is self._hdr_view:
+                        raise PeerClosed(f"connection closed by {self.peer}")
+                    raise StreamError(f"connection closed by {self.peer} ({got}/{n} bytes)")
+                got += r
+        except TimeoutError as exc:
+            if got == 0 and view is self._hdr_view:
+                raise IdleTimeout(f"nothing from {self.peer} within the timeout") from exc
+            raise StreamError(f"receive from {self.peer} timed out ({got}/{n} bytes)") from exc
+        except (OSError, ValueError) as exc:
+            raise StreamError(f"receive from {self.peer} failed: {exc}") from exc
+
+    def recv_header(self) -> Header:
+        self.recv_into(self._hdr_view)
+        return decode_header(self._hdr_view, self.max_block_bytes)
+
+    def recv_payload(self, header: Header) -> bytes:
+        buf = bytearray(header.length)
+        if header.length:
+            self.recv_into(memoryview(buf))
+        return bytes(buf)
+
+    def recv_control(self) -> tuple[Header, Any]:
+        """Receive one control frame and decode its body."""
+        h = self.recv_header()
+        return h, decode_body(h, self.recv_payload(h))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()

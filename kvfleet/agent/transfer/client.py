@@ -1,0 +1,511 @@
+"""The receiving side: pull blocks from a peer's :class:`TransferServer`.
+
+A :class:`TransferClient` opens a *session* per attempt: N authenticated
+streams (tcp) or one (shm), the remaining blocks striped over them
+round-robin by sequence number so that block 0 lands first. I/O threads
+``recv_into`` each payload straight into its destination slot, verify its
+checksum, and hand it to the event loop; the :class:`TransferHandle` delivers
+blocks strictly in sequence order, each exactly once, as soon as the gap
+before it closes.
+
+Flow control: every stream starts with ``window_blocks`` credits and gets one
+back each time the consumer takes one of its blocks, so a slow consumer stops
+the sender (bounded memory: streams × window blocks). Each stream sends its
+blocks in sequence order, so the next block to deliver always has a credit:
+no deadlock.
+
+Failover: a broken, stalled or corrupt stream fails the session; the blocks
+already verified are kept and a new session asks for the remaining ones only,
+on the next backend of the topology's list (shm → tcp) or the same one, up to
+``max_retries`` times. Permanent errors (auth, missing block) fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfleet.agent.transfer import auth
+from kvfleet.agent.transfer.channel import Channel, IdleTimeout
+from kvfleet.agent.transfer.errors import (
+    AuthError,
+    BlockNotFoundError,
+    ChecksumError,
+    FrameError,
+    StreamError,
+    TransferCancelled,
+    TransferError,
+)
+from kvfleet.agent.transfer.frames import BlockHash, FrameType, Header, checksum, encode_control, encode_header
+from kvfleet.agent.transfer.metrics import TransferMetrics
+from kvfleet.agent.transfer.shm import ShmRing
+from kvfleet.agent.transfer.topology import PeerInfo, choose_backends, local_host_id
+from kvfleet.config.transfer import TransferSettings
+
+log = logging.getLogger(__name__)
+
+#: ``alloc(seq, block_hash, length) -> writable buffer of exactly length bytes``;
+#: called from I/O threads, so it must be thread-safe.
+Allocator = Callable[[int, BlockHash, int], Any]
+Peer = tuple[str, int] | str
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One delivered block: its position in the batch, its hash and its bytes."""
+
+    seq: int
+    block_hash: BlockHash
+    data: memoryview
+
+
+@dataclass
+class TransferStats:
+    """What one transfer did; filled in as it runs."""
+
+    blocks: int = 0
+    bytes: int = 0
+    retries: int = 0
+    failovers: int = 0
+    backends: list[str] = field(default_factory=list)
+    started: float = 0.0
+    first_block_s: float | None = None
+    finished_s: float | None = None
+
+
+def _default_alloc(seq: int, block_hash: BlockHash, length: int) -> memoryview:
+    return memoryview(bytearray(length))
+
+
+def _parse_peer(peer: Peer) -> tuple[str, int]:
+    if isinstance(peer, tuple):
+        return peer[0], int(peer[1])
+    host, sep, port = peer.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"peer must be 'host:port' or (host, port), got {peer!r}")
+    return host.strip("[]"), int(port)
+
+
+# ---------------------------------------------------------------------------
+# one connection
+# ---------------------------------------------------------------------------
+
+
+class _Stream:
+    """One authenticated connection and the I/O thread receiving its blocks."""
+
+    def __init__(self, ch: Channel, backend: str, index: int) -> None:
+        self.ch = ch
+        self.backend = backend
+        self.index = index
+        self.items: list[tuple[int, BlockHash]] = []
+        self.ring: ShmRing | None = None
+        self.thread: threading.Thread | None = None
+        self.closed = False
+        self.granted = 0  # credits sent (event-loop thread)
+        self.received = 0  # blocks received (I/O thread)
+
+    def credit(self, n: int = 1) -> None:
+        if self.closed:
+            return
+        self.granted += n
+        with contextlib.suppress(TransferError):
+            self.ch.send(encode_header(FrameType.CREDIT, seq=n))
+
+    def starved(self) -> bool:
+        """True when the sender holds no credit: silence is our consumer's doing, not a stall."""
+        return self.granted - self.received <= 0
+
+    def close(self) -> None:
+        self.closed = True
+        self.ch.close()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=1.0)
+        if self.ring is not None:
+            self.ring.close()
+
+
+def _connect(host: str, port: int, secret: bytes, local: PeerInfo, settings: TransferSettings, backend: str | None) -> tuple[Channel, PeerInfo, str]:
+    """Connect and authenticate; ``backend=None`` picks the topology's first choice."""
+    try:
+        sock = socket.create_connection((host, port), timeout=settings.connect_timeout_s)
+    except OSError as exc:
+        raise StreamError(f"cannot connect to {host}:{port}: {exc}") from exc
+    ch = Channel(sock, max_block_bytes=settings.max_block_bytes, timeout_s=settings.handshake_timeout_s)
+    try:
+        h, hello = ch.recv_control()
+        if h.type != FrameType.HELLO or not isinstance(hello, dict):
+            raise FrameError(f"expected HELLO, got {h.type.name}")
+        nonce_s = auth.check_nonce(hello.get("nonce"))
+        backends = hello.get("backends")
+        remote = PeerInfo(str(hello.get("host", "")), tuple(str(b) for b in backends) if isinstance(backends, list) else ())
+        if backend is None:
+            choice = choose_backends(local, remote)
+            if not choice:
+                raise StreamError(f"no common backend with {host}:{port} (ours {local.backends}, theirs {remote.backends})")
+            backend = choice[0]
+        nonce_c = auth.new_nonce()
+        ch.send(encode_control(FrameType.AUTH, {"nonce": nonce_c, "mac": auth.mac(secret, b"c", nonce_s, nonce_c), "backend": backend}))
+        h, body = ch.recv_control()
+        if h.type == FrameType.AUTH_FAIL:
+            raise AuthError(f"{host}:{port} rejected our HMAC (wrong pool secret?)")
+        if h.type != FrameType.AUTH_OK or not isinstance(body, dict):
+            raise FrameError(f"expected AUTH_OK, got {h.type.name}")
+        auth.verify(secret, b"s", nonce_s, nonce_c, body.get("mac"))
+    except BaseException:
+        ch.close()
+        raise
+    ch.settimeout(settings.stall_timeout_s)
+    return ch, remote, backend
+
+
+# ---------------------------------------------------------------------------
+# the handle a caller holds
+# ---------------------------------------------------------------------------
+
+
+class TransferHandle:
+    """A running transfer: async-iterate it for blocks in sequence order, or pass ``on_block``.
+
+    ``await handle.wait()`` returns when every block was delivered (or raises
+    the :class:`TransferError` that ended it); ``handle.cancel()`` stops it
+    (then ``wait`` raises :class:`TransferCancelled`). Without ``on_block``
+    the blocks must be consumed (iterate, or ``await handle.collect()``):
+    unconsumed blocks hold the sender's credits.
+    """
+
+    def __init__(self, hashes: Sequence[BlockHash], on_block: Callable[[Block], Any] | None) -> None:
+        self.block_hashes = list(hashes)
+        self.stats = TransferStats(started=time.perf_counter())
+        self._on_block = on_block
+        self._landed: dict[int, tuple[Block, _Stream | None]] = {}
+        self._next = 0
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._done: asyncio.Future[None] = self._loop.create_future()
+        self._task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self._iterating = False
+
+    # -- observing ------------------------------------------------------------
+    def done(self) -> bool:
+        return self._done.done()
+
+    @property
+    def state(self) -> str:
+        """``running``, ``done``, ``failed`` or ``cancelled``."""
+        if not self._done.done():
+            return "running"
+        if self._error is None:
+            return "done"
+        return "cancelled" if isinstance(self._error, TransferCancelled) else "failed"
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def delivered(self) -> int:
+        return self._next
+
+    async def wait(self) -> TransferStats:
+        await asyncio.shield(self._done)
+        return self.stats
+
+    def cancel(self) -> None:
+        if not self._done.done():
+            self._finish(TransferCancelled("transfer cancelled"))
+        if self._task is not None:
+            self._task.cancel()
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], Any]) -> None:
+        self._done.add_done_callback(lambda _f: fn(self))
+
+    async def collect(self) -> list[Block]:
+        return [b async for b in self]
+
+    def __aiter__(self) -> AsyncIterator[Block]:
+        if self._on_block is not None:
+            raise RuntimeError("this transfer delivers through on_block; it cannot also be iterated")
+        if self._iterating:
+            raise RuntimeError("a transfer can be iterated once")
+        self._iterating = True
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Block]:
+        n = len(self.block_hashes)
+        while self._next < n:
+            got = self._landed.pop(self._next, None)
+            if got is None:
+                if self._error is not None:
+                    raise self._error
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._deliver(*got)
+            yield got[0]
+        if self._error is not None and not isinstance(self._error, TransferCancelled):
+            raise self._error
+
+    # -- fed by the driver (event-loop thread) --------------------------------
+    def _is_needed(self, seq: int) -> bool:
+        return seq >= self._next and seq not in self._landed
+
+    def _landed_block(self, block: Block, stream: _Stream | None) -> None:
+        if not self._is_needed(block.seq) or self._done.done():
+            return  # a duplicate from an older session: never delivered twice
+        if block.seq == 0 and self.stats.first_block_s is None:
+            self.stats.first_block_s = time.perf_counter() - self.stats.started
+        self._landed[block.seq] = (block, stream)
+        if self._on_block is not None:
+            while self._next in self._landed:
+                b, s = self._landed.pop(self._next)
+                try:
+                    self._on_block(b)
+                except Exception as exc:  # the consumer's failure ends the transfer
+                    self._finish(exc)
+                    return
+                self._deliver(b, s)
+        else:
+            self._wake.set()
+
+    def _deliver(self, block: Block, stream: _Stream | None) -> None:
+        self._next = block.seq + 1
+        if stream is not None:
+            stream.credit(1)
+        if self._next == len(self.block_hashes):
+            self.stats.finished_s = time.perf_counter() - self.stats.started
+            self._finish(None)
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self._done.done():
+            return
+        self._error = error
+        if error is None:
+            self._done.set_result(None)
+        else:
+            self._done.set_exception(error)
+            self._done.exception()  # mark retrieved: iteration reports it too
+        self._wake.set()
+
+    def _missing(self) -> list[tuple[int, BlockHash]]:
+        return [(s, self.block_hashes[s]) for s in range(self._next, len(self.block_hashes)) if s not in self._landed]
+
+
+# ---------------------------------------------------------------------------
+# the client
+# ---------------------------------------------------------------------------
+
+
+class TransferClient:
+    """Pulls blocks from peers' transfer servers; one client per agent."""
+
+    def __init__(self, secret: bytes, *, settings: TransferSettings | None = None, metrics: TransferMetrics | None = None) -> None:
+        if not secret:
+            raise AuthError("empty transfer secret")
+        self.secret = secret
+        self.settings = settings or TransferSettings()
+        self.metrics = metrics or TransferMetrics(link_capacity_bps=self.settings.link_capacity_gbps * 1e9)
+        self.local = PeerInfo(local_host_id(self.settings.host_id), tuple(b for b in self.settings.backends if b in ("tcp", "shm")))
+
+    def pull(
+        self,
+        peer: Peer,
+        block_hashes: Iterable[BlockHash],
+        on_block: Callable[[Block], Any] | None = None,
+        *,
+        alloc: Allocator | None = None,
+        streams: int | None = None,
+        backends: Sequence[str] | None = None,
+    ) -> TransferHandle:
+        """Start pulling ``block_hashes`` from ``peer``; returns at once (call from a coroutine).
+
+        ``alloc`` gives each block its destination buffer (default: a new
+        bytearray); ``streams`` overrides the tcp stream count; ``backends``
+        restricts and orders the backends tried (default: the topology's choice).
+        """
+        handle = TransferHandle(list(block_hashes), on_block)
+        host, port = _parse_peer(peer)
+        n = streams if streams is not None else self.settings.streams
+        if n < 1:
+            raise ValueError(f"streams must be >= 1, got {n}")
+        handle._task = asyncio.get_running_loop().create_task(
+            self._drive(handle, host, port, alloc or _default_alloc, n, list(backends) if backends else None)
+        )
+        return handle
+
+    #: ``transfer(block_hashes, peer)`` reads well where the caller thinks in batches.
+    def transfer(self, block_hashes: Iterable[BlockHash], peer: Peer, **kw: Any) -> TransferHandle:
+        return self.pull(peer, block_hashes, **kw)
+
+    async def _drive(self, handle: TransferHandle, host: str, port: int, alloc: Allocator, n: int, backends: list[str] | None) -> None:
+        handle.add_done_callback(self._record)
+        if not handle.block_hashes:
+            handle._finish(None)
+            return
+        candidates = backends
+        idx = 0
+        attempt = 0
+        while not handle.done() and handle._missing():
+            backend = candidates[idx] if candidates else None
+            session: _Session | None = None
+            try:
+                session = _Session(self, handle, host, port, alloc, n)
+                remote = await session.open(backend)
+                if candidates is None:
+                    candidates = choose_backends(self.local, remote)
+                backend = session.backend
+                if backend not in handle.stats.backends:
+                    handle.stats.backends.append(backend)
+                await session.finished
+            except asyncio.CancelledError:
+                if session is not None:
+                    session.close()
+                raise
+            except TransferError as exc:
+                self.metrics.errors.labels(exc.kind).inc()
+                if handle.done():
+                    break
+                if not exc.retryable or attempt >= self.settings.max_retries:
+                    log.warning("transfer from %s:%s failed: %s", host, port, exc)
+                    handle._finish(exc)
+                    break
+                attempt += 1
+                handle.stats.retries += 1
+                self.metrics.retries.labels(backend or "none").inc()
+                if candidates and idx + 1 < len(candidates):
+                    handle.stats.failovers += 1
+                    self.metrics.failovers.labels(candidates[idx], candidates[idx + 1]).inc()
+                    idx += 1
+                log.info("transfer from %s:%s: %s; retrying %d remaining blocks (attempt %d)",
+                         host, port, exc, len(handle._missing()), attempt)
+            except Exception as exc:  # an allocator or consumer bug: fail, never hang
+                handle._finish(exc)
+                break
+            finally:
+                if session is not None:
+                    session.close()
+                    if session.moved_bytes:
+                        handle.stats.bytes += session.moved_bytes
+
+
+    def _record(self, handle: TransferHandle) -> None:
+        handle.stats.blocks = handle.delivered
+        if handle.state == "done" and handle.stats.finished_s:
+            backend = handle.stats.backends[-1] if handle.stats.backends else "none"
+            self.metrics.completed(backend, handle.stats.bytes, handle.stats.finished_s)
+
+
+class _Session:
+    """One attempt: streams opened on one backend, for the blocks still missing."""
+
+    def __init__(self, client: TransferClient, handle: TransferHandle, host: str, port: int, alloc: Allocator, n: int) -> None:
+        self.client = client
+        self.handle = handle
+        self.host, self.port = host, port
+        self.alloc = alloc
+        self.n = n
+        self.loop = asyncio.get_running_loop()
+        self.streams: list[_Stream] = []
+        self.finished: asyncio.Future[None] = self.loop.create_future()
+        self.backend = "tcp"
+        self.moved_bytes = 0
+        self._outstanding = 0
+        self._closed = False
+
+    async def open(self, backend: str | None) -> PeerInfo:
+        """Connect, authenticate, request the missing blocks and start the receivers."""
+        items = self.handle._missing()
+        c = self.client
+        ch, remote, chosen = await asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, backend)
+        self.backend = chosen
+        n = 1 if chosen == "shm" else max(1, min(self.n, len(items)))
+        channels = [ch]
+        try:
+            for _ in range(n - 1):
+                extra, _r, _b = await asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, chosen)
+                channels.append(extra)
+        except BaseException:
+            for x in channels:
+                x.close()
+            raise
+        self.streams = [_Stream(x, chosen, i) for i, x in enumerate(channels)]
+        for i, item in enumerate(items):
+            self.streams[i % n].items.append(item)
+        self._outstanding = len(items)
+        window = c.settings.window_blocks
+        for s in self.streams:
+            if chosen == "shm":
+                slot_bytes = c.settings.max_block_bytes
+                s.ring = await asyncio.to_thread(ShmRing.create, c.settings.shm_dir, window, slot_bytes)
+                s.ch.send(encode_control(FrameType.SHM_ATTACH, {"name": s.ring.name, "slots": window, "slot_bytes": slot_bytes}))
+            s.ch.send(encode_control(FrameType.REQUEST, [[q, h] for q, h in s.items]))
+            s.credit(window)
+            s.thread = threading.Thread(target=self._receive, args=(s,), name=f"kvfleet-xfer-recv-{s.index}", daemon=True)
+            s.thread.start()
+        if not items:
+            self.finished.set_result(None)
+        return remote
+
+    # -- I/O thread -------------------------------------------------------------
+    def _receive(self, s: _Stream) -> None:
+        try:
+            for seq, bh in s.items:
+                while True:
+                    try:
+                        h = s.ch.recv_header()
+                        break
+                    except IdleTimeout:
+                        if not s.starved():
+                            raise
+                if h.type == FrameType.MISSING and h.seq == seq:
+                    raise BlockNotFoundError(bh)
+                want = FrameType.SHM_BLOCK if s.ring is not None else FrameType.BLOCK
+                if h.type != want or h.seq != seq or h.block_hash != bh:
+                    raise FrameError(f"expected {want.name} seq {seq}, got {h.type.name} seq {h.seq}")
+                dest = memoryview(self.alloc(seq, bh, h.length)).cast("B")
+                if len(dest) != h.length:
+                    raise ValueError(f"allocator returned {len(dest)} bytes for a {h.length}-byte block")
+                if s.ring is not None:
+                    dest[:] = s.ring.slot(h.slot, h.length)
+                else:
+                    s.ch.recv_into(dest)
+                self._verify(h, dest)
+                s.received += 1
+                self.loop.call_soon_threadsafe(self._landed, s, Block(seq, bh, dest))
+        except BaseException as exc:
+            if not (self._closed or s.closed):
+                self.loop.call_soon_threadsafe(self._failed, exc)
+
+    @staticmethod
+    def _verify(h: Header, dest: memoryview) -> None:
+        if checksum(dest) != h.checksum:
+            raise ChecksumError(f"block seq {h.seq} checksum mismatch")
+
+    # -- event-loop thread ------------------------------------------------------
+    def _landed(self, s: _Stream, block: Block) -> None:
+        if self._closed:
+            return
+        self._outstanding -= 1
+        self.moved_bytes += len(block.data)
+        self.client.metrics.moved(self.backend, "received", len(block.data))
+        self.handle._landed_block(block, s)
+        if self._outstanding == 0 and not self.finished.done():
+            self.finished.set_result(None)
+
+    def _failed(self, exc: BaseException) -> None:
+        if not self.finished.done() and not self._closed:
+            self.finished.set_exception(exc)
+
+    def close(self) -> None:
+        self._closed = True
+        for s in self.streams:
+            s.close()
+        if not self.finished.done():
+            self.finished.cancel()

@@ -1,0 +1,87 @@
+"""Settings of the endpoint picker (``kvfleet epp``): ports, request limits, index, scheduling, cost model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """One scheduling plugin of the profile: its registered ``type``, a ``weight`` (scorers) and parameters."""
+
+    type: str = ""
+    weight: float = 1.0
+    params: dict[str, float] = field(default_factory=dict)
+
+
+def _default_plugins() -> tuple[PluginSpec, ...]:
+    return (
+        PluginSpec(type="ready-filter"),
+        PluginSpec(type="prefix-cache-scorer", weight=1.0),
+        PluginSpec(type="queue-scorer", weight=1.0),
+        PluginSpec(type="kv-cache-utilization-scorer", weight=0.05),
+        PluginSpec(type="max-score-picker", params={"fallbacks": 2}),
+    )
+
+
+@dataclass(frozen=True)
+class CostModelSettings:
+    """The cost model the scorers price hits and queues with (seconds, bytes).
+
+    A block found in a slower tier is worth what it saves after its load cost:
+    ``weight(tier) = max(0, 1 - load_s_per_token(tier) / prefill_s_per_token)`` with
+    ``load_s_per_token = kv_bytes_per_token / bandwidth(tier)``.
+    """
+
+    prefill_tokens_per_s: float = 10_000.0
+    kv_bytes_per_token: int = 131_072
+    cpu_gbps: float = 20.0
+    ssd_gbps: float = 2.0
+    remote_gbps: float = 1.0
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_tokens_per_s, self.cpu_gbps, self.ssd_gbps, self.remote_gbps) <= 0:
+            raise ValueError("cost model rates must be > 0")
+
+
+@dataclass(frozen=True)
+class EppSettings:
+    """Everything ``kvfleet epp`` needs; defaults are a working local configuration.
+
+    ``datastore`` is ``static`` (pods and pools from ``pods_file``) or
+    ``kubernetes`` (watch Pods and InferencePools in ``namespace``).
+    ``tokenizer`` is ``bytes`` or a path to a HF ``tokenizer.json``.
+    ``speculative_ttl_s``: how long a pick counts as cached on its pod before KV
+    events confirm it; with ``events_enabled: false`` the index is built from
+    picks only (approximate mode) and ``approximate_ttl_s`` applies.
+    """
+
+    host: str = "0.0.0.0"
+    grpc_port: int = 9002
+    health_port: int = 9003
+    metrics_port: int = 9090
+    datastore: str = "static"
+    pods_file: str = ""
+    namespace: str = "default"
+    tokenizer: str = "bytes"
+    max_body_bytes: int = 8 * 1024 * 1024
+    events_enabled: bool = True
+    speculative_ttl_s: float = 10.0
+    approximate_ttl_s: float = 300.0
+    recompute_keys: bool = True
+    scrape_interval_s: float = 0.5
+    metrics_staleness_s: float = 5.0
+    prefix_shard_blocks: int = 4
+    pool_saturation_queue: float = 32.0
+    shed_queue: float = 0.0
+    pd_min_uncached_tokens: int = 512
+    hotspot_beta: float = 0.1
+    workers: int = 32
+    plugins: tuple[PluginSpec, ...] = field(default_factory=_default_plugins)
+    cost: CostModelSettings = field(default_factory=CostModelSettings)
+
+    def __post_init__(self) -> None:
+        if self.datastore not in ("static", "kubernetes"):
+            raise ValueError(f"datastore must be 'static' or 'kubernetes', got {self.datastore!r}")
+        if self.max_body_bytes <= 0 or self.prefix_shard_blocks <= 0 or self.workers <= 0:
+            raise ValueError("max_body_bytes, prefix_shard_blocks and workers must be > 0")

@@ -1,0 +1,50 @@
+"""Settings of the operator: images, the names it gives shared objects, and the ports it wires.
+
+The ports are the ones each role listens on (``kvfleet engine``: OpenAI HTTP and
+``/metrics`` on ``engine_port``, KV events ZMQ PUB on ``kv_events_port``;
+``kvfleet agent``: metrics on ``agent_metrics_port``, transfer on
+``transfer_port``; ``kvfleet epp``: ext_proc gRPC on ``epp_port``). The
+operator writes them into the pods and InferencePools it renders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """How KVCachePools become Deployments, Services, ConfigMaps and InferencePools."""
+
+    #: The kvfleet image (every role); the chart sets it to the released tag.
+    image: str = "kvfleet:0.1.0"
+    image_pull_policy: str = "IfNotPresent"
+    #: Default engine images when a KVCachePool names none.
+    vllm_image: str = "vllm/vllm-openai:v0.11.0"
+    sglang_image: str = "lmsysorg/sglang:v0.5.3-cu126"
+    #: The EPP Service that rendered InferencePools name in endpointPickerRef.
+    epp_service: str = "kvfleet-epp"
+    epp_port: int = 9002
+    #: ConfigMap (in the operator's namespace) listing InferencePools for the EPP.
+    pool_registry: str = "kvfleet-epp-pools"
+    #: Secret holding the transfer engine's shared key, when a pool names none.
+    transfer_secret: str = "kvfleet-transfer"
+    transfer_secret_key: str = "secret"
+    engine_port: int = 8000
+    kv_events_port: int = 5557
+    agent_metrics_port: int = 9091
+    transfer_port: int = 7000
+    #: Liveness endpoint of ``kvfleet operator`` (kopf's --liveness).
+    liveness_port: int = 8080
+    #: How often each KVCachePool's ready counts and conditions are refreshed.
+    status_interval_s: float = 10.0
+    #: Back-off of retried (transient) API errors.
+    retry_backoff_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("epp_port", "engine_port", "kv_events_port", "agent_metrics_port", "transfer_port", "liveness_port"):
+            port = getattr(self, name)
+            if not 1 <= port <= 65535:
+                raise ValueError(f"{name} must be a port number in 1..65535, got {port}")
+        if self.status_interval_s <= 0 or self.retry_backoff_s <= 0:
+            raise ValueError("status_interval_s and retry_backoff_s must be > 0")

@@ -1,0 +1,56 @@
+"""Settings of the node agent's transfer engine (prefill → decode KV blocks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """How blocks move between pods.
+
+    ``streams`` parallel TCP connections per transfer; ``window_blocks`` blocks
+    each stream may have in flight and unconsumed (flow control: a slow
+    receiver slows the sender); ``max_retries`` new sessions for the remaining
+    blocks after a broken stream before the transfer fails; ``backends`` the
+    backends this agent offers, best first (topology decides among those both
+    peers offer). The pool secret is read from ``secret_file`` (a mounted
+    Kubernetes Secret) or else the ``secret_env`` environment variable.
+    ``link_capacity_gbps`` is the configured link capacity (GB/s) that the
+    bandwidth-utilisation metric divides by.
+    """
+
+    listen_host: str = "127.0.0.1"
+    port: int = 0
+    streams: int = 4
+    window_blocks: int = 8
+    max_block_bytes: int = 64 << 20
+    max_retries: int = 3
+    connect_timeout_s: float = 5.0
+    stall_timeout_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    backends: tuple[str, ...] = ("shm", "tcp")
+    shm_dir: str = "/dev/shm"
+    host_id: str = ""
+    secret_file: str = ""
+    secret_env: str = "KVFLEET_TRANSFER_SECRET"
+    link_capacity_gbps: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.streams < 1:
+            raise ValueError(f"streams must be >= 1, got {self.streams}")
+        if self.window_blocks < 1:
+            raise ValueError(f"window_blocks must be >= 1, got {self.window_blocks}")
+        if self.max_block_bytes < 1:
+            raise ValueError(f"max_block_bytes must be >= 1, got {self.max_block_bytes}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("connect_timeout_s", "stall_timeout_s", "handshake_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        known = {"shm", "tcp", "mooncake", "nixl"}
+        unknown = [b for b in self.backends if b not in known]
+        if unknown:
+            raise ValueError(f"unknown backend(s) {unknown}; known: {sorted(known)}")

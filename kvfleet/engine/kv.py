@@ -1,0 +1,486 @@
+"""The simulator's KV cache: real, deterministic bytes per block, paged on a GPU stand-in, tiered below it.
+
+Layers (each only uses the one below):
+
+* :func:`project_block` — a block's KV bytes: a tiny fixed projection of its
+  token ids and its parent hash (``sin(token·a_j + slot·b_j + parent·c_j)`` as
+  fp16, ``values_per_token`` per token). The same tokens after the same prefix
+  always give the same bytes, so a transferred or tiered block is checked
+  byte-for-byte against a recomputation.
+* :class:`LocalTiers` — the slower tiers when no agent tier manager is wired
+  in: a host LRU (``cpu``) and a directory of block files (``ssd``) whose
+  header ``{magic, hash, parent, tokens, length, xxh64}`` lets a restarted
+  engine rescan, verify and re-announce what it had (corrupt files are dropped
+  and counted).
+* :class:`EngineKV` — the GPU stand-in: :class:`~kvfleet.cache.blocks.BlockManager`
+  (prefix cache by chained block hash, vLLM-style), a ``hash → bytes`` map of
+  what the GPU holds, demotion of reclaimed GPU blocks into the slower tiers,
+  promotion of slow-tier hits when the cost model says it pays, and the
+  digest of a sequence's KV from which the simulated model derives its output.
+
+Every store/remove on every tier is emitted as a KV event (``medium`` = tier).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from kvfleet.cache.blocks import BlockManager
+from kvfleet.cache.events import AnyEvent, BlockRemoved, BlockStored, EventSink, null_sink, removed, stored
+from kvfleet.cache.hashing import BlockHash, BlockHasher, ExtraKeys, as_tokens, to_int64
+from kvfleet.cache.tiers import Tier
+from kvfleet.config.cache import CacheSettings
+from kvfleet.config.engine import EngineProfile, EngineSettings, EngineTierSettings
+
+log = logging.getLogger(__name__)
+
+_GOLD = 0.6180339887498949
+
+
+def _coefficients(values_per_token: int) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    j = np.arange(1, values_per_token + 1, dtype=np.float64)
+    return (j * _GOLD) % 1.0 * 0.37 + 0.01, (j * 0.7548776662) % 1.0 * 1.3 + 0.1, (j * 0.5698402910) % 1.0 + 0.05
+
+
+def project_block(token_ids: Sequence[int] | npt.NDArray[Any], parent: BlockHash | None, values_per_token: int = 32) -> bytes:
+    """The simulated KV bytes of one block (fp16, ``len(token_ids) × values_per_token``)."""
+    a, b, c = _coefficients(values_per_token)
+    toks = as_tokens(token_ids).astype(np.float64)
+    slots = np.arange(len(toks), dtype=np.float64)
+    p = float(to_int64(parent) % 1_000_003) if parent is not None else 0.0
+    vals = np.sin(np.outer(toks, a) + np.outer(slots, b) + p * c)
+    return vals.astype(np.float16).tobytes()
+
+
+def output_token(digest: int, step: int) -> int:
+    """The simulated model's token at ``step`` for a KV digest: printable ASCII (lowercase or space)."""
+    x = xxhash.xxh3_64_intdigest(struct.pack("<QQ", digest & 0xFFFFFFFFFFFFFFFF, step))
+    r = x % 27
+    return 32 if r == 26 else 97 + r
+
+
+# -- slower tiers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlowBlock:
+    """A block held below the GPU: its bytes plus what a KV event needs to announce it."""
+
+    block_hash: BlockHash
+    parent: BlockHash | None
+    token_ids: tuple[int, ...]
+    data: bytes
+
+
+class SlowTiers(Protocol):
+    """What :class:`EngineKV` needs from the tiers below the GPU (the agent's tier manager fits this seam)."""
+
+    def put(self, block: SlowBlock) -> None:
+        """Take a block demoted from the GPU (may cascade further down or drop)."""
+        ...
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[Tier]:
+        """Tiers of the leading ``hashes`` present below the GPU (stops at the first miss)."""
+        ...
+
+    def get(self, block_hash: BlockHash) -> SlowBlock | None:
+        """Read a block (for promotion); ``None`` if it is gone."""
+        ...
+
+    def announce(self) -> None:
+        """Re-emit ``BlockStored`` for everything held (after a restart)."""
+        ...
+
+
+class NoTiers:
+    """No tier below the GPU: demoted blocks are dropped."""
+
+    def put(self, block: SlowBlock) -> None:
+        return None
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[Tier]:
+        return []
+
+    def get(self, block_hash: BlockHash) -> SlowBlock | None:
+        return None
+
+    def announce(self) -> None:
+        return None
+
+
+_MAGIC = b"KVFB1\x00"
+_HEADER = struct.Struct("<6sHHIQ")  # magic, hash_len, parent_len, n_tokens, data_len; then a trailing xxh64
+
+
+def _hash_bytes(h: BlockHash | None) -> bytes:
+    if h is None:
+        return b""
+    if isinstance(h, bytes):
+        return h
+    return b"\x00" + int(h).to_bytes(8, "big")
+
+
+def _hash_from(raw: bytes) -> BlockHash | None:
+    if not raw:
+        return None
+    if len(raw) == 9 and raw[0] == 0:
+        return int.from_bytes(raw[1:], "big")
+    return raw
+
+
+def _file_name(h: BlockHash) -> str:
+    return (h.hex() if isinstance(h, bytes) else f"{int(h):016x}") + ".kvb"
+
+
+def encode_block_file(block: SlowBlock) -> bytes:
+    """One SSD block file: header, hash, parent, token ids (uint32), data, xxh64 of all before it."""
+    hb, pb = _hash_bytes(block.block_hash), _hash_bytes(block.parent)
+    toks = np.asarray(block.token_ids, dtype="<u4").tobytes()
+    body = _HEADER.pack(_MAGIC, len(hb), len(pb), len(block.token_ids), len(block.data)) + hb + pb + toks + block.data
+    return body + xxhash.xxh64_digest(body)
+
+
+class CorruptBlockFileError(ValueError):
+    """A block file failed its header, length or checksum check."""
+
+
+def decode_block_file(raw: bytes) -> SlowBlock:
+    """Inverse of :func:`encode_block_file`; raises :class:`CorruptBlockFileError`."""
+    if len(raw) < _HEADER.size + 8:
+        raise CorruptBlockFileError("truncated header")
+    magic, hl, pl, nt, dl = _HEADER.unpack_from(raw)
+    if magic != _MAGIC:
+        raise CorruptBlockFileError("bad magic")
+    end = _HEADER.size + hl + pl + 4 * nt + dl
+    if len(raw) != end + 8:
+        raise CorruptBlockFileError(f"length {len(raw)} != {end + 8}")
+    if xxhash.xxh64_digest(raw[:end]) != raw[end:]:
+        raise CorruptBlockFileError("checksum mismatch")
+    off = _HEADER.size
+    h = _hash_from(raw[off : off + hl])
+    off += hl
+    parent = _hash_from(raw[off : off + pl])
+    off += pl
+    toks = tuple(np.frombuffer(raw[off : off + 4 * nt], dtype="<u4").tolist())
+    off += 4 * nt
+    if h is None:
+        raise CorruptBlockFileError("empty block hash")
+    return SlowBlock(block_hash=h, parent=parent, token_ids=toks, data=raw[off : off + dl])
+
+
+class LocalTiers:
+    """Host LRU (``cpu``) above a directory of block files (``ssd``); see the module doc.
+
+    A block lives in exactly one of them. ``put`` inserts into the CPU tier,
+    spilling its least recently used block to SSD, whose own overflow is
+    dropped. Reading a block for promotion leaves it where it is (the GPU copy
+    is announced by the GPU's own event).
+    """
+
+    def __init__(self, settings: EngineTierSettings, block_size: int, sink: EventSink = null_sink) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self.sink = sink
+        self.cpu: OrderedDict[BlockHash, SlowBlock] = OrderedDict()
+        self.ssd: OrderedDict[BlockHash, Path] = OrderedDict()
+        self.ssd_dir = Path(settings.ssd_dir) if settings.ssd_dir else None
+        self.corrupt_files = 0
+        self.recovered_blocks = 0
+        if self.ssd_dir is not None:
+            self.ssd_dir.mkdir(parents=True, exist_ok=True)
+            self._rescan()
+
+    def _rescan(self) -> None:
+        assert self.ssd_dir is not None
+        files = sorted(self.ssd_dir.glob("*.kvb"), key=lambda p: p.stat().st_mtime)
+        for path in files:
+            try:
+                block = decode_block_file(path.read_bytes())
+                if path.name != _file_name(block.block_hash):
+                    raise CorruptBlockFileError("file name does not match its block hash")
+            except (OSError, CorruptBlockFileError) as exc:
+                self.corrupt_files += 1
+                log.warning("ssd tier: dropping %s (%s)", path.name, exc)
+                path.unlink(missing_ok=True)
+                continue
+            self.ssd[block.block_hash] = path
+            self.recovered_blocks += 1
+        for path in self.ssd_dir.glob("*.tmp"):
+            path.unlink(missing_ok=True)
+
+    def announce(self) -> None:
+        if not self.ssd_dir:
+            return
+        for h in list(self.ssd):
+            block = self._read_ssd(h)
+            if block is not None:
+                self.sink(stored([h], block.parent, block.token_ids, self.block_size, Tier.SSD.medium))
+
+    def put(self, block: SlowBlock) -> None:
+        h = block.block_hash
+        if h in self.cpu:
+            self.cpu.move_to_end(h)
+            return
+        if h in self.ssd:
+            self.ssd.move_to_end(h)
+            return
+        if self.settings.cpu_blocks > 0:
+            self.cpu[h] = block
+            self.sink(stored([h], block.parent, block.token_ids, self.block_size, Tier.CPU.medium))
+            while len(self.cpu) > self.settings.cpu_blocks:
+                _, old = self.cpu.popitem(last=False)
+                self.sink(removed([old.block_hash], Tier.CPU.medium))
+                self._put_ssd(old)
+        else:
+            self._put_ssd(block)
+
+    def _put_ssd(self, block: SlowBlock) -> None:
+        if self.ssd_dir is None or self.settings.ssd_blocks == 0:
+            return
+        path = self.ssd_dir / _file_name(block.block_hash)
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_bytes(encode_block_file(block))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("ssd tier: cannot write %s (%s); block dropped", path.name, exc)
+            return
+        self.ssd[block.block_hash] = path
+        self.sink(stored([block.block_hash], block.parent, block.token_ids, self.block_size, Tier.SSD.medium))
+        while len(self.ssd) > self.settings.ssd_blocks:
+            old_h, old_path = self.ssd.popitem(last=False)
+            old_path.unlink(missing_ok=True)
+            self.sink(removed([old_h], Tier.SSD.medium))
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[Tier]:
+        out: list[Tier] = []
+        for h in hashes:
+            if h in self.cpu:
+                out.append(Tier.CPU)
+            elif h in self.ssd:
+                out.append(Tier.SSD)
+            else:
+                break
+        return out
+
+    def _read_ssd(self, h: BlockHash) -> SlowBlock | None:
+        path = self.ssd.get(h)
+        if path is None:
+            return None
+        try:
+            return decode_block_file(path.read_bytes())
+        except (OSError, CorruptBlockFileError) as exc:
+            self.corrupt_files += 1
+            log.warning("ssd tier: dropping unreadable %s (%s)", path.name, exc)
+            self.ssd.pop(h, None)
+            path.unlink(missing_ok=True)
+            self.sink(removed([h], Tier.SSD.medium))
+            return None
+
+    def get(self, block_hash: BlockHash) -> SlowBlock | None:
+        if block_hash in self.cpu:
+            self.cpu.move_to_end(block_hash)
+            return self.cpu[block_hash]
+        return self._read_ssd(block_hash)
+
+
+# -- the GPU stand-in -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What :meth:`EngineKV.admit` decided for a new sequence.
+
+    ``gpu_cached_tokens``: prefix already on the GPU; ``promoted``: blocks
+    loaded from slower tiers, per tier; ``promote_seconds``: their modelled
+    read cost; ``cached_tokens``: everything prefill can skip (what the
+    response reports as ``cached_tokens``); ``block_hashes``: the full blocks.
+    """
+
+    num_tokens: int
+    gpu_cached_tokens: int
+    cached_tokens: int
+    promoted: dict[str, int] = field(default_factory=dict)
+    promote_seconds: float = 0.0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+
+class EngineKV:
+    """Paged GPU stand-in with real bytes, demotion into :class:`SlowTiers`, cost-based promotion."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        cache: CacheSettings,
+        sink: EventSink = null_sink,
+        tiers: SlowTiers | None = None,
+    ) -> None:
+        self.settings = settings
+        self.profile: EngineProfile = settings.model_profile
+        self.block_size = cache.block_size
+        self.hasher = BlockHasher(block_size=cache.block_size, algo=cache.hash_algo, seed=cache.hash_seed)
+        self.values_per_token = settings.sim_kv_values_per_token
+        self.out_sink = sink
+        self.gpu_data: dict[BlockHash, SlowBlock] = {}
+        self.tiers: SlowTiers = tiers if tiers is not None else self._default_tiers()
+        self.blocks = BlockManager(settings.num_gpu_blocks, cache.block_size, self.hasher, sink=self._on_gpu_event)
+        self._incoming: dict[BlockHash, bytes] = {}
+        self.tier_hits: dict[str, int] = {t.value: 0 for t in Tier}
+        self.queries_tokens = 0
+        self.hit_tokens = 0
+        self.mismatched_blocks = 0
+
+    def _default_tiers(self) -> SlowTiers:
+        t = self.settings.tiers
+        if t.cpu_blocks == 0 and not t.ssd_dir:
+            return NoTiers()
+        return LocalTiers(t, self.block_size, sink=self.out_sink)
+
+    # -- event plumbing: GPU events keep gpu_data in step and demote reclaimed blocks ------------
+    def _on_gpu_event(self, event: AnyEvent) -> None:
+        if isinstance(event, BlockStored):
+            bs = event.block_size
+            parent = event.parent_block_hash
+            for i, h in enumerate(event.block_hashes):
+                toks = tuple(event.token_ids[i * bs : (i + 1) * bs])
+                data = self._incoming.pop(h, None)
+                if data is None:
+                    data = project_block(toks, parent, self.values_per_token)
+                self.gpu_data[h] = SlowBlock(h, parent, toks, data)
+                parent = h
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                block = self.gpu_data.pop(h, None)
+                if block is not None:
+                    self.out_sink(event if len(event.block_hashes) == 1 else removed([h], event.medium or Tier.GPU.medium))
+                    self.tiers.put(block)
+            return
+        else:
+            self.gpu_data.clear()
+        self.out_sink(event)
+
+    # -- cost model ---------------------------------------------------------------------------
+    def prefill_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.profile.prefill_tokens_per_s
+
+    def read_seconds(self, tier: Tier, num_blocks: int) -> float:
+        t = self.settings.tiers
+        gbps = t.cpu_read_gbps if tier is Tier.CPU else t.ssd_read_gbps
+        return num_blocks * self.block_size * self.profile.kv_bytes_per_token / (gbps * 1e9)
+
+    def promotion_pays(self, tier: Tier) -> bool:
+        """The seeds' rule: promote iff prefill of a block costs more than reading it (write to HBM ~free)."""
+        return self.prefill_seconds(self.block_size) > self.read_seconds(tier, 1)
+
+    # -- sequences ----------------------------------------------------------------------------
+    def lookup(self, token_ids: Sequence[int] | npt.NDArray[Any], extra_keys: ExtraKeys = None) -> int:
+        """Leading tokens cached on the GPU (no state change)."""
+        return self.blocks.num_cached_prefix_tokens(token_ids, extra_keys)
+
+    def admit(self, seq_id: Any, token_ids: npt.NDArray[np.uint32], extra_keys: ExtraKeys = None) -> Admission:
+        """Allocate a sequence: reuse the GPU prefix, promote slow-tier blocks that pay; raises OutOfBlocksError."""
+        hashes: list[BlockHash] = self.hasher.hash_tokens(token_ids, extra_keys=extra_keys).tolist()
+        gpu_blocks = 0
+        for h in hashes:
+            if h not in self.blocks.cached:
+                break
+            gpu_blocks += 1
+        slow = self.tiers.lookup(hashes[gpu_blocks:])
+        promoted: dict[str, int] = {}
+        seconds = 0.0
+        staged: list[BlockHash] = []
+        for i, tier in enumerate(slow):
+            if not self.promotion_pays(tier):
+                break
+            h = hashes[gpu_blocks + i]
+            block = self.tiers.get(h)
+            if block is None:
+                break
+            self._incoming[h] = block.data
+            staged.append(h)
+            promoted[tier.value] = promoted.get(tier.value, 0) + 1
+            seconds += self.read_seconds(tier, 1)
+        try:
+            alloc = self.blocks.allocate(seq_id, token_ids, extra_keys=extra_keys)
+        finally:
+            for h in staged:
+                self._incoming.pop(h, None)
+        for h in alloc.block_hashes:
+            data = self._incoming.pop(h, None)
+            if data is not None:  # arrived before admission, content already cached here
+                self.install(h, data)
+        gpu_cached = alloc.num_cached_tokens
+        n_promoted = sum(promoted.values())
+        cached = min(gpu_cached + n_promoted * self.block_size, len(token_ids))
+        self.queries_tokens += len(token_ids)
+        self.hit_tokens += cached
+        self.tier_hits[Tier.GPU.value] += gpu_cached // self.block_size
+        for k, v in promoted.items():
+            self.tier_hits[k] += v
+        return Admission(
+            num_tokens=len(token_ids),
+            gpu_cached_tokens=gpu_cached,
+            cached_tokens=cached,
+            promoted=promoted,
+            promote_seconds=seconds,
+            block_hashes=list(alloc.block_hashes),
+        )
+
+    def append(self, seq_id: Any, token_ids: Sequence[int]) -> None:
+        self.blocks.append_tokens(seq_id, token_ids)
+
+    def free(self, seq_id: Any) -> None:
+        self.blocks.free(seq_id)
+
+    def block(self, block_hash: BlockHash) -> SlowBlock | None:
+        """A block held on the GPU (for a transfer to a decode engine)."""
+        return self.gpu_data.get(block_hash)
+
+    def receive(self, block_hash: BlockHash, data: bytes) -> None:
+        """A block transferred from a prefill engine: install it, or stage it for when the sequence is admitted."""
+        if block_hash in self.gpu_data:
+            self.install(block_hash, data)
+        else:
+            if len(self._incoming) > 4 * self.settings.num_gpu_blocks:
+                self._incoming.clear()  # never grow without bound on stray blocks
+            self._incoming[block_hash] = data
+
+    def install(self, block_hash: BlockHash, data: bytes) -> bool:
+        """Overwrite a GPU block's bytes with received ones; ``False`` (and counted) if they differ from ours."""
+        held = self.gpu_data.get(block_hash)
+        if held is None:
+            return False
+        same = held.data == data
+        if not same:
+            self.mismatched_blocks += 1
+        self.gpu_data[block_hash] = SlowBlock(held.block_hash, held.parent, held.token_ids, data)
+        return same
+
+    def digest(self, token_ids: npt.NDArray[np.uint32], block_hashes: Sequence[BlockHash]) -> int:
+        """xxh3 over the KV bytes of the full blocks (as held on the GPU) and the tail tokens."""
+        h = xxhash.xxh3_64()
+        for bh in block_hashes:
+            block = self.gpu_data.get(bh)
+            h.update(block.data if block is not None else b"\xff" * 8)
+        tail = token_ids[len(block_hashes) * self.block_size :]
+        h.update(np.ascontiguousarray(tail, dtype="<u4").tobytes())
+        return h.intdigest()
+
+    @property
+    def usage(self) -> float:
+        return self.blocks.usage
+
+    def announce(self) -> None:
+        """Re-announce slow-tier blocks (called once at start-up after an SSD rescan)."""
+        self.tiers.announce()

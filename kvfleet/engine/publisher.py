@@ -1,0 +1,129 @@
+"""KV events over ZMQ, framed exactly as vLLM's ``ZmqEventPublisher`` frames them.
+
+* PUB socket (``tcp://HOST:kv_events_port``): each batch is three frames
+  ``[topic, seq (8-byte big-endian, from 0, +1 per batch), msgpack KVEventBatch]``.
+* ROUTER replay socket (``tcp://HOST:kv_events_replay_port``): a DEALER/REQ
+  peer sends ``[b"", start_seq]``; the publisher answers every buffered batch
+  with ``seq >= start_seq`` as ``[b"", topic, seq, payload]`` and ends with
+  ``[b"", b"", -1 (8-byte signed big-endian), b""]``. The last
+  ``buffer_steps`` batches are kept (vLLM's ``buffer_steps``).
+
+Sending runs on one thread that owns both sockets (ZMQ sockets are not
+thread-safe), fed by a queue: the engine's step loop only encodes and enqueues.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+
+import zmq
+
+from kvfleet.cache.events import KVEventBatch, encode_batch
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class PortInUseError(OSError):
+    """A ZMQ endpoint could not be bound (another process holds the port)."""
+
+
+class ZmqPublisher:
+    """PUB + replay ROUTER on one thread (see the module doc)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10000,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(1, buffer_steps))
+        self._seq = 0
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 100000)
+        self._router: zmq.Socket[bytes] | None = None
+        try:
+            self._pub.bind(endpoint)
+            if replay_endpoint:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._pub.close(0)
+            if self._router is not None:
+                self._router.close(0)
+            raise PortInUseError(f"cannot bind KV-event endpoint: {exc} ({endpoint}, {replay_endpoint})") from exc
+        self.published = 0
+        self.replayed = 0
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def publish(self, batch: KVEventBatch) -> None:
+        """Encode and queue a batch (never blocks on the network)."""
+        self._queue.put(encode_batch(batch))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self._pub.close(0)
+        if self._router is not None:
+            self._router.close(0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        if self._router is not None:
+            poller.register(self._router, zmq.POLLIN)
+        while True:
+            if self._router is not None and poller.poll(timeout=0):
+                self._serve_replay()
+            try:
+                payload = self._queue.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            if payload is None:
+                return
+            seq = self._seq
+            self._seq += 1
+            seq_bytes = seq.to_bytes(8, "big")
+            self._buffer.append((seq, payload))
+            try:
+                self._pub.send_multipart([self.topic, seq_bytes, payload], copy=False)
+                self.published += 1
+            except zmq.ZMQError as exc:  # pragma: no cover - socket closed under us
+                log.warning("kv events: send failed (%s)", exc)
+
+    def _serve_replay(self) -> None:
+        assert self._router is not None
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 3:
+                log.warning("kv events: malformed replay request (%d frames)", len(frames))
+                continue
+            ident, start_raw = frames[0], frames[-1]
+            try:
+                start = int.from_bytes(start_raw, "big")
+            except (TypeError, ValueError):
+                continue
+            for seq, payload in list(self._buffer):
+                if seq >= start:
+                    self._router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
+                    self.replayed += 1
+            self._router.send_multipart([ident, b"", b"", END_SEQ, b""])

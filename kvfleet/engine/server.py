@@ -1,0 +1,448 @@
+"""The simulator's OpenAI-compatible HTTP server (aiohttp).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
+``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM
+names, :mod:`kvfleet.engine.metrics`), and for P/D ``GET /kvfleet/v1/kv/{id}``
+(the KV blocks a prefill-only request kept, streamed as they are read).
+
+Prompts are token ids (``prompt`` as a list of ints) or text, tokenized with
+the byte-level tokenizer shared with the EPP (:mod:`kvfleet.cache.tokens`);
+chat ``messages`` are rendered with the shared default template, so the EPP's
+block keys equal the engine's. Every response carries
+``usage.prompt_tokens_details.cached_tokens`` and the header
+``x-kvfleet-pod`` (which pod served it).
+
+Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``:
+400 malformed JSON / bad fields / over the context limit, 404 unknown model,
+503 when the engine cannot take the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvfleet.cache.events import EventBuffer
+from kvfleet.cache.hashing import ExtraKeys
+from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat
+from kvfleet.config import Settings
+from kvfleet.engine.kv import EngineKV
+from kvfleet.engine.metrics import EngineMetrics
+from kvfleet.engine.pd import (
+    PREFILLER_HEADER,
+    HttpKVPuller,
+    KVPuller,
+    encode_block_frame,
+    request_remote_prefill,
+)
+from kvfleet.engine.publisher import ZmqPublisher
+from kvfleet.engine.scheduler import (
+    CapacityError,
+    FailEvent,
+    FinishEvent,
+    RemoteKV,
+    Request,
+    Scheduler,
+    SchedulerClosedError,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+POD_HEADER = "x-kvfleet-pod"
+HOLD_SECONDS = 60.0
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI error JSON; the subclass decides the status."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class NotFoundApiError(ApiError):
+    status = 404
+    kind = "not_found_error"
+
+
+class UnavailableApiError(ApiError):
+    status = 503
+    kind = "service_unavailable"
+
+
+def error_response(exc: ApiError) -> web.Response:
+    body = {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": exc.status}}
+    return web.json_response(body, status=exc.status)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated OpenAI request."""
+
+    chat: bool
+    token_ids: npt.NDArray[np.uint32]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    extra_keys: ExtraKeys
+    remote_decode: bool
+
+
+def salt_extra_keys(salt: str | None) -> ExtraKeys:
+    """vLLM's rule: the cache salt is an extra key of the first block only."""
+    return None if salt is None else [(salt,)]
+
+
+class EngineServer:
+    """One simulated model server: HTTP API, scheduler, KV cache, event publisher."""
+
+    def __init__(self, settings: Settings, puller: KVPuller | None = None) -> None:
+        self.settings = settings
+        self.es = settings.engine
+        self.events = EventBuffer()
+        self.kv = EngineKV(self.es, settings.cache, sink=self.events)
+        self.sched = Scheduler(self.kv, on_step=self.flush_events)
+        self.metrics = EngineMetrics(self.sched, self.kv, settings.cache)
+        self.tokenizer = ByteTokenizer()
+        self.publisher: ZmqPublisher | None = None
+        self.puller: KVPuller = puller or HttpKVPuller()
+        self._hold_deadline: dict[str, float] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self.created = int(time.time())
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/kvfleet/v1/kv/{request_id}", self.kv_blocks)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    def start_publisher(self) -> None:
+        """Bind the KV-event sockets (raises PortInUseError) and announce SSD blocks recovered at start."""
+        host = self.es.host
+        self.publisher = ZmqPublisher(
+            f"tcp://{host}:{self.es.kv_events_port}",
+            f"tcp://{host}:{self.es.kv_events_replay_port}" if self.es.kv_events_replay_port else None,
+            topic=self.es.kv_events_topic,
+            buffer_steps=self.es.replay_buffer_steps,
+        )
+        self.kv.announce()
+        self.flush_events()
+
+    async def _on_startup(self, app: web.Application) -> None:
+        self.sched.start()
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_holds())
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.sched.close()
+        await self.puller.close()
+        self.flush_events()
+        if self.publisher is not None:
+            self.publisher.close()
+
+    def flush_events(self) -> None:
+        batch = self.events.drain()
+        if batch is not None and self.publisher is not None:
+            self.publisher.publish(batch)
+
+    async def _sweep_holds(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for rid, deadline in list(self._hold_deadline.items()):
+                if deadline < now:
+                    self._hold_deadline.pop(rid, None)
+                    if self.sched.release(rid):
+                        log.warning("released KV of %s: no decode engine pulled it within %.0fs", rid, HOLD_SECONDS)
+
+    # -- parsing ------------------------------------------------------------------------------
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        try:
+            data = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ApiError("request body must be a JSON object")
+        return data
+
+    def _parse(self, data: Mapping[str, Any], chat: bool) -> ParsedRequest:
+        model = data.get("model", self.es.model)
+        if model != self.es.model:
+            raise NotFoundApiError(f"The model `{model}` does not exist.", param="model")
+        if chat:
+            try:
+                text = render_chat(data.get("messages"))
+            except ChatFormatError as exc:
+                raise ApiError(str(exc), param="messages") from None
+            ids = self.tokenizer.encode(text)
+        else:
+            ids = self._prompt_ids(data.get("prompt"))
+        max_tokens = data.get("max_completion_tokens", data.get("max_tokens", 16))
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ApiError("max_tokens must be a positive integer", param="max_tokens")
+        max_tokens = min(max_tokens, self.es.max_output_tokens)
+        limit = self.es.model_profile.max_model_len
+        if len(ids) + max_tokens > limit:
+            raise ApiError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion).",
+                param="prompt",
+            )
+        stream = data.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError("stream must be a boolean", param="stream")
+        opts = data.get("stream_options") or {}
+        include_usage = bool(opts.get("include_usage", True)) if isinstance(opts, dict) else True
+        salt = data.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ApiError("cache_salt must be a string", param="cache_salt")
+        ktp = data.get("kv_transfer_params")
+        remote_decode = isinstance(ktp, dict) and bool(ktp.get("do_remote_decode"))
+        return ParsedRequest(chat, ids, max_tokens, stream, include_usage, salt_extra_keys(salt), remote_decode)
+
+    def _prompt_ids(self, prompt: Any) -> npt.NDArray[np.uint32]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError("prompt must not be empty", param="prompt")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt:
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt):
+                raise ApiError("prompt token ids must be integers in [0, 2^32)", param="prompt")
+            return np.asarray(prompt, dtype=np.uint32)
+        raise ApiError("prompt must be a non-empty string or list of token ids", param="prompt")
+
+    # -- handlers -----------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "pod": self.es.pod_name, "role": self.es.role})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.es.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvfleet",
+            "root": self.es.model,
+            "max_model_len": self.es.model_profile.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            parsed = self._parse(await self._json(request), chat)
+            prefiller = request.headers.get(PREFILLER_HEADER, "").strip()
+            req = Request(
+                request_id=self.sched.new_id("chatcmpl" if chat else "cmpl"),
+                token_ids=parsed.token_ids,
+                max_tokens=1 if parsed.remote_decode else parsed.max_tokens,
+                extra_keys=parsed.extra_keys,
+                hold_blocks=parsed.remote_decode,
+            )
+            pull: asyncio.Task[None] | None = None
+            if prefiller and not parsed.remote_decode and self.es.role != "prefill":
+                pull = await self._start_remote_prefill(req, prefiller, parsed, request)
+            self.sched.submit(req)
+        except ApiError as exc:
+            return error_response(exc)
+        except CapacityError as exc:
+            return error_response(ApiError(str(exc), param="prompt"))
+        except SchedulerClosedError as exc:
+            return error_response(UnavailableApiError(str(exc)))
+        try:
+            if parsed.stream:
+                return await self._stream(request, req, parsed)
+            return await self._complete(req, parsed)
+        finally:
+            if pull is not None and not pull.done():
+                pull.cancel()
+
+    async def _start_remote_prefill(
+        self, req: Request, prefiller: str, parsed: ParsedRequest, request: web.Request
+    ) -> asyncio.Task[None]:
+        """P/D: have ``prefiller`` prefill the prompt, then pull its KV blocks while we wait to decode."""
+        try:
+            params = await request_remote_prefill(prefiller, self.es.model, parsed.token_ids, parsed.extra_keys)
+        except OSError as exc:
+            raise UnavailableApiError(f"prefill engine {prefiller} failed: {exc}") from None
+        remote = RemoteKV()
+        req.remote = remote
+
+        def on_block(block_hash: Any, data: bytes) -> None:
+            self.kv.receive(block_hash, data)
+            if not remote.first.is_set():
+                remote.first.set()
+
+        async def run() -> None:
+            try:
+                await self.puller.pull(prefiller, params, on_block)
+            except Exception as exc:  # any transfer failure fails this request, clearly
+                remote.error = UnavailableApiError(f"KV transfer from {prefiller} failed: {exc}")
+                log.warning("KV transfer from %s failed: %s", prefiller, exc)
+            finally:
+                remote.first.set()
+                remote.done.set()
+
+        return asyncio.get_running_loop().create_task(run())
+
+    async def _collect(self, req: Request) -> str:
+        while True:
+            ev = await req.events.get()
+            if isinstance(ev, FinishEvent):
+                return ev.reason
+            if isinstance(ev, FailEvent):
+                raise ev.error
+
+    def _usage(self, req: Request) -> dict[str, Any]:
+        n = len(req.token_ids)
+        return {
+            "prompt_tokens": n,
+            "completion_tokens": len(req.generated),
+            "total_tokens": n + len(req.generated),
+            "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+        }
+
+    def _headers(self, req: Request) -> dict[str, str]:
+        return {POD_HEADER: self.es.pod_name, "x-kvfleet-cached-tokens": str(req.cached_tokens)}
+
+    def _observe(self, req: Request) -> None:
+        now = time.monotonic()
+        if req.first_token_at is not None:
+            self.metrics.ttft.observe(req.first_token_at - req.arrival)
+        self.metrics.e2e.observe(now - req.arrival)
+
+    async def _complete(self, req: Request, parsed: ParsedRequest) -> web.Response:
+        try:
+            reason = await self._collect(req)
+        except ApiError as exc:
+            return error_response(exc)
+        except (CapacityError, SchedulerClosedError, RuntimeError) as exc:
+            return error_response(UnavailableApiError(str(exc)))
+        self._observe(req)
+        text = self.tokenizer.decode(req.generated)
+        body: dict[str, Any] = {"id": req.request_id, "created": int(time.time()), "model": self.es.model}
+        if parsed.chat:
+            body["object"] = "chat.completion"
+            body["choices"] = [
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
+            ]
+        else:
+            body["object"] = "text_completion"
+            body["choices"] = [
+                {"index": 0, "text": text, "token_ids": list(req.generated), "finish_reason": reason, "logprobs": None}
+            ]
+        body["usage"] = self._usage(req)
+        if parsed.remote_decode:
+            self._hold_deadline[req.request_id] = time.monotonic() + HOLD_SECONDS
+            body["kv_transfer_params"] = {
+                "remote_engine_id": self.es.pod_name,
+                "remote_request_id": req.request_id,
+                "remote_host": self.es.host,
+                "remote_port": self.es.port,
+                "num_blocks": len(req.block_hashes),
+            }
+        return web.json_response(body, headers=self._headers(req))
+
+    async def _stream(self, request: web.Request, req: Request, parsed: ParsedRequest) -> web.StreamResponse:
+        # Wait for the first event before committing to a 200, so early failures get a real status.
+        first = await req.events.get()
+        if isinstance(first, FailEvent):
+            err = first.error
+            return error_response(err if isinstance(err, ApiError) else UnavailableApiError(str(err)))
+        resp = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._headers(req)},
+        )
+        await resp.prepare(request)
+        created = int(time.time())
+        obj = "chat.completion.chunk" if parsed.chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            c: dict[str, Any] = {"id": req.request_id, "object": obj, "created": created, "model": self.es.model, "choices": choices}
+            if usage is not None:
+                c["usage"] = usage
+            return b"data: " + json.dumps(c).encode() + b"\n\n"
+
+        def piece(text: str, reason: str | None, first_piece: bool) -> dict[str, Any]:
+            if parsed.chat:
+                delta: dict[str, Any] = {"content": text}
+                if first_piece:
+                    delta["role"] = "assistant"
+                return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+
+        ev: TokenEvent | FinishEvent | FailEvent = first
+        n = 0
+        try:
+            while True:
+                if isinstance(ev, TokenEvent):
+                    await resp.write(chunk([piece(self.tokenizer.decode([ev.token_id]), None, n == 0)]))
+                    n += 1
+                elif isinstance(ev, FinishEvent):
+                    await resp.write(chunk([piece("", ev.reason, n == 0)]))
+                    break
+                else:
+                    fail = {"error": {"message": str(ev.error), "type": "service_unavailable", "param": None, "code": 503}}
+                    await resp.write(b"data: " + json.dumps(fail).encode() + b"\n\n")
+                    break
+                ev = await req.events.get()
+            if parsed.include_usage:
+                await resp.write(chunk([], self._usage(req)))
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        self._observe(req)
+        await resp.write_eof()
+        return resp
+
+    async def kv_blocks(self, request: web.Request) -> web.StreamResponse:
+        """Stream the full blocks a prefill-only request holds, in order, then release them."""
+        rid = request.match_info["request_id"]
+        held = self.sched.held.get(rid)
+        if held is None:
+            return error_response(NotFoundApiError(f"no KV held for request {rid!r}", param="request_id"))
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/octet-stream"})
+        await resp.prepare(request)
+        try:
+            for h in held.block_hashes:
+                block = self.kv.block(h)
+                if block is None:
+                    break
+                await resp.write(encode_block_frame(h, block.data))
+        finally:
+            self._hold_deadline.pop(rid, None)
+            self.sched.release(rid)
+        await resp.write_eof()
+        return resp

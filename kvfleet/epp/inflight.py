@@ -1,0 +1,104 @@
+"""The picker's own accounting of requests it routed: in flight per pod and per prefix, pending prefill work.
+
+A :class:`Ticket` is opened at the pick; :meth:`Ticket.first_byte` (response
+headers came back: the prefill is done) removes its predicted uncached tokens
+from the pod's pending work; :meth:`Ticket.close` (stream end) removes it from
+the in-flight counts. Both are idempotent. Tickets older than ``max_age_s``
+are reaped so a lost stream cannot pin a pod as busy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class _Load:
+    inflight: int = 0
+    pending_tokens: float = 0.0
+    pending_requests: int = 0
+
+
+class Ticket:
+    def __init__(self, tracker: InflightTracker, tid: int, pods: tuple[str, ...], prefix: int, tokens: float) -> None:
+        self.tracker, self.id, self.pods, self.prefix, self.tokens = tracker, tid, pods, prefix, tokens
+        self.started = tracker.clock()
+        self.pending = True
+        self.open = True
+
+    def first_byte(self) -> None:
+        self.tracker._first_byte(self)
+
+    def close(self) -> None:
+        self.tracker._close(self)
+
+
+class InflightTracker:
+    def __init__(self, max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.max_age_s = max_age_s
+        self._loads: dict[str, _Load] = defaultdict(_Load)
+        self._prefix: dict[tuple[str, int], int] = defaultdict(int)
+        self._tickets: dict[int, Ticket] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def open(self, pods: tuple[str, ...], prefix: int, predicted_uncached_tokens: float) -> Ticket:
+        t = Ticket(self, next(self._ids), pods, prefix, predicted_uncached_tokens)
+        with self._lock:
+            self._tickets[t.id] = t
+            for pod in pods:
+                load = self._loads[pod]
+                load.inflight += 1
+                load.pending_tokens += predicted_uncached_tokens
+                load.pending_requests += 1
+                self._prefix[(pod, prefix)] += 1
+        return t
+
+    def _first_byte(self, t: Ticket) -> None:
+        with self._lock:
+            if not t.pending:
+                return
+            t.pending = False
+            for pod in t.pods:
+                load = self._loads[pod]
+                load.pending_tokens = max(0.0, load.pending_tokens - t.tokens)
+                load.pending_requests = max(0, load.pending_requests - 1)
+
+    def _close(self, t: Ticket) -> None:
+        self._first_byte(t)
+        with self._lock:
+            if not t.open:
+                return
+            t.open = False
+            self._tickets.pop(t.id, None)
+            for pod in t.pods:
+                self._loads[pod].inflight = max(0, self._loads[pod].inflight - 1)
+                key = (pod, t.prefix)
+                self._prefix[key] -= 1
+                if self._prefix[key] <= 0:
+                    del self._prefix[key]
+
+    def reap(self) -> int:
+        cutoff = self.clock() - self.max_age_s
+        old = [t for t in list(self._tickets.values()) if t.started < cutoff]
+        for t in old:
+            t.close()
+        return len(old)
+
+    def load(self, pod: str) -> tuple[int, float, int]:
+        """(in flight, pending tokens, pending requests) of ``pod``."""
+        l = self._loads.get(pod)
+        return (0, 0.0, 0) if l is None else (l.inflight, l.pending_tokens, l.pending_requests)
+
+    def same_prefix(self, pod: str, prefix: int) -> int:
+        return self._prefix.get((pod, prefix), 0)
+
+    def forget(self, pod: str) -> None:
+        with self._lock:
+            self._loads.pop(pod, None)

@@ -1,0 +1,123 @@
+"""The picker's Prometheus metrics, all in one place (names are API; golden-tested).
+
+GIE-compatible names where GIE has one:
+
+* ``inference_model_request_total{model_name}`` — requests seen
+* ``inference_model_request_error_total{model_name,error_code}`` — requests answered with an error
+* ``inference_extension_scheduler_e2e_duration_seconds`` — time to pick (parse, key, route)
+* ``inference_pool_ready_pods{name}``, ``inference_pool_average_queue_size{name}``,
+  ``inference_pool_average_kv_cache_utilization{name}`` — per pool (from scraped metrics)
+
+kvfleet's own:
+
+* ``kvfleet_epp_prompt_tokens_total`` / ``kvfleet_epp_predicted_hit_tokens_total`` — their ratio is
+  the predicted prefix hit ratio
+* ``kvfleet_epp_engine_cached_tokens_total`` — ``usage.prompt_tokens_details.cached_tokens`` reported
+  by engines for requests the picker predicted
+* ``kvfleet_epp_misprediction_tokens_total{direction="over"|"under"}`` — |predicted − reported| hit
+  tokens, split by sign (router misprediction, seed 5.7)
+* ``kvfleet_epp_index_blocks``, ``kvfleet_epp_index_speculative_blocks`` — index size
+* ``kvfleet_epp_pod_inflight{pod}``, ``kvfleet_epp_pod_pending_tokens{pod}`` — the picker's load view
+* ``kvfleet_epp_kv_event_batches_total{pod}``, ``kvfleet_epp_kv_event_gaps_total{pod}``,
+  ``kvfleet_epp_kv_event_resyncs_total{pod}`` — the event feed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvfleet.epp.datastore import Pool
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.inflight import InflightTracker
+from kvfleet.epp.podmetrics import MetricsStore
+from kvfleet.epp.subscriber import FeedStats
+
+
+class _StateCollector(Collector):
+    def __init__(
+        self,
+        index: BlockIndex,
+        tracker: InflightTracker,
+        store: MetricsStore,
+        pools: Callable[[], Sequence[Pool]],
+        feeds: Callable[[], dict[str, FeedStats]],
+    ) -> None:
+        self.index, self.tracker, self.store, self.pools, self.feeds = index, tracker, store, pools, feeds
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily("kvfleet_epp_index_blocks", "Block keys in the global index", value=self.index.num_keys)
+        yield GaugeMetricFamily(
+            "kvfleet_epp_index_speculative_blocks", "Speculative (pick-based) index entries", value=self.index.num_speculative
+        )
+        inflight = GaugeMetricFamily("kvfleet_epp_pod_inflight", "Requests routed to the pod and not finished", labels=["pod"])
+        pending = GaugeMetricFamily(
+            "kvfleet_epp_pod_pending_tokens", "Predicted uncached tokens routed to the pod, first token not back", labels=["pod"]
+        )
+        ready = GaugeMetricFamily("inference_pool_ready_pods", "Ready pods per pool", labels=["name"])
+        queue = GaugeMetricFamily("inference_pool_average_queue_size", "Average waiting requests per pod", labels=["name"])
+        kv = GaugeMetricFamily("inference_pool_average_kv_cache_utilization", "Average KV-cache utilisation", labels=["name"])
+        for pool in self.pools():
+            ready.add_metric([pool.name], sum(1 for p in pool.pods if p.ready))
+            fresh = [m for m in (self.store.get(p.name) for p in pool.pods) if m is not None]
+            queue.add_metric([pool.name], sum(m.waiting for m in fresh) / len(fresh) if fresh else 0.0)
+            kv.add_metric([pool.name], sum(m.kv_usage for m in fresh) / len(fresh) if fresh else 0.0)
+            for p in pool.pods:
+                n, tokens, _ = self.tracker.load(p.name)
+                inflight.add_metric([p.name], n)
+                pending.add_metric([p.name], tokens)
+        yield from (inflight, pending, ready, queue, kv)
+        batches = CounterMetricFamily("kvfleet_epp_kv_event_batches", "KV-event batches applied", labels=["pod"])
+        gaps = CounterMetricFamily("kvfleet_epp_kv_event_gaps", "Sequence gaps seen", labels=["pod"])
+        resyncs = CounterMetricFamily("kvfleet_epp_kv_event_resyncs", "Full resyncs of a pod's blocks", labels=["pod"])
+        for pod, st in sorted(self.feeds().items()):
+            batches.add_metric([pod], st.batches)
+            gaps.add_metric([pod], st.gaps)
+            resyncs.add_metric([pod], st.resyncs)
+        yield from (batches, gaps, resyncs)
+
+
+class EppMetrics:
+    """Counters updated on the request path, plus a collector that reads the state at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("inference_model_request", "Requests seen by the picker", ["model_name"], registry=r)
+        self.errors = Counter(
+            "inference_model_request_error", "Requests answered with an error", ["model_name", "error_code"], registry=r
+        )
+        self.pick_seconds = Histogram(
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "Time to pick an endpoint (parse, tokenize, key, route)",
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+            registry=r,
+        )
+        self.prompt_tokens = Counter("kvfleet_epp_prompt_tokens", "Prompt tokens of routed requests", registry=r)
+        self.predicted_hit = Counter("kvfleet_epp_predicted_hit_tokens", "Prompt tokens predicted cached", registry=r)
+        self.engine_cached = Counter(
+            "kvfleet_epp_engine_cached_tokens", "Cached tokens reported by engines (usage.prompt_tokens_details)", registry=r
+        )
+        self.misprediction = Counter(
+            "kvfleet_epp_misprediction_tokens", "|predicted - reported| cached tokens", ["direction"], registry=r
+        )
+
+    def attach_state(
+        self,
+        index: BlockIndex,
+        tracker: InflightTracker,
+        store: MetricsStore,
+        pools: Callable[[], Sequence[Pool]],
+        feeds: Callable[[], dict[str, FeedStats]],
+    ) -> None:
+        self.registry.register(_StateCollector(index, tracker, store, pools, feeds))
+
+    def observe_cached(self, predicted: int, reported: int) -> None:
+        self.engine_cached.inc(reported)
+        if predicted > reported:
+            self.misprediction.labels("over").inc(predicted - reported)
+        elif reported > predicted:
+            self.misprediction.labels("under").inc(reported - predicted)

@@ -1,0 +1,124 @@
+"""Model-server metrics: scrape each pod's Prometheus endpoint for vLLM's load gauges.
+
+Names read (vLLM's): ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc`` (0..1; older vLLM: ``vllm:gpu_cache_usage_perc``),
+``vllm:cache_config_info`` (label ``block_size``, ``num_gpu_blocks``). Series
+with several label sets are summed (gauges) or the max taken (usage).
+
+Staleness: :meth:`MetricsStore.get` returns ``None`` for a pod whose last good
+scrape is older than ``staleness_s``; the scorers then fall back to the
+picker's own in-flight accounting, so a pod that stopped answering neither
+looks idle nor saturated forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PodMetrics:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    scraped_at: float = 0.0
+
+
+def parse_metrics(text: str, now: float) -> PodMetrics:
+    waiting = running = 0.0
+    usage = 0.0
+    block_size: int | None = None
+    blocks: int | None = None
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "vllm:num_requests_waiting":
+                waiting += s.value
+            elif s.name == "vllm:num_requests_running":
+                running += s.value
+            elif s.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+                usage = max(usage, s.value)
+            elif s.name == "vllm:cache_config_info":
+                if s.labels.get("block_size", "").isdigit():
+                    block_size = int(s.labels["block_size"])
+                if s.labels.get("num_gpu_blocks", "").isdigit():
+                    blocks = int(s.labels["num_gpu_blocks"])
+    return PodMetrics(waiting, running, min(max(usage, 0.0), 1.0), block_size, blocks, now)
+
+
+class MetricsStore:
+    """Latest metrics per pod, with a staleness threshold."""
+
+    def __init__(self, staleness_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.staleness_s = staleness_s
+        self.clock = clock
+        self._data: dict[str, PodMetrics] = {}
+        self.errors: dict[str, int] = {}
+
+    def put(self, pod: str, m: PodMetrics) -> None:
+        self._data[pod] = m
+
+    def get(self, pod: str) -> PodMetrics | None:
+        m = self._data.get(pod)
+        if m is None or self.clock() - m.scraped_at > self.staleness_s:
+            return None
+        return m
+
+    def forget(self, pod: str) -> None:
+        self._data.pop(pod, None)
+
+
+class MetricsScraper:
+    """Scrapes every known pod each ``interval_s`` (a small thread pool; timeouts ≤ interval)."""
+
+    def __init__(self, store: MetricsStore, interval_s: float = 0.5) -> None:
+        self.store = store
+        self.interval_s = interval_s
+        self._targets: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="scrape")
+        self._thread: threading.Thread | None = None
+
+    def set_target(self, pod: str, url: str | None) -> None:
+        if url:
+            self._targets[pod] = url
+        else:
+            self._targets.pop(pod, None)
+            self.store.forget(pod)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="metrics-scraper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def scrape_once(self) -> None:
+        list(self._pool.map(lambda kv: self._scrape(*kv), list(self._targets.items())))
+
+    def _scrape(self, pod: str, url: str) -> None:
+        try:
+            with urllib.request.urlopen(url, timeout=max(self.interval_s, 0.2)) as resp:
+                text = resp.read().decode("utf-8", errors="replace")
+            self.store.put(pod, parse_metrics(text, self.store.clock()))
+        except Exception as exc:  # any failure only makes the data go stale
+            self.store.errors[pod] = self.store.errors.get(pod, 0) + 1
+            log.debug("scrape of %s (%s) failed: %s", pod, url, exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.scrape_once()

@@ -1,0 +1,219 @@
+"""The wire side of the picker: OpenAI request bodies in, ext_proc responses out.
+
+Read path step 1: :func:`parse_request` turns ``(:path, body)`` into an
+:class:`InferenceRequest` or raises a typed :class:`~kvfleet.epp.errors.EppError`.
+The ``*_response`` builders produce the ``ProcessingResponse`` messages of the
+Gateway API Inference Extension endpoint-picker protocol:
+
+* the pick travels as the request header ``x-gateway-destination-endpoint`` **and**
+  as dynamic metadata ``envoy.lb`` → ``x-gateway-destination-endpoint`` (same value,
+  an ordered ``ip:port,ip:port`` list: the first is the pick, the rest fallbacks);
+* P/D pools add ``x-prefiller-host-port`` naming the prefill pod;
+* errors become an ImmediateResponse with a JSON body and the error's status.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from kvfleet.cache.tokens import ChatFormatError, render_chat
+from kvfleet.epp.errors import BadRequestError, BodyTooLargeError, EppError
+
+DEST_HEADER = "x-gateway-destination-endpoint"
+DEST_METADATA_NS = "envoy.lb"
+SUBSET_NS = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+PREFILLER_HEADER = "x-prefiller-host-port"
+#: Largest chunk of a streamed body mutation (Envoy's gRPC message limit is larger; GIE uses 62 kB).
+BODY_CHUNK = 62_000
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+API_PATHS = (COMPLETIONS, CHAT)
+
+
+@dataclass(frozen=True)
+class InferenceRequest:
+    """What routing needs from one OpenAI request.
+
+    Exactly one of ``prompt`` (text) and ``prompt_token_ids`` is set.
+    """
+
+    api: str = COMPLETIONS
+    model: str = ""
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    cache_salt: str | None = None
+    stream: bool = False
+
+
+def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceRequest:
+    """Parse an OpenAI completions/chat request; raises BadRequestError/BodyTooLargeError."""
+    api = path.split("?", 1)[0].rstrip("/")
+    if api not in API_PATHS:
+        raise BadRequestError(f"unknown API path {api!r}; known: {', '.join(API_PATHS)}")
+    if len(body) > max_body_bytes:
+        raise BodyTooLargeError(f"request body of {len(body)} bytes exceeds the limit of {max_body_bytes}")
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc.msg if hasattr(exc, 'msg') else exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequestError("request body must be a JSON object")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequestError("'model' must be a non-empty string")
+    salt = data.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequestError("'cache_salt' must be a string")
+    stream = bool(data.get("stream", False))
+    if api == CHAT:
+        try:
+            text = render_chat(data.get("messages"))
+        except ChatFormatError as exc:
+            raise BadRequestError(str(exc)) from None
+        return InferenceRequest(api=api, model=model, prompt=text, cache_salt=salt, stream=stream)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return InferenceRequest(api=api, model=model, prompt=prompt, cache_salt=salt, stream=stream)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt):
+        return InferenceRequest(api=api, model=model, prompt_token_ids=tuple(prompt), cache_salt=salt, stream=stream)
+    raise BadRequestError("'prompt' must be a string or a non-empty list of token ids")
+
+
+def cached_tokens_of(body: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of an OpenAI response (JSON or SSE), if present."""
+    text = body.decode("utf-8", errors="replace")
+    candidates = [text]
+    if text.lstrip().startswith("data:"):
+        candidates = [ln[5:].strip() for ln in text.splitlines() if ln.startswith("data:")]
+    for chunk in reversed(candidates):
+        try:
+            data = json.loads(chunk)
+        except json.JSONDecodeError:
+            continue
+        usage = data.get("usage") if isinstance(data, dict) else None
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            return int(details["cached_tokens"])
+    return None
+
+
+# --- ext_proc responses -------------------------------------------------------------------
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def destination_metadata(endpoints: str) -> struct_pb2.Struct:
+    meta = struct_pb2.Struct()
+    meta.get_or_create_struct(DEST_METADATA_NS)[DEST_HEADER] = endpoints
+    return meta
+
+
+def routing_headers(endpoints: Sequence[str], prefiller: str | None = None) -> list[tuple[str, str]]:
+    headers = [(DEST_HEADER, ",".join(endpoints))]
+    if prefiller:
+        headers.append((PREFILLER_HEADER, prefiller))
+    return headers
+
+
+def pick_headers_response(
+    headers: Sequence[tuple[str, str]], *, content_length: int | None = None, as_body: bool = False
+) -> pb.ProcessingResponse:
+    """The pick as a header mutation plus ``envoy.lb`` metadata.
+
+    ``as_body`` puts the mutation in a BodyResponse (BUFFERED mode answers the
+    headers message first, empty, and routes with the body answer).
+    """
+    set_headers = [_header(k, v) for k, v in headers]
+    if content_length is not None:
+        set_headers.append(_header("content-length", str(content_length)))
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
+    meta = destination_metadata(dict(headers)[DEST_HEADER])
+    if as_body:
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=meta)
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)
+
+
+def empty_request_headers_response() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+
+def empty_response_headers_response() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+
+
+def streamed_body_responses(body: bytes, *, request: bool = True) -> list[pb.ProcessingResponse]:
+    """FULL_DUPLEX_STREAMED: hand the (whole) body back to Envoy in chunks, last one ending the stream."""
+    chunks = [body[i : i + BODY_CHUNK] for i in range(0, len(body), BODY_CHUNK)] or [b""]
+    out: list[pb.ProcessingResponse] = []
+    for i, chunk in enumerate(chunks):
+        mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=i == len(chunks) - 1))
+        resp = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+        out.append(pb.ProcessingResponse(request_body=resp) if request else pb.ProcessingResponse(response_body=resp))
+    return out
+
+
+def passthrough_body_response(chunk: bytes, end_of_stream: bool, *, request: bool) -> pb.ProcessingResponse:
+    mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream))
+    resp = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+    return pb.ProcessingResponse(request_body=resp) if request else pb.ProcessingResponse(response_body=resp)
+
+
+def buffered_body_ack(*, request: bool) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_body=pb.BodyResponse()) if request else pb.ProcessingResponse(response_body=pb.BodyResponse())
+
+
+def error_body(error: EppError) -> bytes:
+    return json.dumps({"error": {"code": error.status, "type": error.kind, "message": str(error)}}).encode()
+
+
+def immediate_response(error: EppError) -> pb.ProcessingResponse:
+    """An ImmediateResponse with the error's HTTP status and a JSON body."""
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=error.status),  # type: ignore[arg-type]
+            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+            body=error_body(error),
+            details=error.kind,
+        )
+    )
+
+
+def header_map(headers: Any) -> dict[str, str]:
+    """Envoy's HeaderMap (``value`` or ``raw_value``) as a plain lower-case dict."""
+    out: dict[str, str] = {}
+    for h in headers.headers:
+        out[h.key.lower()] = h.value if h.value else h.raw_value.decode("utf-8", errors="replace")
+    return out
+
+
+def subset_hint(metadata_context: Any) -> list[str] | None:
+    """Endpoints allowed by ``envoy.lb.subset_hint`` → ``x-gateway-destination-endpoint-subset``, if any."""
+    fm: Mapping[str, Any] = metadata_context.filter_metadata
+    if SUBSET_NS not in fm:
+        return None
+    value = fm[SUBSET_NS].fields.get(SUBSET_KEY)
+    if value is None:
+        return None
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return [v.string_value for v in value.list_value.values if v.string_value]
+    if kind == "string_value":
+        return [s.strip() for s in value.string_value.split(",") if s.strip()]
+    return None

@@ -1,0 +1,184 @@
+"""The read path: a parsed request → block keys → pool (level 1) → pod(s) (level 2).
+
+1. tokenize (byte-level or HF) and key the prompt's full blocks with the core's
+   chained hash (``cache_salt`` is the extra key of block 0, as in vLLM);
+2. level 1: rank the pools serving the model by weighted rendezvous hashing of
+   the first ``prefix_shard_blocks`` keys; spill to the next pool while the
+   ranked one is saturated (every ready pod waits ≥ ``pool_saturation_queue``);
+3. level 2: look the keys up in the global index, build one candidate per pod
+   and run the scheduling profile; P/D pools pick a decode pod, and a prefill
+   pod only when the uncached part is at least ``pd_min_uncached_tokens``;
+4. record the pick: a speculative index entry on the chosen pod(s) and an
+   in-flight ticket (load, hot-spot decay, pending prefill work).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
+from kvfleet.cache.tiers import Tier
+from kvfleet.config.cache import CacheSettings
+from kvfleet.config.epp import CostModelSettings, EppSettings
+from kvfleet.epp.datastore import Datastore, Pod, Pool
+from kvfleet.epp.errors import NoEndpointError, SheddingError, UnknownModelError
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.inflight import InflightTracker, Ticket
+from kvfleet.epp.podmetrics import MetricsStore
+from kvfleet.epp.protocol import InferenceRequest
+from kvfleet.epp.scheduling import Candidate, Profile, SchedulingRequest, rendezvous_rank
+from kvfleet.epp.scheduling.plugins import waiting_of
+from kvfleet.epp.tokenize import Tokenizer
+
+
+def tier_weights(cost: CostModelSettings) -> list[float]:
+    """weight(tier) = max(0, 1 − load_s_per_token / prefill_s_per_token), by ``Tier.rank``."""
+    prefill = 1.0 / cost.prefill_tokens_per_s
+    gbps = {Tier.CPU: cost.cpu_gbps, Tier.SSD: cost.ssd_gbps, Tier.REMOTE: cost.remote_gbps}
+    out = [1.0] * len(Tier)
+    for tier, bw in gbps.items():
+        load = cost.kv_bytes_per_token / (bw * 1e9)
+        out[tier.rank] = max(0.0, 1.0 - load / prefill)
+    return out
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The routing result: ``endpoints`` (pick first, then fallbacks), optional prefill pod."""
+
+    endpoints: tuple[str, ...] = ()
+    pod: str = ""
+    pool: str = ""
+    prefiller: str | None = None
+    num_tokens: int = 0
+    predicted_hit_tokens: int = 0
+    scores: tuple[float, ...] = ()
+    ticket: Ticket | None = field(default=None, compare=False)
+
+
+class Router:
+    """Routes requests over a datastore with a block index, metrics and the picker's own accounting."""
+
+    def __init__(
+        self,
+        settings: EppSettings,
+        cache: CacheSettings,
+        datastore: Datastore,
+        index: BlockIndex,
+        metrics: MetricsStore,
+        tokenizer: Tokenizer,
+        tracker: InflightTracker | None = None,
+    ) -> None:
+        self.settings = settings
+        self.hasher = BlockHasher(cache.block_size, cache.hash_algo, cache.hash_seed)
+        self.datastore = datastore
+        self.index = index
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.tracker = tracker or InflightTracker()
+        self.profile = Profile(settings.plugins)
+        self.tier_weights = tier_weights(settings.cost)
+        self.prefill_s_per_token = 1.0 / settings.cost.prefill_tokens_per_s
+        self._lock = threading.Lock()
+
+    def tokens_of(self, req: InferenceRequest) -> np.ndarray:
+        if req.prompt_token_ids is not None:
+            return np.asarray(req.prompt_token_ids, dtype=np.uint32)
+        return self.tokenizer.encode(req.prompt or "")
+
+    def keys_of(self, tokens: np.ndarray, cache_salt: str | None) -> list[int]:
+        extra = [cache_salt] if cache_salt else None
+        return hashes_as_ints(self.hasher.hash_tokens(tokens, extra_keys=extra))
+
+    def route(self, req: InferenceRequest, subset: Sequence[str] | None = None) -> Decision:
+        pools = [p for p in self.datastore.pools() if req.model in p.models]
+        if not pools:
+            raise UnknownModelError(f"no pool serves model {req.model!r}")
+        tokens = self.tokens_of(req)
+        keys = self.keys_of(tokens, req.cache_salt)
+        k = min(self.settings.prefix_shard_blocks, len(keys))
+        shard = keys[k - 1] if k else xxhash.xxh3_64_intdigest(tokens.tobytes())
+        sreq = SchedulingRequest(
+            num_tokens=len(tokens),
+            block_size=self.hasher.block_size,
+            prefill_s_per_token=self.prefill_s_per_token,
+            hotspot_beta=self.settings.hotspot_beta,
+        )
+        allowed = set(subset) if subset is not None else None
+        chosen: tuple[Pool, list[Pod]] | None = None
+        for pool in rendezvous_rank(shard, pools):
+            pods = [p for p in pool.pods if p.ready and (allowed is None or p.endpoint in allowed)]
+            if not pods:
+                continue
+            if chosen is None:
+                chosen = (pool, pods)
+            if min(self._waiting(p) for p in pods) < self.settings.pool_saturation_queue:
+                chosen = (pool, pods)
+                break
+        if chosen is None:
+            raise NoEndpointError(f"no ready endpoint for model {req.model!r}")
+        pool, pods = chosen
+        disagg = pool.disaggregated
+        serving = [p for p in pods if p.role in ("both", "decode")] if disagg else pods
+        with self._lock:
+            cands = self._candidates(serving, keys, shard)
+            if self.settings.shed_queue > 0 and all(waiting_of(c) >= self.settings.shed_queue for c in cands):
+                raise SheddingError(f"every pod of pool {pool.name!r} is above the shedding threshold")
+            ranked = self.profile.run(sreq, cands)
+            if not ranked.pods:
+                raise NoEndpointError(f"no endpoint of pool {pool.name!r} passed the filters")
+            best = ranked.pods[0]
+            hit_tokens = min(len(tokens), best.hit_blocks * self.hasher.block_size)
+            uncached = len(tokens) - hit_tokens
+            prefiller: Pod | None = None
+            if disagg and uncached >= self.settings.pd_min_uncached_tokens:
+                pre = [p for p in pods if p.role in ("both", "prefill") and p.name != best.name]
+                if pre:
+                    pranked = self.profile.run(sreq, self._candidates(pre, keys, shard))
+                    if pranked.pods:
+                        prefiller = pranked.pods[0].pod
+            picked = (best.name,) if prefiller is None else (best.name, prefiller.name)
+            ticket = self.tracker.open(picked, shard, float(uncached))
+            ttl = self.settings.speculative_ttl_s if self.settings.events_enabled else self.settings.approximate_ttl_s
+            for name in picked:
+                self.index.add_speculative(name, keys, ttl)
+        return Decision(
+            endpoints=tuple(c.pod.endpoint for c in ranked.pods),
+            pod=best.name,
+            pool=pool.name,
+            prefiller=None if prefiller is None else prefiller.endpoint,
+            num_tokens=len(tokens),
+            predicted_hit_tokens=hit_tokens,
+            scores=ranked.scores,
+            ticket=ticket,
+        )
+
+    def _waiting(self, pod: Pod) -> float:
+        m = self.metrics.get(pod.name)
+        _, _, pending = self.tracker.load(pod.name)
+        return max(m.waiting, pending) if m is not None else float(pending)
+
+    def _candidates(self, pods: Sequence[Pod], keys: Sequence[int], shard: int) -> list[Candidate]:
+        matches = self.index.match(keys, [p.name for p in pods], self.tier_weights)
+        out = []
+        for p in pods:
+            m = matches.get(p.name)
+            inflight, pending_tokens, pending_requests = self.tracker.load(p.name)
+            out.append(
+                Candidate(
+                    pod=p,
+                    hit_blocks=m.blocks if m else 0,
+                    hit_weighted=m.weighted if m else 0.0,
+                    inflight=inflight,
+                    same_prefix=self.tracker.same_prefix(p.name, shard),
+                    pending_tokens=pending_tokens,
+                    pending_requests=pending_requests,
+                    metrics=self.metrics.get(p.name),
+                )
+            )
+        return out

@@ -1,0 +1,105 @@
+"""The plugin framework: what filters, scorers and pickers see, and the name → factory registry.
+
+A scheduling cycle gets one :class:`SchedulingRequest` and the candidate pods
+(:class:`Candidate`, everything the picker knows about one pod for this
+request). Filters drop candidates, scorers return one number per candidate
+(multiplied by the plugin's weight and summed), the picker orders the
+survivors (the first is the pick, the rest are fallbacks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvfleet.epp.datastore import Pod
+from kvfleet.epp.errors import UnknownPluginError
+from kvfleet.epp.podmetrics import PodMetrics
+
+
+@dataclass(frozen=True)
+class SchedulingRequest:
+    """The request as scheduling sees it (tokens already keyed)."""
+
+    num_tokens: int = 0
+    block_size: int = 16
+    prefill_s_per_token: float = 1e-4
+    hotspot_beta: float = 0.1
+
+    @property
+    def prefill_s(self) -> float:
+        return self.num_tokens * self.prefill_s_per_token
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One pod for one request.
+
+    ``hit_blocks``/``hit_weighted``: prefix blocks the pod holds (tier-weighted sum).
+    ``inflight``: the picker's requests on the pod not yet finished;
+    ``same_prefix``: those sharing this request's prefix shard;
+    ``pending_tokens``/``pending_requests``: predicted uncached tokens (and requests)
+    routed there whose first token has not come back yet (queued prefill work);
+    ``metrics``: fresh model-server metrics, or ``None`` when stale/absent.
+    """
+
+    pod: Pod
+    hit_blocks: int = 0
+    hit_weighted: float = 0.0
+    inflight: int = 0
+    same_prefix: int = 0
+    pending_tokens: float = 0.0
+    pending_requests: int = 0
+    metrics: PodMetrics | None = None
+
+    @property
+    def name(self) -> str:
+        return self.pod.name
+
+
+class Filter(Protocol):
+    def filter(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[Candidate]: ...
+
+
+class Scorer(Protocol):
+    def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]: ...
+
+
+class Picker(Protocol):
+    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]: ...
+
+
+Plugin = Filter | Scorer | Picker
+Factory = Callable[[Mapping[str, float]], Plugin]
+
+
+@dataclass(frozen=True)
+class Registration:
+    kind: str
+    factory: Factory
+    doc: str
+
+
+REGISTRY: dict[str, Registration] = {}
+
+
+def register(name: str, kind: str) -> Callable[[type], type]:
+    """Class decorator: ``@register("queue-scorer", "scorer")``; the class docstring is its contract."""
+
+    def deco(cls: type) -> type:
+        REGISTRY[name] = Registration(kind, cls, (cls.__doc__ or "").strip())
+        return cls
+
+    return deco
+
+
+def create(name: str, params: Mapping[str, float]) -> tuple[str, Plugin]:
+    """Instantiate a registered plugin; unknown names raise :class:`UnknownPluginError` listing the known ones."""
+    reg = REGISTRY.get(name)
+    if reg is None:
+        raise UnknownPluginError(f"unknown scheduling plugin {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    try:
+        return reg.kind, reg.factory(params)
+    except TypeError as exc:
+        raise UnknownPluginError(f"plugin {name!r}: bad params {dict(params)}: {exc}") from None

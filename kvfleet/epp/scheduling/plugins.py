@@ -1,0 +1,136 @@
+"""The built-in filters, scorers and pickers. Each docstring is the plugin's contract and formula.
+
+Scorers are in **seconds** (of prefill saved or of queueing suffered) so that
+the profile's weighted sum is the cost model's TTFT estimate with its sign
+flipped: with weights 1, ``score = hit_s − queue_s − w_kv·kv``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+from kvfleet.epp.scheduling.framework import Candidate, SchedulingRequest, register
+
+
+@register("ready-filter", "filter")
+class ReadyFilter:
+    """Keeps pods marked ready by the datastore."""
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        pass
+
+    def filter(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[Candidate]:
+        return [c for c in cands if c.pod.ready]
+
+
+@register("saturation-filter", "filter")
+class SaturationFilter:
+    """Drops pods with ``waiting ≥ max_waiting`` (fresh metrics, else the picker's pending requests);
+    keeps all when every pod is saturated (the pool-level spill and shedding decide then)."""
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        self.max_waiting = float(params.get("max_waiting", 32))
+
+    def filter(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[Candidate]:
+        kept = [c for c in cands if waiting_of(c) < self.max_waiting]
+        return kept or list(cands)
+
+
+def waiting_of(c: Candidate) -> float:
+    return max(c.metrics.waiting, c.pending_requests) if c.metrics is not None else float(c.pending_requests)
+
+
+@register("prefix-cache-scorer", "scorer")
+class PrefixCacheScorer:
+    """Prefill seconds the pod's cached prefix saves, damped on hot spots.
+
+    ``hit_s = hit_weighted · block_size · prefill_s_per_token · 1 / (1 + β · same_prefix)``
+    where ``hit_weighted = Σ over matched prefix blocks of weight(tier)`` and
+    ``weight(tier) = max(0, 1 − load_s_per_token(tier) / prefill_s_per_token)``
+    (a CPU/SSD hit is worth what it saves after its load cost), ``same_prefix``
+    the in-flight requests already sent to the pod for this prefix (seed 5.4:
+    without it every same-prefix request piles onto one pod), ``β`` = hotspot_beta.
+    Equals ``tier-weighted hit fraction · decay · prefill_s(request)``.
+    """
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        self.beta = params.get("beta")
+
+    def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        beta = req.hotspot_beta if self.beta is None else float(self.beta)
+        unit = req.block_size * req.prefill_s_per_token
+        return [c.hit_weighted * unit / (1.0 + beta * c.same_prefix) for c in cands]
+
+
+@register("queue-scorer", "scorer")
+class QueueScorer:
+    """Minus the seconds of prefill queued on the pod ahead of this request.
+
+    ``queue_s = pending_tokens · prefill_s_per_token + max(0, waiting − pending_requests) · prefill_s(request)``
+    where ``pending_tokens`` are the predicted uncached tokens of the picker's own
+    requests not yet answered, and ``waiting`` (fresh metrics only) adds requests
+    the picker did not route, each assumed as long as this one.
+    """
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        pass
+
+    def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        out = []
+        for c in cands:
+            q = c.pending_tokens * req.prefill_s_per_token
+            if c.metrics is not None:
+                q += max(0.0, c.metrics.waiting - c.pending_requests) * req.prefill_s
+            out.append(-q)
+        return out
+
+
+@register("kv-cache-utilization-scorer", "scorer")
+class KVUtilizationScorer:
+    """Minus the pod's KV-cache utilisation (``vllm:kv_cache_usage_perc``, 0..1; 0 when stale)."""
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        pass
+
+    def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        return [-(c.metrics.kv_usage if c.metrics is not None else 0.0) for c in cands]
+
+
+@register("least-inflight-scorer", "scorer")
+class LeastInflightScorer:
+    """Minus the picker's in-flight requests on the pod (least-load routing on its own)."""
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        pass
+
+    def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        return [-float(c.inflight) for c in cands]
+
+
+@register("max-score-picker", "picker")
+class MaxScorePicker:
+    """Highest total score first; ties go to fewer in-flight requests, then at random.
+    Returns the pick plus up to ``fallbacks`` next-best pods."""
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        self.fallbacks = int(params.get("fallbacks", 2))
+        self._rng = random.Random(int(params.get("seed", 0)))
+
+    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
+        order = sorted(range(len(cands)), key=lambda i: (-round(scores[i], 9), cands[i].inflight, self._rng.random()))
+        return [cands[i] for i in order[: 1 + self.fallbacks]]
+
+
+@register("random-picker", "picker")
+class RandomPicker:
+    """A uniformly random order (baseline); ``fallbacks`` as for max-score-picker."""
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        self.fallbacks = int(params.get("fallbacks", 2))
+        self._rng = random.Random(int(params.get("seed", 0)))
+
+    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
+        order = list(cands)
+        self._rng.shuffle(order)
+        return order[: 1 + self.fallbacks]

@@ -1,0 +1,56 @@
+"""A scheduling profile: the configured filters, weighted scorers and one picker, run as one cycle."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvfleet.config.epp import PluginSpec
+from kvfleet.epp.errors import UnknownPluginError
+from kvfleet.epp.scheduling import plugins as _builtin  # noqa: F401  (registers the built-ins)
+from kvfleet.epp.scheduling.framework import Candidate, Filter, Picker, SchedulingRequest, Scorer, create
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """The picker's order with each pod's total score (same order)."""
+
+    pods: tuple[Candidate, ...]
+    scores: tuple[float, ...]
+
+
+class Profile:
+    """``filters → Σ weight·scorer → picker``, built from :class:`~kvfleet.config.epp.PluginSpec` s."""
+
+    def __init__(self, specs: Sequence[PluginSpec]) -> None:
+        self.filters: list[Filter] = []
+        self.scorers: list[tuple[float, Scorer]] = []
+        picker: Picker | None = None
+        for spec in specs:
+            kind, plugin = create(spec.type, spec.params)
+            if kind == "filter":
+                self.filters.append(plugin)  # type: ignore[arg-type]
+            elif kind == "scorer":
+                self.scorers.append((spec.weight, plugin))  # type: ignore[arg-type]
+            else:
+                if picker is not None:
+                    raise UnknownPluginError("a profile takes exactly one picker")
+                picker = plugin  # type: ignore[assignment]
+        if picker is None:
+            _, picker = create("max-score-picker", {})  # type: ignore[assignment]
+        assert picker is not None
+        self.picker: Picker = picker
+
+    def run(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> Ranked:
+        alive = list(cands)
+        for f in self.filters:
+            alive = f.filter(req, alive)
+            if not alive:
+                return Ranked((), ())
+        totals = [0.0] * len(alive)
+        for weight, scorer in self.scorers:
+            for i, s in enumerate(scorer.score(req, alive)):
+                totals[i] += weight * s
+        order = self.picker.pick(req, alive, totals)
+        pos = {id(c): i for i, c in enumerate(alive)}
+        return Ranked(tuple(order), tuple(totals[pos[id(c)]] for c in order))

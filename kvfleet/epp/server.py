@@ -1,0 +1,192 @@
+"""The ext_proc gRPC service (``envoy.service.ext_proc.v3.ExternalProcessor``) and gRPC health.
+
+One bidirectional stream per HTTP request. The body mode comes from the
+stream's first message (``protocol_config``), so one server serves Envoy
+listeners configured either way:
+
+* BUFFERED: answer the headers message with an empty HeadersResponse, then the
+  whole body arrives at once and the BodyResponse carries the header mutation
+  and the ``envoy.lb`` metadata;
+* FULL_DUPLEX_STREAMED (GIE's reference config): hold the headers answer until
+  the body is complete, then send the HeadersResponse with the pick and hand
+  the body back in streamed chunks.
+
+Response headers mark the prefill as done (pending work off the pod); a
+response body is passed through and its ``usage.prompt_tokens_details.cached_tokens``
+is compared with the predicted hit (misprediction metrics). Every error ends
+in an ImmediateResponse with a JSON body; the stream always ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from kvfleet.epp import protocol
+from kvfleet.epp.errors import BadRequestError, BodyTooLargeError, EppError
+from kvfleet.epp.metrics import EppMetrics
+from kvfleet.epp.router import Decision, Router
+
+log = logging.getLogger(__name__)
+_Mode = processing_mode_pb2.ProcessingMode
+_MAX_RESPONSE_CAPTURE = 1 << 20
+
+
+class _Stream:
+    """Per-request state of one ext_proc stream."""
+
+    def __init__(self, request_mode: int) -> None:
+        self.request_mode = request_mode
+        self.response_mode = _Mode.NONE
+        self.path = ""
+        self.body = bytearray()
+        self.decision: Decision | None = None
+        self.model = ""
+        self.subset: list[str] | None = None
+        self.response = bytearray()
+        self.routed = False
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, router: Router, metrics: EppMetrics, max_body_bytes: int, default_mode: str = "FULL_DUPLEX_STREAMED") -> None:
+        self.router = router
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.default_mode = _Mode.BodySendMode.Value(default_mode)
+
+    def Process(self, request_iterator: Iterator[pb.ProcessingRequest], context: Any) -> Iterator[pb.ProcessingResponse]:
+        st: _Stream | None = None
+        try:
+            for msg in request_iterator:
+                if st is None:
+                    mode = self.default_mode
+                    if msg.HasField("protocol_config"):
+                        mode = msg.protocol_config.request_body_mode
+                    st = _Stream(mode)
+                    if msg.HasField("protocol_config"):
+                        st.response_mode = msg.protocol_config.response_body_mode
+                    if msg.HasField("metadata_context"):
+                        st.subset = protocol.subset_hint(msg.metadata_context)
+                out = self._handle(st, msg)
+                yield from out
+                if out and out[-1].HasField("immediate_response"):
+                    return
+        finally:
+            if st is not None and st.decision is not None and st.decision.ticket is not None:
+                st.decision.ticket.close()
+
+    # --- one message ------------------------------------------------------------------
+    def _handle(self, st: _Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        kind = msg.WhichOneof("request")
+        try:
+            if kind == "request_headers":
+                return self._request_headers(st, msg.request_headers)
+            if kind == "request_body":
+                return self._request_body(st, msg.request_body)
+            if kind == "request_trailers":
+                out = [] if st.routed else self._route(st)
+                if out and out[-1].HasField("immediate_response"):
+                    return out
+                return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+            if kind == "response_headers":
+                if st.decision is not None and st.decision.ticket is not None:
+                    st.decision.ticket.first_byte()
+                return [protocol.empty_response_headers_response()]
+            if kind == "response_body":
+                return self._response_body(st, msg.response_body)
+            if kind == "response_trailers":
+                return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        except EppError as exc:
+            return [self._error(st, exc)]
+        except Exception:
+            log.exception("ext_proc: unexpected failure")
+            return [self._error(st, EppError("internal error in the endpoint picker"))]
+        return []
+
+    def _request_headers(self, st: _Stream, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        hm = protocol.header_map(headers.headers)
+        st.path = hm.get(":path", "")
+        api = st.path.split("?", 1)[0].rstrip("/")
+        if api not in protocol.API_PATHS:
+            raise BadRequestError(f"unknown API path {api!r}; known: {', '.join(protocol.API_PATHS)}")
+        cl = hm.get("content-length", "")
+        if cl.isdigit() and int(cl) > self.max_body_bytes:
+            raise BodyTooLargeError(f"request body of {cl} bytes exceeds the limit of {self.max_body_bytes}")
+        if headers.end_of_stream:
+            return self._route(st)
+        if st.request_mode == _Mode.FULL_DUPLEX_STREAMED:
+            return []
+        return [protocol.empty_request_headers_response()]
+
+    def _request_body(self, st: _Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        st.body += body.body
+        if len(st.body) > self.max_body_bytes:
+            raise BodyTooLargeError(f"request body exceeds the limit of {self.max_body_bytes} bytes")
+        if body.end_of_stream:
+            return self._route(st)
+        if st.request_mode == _Mode.FULL_DUPLEX_STREAMED:
+            return []
+        return [protocol.buffered_body_ack(request=True)]  # STREAMED: let chunks through
+
+    def _route(self, st: _Stream) -> list[pb.ProcessingResponse]:
+        st.routed = True
+        t0 = time.perf_counter()
+        body = bytes(st.body)
+        req = protocol.parse_request(st.path, body, self.max_body_bytes)
+        st.model = req.model
+        self.metrics.requests.labels(req.model).inc()
+        d = self.router.route(req, st.subset)
+        st.decision = d
+        self.metrics.pick_seconds.observe(time.perf_counter() - t0)
+        self.metrics.prompt_tokens.inc(d.num_tokens)
+        self.metrics.predicted_hit.inc(d.predicted_hit_tokens)
+        headers = protocol.routing_headers(d.endpoints, d.prefiller)
+        if st.request_mode == _Mode.FULL_DUPLEX_STREAMED:
+            return [protocol.pick_headers_response(headers), *protocol.streamed_body_responses(body)]
+        return [protocol.pick_headers_response(headers, as_body=True)]
+
+    def _response_body(self, st: _Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if len(st.response) < _MAX_RESPONSE_CAPTURE:
+            st.response += body.body
+        if body.end_of_stream and st.decision is not None:
+            reported = protocol.cached_tokens_of(bytes(st.response))
+            if reported is not None:
+                self.metrics.observe_cached(st.decision.predicted_hit_tokens, reported)
+        if st.response_mode == _Mode.FULL_DUPLEX_STREAMED:
+            return [protocol.passthrough_body_response(body.body, body.end_of_stream, request=False)]
+        return [protocol.buffered_body_ack(request=False)]
+
+    def _error(self, st: _Stream, exc: EppError) -> pb.ProcessingResponse:
+        self.metrics.errors.labels(st.model or "", str(exc.status)).inc()
+        return protocol.immediate_response(exc)
+
+
+# --- gRPC health (grpc.health.v1), encoded by hand: one string field in, one enum out ----------
+_SERVING, _NOT_SERVING = b"\x08\x01", b"\x08\x02"
+
+
+def health_handler(is_serving: Callable[[], bool]) -> grpc.GenericRpcHandler:
+    def check(request: bytes, context: Any) -> bytes:
+        return _SERVING if is_serving() else _NOT_SERVING
+
+    return grpc.method_handlers_generic_handler(
+        "grpc.health.v1.Health",
+        {"Check": grpc.unary_unary_rpc_method_handler(check, request_deserializer=None, response_serializer=None)},
+    )
+
+
+def health_check(target: str, timeout_s: float = 1.0) -> bool:
+    """Client side of :func:`health_handler` (used by tests and ``kvfleet epp --check``)."""
+    with grpc.insecure_channel(target) as ch:
+        call = ch.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
+        try:
+            return bool(call(b"", timeout=timeout_s) == _SERVING)
+        except grpc.RpcError:
+            return False

@@ -1,0 +1,405 @@
+"""KVCachePool → the Kubernetes objects that realise it, as pure functions.
+
+For each of ``spec.pools`` prefix shards ``i`` (named ``<pool>-p<i>``):
+
+* a ConfigMap ``<pool>-p<i>`` with ``config.yaml`` (the kvfleet Settings every
+  container in the shard reads, with the KVCachePool's fields written in) and
+  ``pool.yaml`` (the normalised pool: tiers in bytes, codecs, watermarks, transfer);
+* a Deployment per role (``unified``, or ``prefill`` and ``decode``): the engine
+  container plus the ``kvfleet agent`` sidecar, sharing a memory-backed emptyDir
+  at /dev/shm (the cpu tier and same-node transfer), the ssd tier's volume, GPU
+  resources in GPU mode, and a ``kvfleet.io/config-hash`` annotation so that a
+  change of tiers, scale-independent config or images rolls the pods;
+* a headless Service ``<pool>-p<i>`` over the shard's pods (HTTP, KV events, transfer);
+* an InferencePool ``<pool>-p<i>`` selecting the shard's pods, whose
+  ``endpointPickerRef`` names the kvfleet EPP Service with the chosen failure mode.
+
+Every object carries an owner reference to the KVCachePool (controller=true),
+so deleting the KVCachePool deletes them all (Kubernetes garbage collection).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from kvfleet.config import Settings, to_dict
+from kvfleet.config.operator import OperatorSettings
+from kvfleet.operator.engines import CONFIG_PATH, SSD_MOUNT, render_engine
+from kvfleet.operator.spec import PoolSpec
+
+GROUP = "kvfleet.io"
+VERSION = "v1alpha1"
+KIND = "KVCachePool"
+PLURAL = "kvcachepools"
+IP_GROUP = "inference.networking.k8s.io"
+IP_VERSION = "v1"
+
+LABEL_POOL = "kvfleet.io/pool"
+LABEL_SHARD = "kvfleet.io/shard"
+LABEL_ROLE = "kvfleet.io/role"
+#: Pods carrying the kvfleet agent sidecar (what the EPP and InferencePool validation look for).
+LABEL_AGENT = "kvfleet.io/agent"
+MANAGED_BY = "kvfleet-operator"
+ANN_CONFIG_HASH = "kvfleet.io/config-hash"
+ANN_MODEL = "kvfleet.io/model"
+ANN_ROUTING = "kvfleet.io/routing"
+AGENT_CONTAINER = "kvfleet-agent"
+ENGINE_CONTAINER = "engine"
+
+#: engine role name in kvfleet Settings (``engine.role``) per KVCachePool role.
+ENGINE_ROLE = {"unified": "both", "prefill": "prefill", "decode": "decode"}
+
+
+def shard_name(pool_name: str, shard: int) -> str:
+    return f"{pool_name}-p{shard}"
+
+
+def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The controller owner reference pointing at a KVCachePool."""
+    meta = obj["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def selector_labels(pool_name: str, shard: int, role: str | None = None) -> dict[str, str]:
+    labels = {LABEL_POOL: pool_name, LABEL_SHARD: str(shard)}
+    if role is not None:
+        labels[LABEL_ROLE] = role
+    return labels
+
+
+def _labels(pool_name: str, shard: int, role: str | None, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvfleet",
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        **selector_labels(pool_name, shard, role),
+    }
+
+
+def _meta(obj: Mapping[str, Any], name: str, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": obj["metadata"]["namespace"],
+        "labels": labels,
+        "ownerReferences": [owner_reference(obj)],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+# --- kvfleet Settings for the pool's containers ------------------------------------
+
+
+def settings_paths(cls: type = Settings, prefix: str = "") -> set[str]:
+    """Every dotted settings path (``engine.tiers.cpu_blocks``) that :class:`Settings` accepts."""
+    out: set[str] = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        out.add(path)
+        tp = hints[f.name]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            out |= settings_paths(tp, f"{path}.")
+    return out
+
+
+def pool_settings(spec: PoolSpec, pool_name: str, shard: int, role: str, base: Settings) -> tuple[dict[str, Any], list[str]]:
+    """``config.yaml`` for one role of one shard: ``base`` with the KVCachePool's fields written in.
+
+    Only paths that :class:`Settings` knows are written (so the file always loads);
+    the second value lists the spec-derived paths that had no home in Settings.
+    """
+    op = base.operator
+    block_bytes = spec.model.profile.kv_bytes_per_token * spec.block_size
+    cpu, ssd = spec.tier("cpu"), spec.tier("ssd")
+    wanted: dict[str, Any] = {
+        "cache.block_size": spec.block_size,
+        "cache.hash_algo": spec.hash_algo,
+        "engine.model": spec.model.name,
+        "engine.host": "0.0.0.0",
+        "engine.port": op.engine_port,
+        "engine.kv_events_port": op.kv_events_port,
+        "engine.pool": shard_name(pool_name, shard),
+        "engine.role": ENGINE_ROLE[role],
+        "engine.profile.kv_bytes_per_token": spec.model.profile.kv_bytes_per_token,
+        "engine.profile.prefill_tokens_per_s": float(spec.model.profile.prefill_tokens_per_second),
+        "engine.profile.decode_ms_per_step": spec.model.profile.decode_ms_per_token,
+        "engine.tiers.cpu_blocks": (cpu.capacity_bytes or 0) // block_bytes if cpu else 0,
+        "engine.tiers.ssd_dir": SSD_MOUNT if ssd else "",
+        "engine.tiers.ssd_blocks": (ssd.capacity_bytes or 0) // block_bytes if ssd else 0,
+        "transfer.listen_host": "0.0.0.0",
+        "transfer.port": op.transfer_port,
+        "transfer.streams": spec.transfer.streams,
+        "transfer.backends": list(spec.transfer.backends),
+        "transfer.secret_env": "KVFLEET_TRANSFER_SECRET",
+    }
+    known = settings_paths()
+    data = to_dict(base)
+    missing: list[str] = []
+    for path, value in wanted.items():
+        if path not in known:
+            missing.append(path)
+            continue
+        node = data
+        *parents, leaf = path.split(".")
+        for p in parents:
+            if node.get(p) is None:
+                node[p] = {}
+            node = node[p]
+        node[leaf] = value
+    return data, missing
+
+
+def pool_descriptor(spec: PoolSpec, pool_name: str, shard: int) -> dict[str, Any]:
+    """``pool.yaml``: the normalised KVCachePool for the agent (tiers in bytes, codecs, watermarks)."""
+    return {
+        "pool": shard_name(pool_name, shard),
+        "kvcachepool": pool_name,
+        "shard": shard,
+        "shards": spec.pools,
+        "model": {"name": spec.model.name, "tokenizer": spec.model.tokenizer, **dataclasses.asdict(spec.model.profile)},
+        "block_size": spec.block_size,
+        "hash_algo": spec.hash_algo,
+        "engine": spec.engine.kind,
+        "roles": {r.name: r.replicas for r in spec.roles},
+        "tiers": [
+            {
+                "name": t.name,
+                "gpu_share": t.gpu_share,
+                "capacity_bytes": t.capacity_bytes,
+                "codec": t.codec,
+                "watermarks": {"high": t.watermarks.high, "low": t.watermarks.low},
+                "path": SSD_MOUNT if t.name == "ssd" else None,
+                "url_env": "KVFLEET_REDIS_URL" if t.name == "remote" else None,
+            }
+            for t in spec.tiers
+        ],
+        "transfer": {"backends": list(spec.transfer.backends), "streams": spec.transfer.streams},
+        "routing": dataclasses.asdict(spec.routing),
+    }
+
+
+def render_configmap(obj: Mapping[str, Any], spec: PoolSpec, shard: int, base: Settings) -> dict[str, Any]:
+    name = obj["metadata"]["name"]
+    data = {"pool.yaml": yaml.safe_dump(pool_descriptor(spec, name, shard), sort_keys=False)}
+    for role in spec.roles:
+        cfg, _ = pool_settings(spec, name, shard, role.name, base)
+        data[f"{role.name}.yaml"] = yaml.safe_dump(cfg, sort_keys=False)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(obj, shard_name(name, shard), _labels(name, shard, None, "config")),
+        "data": data,
+    }
+
+
+# --- workloads ----------------------------------------------------------------
+
+
+def _env_common(spec: PoolSpec, op: OperatorSettings) -> list[dict[str, Any]]:
+    secret = spec.transfer.secret
+    env: list[dict[str, Any]] = [
+        {"name": "KVFLEET_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "KVFLEET_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "KVFLEET_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {
+            "name": "KVFLEET_TRANSFER_SECRET",
+            "valueFrom": {"secretKeyRef": {
+                "name": secret.name if secret else op.transfer_secret,
+                "key": secret.key if secret else op.transfer_secret_key,
+            }},
+        },
+    ]
+    remote = spec.tier("remote")
+    if remote is not None and remote.redis_url is not None:
+        env.append({"name": "KVFLEET_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": remote.redis_url.name, "key": remote.redis_url.key}}})
+    return env
+
+
+def _resources(spec: PoolSpec, resources: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = copy.deepcopy(dict(resources))
+    if spec.engine.gpu:
+        limits = out.setdefault("limits", {})
+        requests = out.get("requests", {})
+        if "nvidia.com/gpu" not in limits:
+            limits["nvidia.com/gpu"] = requests.get("nvidia.com/gpu", 1)
+    return out
+
+
+def _volumes(spec: PoolSpec, config_name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    cpu, ssd = spec.tier("cpu"), spec.tier("ssd")
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if cpu is not None and cpu.capacity_bytes:
+        shm["sizeLimit"] = str(cpu.capacity_bytes + 1024**3)  # the tier plus 1 GiB for transfer staging
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_name}},
+        {"name": "shm", "emptyDir": shm},
+    ]
+    mounts = [
+        {"name": "config", "mountPath": "/etc/kvfleet"},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    if ssd is not None:
+        source: dict[str, Any] = dict(ssd.volume) if ssd.volume else {"emptyDir": {"sizeLimit": str(ssd.capacity_bytes)}}
+        volumes.append({"name": "ssd", **source})
+        mounts.append({"name": "ssd", "mountPath": SSD_MOUNT})
+    return volumes, mounts
+
+
+def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: str, base: Settings, config_hash: str) -> dict[str, Any]:
+    op = base.operator
+    name = obj["metadata"]["name"]
+    replicas = next(r for r in spec.roles if r.name == role)
+    labels = {**_labels(name, shard, role, "engine"), LABEL_AGENT: "true"}
+    engine = render_engine(spec, role, op)
+    volumes, mounts = _volumes(spec, shard_name(name, shard))
+    env = _env_common(spec, op)
+    config_mounts = [*mounts]
+    # Each role reads its own settings file from the shard's ConfigMap as /etc/kvfleet/config.yaml.
+    config_mounts[0] = {"name": "config", "mountPath": CONFIG_PATH, "subPath": f"{role}.yaml", "readOnly": True}
+    pool_mount = {"name": "config", "mountPath": "/etc/kvfleet/pool.yaml", "subPath": "pool.yaml", "readOnly": True}
+    engine_container: dict[str, Any] = {
+        "name": ENGINE_CONTAINER,
+        "image": engine.image,
+        "imagePullPolicy": op.image_pull_policy,
+        "command": list(engine.command),
+        "args": list(engine.args),
+        "env": [*env, *(dict(e) for e in engine.env), *(dict(e) for e in spec.engine.env)],
+        "ports": [
+            {"name": "http", "containerPort": op.engine_port, "protocol": "TCP"},
+            {"name": "kv-events", "containerPort": op.kv_events_port, "protocol": "TCP"},
+        ],
+        "volumeMounts": [*config_mounts, pool_mount],
+        "resources": _resources(spec, replicas.resources),
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 30},
+    }
+    agent: dict[str, Any] = {
+        "name": AGENT_CONTAINER,
+        "image": op.image,
+        "imagePullPolicy": op.image_pull_policy,
+        "command": ["kvfleet", "agent"],
+        "args": ["--config", CONFIG_PATH],
+        "env": env,
+        "ports": [
+            {"name": "agent-metrics", "containerPort": op.agent_metrics_port, "protocol": "TCP"},
+            {"name": "transfer", "containerPort": op.transfer_port, "protocol": "TCP"},
+        ],
+        "volumeMounts": [*config_mounts, pool_mount],
+        "readinessProbe": {"tcpSocket": {"port": "transfer"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "agent-metrics"}, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(obj, f"{shard_name(name, shard)}-{role}", labels, {ANN_MODEL: spec.model.name}),
+        "spec": {
+            "replicas": replicas.replicas,
+            "selector": {"matchLabels": selector_labels(name, shard, role)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        ANN_CONFIG_HASH: config_hash,
+                        ANN_MODEL: spec.model.name,
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(op.engine_port),
+                    },
+                },
+                "spec": {
+                    "containers": [engine_container, agent],
+                    "volumes": volumes,
+                    "securityContext": {"fsGroup": 10001},
+                    "terminationGracePeriodSeconds": 30,
+                },
+            },
+        },
+    }
+
+
+def render_service(obj: Mapping[str, Any], spec: PoolSpec, shard: int, base: Settings) -> dict[str, Any]:
+    op = base.operator
+    name = obj["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(obj, shard_name(name, shard), _labels(name, shard, None, "engine")),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": selector_labels(name, shard),
+            "ports": [
+                {"name": "http", "port": op.engine_port, "targetPort": "http", "protocol": "TCP"},
+                {"name": "kv-events", "port": op.kv_events_port, "targetPort": "kv-events", "protocol": "TCP"},
+                {"name": "transfer", "port": op.transfer_port, "targetPort": "transfer", "protocol": "TCP"},
+                {"name": "agent-metrics", "port": op.agent_metrics_port, "targetPort": "agent-metrics", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def render_inferencepool(obj: Mapping[str, Any], spec: PoolSpec, shard: int, base: Settings) -> dict[str, Any]:
+    op = base.operator
+    name = obj["metadata"]["name"]
+    routing = {**dataclasses.asdict(spec.routing), "blockSize": spec.block_size, "hashAlgo": spec.hash_algo,
+               "shard": shard, "shards": spec.pools, "disaggregated": spec.disaggregated}
+    return {
+        "apiVersion": f"{IP_GROUP}/{IP_VERSION}",
+        "kind": "InferencePool",
+        "metadata": _meta(obj, shard_name(name, shard), _labels(name, shard, None, "inferencepool"),
+                          {ANN_MODEL: spec.model.name, ANN_ROUTING: json.dumps(routing, sort_keys=True)}),
+        "spec": {
+            "selector": {"matchLabels": {**selector_labels(name, shard), LABEL_AGENT: "true"}},
+            "targetPorts": [{"number": op.engine_port}],
+            "appProtocol": "http",
+            "endpointPickerRef": {
+                "group": "",
+                "kind": "Service",
+                "name": op.epp_service,
+                "port": {"number": op.epp_port},
+                "failureMode": spec.routing.failure_mode,
+            },
+        },
+    }
+
+
+def config_hash(spec: PoolSpec, base: Settings) -> str:
+    """Hash of everything a pod reads at start (not replicas): a change rolls the pods."""
+    material = {
+        "spec": dataclasses.asdict(dataclasses.replace(spec, roles=tuple(dataclasses.replace(r, replicas=0) for r in spec.roles))),
+        "settings": to_dict(base),
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def render_children(obj: Mapping[str, Any], spec: PoolSpec, base: Settings) -> list[dict[str, Any]]:
+    """Every object a KVCachePool owns, in apply order (config, workloads, services, pools)."""
+    digest = config_hash(spec, base)
+    out: list[dict[str, Any]] = []
+    for shard in range(spec.pools):
+        out.append(render_configmap(obj, spec, shard, base))
+        out += [render_deployment(obj, spec, shard, r.name, base, digest) for r in spec.roles]
+        out.append(render_service(obj, spec, shard, base))
+        out.append(render_inferencepool(obj, spec, shard, base))
+    return out

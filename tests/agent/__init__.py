@@ -1,0 +1,1 @@
+"""Tests of the node agent: tiers, codecs and the transfer engine."""

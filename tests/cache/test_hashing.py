@@ -1,0 +1,107 @@
+"""Block hashing: vLLM's sha256_cbor vectors, chain properties of xxh3_64, registry errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfleet.cache.errors import UnknownAlgorithmError
+from kvfleet.cache.hashing import BlockHasher, fmix64, fmix64_inverse, hashes_as_ints, to_int64
+
+
+def _seed(case: dict[str, Any]) -> str:
+    return "vllm-none-hash" if case["seed"] == "default" else "0"
+
+
+def test_sha256_cbor_matches_vllm_vectors(sha256_vectors: dict[str, Any]) -> None:
+    """Every case produced by vLLM 0.33's own hash_block_tokens (block sizes 16/32, salt, seeds)."""
+    assert len(sha256_vectors["cases"]) >= 6
+    for case in sha256_vectors["cases"]:
+        hasher = BlockHasher(block_size=case["block_size"], algo="sha256_cbor", seed=_seed(case))
+        got = [h.hex() for h in hasher.hash_tokens(case["token_ids"], extra_keys=case["extra_keys"])]
+        assert got == case["block_hashes"], case["name"]
+
+
+def test_sha256_cbor_root_is_vllm_none_hash(sha256_vectors: dict[str, Any]) -> None:
+    """NONE_HASH for the default seed and for PYTHONHASHSEED=0."""
+    assert BlockHasher(algo="sha256_cbor").root.hex() == sha256_vectors["none_hash"]["default"]  # type: ignore[union-attr]
+    assert BlockHasher(algo="sha256_cbor", seed="0").root.hex() == sha256_vectors["none_hash"]["PYTHONHASHSEED=0"]  # type: ignore[union-attr]
+
+
+def test_int_form_matches_vllm_int_hashes(sha256_vectors: dict[str, Any]) -> None:
+    """The int published with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES is the last 8 bytes, big-endian."""
+    first = bytes.fromhex(sha256_vectors["cases"][0]["block_hashes"][0])
+    assert to_int64(first) == 2233398808101521225  # from vllm_kv_event_batch_inthash.msgpack
+    assert to_int64(12345) == 12345
+
+
+def test_partial_tail_is_not_hashed() -> None:
+    h = BlockHasher(block_size=16)
+    assert len(h.hash_tokens(range(15))) == 0
+    assert len(h.hash_tokens(range(47))) == 2
+
+
+def test_chain_resumes_from_any_parent() -> None:
+    """h_i depends only on h_{i-1} and block i: hashing a suffix from a parent gives the same hashes."""
+    h = BlockHasher(block_size=8)
+    full = h.hash_tokens(np.arange(80))
+    for cut in range(1, 10):
+        tail = h.hash_tokens(np.arange(cut * 8, 80), parent=int(full[cut - 1]))
+        assert tail.tolist() == full[cut:].tolist()
+
+
+def test_prefix_property_and_divergence() -> None:
+    """Equal prefixes give equal hashes; after one differing token every later hash differs."""
+    h = BlockHasher(block_size=4)
+    a = h.hash_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+    b = h.hash_tokens([1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12])
+    assert a[0] == b[0]
+    assert a[1] != b[1] and a[2] != b[2]
+
+
+def test_extra_keys_and_seed_change_hashes() -> None:
+    h = BlockHasher(block_size=4)
+    plain = h.hash_tokens(range(8))
+    salted = h.hash_tokens(range(8), extra_keys=[("salt",), None])
+    assert plain[0] != salted[0] and plain[1] != salted[1]
+    assert BlockHasher(block_size=4, seed="other").hash_tokens(range(8))[0] != plain[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=2**64 - 1))
+def test_fmix64_is_a_bijection(x: int) -> None:
+    assert fmix64_inverse(fmix64(x)) == x
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=0, max_size=200))
+def test_xxh3_matches_a_scalar_reference(tokens: list[int]) -> None:
+    """The vectorised chain equals a per-block scalar evaluation of the documented formula."""
+    import xxhash
+
+    bs = 4
+    h = BlockHasher(block_size=bs, seed="s")
+    mask = (1 << 64) - 1
+    p = 0x9E3779B97F4A7C15
+    state = fmix64_inverse(h.root)  # type: ignore[arg-type]
+    want = []
+    for i in range(len(tokens) // bs):
+        c = xxhash.xxh3_64_intdigest(np.asarray(tokens[i * bs : (i + 1) * bs], dtype="<u4").tobytes())
+        state = (state * p + c) & mask
+        want.append(fmix64(state))
+    assert hashes_as_ints(h.hash_tokens(tokens)) == want
+
+
+def test_unknown_algorithm_lists_known_names() -> None:
+    with pytest.raises(UnknownAlgorithmError, match="sha256_cbor") as exc:
+        BlockHasher(algo="md5")
+    assert "xxh3_64" in str(exc.value)
+
+
+def test_invalid_tokens_rejected() -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        BlockHasher().hash_tokens([-1] * 16)

@@ -1,0 +1,72 @@
+"""Fixtures: in-process simulated engines served over real loopback HTTP and ZMQ on free ports."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvfleet.config import load
+from kvfleet.engine.server import EngineServer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class RunningEngine:
+    server: EngineServer
+    url: str
+    host_port: str
+    runner: web.AppRunner
+
+    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+        async with aiohttp.ClientSession() as s, s.post(self.url + path, json=body, headers=headers) as r:
+            data = await r.json(content_type=None)
+            return r.status, data, dict(r.headers)
+
+
+EngineFactory = Callable[..., Awaitable[RunningEngine]]
+
+
+@pytest.fixture
+async def make_engine() -> AsyncIterator[EngineFactory]:
+    """Start engines with ``engine`` setting overrides; all are stopped at teardown."""
+    started: list[RunningEngine] = []
+
+    async def start(cache: dict[str, Any] | None = None, **engine: Any) -> RunningEngine:
+        port = free_port()
+        overrides: dict[str, Any] = {
+            "engine": {
+                "port": port,
+                "kv_events_port": free_port(),
+                "kv_events_replay_port": free_port(),
+                "time_factor": 0.0,
+                "num_gpu_blocks": 256,
+                "pod_name": f"sim-{len(started)}",
+                **engine,
+            }
+        }
+        if cache:
+            overrides["cache"] = cache
+        server = EngineServer(load(None, overrides))
+        server.start_publisher()
+        runner = web.AppRunner(server.app(), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        eng = RunningEngine(server, f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", runner)
+        started.append(eng)
+        return eng
+
+    yield start
+    for eng in reversed(started):
+        await eng.runner.cleanup()

@@ -1,0 +1,107 @@
+"""The OpenAI-compatible API over real HTTP: completions, chat, SSE streaming, models, health, errors.
+
+Covers: responses carry ``usage.prompt_tokens_details.cached_tokens`` (0 on a cold
+prompt, the shared full blocks on a repeat), token-id prompts and text prompts
+(byte-level tokenizer, so text of N bytes is N tokens), deterministic output,
+SSE framing (role on the first chat delta, finish chunk, usage chunk, ``[DONE]``),
+and OpenAI-style error JSON with the right status for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+
+from tests.engine.conftest import EngineFactory
+
+MODEL = "llama-3-8b"
+
+
+async def test_completion_reports_cached_prefix_on_repeat(make_engine: EngineFactory) -> None:
+    eng = await make_engine()
+    prompt = list(range(1000, 1100))  # 100 tokens = 6 full blocks + 4
+    st, first, hdrs = await eng.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4})
+    assert st == 200
+    assert first["usage"]["prompt_tokens"] == 100
+    assert first["usage"]["completion_tokens"] == 4
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert hdrs["x-kvfleet-pod"] == "sim-0"
+    st, again, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    # A prompt that shares only the first 40 tokens hits two full blocks.
+    st, other, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": prompt[:40] + [7] * 30, "max_tokens": 4})
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+async def test_text_prompt_is_byte_tokenized_and_salt_separates_caches(make_engine: EngineFactory) -> None:
+    eng = await make_engine()
+    text = "x" * 40
+    _, a, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
+    assert a["usage"]["prompt_tokens"] == 40
+    _, b, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1, "cache_salt": "tenant-a"})
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    _, c, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
+    assert c["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+async def test_chat_stream_sse_framing(make_engine: EngineFactory) -> None:
+    eng = await make_engine()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": True, "max_tokens": 3}
+    async with aiohttp.ClientSession() as s, s.post(eng.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await r.read()).decode()
+    events = [ln[6:] for ln in raw.split("\n\n") if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert len(text) == 3
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    # The same request without streaming gives the same text.
+    _, whole, _ = await eng.post("/v1/chat/completions", {**body, "stream": False})
+    assert whole["choices"][0]["message"]["content"] == text
+
+
+async def test_models_and_health(make_engine: EngineFactory) -> None:
+    eng = await make_engine(model="m-test")
+    async with aiohttp.ClientSession() as s:
+        async with s.get(eng.url + "/v1/models") as r:
+            models = await r.json()
+        async with s.get(eng.url + "/health") as r:
+            assert r.status == 200
+    assert [m["id"] for m in models["data"]] == ["m-test"]
+
+
+async def test_errors_are_openai_shaped(make_engine: EngineFactory) -> None:
+    eng = await make_engine()
+    async with aiohttp.ClientSession() as s, s.post(eng.url + "/v1/completions", data=b"{not json") as r:
+        assert r.status == 400
+        err = await r.json()
+    assert err["error"]["type"] == "invalid_request_error"
+    cases = [
+        ({"model": "nope", "prompt": "a"}, 404, "model"),
+        ({"model": MODEL, "prompt": list(range(131072))}, 400, "prompt"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1, -2]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ]
+    for body, status, param in cases:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        st, data, _ = await eng.post(path, body)
+        assert st == status, body
+        assert data["error"]["code"] == status and data["error"]["param"] == param
+    # The engine keeps serving after bad input.
+    st, _, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 1})
+    assert st == 200
+
+
+async def test_prompt_larger_than_the_kv_pool_is_rejected(make_engine: EngineFactory) -> None:
+    eng = await make_engine(num_gpu_blocks=4)
+    st, data, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": list(range(100)), "max_tokens": 1})
+    assert st == 400 and "KV blocks" in data["error"]["message"]

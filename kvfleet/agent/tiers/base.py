@@ -1,0 +1,147 @@
+"""The storage interface of one tier, and the name → backend registry.
+
+A :class:`TierStore` holds encoded blocks keyed by block hash. It knows
+nothing about watermarks, LRU order or other tiers: that is the manager's
+job (:mod:`kvfleet.agent.tiers.manager`). Stores are called from the
+manager's migration threads and from the engine's thread; implementations
+are thread-safe.
+
+Backends (``TierSpec.backend``; empty = the tier's default):
+
+=========  ==========================================  =================
+name       class                                       default for
+=========  ==========================================  =================
+arena      :class:`~.memory.ArenaStore` (host slabs)   gpu (stand-in), cpu
+files      :class:`~.ssd.FileStore` (file per block)   ssd
+redis      :class:`~.remote.RedisStore`                remote
+=========  ==========================================  =================
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvfleet.agent.codecs import Payload
+from kvfleet.agent.tiers.errors import UnknownBackendError
+from kvfleet.agent.tiers.record import BlockMeta
+from kvfleet.cache.hashing import BlockHash
+from kvfleet.cache.tiers import Tier
+from kvfleet.config.tiers import TierSpec
+
+#: Hash used by :meth:`TierStore.probe` (never a real block: real hashes are whole 64-bit values).
+PROBE_HASH: BlockHash = b"kvfleet-probe"
+
+
+@dataclass
+class ScanReport:
+    """What a start-up rescan found: valid blocks, and dropped records by reason."""
+
+    blocks: list[BlockMeta] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+
+class TierStore(ABC):
+    """Encoded blocks of one tier, keyed by hash, within ``capacity_bytes``."""
+
+    backend: ClassVar[str]
+    #: ``True`` when this store imitates a medium it is not (host memory for the GPU tier).
+    stand_in: bool = False
+
+    def __init__(self, tier: Tier, spec: TierSpec) -> None:
+        self.tier = tier
+        self.spec = spec
+        self.capacity_bytes = spec.capacity_bytes
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes currently held (what counts against capacity)."""
+
+    @abstractmethod
+    def charge(self, payload_nbytes: int) -> int:
+        """Bytes a block with this encoded size would occupy here."""
+
+    @abstractmethod
+    def write(self, meta: BlockMeta, payload: Payload) -> int:
+        """Store a block; returns its charge. Raises TierFullError, BlockTooLargeError, TierIOError."""
+
+    @abstractmethod
+    def read(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload]:
+        """The block's meta and payload (a view valid until the block is deleted for memory stores).
+
+        Raises BlockNotFoundError, CorruptBlockError, TierIOError.
+        """
+
+    @abstractmethod
+    def delete(self, block_hash: BlockHash) -> None:
+        """Forget a block (no error if absent)."""
+
+    def scan(self) -> ScanReport:
+        """Blocks that survive from an earlier run (persistent stores); memory stores have none."""
+        return ScanReport()
+
+    def keys(self) -> Iterator[BlockHash]:
+        return iter(())
+
+    def close(self) -> None:
+        """Release resources; the store is not used afterwards."""
+
+    def describe(self) -> str:
+        return f"{self.tier} tier: {self.backend} backend, capacity {self.capacity_bytes} bytes"
+
+    def probe(self, nbytes: int) -> tuple[float, float, float]:
+        """Measure ``(read_Bps, write_Bps, latency_s)`` with a throw-away block of ``nbytes``."""
+        small = np.zeros(64, dtype=np.uint8)
+        big = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
+        meta_small = BlockMeta(hash=PROBE_HASH, codec="none", dtype="uint8", shape=(64,), raw_nbytes=64)
+        meta_big = BlockMeta(hash=PROBE_HASH, codec="none", dtype="uint8", shape=(nbytes,), raw_nbytes=nbytes)
+        try:
+            t0 = time.perf_counter()
+            self.write(meta_small, small)
+            t1 = time.perf_counter()
+            self.read(PROBE_HASH)
+            t2 = time.perf_counter()
+            self.delete(PROBE_HASH)
+            t3 = time.perf_counter()
+            self.write(meta_big, big)
+            t4 = time.perf_counter()
+            self.read(PROBE_HASH)
+            t5 = time.perf_counter()
+        finally:
+            self.delete(PROBE_HASH)
+        latency = max(1e-7, min(t1 - t0, t2 - t1))
+        write_bps = nbytes / max(1e-9, (t4 - t3) - (t1 - t0))
+        read_bps = nbytes / max(1e-9, (t5 - t4) - (t2 - t1))
+        return read_bps, write_bps, latency
+
+
+#: backend name → (module, class), imported on first use.
+BACKENDS: dict[str, tuple[str, str]] = {
+    "arena": ("kvfleet.agent.tiers.memory", "ArenaStore"),
+    "files": ("kvfleet.agent.tiers.ssd", "FileStore"),
+    "redis": ("kvfleet.agent.tiers.remote", "RedisStore"),
+}
+
+DEFAULT_BACKEND: dict[Tier, str] = {Tier.GPU: "arena", Tier.CPU: "arena", Tier.SSD: "files", Tier.REMOTE: "redis"}
+
+
+def open_store(tier: Tier, spec: TierSpec) -> TierStore:
+    """Instantiate the backend ``spec.backend`` (or the tier's default) for ``tier``."""
+    name = spec.backend or DEFAULT_BACKEND[tier]
+    try:
+        module, cls = BACKENDS[name]
+    except KeyError:
+        raise UnknownBackendError(f"unknown tier backend {name!r}; known: {', '.join(sorted(BACKENDS))}") from None
+    factory: Any = getattr(importlib.import_module(module), cls)
+    store: TierStore = factory(tier, spec)
+    return store

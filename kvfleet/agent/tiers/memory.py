@@ -1,0 +1,146 @@
+"""Host-memory tiers: slabs of fixed-size slots; reads are zero-copy views into a slot.
+
+Used for ``cpu``, and for ``gpu`` when no CUDA device is driven (always, in
+this version): the store then reports itself as a *stand-in* for HBM (log
+line at start, ``stand_in="true"`` on the ``kvfleet_tier_info`` metric).
+
+Slots have one size per store: ``slot_bytes`` from the spec, or (0) the
+encoded size of the first block written, rounded up to 64 bytes. Capacity is
+``slots × slot_bytes``; a quantizing codec makes blocks, hence slots, smaller,
+so the same capacity holds more blocks. Slabs of ``slab_bytes`` are allocated
+when first needed and kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from kvfleet.agent.codecs import Payload
+from kvfleet.agent.tiers.base import TierStore
+from kvfleet.agent.tiers.errors import BlockNotFoundError, BlockTooLargeError, TierFullError
+from kvfleet.agent.tiers.record import BlockMeta
+from kvfleet.cache.hashing import BlockHash
+from kvfleet.cache.tiers import Tier
+from kvfleet.config.tiers import MemoryTierSpec, TierSpec
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64
+
+
+class ArenaStore(TierStore):
+    """Preallocated host slabs with fixed block slots."""
+
+    backend = "arena"
+
+    def __init__(self, tier: Tier, spec: TierSpec) -> None:
+        super().__init__(tier, spec)
+        mspec = spec if isinstance(spec, MemoryTierSpec) else MemoryTierSpec(capacity_bytes=spec.capacity_bytes)
+        self.stand_in = tier is Tier.GPU
+        self._slab_bytes = max(_ALIGN, mspec.slab_bytes)
+        self.slot_bytes = _round_up(mspec.slot_bytes) if mspec.slot_bytes else 0
+        self._slabs: list[np.ndarray] = []
+        self._free: list[int] = []
+        self._next_slot = 0
+        self._index: dict[BlockHash, tuple[int, int, BlockMeta]] = {}
+        self._lock = threading.Lock()
+        if self.stand_in:
+            log.warning("gpu tier: host arena standing in for HBM (no CUDA device driven), capacity %d bytes", self.capacity_bytes)
+
+    @property
+    def num_slots(self) -> int:
+        return self.capacity_bytes // self.slot_bytes if self.slot_bytes else 0
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._index) * self.slot_bytes
+
+    def charge(self, payload_nbytes: int) -> int:
+        return self.slot_bytes or _round_up(payload_nbytes)
+
+    def describe(self) -> str:
+        what = "host arena standing in for HBM" if self.stand_in else "host slabs"
+        return f"{self.tier} tier: {what}, capacity {self.capacity_bytes} bytes, slot {self.slot_bytes or 'auto'}"
+
+    def _slot_view(self, slot: int, nbytes: int) -> np.ndarray:
+        per_slab = self._slab_bytes // self.slot_bytes
+        slab, i = divmod(slot, per_slab)
+        start = i * self.slot_bytes
+        return self._slabs[slab][start : start + nbytes]
+
+    def _alloc(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._next_slot >= self.num_slots:
+            raise TierFullError(f"{self.tier}: all {self.num_slots} slots in use")
+        slot = self._next_slot
+        per_slab = self._slab_bytes // self.slot_bytes
+        if slot // per_slab >= len(self._slabs):
+            remaining = (self.num_slots - len(self._slabs) * per_slab) * self.slot_bytes
+            self._slabs.append(np.empty(min(self._slab_bytes // self.slot_bytes * self.slot_bytes, remaining), dtype=np.uint8))
+        self._next_slot += 1
+        return slot
+
+    def write(self, meta: BlockMeta, payload: Payload) -> int:
+        nbytes = int(payload.nbytes)
+        with self._lock:
+            if not self.slot_bytes:
+                self.slot_bytes = _round_up(nbytes)
+                self._slab_bytes = max(self._slab_bytes, self.slot_bytes)
+            if nbytes > self.slot_bytes:
+                raise BlockTooLargeError(f"{self.tier}: block of {nbytes} bytes exceeds the {self.slot_bytes}-byte slot")
+            old = self._index.pop(meta.hash, None)
+            if old is not None:
+                self._free.append(old[0])
+            slot = self._alloc()
+            self._slot_view(slot, nbytes)[:] = payload.reshape(-1).view(np.uint8)
+            self._index[meta.hash] = (slot, nbytes, meta)
+        return self.slot_bytes
+
+    def read(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload]:
+        with self._lock:
+            try:
+                slot, nbytes, meta = self._index[block_hash]
+            except KeyError:
+                raise BlockNotFoundError(block_hash) from None
+            view = self._slot_view(slot, nbytes)
+        view = view.view()
+        view.flags.writeable = False
+        return meta, view
+
+    def delete(self, block_hash: BlockHash) -> None:
+        with self._lock:
+            old = self._index.pop(block_hash, None)
+            if old is not None:
+                self._free.append(old[0])
+
+    def keys(self) -> Iterator[BlockHash]:
+        with self._lock:
+            return iter(list(self._index))
+
+    def close(self) -> None:
+        with self._lock:
+            self._index.clear()
+            self._slabs.clear()
+            self._free.clear()
+            self._next_slot = 0
+
+    def probe(self, nbytes: int) -> tuple[float, float, float]:
+        """A memory copy of ``nbytes`` stands for both directions (no slot is used)."""
+        import time
+
+        src = np.ones(nbytes, dtype=np.uint8)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        dt = max(1e-9, time.perf_counter() - t0)
+        return nbytes / dt, nbytes / dt, 1e-6
+
+
+def _round_up(n: int) -> int:
+    return max(_ALIGN, -(-n // _ALIGN) * _ALIGN)

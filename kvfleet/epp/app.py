@@ -1,0 +1,140 @@
+"""Assembly of one picker process: datastore → (subscriber, scraper) → index → router → gRPC servers.
+
+:class:`Epp` owns every thread and socket it starts; :meth:`Epp.start` binds
+(port 0 picks a free port; the bound ports are in ``grpc_port``/``health_port``/
+``metrics_port``) and :meth:`Epp.stop` releases all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from prometheus_client import start_http_server
+
+from kvfleet.cache.hashing import BlockHasher
+from kvfleet.config import Settings
+from kvfleet.epp.datastore import Datastore, Pod, StaticDatastore
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.inflight import InflightTracker
+from kvfleet.epp.ingest import PodEventApplier
+from kvfleet.epp.metrics import EppMetrics
+from kvfleet.epp.podmetrics import MetricsScraper, MetricsStore
+from kvfleet.epp.router import Router
+from kvfleet.epp.server import ExtProcServicer, health_handler
+from kvfleet.epp.subscriber import EventSubscriber
+from kvfleet.epp.tokenize import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def make_datastore(settings: Settings) -> Datastore:
+    s = settings.epp
+    if s.datastore == "kubernetes":
+        from kvfleet.epp.kube import KubernetesDatastore
+
+        return KubernetesDatastore(namespace=s.namespace)
+    return StaticDatastore(s.pods_file or None)
+
+
+class Epp:
+    """The endpoint picker; ``datastore`` may be given (tests), else built from settings."""
+
+    def __init__(self, settings: Settings | None = None, datastore: Datastore | None = None, body_mode: str = "FULL_DUPLEX_STREAMED") -> None:
+        self.settings = settings or Settings()
+        s = self.settings.epp
+        self.datastore = datastore if datastore is not None else make_datastore(self.settings)
+        self.index = BlockIndex()
+        self.tracker = InflightTracker()
+        self.store = MetricsStore(staleness_s=s.metrics_staleness_s)
+        self.scraper = MetricsScraper(self.store, s.scrape_interval_s)
+        self.subscriber = EventSubscriber()
+        c = self.settings.cache
+        self.hasher = BlockHasher(c.block_size, c.hash_algo, c.hash_seed)
+        self.router = Router(s, c, self.datastore, self.index, self.store, load_tokenizer(s.tokenizer), self.tracker)
+        self.metrics = EppMetrics()
+        self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools, lambda: dict(self.subscriber.stats))
+        self.servicer = ExtProcServicer(self.router, self.metrics, s.max_body_bytes, body_mode)
+        self.appliers: dict[str, PodEventApplier] = {}
+        self._grpc: grpc.Server | None = None
+        self._health: grpc.Server | None = None
+        self._http: Any = None
+        self._stop = threading.Event()
+        self._janitor: threading.Thread | None = None
+        self.grpc_port = s.grpc_port
+        self.health_port = s.health_port
+        self.metrics_port = s.metrics_port
+        self.serving = False
+
+    def _on_pods(self, changed: Sequence[Pod], gone: Sequence[Pod]) -> None:
+        s = self.settings.epp
+        for pod in gone:
+            self.subscriber.remove_pod(pod.name)
+            self.scraper.set_target(pod.name, None)
+            self.index.clear_pod(pod.name)
+            self.tracker.forget(pod.name)
+            self.appliers.pop(pod.name, None)
+        for pod in changed:
+            self.scraper.set_target(pod.name, pod.metrics)
+            if s.events_enabled and pod.events:
+                applier = PodEventApplier(pod.name, self.index, self.hasher, s.recompute_keys)
+                self.appliers[pod.name] = applier
+                self.subscriber.add_pod(pod.name, pod.events, pod.replay, applier)
+
+    def start(self) -> Epp:
+        s = self.settings.epp
+        self.subscriber.start()
+        self.scraper.start()
+        self.datastore.subscribe(self._on_pods)
+        self._grpc = grpc.server(
+            ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="ext-proc"),
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
+        self._grpc.add_generic_rpc_handlers((health_handler(lambda: self.serving),))
+        self.grpc_port = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        self._health = grpc.server(ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+        self._health.add_generic_rpc_handlers((health_handler(lambda: self.serving),))
+        self.health_port = self._health.add_insecure_port(f"{s.host}:{s.health_port}")
+        self._http, _ = start_http_server(s.metrics_port, addr=s.host, registry=self.metrics.registry)
+        self.metrics_port = self._http.server_port
+        self._grpc.start()
+        self._health.start()
+        self._janitor = threading.Thread(target=self._housekeeping, name="epp-janitor", daemon=True)
+        self._janitor.start()
+        self.serving = True
+        log.info("epp: ext_proc on :%d, health on :%d, metrics on :%d", self.grpc_port, self.health_port, self.metrics_port)
+        return self
+
+    def _housekeeping(self) -> None:
+        while not self._stop.wait(1.0):
+            self.index.expire()
+            self.tracker.reap()
+            reload = getattr(self.datastore, "reload", None)
+            if reload is not None:
+                try:
+                    reload()
+                except Exception as exc:  # a bad edit keeps the previous pools
+                    log.error("epp: pods file not reloaded: %s", exc)
+
+    def stop(self) -> None:
+        self.serving = False
+        self._stop.set()
+        for srv in (self._grpc, self._health):
+            if srv is not None:
+                srv.stop(grace=0.5).wait(2)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        self.subscriber.stop()
+        self.scraper.stop()
+        stop = getattr(self.datastore, "stop", None)
+        if stop is not None:
+            stop()
+        if self._janitor is not None:
+            self._janitor.join(timeout=3)

@@ -1,0 +1,78 @@
+"""The simulator's KV: deterministic block bytes, GPU → CPU → SSD demotion with events, promotion, SSD restart.
+
+Covers: ``project_block`` is a pure function of (tokens, parent); reclaimed GPU
+blocks are demoted (BlockRemoved GPU, BlockStored CPU, then SSD) with the same
+bytes; a later request is served from the slower tier and reports it as cached;
+a new ``LocalTiers`` over the same directory re-indexes valid block files,
+re-announces them, and drops a corrupt one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvfleet.cache.events import AnyEvent, BlockRemoved, BlockStored
+from kvfleet.cache.tiers import Tier
+from kvfleet.config import load
+from kvfleet.engine.kv import EngineKV, LocalTiers, SlowBlock, project_block
+
+
+def make_kv(tmp_path: Path, events: list[AnyEvent], **tiers: object) -> EngineKV:
+    s = load(None, {"engine": {"num_gpu_blocks": 8, "tiers": tiers}})
+    return EngineKV(s.engine, s.cache, sink=events.append)
+
+
+def test_block_bytes_are_deterministic_and_prefix_dependent() -> None:
+    toks = list(range(16))
+    a = project_block(toks, 123, 32)
+    assert a == project_block(toks, 123, 32)
+    assert len(a) == 16 * 32 * 2
+    assert a != project_block(toks, 124, 32)
+    assert a != project_block([t + 1 for t in toks], 123, 32)
+
+
+def test_eviction_demotes_to_cpu_then_ssd_and_a_hit_promotes(tmp_path: Path) -> None:
+    events: list[AnyEvent] = []
+    kv = make_kv(tmp_path, events, cpu_blocks=2, ssd_dir=str(tmp_path / "ssd"))
+    first = np.arange(64, dtype=np.uint32)  # 4 blocks
+    adm = kv.admit("a", first)
+    gpu_bytes = {h: kv.block(h).data for h in adm.block_hashes}  # type: ignore[union-attr]
+    kv.free("a")
+    kv.admit("b", np.arange(10_000, 10_128, dtype=np.uint32))  # 8 blocks: reclaims all of "a"
+    kv.free("b")
+    removed_gpu = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "GPU" for h in e.block_hashes]
+    assert set(adm.block_hashes) <= set(removed_gpu)
+    media = {e.medium for e in events if isinstance(e, BlockStored)}
+    assert {"GPU", "CPU", "SSD"} <= media
+    assert len(list((tmp_path / "ssd").glob("*.kvb"))) >= 2
+    # The first prompt again: nothing on the GPU, everything below it, promoted because it pays.
+    again = kv.admit("c", first)
+    assert again.gpu_cached_tokens == 0
+    assert again.cached_tokens == 64
+    assert sum(again.promoted.values()) == 4 and again.promote_seconds > 0
+    for h in again.block_hashes:
+        assert kv.block(h).data == gpu_bytes[h]  # type: ignore[union-attr]
+
+
+def test_ssd_tier_survives_a_restart_and_drops_corrupt_files(tmp_path: Path) -> None:
+    settings = load(None, {"engine": {"tiers": {"ssd_dir": str(tmp_path)}}}).engine.tiers
+    tiers = LocalTiers(settings, 16)
+    blocks = [SlowBlock(h, None, tuple(range(16)), project_block(range(16), None, 8)) for h in (11, 22, 33)]
+    for b in blocks:
+        tiers.put(b)
+    files = sorted(tmp_path.glob("*.kvb"))
+    assert len(files) == 3
+    files[0].write_bytes(files[0].read_bytes()[:-3])  # truncate one
+    (tmp_path / "foreign.kvb").write_bytes(b"not a block")
+    events: list[AnyEvent] = []
+    again = LocalTiers(settings, 16, sink=events.append)
+    assert again.corrupt_files == 2 and again.recovered_blocks == 2
+    again.announce()
+    announced = {h for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
+    assert len(announced) == 2 and all(e.medium == Tier.SSD.medium for e in events if isinstance(e, BlockStored))
+    assert again.lookup([b.block_hash for b in blocks if b.block_hash in announced]) == [Tier.SSD, Tier.SSD]
+    for h in announced:
+        got = again.get(h)
+        assert got is not None and got.data == next(b.data for b in blocks if b.block_hash == h)

@@ -1,0 +1,64 @@
+"""KV events over ZMQ in vLLM's framing, from a running engine.
+
+Covers: a SUB socket receives ``[topic, 8-byte big-endian seq, msgpack KVEventBatch]``
+with seq counting from 0 and BlockStored events whose hashes equal the
+engine's; the replay ROUTER answers ``[b"", start_seq]`` with every buffered
+batch from that seq then the ``-1`` end marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from kvfleet.cache.events import BlockStored, decode_batch
+from kvfleet.cache.hashing import BlockHasher
+from kvfleet.engine.publisher import END_SEQ
+from tests.engine.conftest import EngineFactory
+
+
+async def test_events_are_published_and_replayed(make_engine: EngineFactory) -> None:
+    eng = await make_engine(kv_events_topic="kv@sim-0@m")
+    es = eng.server.es
+    ctx = zmq.asyncio.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{es.kv_events_port}")
+    try:
+        prompt = list(range(500, 548))  # 3 full blocks
+        received: list[list[bytes]] = []
+        for _ in range(50):  # PUB/SUB slow joiner: resend until the subscription is live
+            await eng.post("/v1/completions", {"model": es.model, "prompt": prompt, "max_tokens": 1})
+            try:
+                received.append(await asyncio.wait_for(sub.recv_multipart(), 0.1))
+                break
+            except TimeoutError:
+                prompt = [t + 1000 for t in prompt]
+        assert received, "no KV event batch arrived"
+        topic, seq, payload = received[0]
+        assert topic == b"kv@sim-0@m" and len(seq) == 8
+        batch = decode_batch(payload)
+        stored = [e for e in batch.events if isinstance(e, BlockStored)]
+        assert stored and stored[0].medium == "GPU" and stored[0].block_size == 16
+        assert stored[0].block_hashes == BlockHasher().hash_tokens(prompt).tolist()
+    finally:
+        sub.close(0)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{es.kv_events_replay_port}")
+    try:
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while True:
+            frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+            assert frames[0] == b""
+            if frames[2] == END_SEQ:
+                break
+            seqs.append(int.from_bytes(frames[2], "big"))
+            decode_batch(frames[3])
+        assert seqs == list(range(len(seqs))) and len(seqs) >= 1
+    finally:
+        dealer.close(0)

@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .DEFAULT_GOAL := help
 
@@ -33,6 +34,9 @@ unit: $(STAMP) ## pytest: every test (unit, property-based, real Envoy/Redis/kmo
 
 test: lint typecheck layers unit ## The test command: venv, ruff, mypy, import layers, pytest.
 
+demo: $(STAMP) ## The one-machine stack: Envoy + EPP + engines on loopback replay a trace; report in demo-report/.
+	$(VENV)/bin/kvfleet demo $(DEMO_ARGS)
+
 bench: $(STAMP) ## Run every benchmark in quick mode; each prints one JSON line last.
 	@set -e; for b in $$(ls bench/*.py | xargs -n1 basename | sed 's/\.py$$//' | grep -v '^_' | grep -v '^__init__$$'); do \
 		echo "== bench.$$b"; $(PY) -m bench.$$b --quick; done
@@ -40,4 +44,4 @@ bench: $(STAMP) ## Run every benchmark in quick mode; each prints one JSON line 
 clean: ## Remove caches and build outputs (keeps .venv).
 	rm -rf .mypy_cache .ruff_cache .pytest_cache .hypothesis build dist *.egg-info demo-report
 
-.PHONY: help venv lint typecheck layers unit test bench clean
+.PHONY: help venv lint typecheck layers unit test demo bench clean

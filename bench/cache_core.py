@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import traces
+from bench import _traces as traces
 from kvfleet.cache.blocks import BlockPool
 from kvfleet.cache.hashing import BlockHasher
 from kvfleet.cache.radix import RadixTree

@@ -1,6 +1,6 @@
 """Load the Mooncake FAST'25 traces shipped in ``kvfleet/data/traces`` and turn rows into tokens.
 
-Not a benchmark (``make bench`` skips modules without a ``main``). Token ids are
+Not a benchmark (``make bench`` skips modules whose name starts with ``_``). Token ids are
 synthesised deterministically from ``hash_ids``: id ``h`` stands for the 512
 tokens ``h*512 .. h*512+511``, so tokens of different ids never coincide and the
 cache finds exactly the prefixes the trace has; the last block is cut to

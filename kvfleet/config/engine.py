@@ -98,7 +98,7 @@ class EngineSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     max_output_tokens: int = 4096
-    sim_kv_values_per_token: int = 32
+    sim_kv_values_per_token: int = 8
     replay_buffer_steps: int = 10000
     tiers: EngineTierSettings = field(default_factory=EngineTierSettings)
 

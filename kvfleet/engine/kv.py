@@ -23,6 +23,7 @@ Every store/remove on every tier is emitted as a KV event (``medium`` = tier).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 _GOLD = 0.6180339887498949
 
 
+@functools.lru_cache(maxsize=8)
 def _coefficients(values_per_token: int) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     j = np.arange(1, values_per_token + 1, dtype=np.float64)
     return (j * _GOLD) % 1.0 * 0.37 + 0.01, (j * 0.7548776662) % 1.0 * 1.3 + 0.1, (j * 0.5698402910) % 1.0 + 0.05
@@ -61,6 +63,22 @@ def project_block(token_ids: Sequence[int] | npt.NDArray[Any], parent: BlockHash
     p = float(to_int64(parent) % 1_000_003) if parent is not None else 0.0
     vals = np.sin(np.outer(toks, a) + np.outer(slots, b) + p * c)
     return vals.astype(np.float16).tobytes()
+
+
+def project_blocks(
+    token_ids: Sequence[int] | npt.NDArray[Any], parents: Sequence[BlockHash | None], block_size: int, values_per_token: int = 32
+) -> list[bytes]:
+    """:func:`project_block` for a run of consecutive full blocks at once (one vectorised pass)."""
+    n = len(parents)
+    if n == 0:
+        return []
+    a, b, c = _coefficients(values_per_token)
+    toks = as_tokens(token_ids)[: n * block_size].astype(np.float64).reshape(n, block_size)
+    slots = np.arange(block_size, dtype=np.float64)
+    p = np.array([float(to_int64(h) % 1_000_003) if h is not None else 0.0 for h in parents])
+    phase = toks[:, :, None] * a + (slots[:, None] * b)[None, :, :] + (p[:, None] * c)[:, None, :]
+    raw = np.sin(phase).astype(np.float16).reshape(n, -1)
+    return [row.tobytes() for row in raw]
 
 
 def output_token(digest: int, step: int) -> int:
@@ -102,6 +120,10 @@ class SlowTiers(Protocol):
         """Re-emit ``BlockStored`` for everything held (after a restart)."""
         ...
 
+    def clear(self) -> None:
+        """Drop every block (``BlockRemoved`` per tier)."""
+        ...
+
 
 class NoTiers:
     """No tier below the GPU: demoted blocks are dropped."""
@@ -116,6 +138,9 @@ class NoTiers:
         return None
 
     def announce(self) -> None:
+        return None
+
+    def clear(self) -> None:
         return None
 
 
@@ -263,6 +288,16 @@ class LocalTiers:
             old_path.unlink(missing_ok=True)
             self.sink(removed([old_h], Tier.SSD.medium))
 
+    def clear(self) -> None:
+        if self.cpu:
+            self.sink(removed(list(self.cpu), Tier.CPU.medium))
+            self.cpu.clear()
+        if self.ssd:
+            self.sink(removed(list(self.ssd), Tier.SSD.medium))
+            for path in self.ssd.values():
+                path.unlink(missing_ok=True)
+            self.ssd.clear()
+
     def lookup(self, hashes: Sequence[BlockHash]) -> list[Tier]:
         out: list[Tier] = []
         for h in hashes:
@@ -351,14 +386,13 @@ class EngineKV:
     def _on_gpu_event(self, event: AnyEvent) -> None:
         if isinstance(event, BlockStored):
             bs = event.block_size
-            parent = event.parent_block_hash
-            for i, h in enumerate(event.block_hashes):
+            hashes = event.block_hashes
+            parents = [event.parent_block_hash, *hashes[:-1]]
+            fresh = project_blocks(event.token_ids, parents, bs, self.values_per_token)
+            for i, h in enumerate(hashes):
                 toks = tuple(event.token_ids[i * bs : (i + 1) * bs])
                 data = self._incoming.pop(h, None)
-                if data is None:
-                    data = project_block(toks, parent, self.values_per_token)
-                self.gpu_data[h] = SlowBlock(h, parent, toks, data)
-                parent = h
+                self.gpu_data[h] = SlowBlock(h, parents[i], toks, fresh[i] if data is None else data)
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
                 block = self.gpu_data.pop(h, None)
@@ -480,6 +514,14 @@ class EngineKV:
     @property
     def usage(self) -> float:
         return self.blocks.usage
+
+    def reset(self) -> None:
+        """Forget everything on every tier (raises LockedError while sequences run) and zero the counters."""
+        self.blocks.reset()
+        self.tiers.clear()
+        self._incoming.clear()
+        self.tier_hits = {t.value: 0 for t in Tier}
+        self.queries_tokens = self.hit_tokens = self.mismatched_blocks = 0
 
     def announce(self) -> None:
         """Re-announce slow-tier blocks (called once at start-up after an SSD rescan)."""

@@ -102,10 +102,13 @@ class Request:
     digest: int | None = None
     first_token_at: float | None = None
     finished: bool = False
-    on_blocks_released: Callable[[], None] | None = None
+    remote_cached_tokens: int | None = None
 
     @property
     def cached_tokens(self) -> int:
+        """Prompt tokens not computed for this request: on the prefill engine for P/D, else here."""
+        if self.remote_cached_tokens is not None:
+            return self.remote_cached_tokens
         return self.admission.cached_tokens if self.admission else 0
 
     @property

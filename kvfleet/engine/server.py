@@ -32,6 +32,9 @@ import numpy.typing as npt
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvfleet.agent.transfer import AuthError, TransferClient, TransferServer
+from kvfleet.agent.transfer.auth import load_secret
+from kvfleet.cache.errors import LockedError
 from kvfleet.cache.events import EventBuffer
 from kvfleet.cache.hashing import ExtraKeys
 from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat
@@ -40,9 +43,12 @@ from kvfleet.engine.kv import EngineKV
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.pd import (
     PREFILLER_HEADER,
+    GpuBlockSource,
     HttpKVPuller,
     KVPuller,
+    TransferKVPuller,
     encode_block_frame,
+    hash_to_json,
     request_remote_prefill,
 )
 from kvfleet.engine.publisher import ZmqPublisher
@@ -77,6 +83,11 @@ class ApiError(Exception):
 class NotFoundApiError(ApiError):
     status = 404
     kind = "not_found_error"
+
+
+class ConflictApiError(ApiError):
+    status = 409
+    kind = "conflict"
 
 
 class UnavailableApiError(ApiError):
@@ -119,10 +130,25 @@ class EngineServer:
         self.metrics = EngineMetrics(self.sched, self.kv, settings.cache)
         self.tokenizer = ByteTokenizer()
         self.publisher: ZmqPublisher | None = None
-        self.puller: KVPuller = puller or HttpKVPuller()
+        self.transfer_server: TransferServer | None = None
+        self.puller: KVPuller = puller or self._default_puller()
         self._hold_deadline: dict[str, float] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.created = int(time.time())
+
+    def _secret(self) -> bytes | None:
+        t = self.settings.transfer
+        try:
+            return load_secret(t.secret_file, t.secret_env)
+        except (AuthError, OSError):
+            return None
+
+    def _default_puller(self) -> KVPuller:
+        secret = self._secret()
+        if secret is None:
+            log.info("no transfer secret configured: P/D KV moves over HTTP instead of the transfer engine")
+            return HttpKVPuller()
+        return TransferKVPuller(TransferClient(secret, settings=self.settings.transfer))
 
     # -- lifecycle ----------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -133,6 +159,8 @@ class EngineServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/kvfleet/v1/kv/{request_id}", self.kv_blocks)
+        app.router.add_delete("/kvfleet/v1/kv/{request_id}", self.kv_release)
+        app.router.add_post("/kvfleet/v1/reset", self.reset)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -150,6 +178,12 @@ class EngineServer:
         self.flush_events()
 
     async def _on_startup(self, app: web.Application) -> None:
+        secret = self._secret()
+        if secret is not None and self.es.role != "decode":
+            self.transfer_server = TransferServer(
+                GpuBlockSource(self.kv), secret, host=self.es.host, settings=self.settings.transfer
+            )
+            self.transfer_server.start()
         self.sched.start()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_holds())
 
@@ -158,6 +192,8 @@ class EngineServer:
             self._sweeper.cancel()
         await self.sched.close()
         await self.puller.close()
+        if self.transfer_server is not None:
+            self.transfer_server.stop()
         self.flush_events()
         if self.publisher is not None:
             self.publisher.close()
@@ -299,6 +335,7 @@ class EngineServer:
             raise UnavailableApiError(f"prefill engine {prefiller} failed: {exc}") from None
         remote = RemoteKV()
         req.remote = remote
+        req.remote_cached_tokens = int(params.get("prefill_cached_tokens", 0))
 
         def on_block(block_hash: Any, data: bytes) -> None:
             self.kv.receive(block_hash, data)
@@ -373,6 +410,12 @@ class EngineServer:
                 "remote_port": self.es.port,
                 "num_blocks": len(req.block_hashes),
             }
+            if self.transfer_server is not None:
+                body["kv_transfer_params"].update(
+                    transfer_host=self.es.host,
+                    transfer_port=self.transfer_server.port,
+                    block_hashes=[hash_to_json(h) for h in req.block_hashes],
+                )
         return web.json_response(body, headers=self._headers(req))
 
     async def _stream(self, request: web.Request, req: Request, parsed: ParsedRequest) -> web.StreamResponse:
@@ -446,3 +489,25 @@ class EngineServer:
             self.sched.release(rid)
         await resp.write_eof()
         return resp
+
+    async def kv_release(self, request: web.Request) -> web.Response:
+        """A decode engine finished pulling (through the transfer engine): free the held blocks."""
+        rid = request.match_info["request_id"]
+        self._hold_deadline.pop(rid, None)
+        if not self.sched.release(rid):
+            return error_response(NotFoundApiError(f"no KV held for request {rid!r}", param="request_id"))
+        return web.json_response({"released": rid})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        """Empty every cache tier (``AllBlocksCleared`` + tier removals); 409 while requests run."""
+        if self.sched.num_running or self.sched.num_waiting:
+            return error_response(ConflictApiError("requests are running; reset refused"))
+        for rid in list(self.sched.held):
+            self.sched.release(rid)
+        self._hold_deadline.clear()
+        try:
+            self.kv.reset()
+        except LockedError as exc:
+            return error_response(ConflictApiError(str(exc)))
+        self.flush_events()
+        return web.json_response({"reset": self.es.pod_name})

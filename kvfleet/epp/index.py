@@ -26,8 +26,16 @@ from dataclasses import dataclass
 
 from kvfleet.cache.tiers import Tier
 
-_RANKS = [t.rank for t in Tier]
-_SPEC_BIT = 1 << 7
+#: Speculative entries are kept for every block below SPEC_DENSE, then every SPEC_STRIDE-th.
+SPEC_DENSE = 64
+SPEC_STRIDE = 16
+
+
+def spec_positions(n: int) -> range | list[int]:
+    """Block positions sampled for speculative entries of an ``n``-block prompt (absolute, so all prompts agree)."""
+    if n <= SPEC_DENSE:
+        return range(n)
+    return [*range(SPEC_DENSE), *range(SPEC_DENSE + SPEC_STRIDE - 1, n, SPEC_STRIDE)]
 
 
 def _best_rank(mask: int) -> int:
@@ -64,9 +72,6 @@ class BlockIndex:
                 else:
                     holders[pod] = holders.get(pod, 0) | bit
                 owned.add(k)
-                spec = self._spec.get(k)
-                if spec is not None and spec.pop(pod, None) is not None and not spec:
-                    del self._spec[k]
 
     def remove(self, pod: str, keys: Iterable[int], tier: Tier | None = Tier.GPU) -> None:
         """Drop ``keys`` of ``pod`` from ``tier`` (``None``: from every tier)."""
@@ -102,13 +107,18 @@ class BlockIndex:
                     del self._spec[k]
 
     def add_speculative(self, pod: str, keys: Sequence[int], ttl_s: float, now: float | None = None) -> None:
+        """Record that ``pod`` will hold the prefix ``keys`` (until ``now + ttl_s``).
+
+        Keys are chained, so holding block ``i`` implies blocks ``0..i``: only the
+        positions of :func:`spec_positions` are stored (every block of the first
+        ``SPEC_DENSE``, then every ``SPEC_STRIDE``-th) and :meth:`match` credits the
+        prefix up to the last sampled key found. A 220 KB prompt (13.7 k blocks)
+        costs about 900 entries.
+        """
         expiry = (time.monotonic() if now is None else now) + ttl_s
         with self._lock:
-            for k in keys:
-                holders = self._holders.get(k)
-                if holders is not None and pod in holders:
-                    continue
-                self._spec.setdefault(k, {})[pod] = expiry
+            for i in spec_positions(len(keys)):
+                self._spec.setdefault(keys[i], {})[pod] = expiry
 
     def expire(self, now: float | None = None) -> int:
         """Drop expired speculative entries; returns how many."""
@@ -132,34 +142,53 @@ class BlockIndex:
         tier_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
         now: float | None = None,
     ) -> dict[str, PodMatch]:
-        """Longest held prefix of ``keys`` for each of ``pods`` (pods without a hit are absent)."""
+        """Longest held prefix of ``keys`` for each of ``pods`` (pods without a hit are absent).
+
+        A pod's match is the longer of its exact prefix (events; tier-weighted) and
+        its speculative prefix (picks; GPU weight for the blocks beyond the exact part).
+        """
         t = time.monotonic() if now is None else now
-        alive = set(pods)
+        w = list(tier_weights)
         blocks: dict[str, int] = {}
         weighted: dict[str, float] = {}
-        spec_n: dict[str, int] = {}
-        w = list(tier_weights)
+        spec_len: dict[str, int] = {}
         with self._lock:
+            alive = set(pods)
             for k in keys:
                 if not alive:
                     break
                 holders = self._holders.get(k)
-                spec = self._spec.get(k)
+                if holders is None:
+                    break
                 gone: list[str] = []
                 for pod in alive:
-                    mask = holders.get(pod, 0) if holders is not None else 0
+                    mask = holders.get(pod, 0)
                     if mask:
                         blocks[pod] = blocks.get(pod, 0) + 1
                         weighted[pod] = weighted.get(pod, 0.0) + w[_best_rank(mask)]
-                    elif spec is not None and spec.get(pod, 0.0) > t:
-                        blocks[pod] = blocks.get(pod, 0) + 1
-                        weighted[pod] = weighted.get(pod, 0.0) + w[0]
-                        spec_n[pod] = spec_n.get(pod, 0) + 1
                     else:
                         gone.append(pod)
                 for pod in gone:
                     alive.discard(pod)
-        return {p: PodMatch(blocks=b, weighted=weighted[p], speculative=spec_n.get(p, 0)) for p, b in blocks.items()}
+            if self._spec:
+                alive = set(pods)
+                for i in spec_positions(len(keys)):
+                    spec = self._spec.get(keys[i])
+                    if spec is None:
+                        break
+                    gone = [pod for pod in alive if spec.get(pod, 0.0) <= t]
+                    for pod in gone:
+                        alive.discard(pod)
+                    if not alive:
+                        break
+                    for pod in alive:
+                        spec_len[pod] = i + 1
+        out = {p: PodMatch(blocks=b, weighted=weighted[p]) for p, b in blocks.items()}
+        for pod, n in spec_len.items():
+            exact = out.get(pod, PodMatch())
+            if n > exact.blocks:
+                out[pod] = PodMatch(blocks=n, weighted=exact.weighted + (n - exact.blocks) * w[0], speculative=n - exact.blocks)
+        return out
 
     def pod_tiers(self, pod: str, key: int) -> set[Tier]:
         with self._lock:

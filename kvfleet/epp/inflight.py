@@ -25,8 +25,14 @@ class _Load:
 
 
 class Ticket:
-    def __init__(self, tracker: InflightTracker, tid: int, pods: tuple[str, ...], prefix: int, tokens: float) -> None:
+    """One routed request; ``on_first_byte`` runs once when its first token comes back."""
+
+    def __init__(
+        self, tracker: InflightTracker, tid: int, pods: tuple[str, ...], prefix: int, tokens: float,
+        on_first_byte: Callable[[], None] | None = None,
+    ) -> None:
         self.tracker, self.id, self.pods, self.prefix, self.tokens = tracker, tid, pods, prefix, tokens
+        self.on_first_byte = on_first_byte
         self.started = tracker.clock()
         self.pending = True
         self.open = True
@@ -48,8 +54,10 @@ class InflightTracker:
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
-    def open(self, pods: tuple[str, ...], prefix: int, predicted_uncached_tokens: float) -> Ticket:
-        t = Ticket(self, next(self._ids), pods, prefix, predicted_uncached_tokens)
+    def open(
+        self, pods: tuple[str, ...], prefix: int, predicted_uncached_tokens: float, on_first_byte: Callable[[], None] | None = None
+    ) -> Ticket:
+        t = Ticket(self, next(self._ids), pods, prefix, predicted_uncached_tokens, on_first_byte)
         with self._lock:
             self._tickets[t.id] = t
             for pod in pods:
@@ -69,6 +77,8 @@ class InflightTracker:
                 load = self._loads[pod]
                 load.pending_tokens = max(0.0, load.pending_tokens - t.tokens)
                 load.pending_requests = max(0, load.pending_requests - 1)
+        if t.on_first_byte is not None:
+            t.on_first_byte()
 
     def _close(self, t: Ticket) -> None:
         self._first_byte(t)

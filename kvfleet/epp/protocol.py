@@ -143,7 +143,7 @@ def pick_headers_response(
     set_headers = [_header(k, v) for k, v in headers]
     if content_length is not None:
         set_headers.append(_header("content-length", str(content_length)))
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True)
     meta = destination_metadata(dict(headers)[DEST_HEADER])
     if as_body:
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=meta)

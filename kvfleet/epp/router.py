@@ -8,8 +8,9 @@
 3. level 2: look the keys up in the global index, build one candidate per pod
    and run the scheduling profile; P/D pools pick a decode pod, and a prefill
    pod only when the uncached part is at least ``pd_min_uncached_tokens``;
-4. record the pick: a speculative index entry on the chosen pod(s) and an
-   in-flight ticket (load, hot-spot decay, pending prefill work).
+4. record the pick: a speculative index entry on the chosen pod(s) (until the
+   pod's events confirm it, or ``speculative_ttl_s`` after its first token) and
+   an in-flight ticket (load, hot-spot decay, pending prefill work).
 """
 
 from __future__ import annotations
@@ -143,10 +144,15 @@ class Router:
                     if pranked.pods:
                         prefiller = pranked.pods[0].pod
             picked = (best.name,) if prefiller is None else (best.name, prefiller.name)
-            ticket = self.tracker.open(picked, shard, float(uncached))
             ttl = self.settings.speculative_ttl_s if self.settings.events_enabled else self.settings.approximate_ttl_s
+
+            def refresh() -> None:  # the TTL counts from the first token: a long queue must not expire the entry
+                for name in picked:
+                    self.index.add_speculative(name, keys, ttl)
+
+            ticket = self.tracker.open(picked, shard, float(uncached), on_first_byte=refresh)
             for name in picked:
-                self.index.add_speculative(name, keys, ttl)
+                self.index.add_speculative(name, keys, self.tracker.max_age_s)
         return Decision(
             endpoints=tuple(c.pod.endpoint for c in ranked.pods),
             pod=best.name,

@@ -48,7 +48,7 @@ def merge_patch(live: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str,
     body["metadata"] = {k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta}
     if wanted.get("kind") in ("ConfigMap", "Secret"):
         for section in ("data", "binaryData"):
-            stale = set((live.get(section) or {})) - set((wanted.get(section) or {}))
+            stale = set(live.get(section) or {}) - set(wanted.get(section) or {})
             if stale:
                 body.setdefault(section, {})
                 body[section] = {**body[section], **dict.fromkeys(sorted(stale))}

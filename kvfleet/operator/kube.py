@@ -26,6 +26,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Service": ("api/v1", "services"),
     "Pod": ("api/v1", "pods"),
     "Secret": ("api/v1", "secrets"),
+    "Event": ("api/v1", "events"),
     "Deployment": ("apis/apps/v1", "deployments"),
     "InferencePool": ("apis/inference.networking.k8s.io/v1", "inferencepools"),
     "KVCachePool": ("apis/kvfleet.io/v1alpha1", "kvcachepools"),

@@ -23,6 +23,7 @@ from kvfleet.agent.codecs.base import (
     CorruptPayloadError,
     Payload,
     UnknownCodecError,
+    as_payload,
 )
 from kvfleet.agent.codecs.fp8 import Fp8E4M3Codec
 from kvfleet.agent.codecs.identity import IdentityCodec
@@ -40,6 +41,7 @@ __all__ = [
     "Int8Codec",
     "Payload",
     "UnknownCodecError",
+    "as_payload",
     "get_codec",
 ]
 

@@ -48,7 +48,11 @@ class Codec(ABC):
 
     @abstractmethod
     def encode(self, block: npt.NDArray[Any]) -> Payload:
-        """The encoded bytes of ``block`` as a fresh contiguous ``uint8`` array."""
+        """The encoded bytes of ``block`` as a contiguous ``uint8`` array.
+
+        It may share memory with ``block`` (``none`` does): callers that keep it
+        beyond the block's lifetime copy it, as every store does on write.
+        """
 
     @abstractmethod
     def decode(self, payload: Payload | bytes | memoryview, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> npt.NDArray[Any]:

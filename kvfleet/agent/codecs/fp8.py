@@ -9,7 +9,9 @@ input (``float16``, ``bfloat16`` or ``float32``; ``float64`` goes through
 ``float32``), in cache-sized chunks — no float arithmetic and no per-element
 Python. The code bytes are genuine ``float8_e4m3fn`` values: viewed with
 :mod:`ml_dtypes` and multiplied by ``2**shift`` they give the decoded block
-(tested).
+(tested). The one exception: inputs that are subnormal in their own format
+(below 2**-14 for fp16) keep their truncated bit pattern instead, which
+decodes within the same bound.
 
 Payload: ``[int16 exponent offset per group][one e4m3 byte per value]``.
 

@@ -17,7 +17,8 @@ class IdentityCodec(Codec):
     lossless: ClassVar[bool] = True
 
     def encode(self, block: npt.NDArray[Any]) -> Payload:
-        return np.ascontiguousarray(block).reshape(-1).view(np.uint8).copy()
+        """A byte view of ``block`` (a copy only when it is not contiguous)."""
+        return np.ascontiguousarray(block).reshape(-1).view(np.uint8)
 
     def decode(self, payload: Payload | bytes | memoryview, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> npt.NDArray[Any]:
         dt = np.dtype(dtype)

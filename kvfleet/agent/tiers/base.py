@@ -93,14 +93,20 @@ class TierStore(ABC):
     def keys(self) -> Iterator[BlockHash]:
         return iter(())
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing to release
         """Release resources; the store is not used afterwards."""
 
     def describe(self) -> str:
         return f"{self.tier} tier: {self.backend} backend, capacity {self.capacity_bytes} bytes"
 
     def probe(self, nbytes: int) -> tuple[float, float, float]:
-        """Measure ``(read_Bps, write_Bps, latency_s)`` with a throw-away block of ``nbytes``."""
+        """Measure ``(read_Bps, write_Bps, latency_s)`` with a throw-away block of ``nbytes``.
+
+        The probe is capped at a quarter of the capacity. For a disk this measures
+        the page cache more than the device: configure ``read_gbps``/``write_gbps``
+        when the device's own figures matter.
+        """
+        nbytes = max(4096, min(nbytes, self.capacity_bytes // 4))
         small = np.zeros(64, dtype=np.uint8)
         big = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
         meta_small = BlockMeta(hash=PROBE_HASH, codec="none", dtype="uint8", shape=(64,), raw_nbytes=64)

@@ -90,7 +90,7 @@ def pack(meta: BlockMeta, payload: Payload) -> tuple[bytes, memoryview]:
             token_ids=list(meta.token_ids),
         )
     )
-    body = memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
+    body = memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8).data)
     h = xxhash.xxh3_64(header)
     h.update(body)
     prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header), body.nbytes, h.intdigest())

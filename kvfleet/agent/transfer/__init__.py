@@ -27,7 +27,15 @@ Typical use (a decode pod pulling from a prefill pod)::
         engine.load(block.block_hash, block.data)
 """
 
-from kvfleet.agent.transfer.client import Allocator, Block, Peer, TransferClient, TransferHandle, TransferStats
+from kvfleet.agent.transfer import auth
+from kvfleet.agent.transfer.client import (
+    Allocator,
+    Block,
+    Peer,
+    TransferClient,
+    TransferHandle,
+    TransferStats,
+)
 from kvfleet.agent.transfer.errors import (
     AuthError,
     BlockNotFoundError,
@@ -63,6 +71,7 @@ __all__ = [
     "TransferServer",
     "TransferStats",
     "UnknownBackendError",
+    "auth",
     "choose_backends",
     "local_host_id",
 ]

@@ -10,11 +10,14 @@ several streams move data in parallel. Any socket failure or timeout becomes a
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import struct
 import threading
 from typing import Any
 
 from kvfleet.agent.transfer.errors import StreamError
+from kvfleet.agent.transfer.frames import HEADER_SIZE, Header, decode_body, decode_header
 
 
 class PeerClosed(StreamError):
@@ -23,9 +26,6 @@ class PeerClosed(StreamError):
 
 class IdleTimeout(StreamError):
     """Nothing arrived within the timeout, between two frames."""
-from kvfleet.agent.transfer.frames import HEADER_SIZE, Header, decode_body, decode_header
-
-_IOV_MAX_BYTES = 1 << 30
 
 
 class Channel:
@@ -38,7 +38,7 @@ class Channel:
         self._hdr = bytearray(HEADER_SIZE)
         self._hdr_view = memoryview(self._hdr)
         self.closed = False
-        sock.settimeout(timeout_s)
+        self.settimeout(timeout_s)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -51,7 +51,17 @@ class Channel:
         return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else str(name)
 
     def settimeout(self, timeout_s: float | None) -> None:
-        self.sock.settimeout(timeout_s)
+        """Kernel-side timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket.
+
+        Python's own socket timeouts poll before every call and split a
+        ``MSG_WAITALL`` receive into many; kernel timeouts keep one syscall per
+        block and still turn a stall into ``EAGAIN``.
+        """
+        self.sock.settimeout(None)
+        secs = 0.0 if timeout_s is None else timeout_s
+        tv = struct.pack("ll", int(secs), int((secs - int(secs)) * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
     # -- sending ------------------------------------------------------------
     def send(self, *parts: bytes | bytearray | memoryview) -> int:
@@ -69,6 +79,8 @@ class Channel:
                         else:
                             views[0] = views[0][n:]
                             n = 0
+            except BlockingIOError as exc:
+                raise StreamError(f"send to {self.peer} timed out") from exc
             except (OSError, ValueError) as exc:
                 raise StreamError(f"send to {self.peer} failed: {exc}") from exc
         return total
@@ -85,7 +97,7 @@ class Channel:
                         raise PeerClosed(f"connection closed by {self.peer}")
                     raise StreamError(f"connection closed by {self.peer} ({got}/{n} bytes)")
                 got += r
-        except TimeoutError as exc:
+        except (TimeoutError, BlockingIOError) as exc:
             if got == 0 and view is self._hdr_view:
                 raise IdleTimeout(f"nothing from {self.peer} within the timeout") from exc
             raise StreamError(f"receive from {self.peer} timed out ({got}/{n} bytes)") from exc
@@ -111,8 +123,6 @@ class Channel:
         if self.closed:
             return
         self.closed = True
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()

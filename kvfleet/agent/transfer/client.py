@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
+import select
 import socket
 import threading
 import time
@@ -42,8 +44,16 @@ from kvfleet.agent.transfer.errors import (
     StreamError,
     TransferCancelled,
     TransferError,
+    UnknownBackendError,
 )
-from kvfleet.agent.transfer.frames import BlockHash, FrameType, Header, checksum, encode_control, encode_header
+from kvfleet.agent.transfer.frames import (
+    BlockHash,
+    FrameType,
+    Header,
+    checksum,
+    encode_control,
+    encode_header,
+)
 from kvfleet.agent.transfer.metrics import TransferMetrics
 from kvfleet.agent.transfer.shm import ShmRing
 from kvfleet.agent.transfer.topology import PeerInfo, choose_backends, local_host_id
@@ -54,6 +64,8 @@ log = logging.getLogger(__name__)
 #: ``alloc(seq, block_hash, length) -> writable buffer of exactly length bytes``;
 #: called from I/O threads, so it must be thread-safe.
 Allocator = Callable[[int, BlockHash, int], Any]
+#: Backends with an implementation here (the RDMA-class ones have no adapter yet: docs/transfer.md).
+BACKENDS: tuple[str, ...] = ("shm", "tcp")
 Peer = tuple[str, int] | str
 
 
@@ -108,8 +120,13 @@ class _Stream:
         self.items: list[tuple[int, BlockHash]] = []
         self.ring: ShmRing | None = None
         self.thread: threading.Thread | None = None
+        self.jobs: queue.SimpleQueue[Callable[[_Stream], None] | None] = queue.SimpleQueue()
+        self.idle = threading.Event()
+        self.idle.set()
         self.closed = False
         self.granted = 0  # credits sent (event-loop thread)
+        self.pending = 0  # credits earned by consumed blocks, not sent yet
+        self.batch = 1
         self.received = 0  # blocks received (I/O thread)
 
     def credit(self, n: int = 1) -> None:
@@ -119,13 +136,55 @@ class _Stream:
         with contextlib.suppress(TransferError):
             self.ch.send(encode_header(FrameType.CREDIT, seq=n))
 
+    def give_back(self, batch: int) -> bool:
+        """One consumed block's credit, sent in batches; True if some are still held back."""
+        self.pending += 1
+        if self.pending >= batch:
+            self.flush()
+        return self.pending > 0
+
+    def flush(self) -> None:
+        """Send held-back credits (before the consumer waits: else its next block may never come)."""
+        if self.pending:
+            n, self.pending = self.pending, 0
+            self.credit(n)
+
+    def alive(self) -> bool:
+        """An idle connection is alive when nothing (not even EOF) is waiting on it."""
+        if self.closed:
+            return False
+        try:
+            readable, _w, _x = select.select([self.ch.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
     def starved(self) -> bool:
         """True when the sender holds no credit: silence is our consumer's doing, not a stall."""
         return self.granted - self.received <= 0
 
+    def submit(self, job: Callable[[_Stream], None]) -> None:
+        """Run ``job(self)`` on this stream's I/O thread (started once, kept while pooled)."""
+        self.idle.clear()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._work, name=f"kvfleet-xfer-recv-{self.index}", daemon=True)
+            self.thread.start()
+        self.jobs.put(job)
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                job(self)
+            finally:
+                self.idle.set()
+
     def close(self) -> None:
         self.closed = True
         self.ch.close()
+        self.jobs.put(None)
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=1.0)
         if self.ring is not None:
@@ -192,7 +251,8 @@ class TransferHandle:
         self._done: asyncio.Future[None] = self._loop.create_future()
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
-        self._iterating = False
+        self._finish_hooks: list[Callable[[TransferHandle], Any]] = []
+        self._holding: set[_Stream] = set()
 
     # -- observing ------------------------------------------------------------
     def done(self) -> bool:
@@ -233,10 +293,7 @@ class TransferHandle:
     def __aiter__(self) -> AsyncIterator[Block]:
         if self._on_block is not None:
             raise RuntimeError("this transfer delivers through on_block; it cannot also be iterated")
-        if self._iterating:
-            raise RuntimeError("a transfer can be iterated once")
-        self._iterating = True
-        return self._iterate()
+        return self._iterate()  # a new iterator continues where the last one stopped
 
     async def _iterate(self) -> AsyncIterator[Block]:
         n = len(self.block_hashes)
@@ -245,6 +302,7 @@ class TransferHandle:
             if got is None:
                 if self._error is not None:
                     raise self._error
+                self._flush_credits()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -272,16 +330,24 @@ class TransferHandle:
                     self._finish(exc)
                     return
                 self._deliver(b, s)
+            self._flush_credits()
         else:
             self._wake.set()
 
     def _deliver(self, block: Block, stream: _Stream | None) -> None:
         self._next = block.seq + 1
-        if stream is not None:
-            stream.credit(1)
+        self.stats.blocks += 1
+        self.stats.bytes += len(block.data)
+        if stream is not None and stream.give_back(stream.batch):
+            self._holding.add(stream)
         if self._next == len(self.block_hashes):
             self.stats.finished_s = time.perf_counter() - self.stats.started
             self._finish(None)
+
+    def _flush_credits(self) -> None:
+        for st in self._holding:
+            st.flush()
+        self._holding.clear()
 
     def _finish(self, error: BaseException | None) -> None:
         if self._done.done():
@@ -292,6 +358,8 @@ class TransferHandle:
         else:
             self._done.set_exception(error)
             self._done.exception()  # mark retrieved: iteration reports it too
+        for hook in self._finish_hooks:
+            hook(self)
         self._wake.set()
 
     def _missing(self) -> list[tuple[int, BlockHash]]:
@@ -312,7 +380,42 @@ class TransferClient:
         self.secret = secret
         self.settings = settings or TransferSettings()
         self.metrics = metrics or TransferMetrics(link_capacity_bps=self.settings.link_capacity_gbps * 1e9)
-        self.local = PeerInfo(local_host_id(self.settings.host_id), tuple(b for b in self.settings.backends if b in ("tcp", "shm")))
+        self.local = PeerInfo(local_host_id(self.settings.host_id), tuple(b for b in self.settings.backends if b in BACKENDS))
+        self._remotes: dict[tuple[str, int], PeerInfo] = {}
+        self._pool: dict[tuple[str, int, str], list[_Stream]] = {}
+
+    # -- the pool of idle authenticated streams -----------------------------------
+    def _checkout(self, key: tuple[str, int, str], n: int) -> list[_Stream]:
+        idle = self._pool.get(key, [])
+        out: list[_Stream] = []
+        while idle and len(out) < n:
+            st = idle.pop()
+            if st.alive():
+                out.append(st)
+            else:
+                st.close()
+        return out
+
+    def _checkin(self, key: tuple[str, int, str], streams: list[_Stream]) -> None:
+        idle = self._pool.setdefault(key, [])
+        for st in streams:
+            if len(idle) < max(self.settings.streams, 1) and st.alive():
+                idle.append(st)
+            else:
+                st.close()
+
+    def close(self) -> None:
+        """Close the idle pooled connections (transfers in flight keep theirs)."""
+        for idle in self._pool.values():
+            for st in idle:
+                st.close()
+        self._pool.clear()
+
+    async def __aenter__(self) -> TransferClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
 
     def pull(
         self,
@@ -330,11 +433,18 @@ class TransferClient:
         bytearray); ``streams`` overrides the tcp stream count; ``backends``
         restricts and orders the backends tried (default: the topology's choice).
         """
+        for name in backends or ():
+            if name not in BACKENDS:
+                raise UnknownBackendError(name, list(BACKENDS))
         handle = TransferHandle(list(block_hashes), on_block)
         host, port = _parse_peer(peer)
         n = streams if streams is not None else self.settings.streams
         if n < 1:
             raise ValueError(f"streams must be >= 1, got {n}")
+        handle._finish_hooks.append(self._record)
+        if not handle.block_hashes:
+            handle._finish(None)
+            return handle
         handle._task = asyncio.get_running_loop().create_task(
             self._drive(handle, host, port, alloc or _default_alloc, n, list(backends) if backends else None)
         )
@@ -345,11 +455,10 @@ class TransferClient:
         return self.pull(peer, block_hashes, **kw)
 
     async def _drive(self, handle: TransferHandle, host: str, port: int, alloc: Allocator, n: int, backends: list[str] | None) -> None:
-        handle.add_done_callback(self._record)
-        if not handle.block_hashes:
-            handle._finish(None)
-            return
         candidates = backends
+        known = self._remotes.get((host, port))
+        if candidates is None and known is not None:
+            candidates = choose_backends(self.local, known)
         idx = 0
         attempt = 0
         while not handle.done() and handle._missing():
@@ -357,13 +466,14 @@ class TransferClient:
             session: _Session | None = None
             try:
                 session = _Session(self, handle, host, port, alloc, n)
-                remote = await session.open(backend)
+                await session.open(backend)
                 if candidates is None:
-                    candidates = choose_backends(self.local, remote)
+                    candidates = choose_backends(self.local, self._remotes[(host, port)])
                 backend = session.backend
                 if backend not in handle.stats.backends:
                     handle.stats.backends.append(backend)
                 await session.finished
+                session.release()
             except asyncio.CancelledError:
                 if session is not None:
                     session.close()
@@ -391,12 +501,9 @@ class TransferClient:
             finally:
                 if session is not None:
                     session.close()
-                    if session.moved_bytes:
-                        handle.stats.bytes += session.moved_bytes
 
 
     def _record(self, handle: TransferHandle) -> None:
-        handle.stats.blocks = handle.delivered
         if handle.state == "done" and handle.stats.finished_s:
             backend = handle.stats.backends[-1] if handle.stats.backends else "none"
             self.metrics.completed(backend, handle.stats.bytes, handle.stats.finished_s)
@@ -415,43 +522,52 @@ class _Session:
         self.streams: list[_Stream] = []
         self.finished: asyncio.Future[None] = self.loop.create_future()
         self.backend = "tcp"
-        self.moved_bytes = 0
         self._outstanding = 0
         self._closed = False
 
-    async def open(self, backend: str | None) -> PeerInfo:
-        """Connect, authenticate, request the missing blocks and start the receivers."""
+    async def open(self, backend: str | None) -> None:
+        """Take pooled streams or connect new ones, request the missing blocks, start the receivers."""
         items = self.handle._missing()
         c = self.client
-        ch, remote, chosen = await asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, backend)
-        self.backend = chosen
-        n = 1 if chosen == "shm" else max(1, min(self.n, len(items)))
-        channels = [ch]
+        fresh: list[Channel] = []
         try:
-            for _ in range(n - 1):
-                extra, _r, _b = await asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, chosen)
-                channels.append(extra)
+            if backend is None:  # first contact: the peer's HELLO decides the backend
+                ch, remote, chosen = await asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, None)
+                c._remotes[(self.host, self.port)] = remote
+                fresh.append(ch)
+            else:
+                chosen = backend
+            backend = self.backend = chosen
+            n = 1 if backend == "shm" else max(1, min(self.n, len(items)))
+            pooled = c._checkout((self.host, self.port, backend), n - len(fresh))
+            for _ in range(n - len(fresh) - len(pooled)):
+                extra, _r, _b = await asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, backend)
+                fresh.append(extra)
         except BaseException:
-            for x in channels:
+            for x in fresh:
                 x.close()
             raise
-        self.streams = [_Stream(x, chosen, i) for i, x in enumerate(channels)]
+        self.streams = pooled + [_Stream(x, backend, i) for i, x in enumerate(fresh, start=len(pooled))]
+        for st in self.streams:
+            st.items = []
         for i, item in enumerate(items):
             self.streams[i % n].items.append(item)
         self._outstanding = len(items)
         window = c.settings.window_blocks
-        for s in self.streams:
-            if chosen == "shm":
+        for st in self.streams:
+            if backend == "shm" and st.ring is None:
                 slot_bytes = c.settings.max_block_bytes
-                s.ring = await asyncio.to_thread(ShmRing.create, c.settings.shm_dir, window, slot_bytes)
-                s.ch.send(encode_control(FrameType.SHM_ATTACH, {"name": s.ring.name, "slots": window, "slot_bytes": slot_bytes}))
-            s.ch.send(encode_control(FrameType.REQUEST, [[q, h] for q, h in s.items]))
-            s.credit(window)
-            s.thread = threading.Thread(target=self._receive, args=(s,), name=f"kvfleet-xfer-recv-{s.index}", daemon=True)
-            s.thread.start()
+                st.ring = await asyncio.to_thread(ShmRing.create, c.settings.shm_dir, window, slot_bytes)
+                st.ch.send(encode_control(FrameType.SHM_ATTACH, {"name": st.ring.name, "slots": window, "slot_bytes": slot_bytes}))
+            st.batch = max(1, window // 4)
+            st.ch.send(encode_control(FrameType.REQUEST, [[q, h] for q, h in st.items]))
+            st.pending = 0  # held-back credits of an earlier session: the top-up covers them
+            top_up = window - (st.granted - st.received)
+            if top_up > 0:
+                st.credit(top_up)
+            st.submit(self._receive)
         if not items:
             self.finished.set_result(None)
-        return remote
 
     # -- I/O thread -------------------------------------------------------------
     def _receive(self, s: _Stream) -> None:
@@ -473,6 +589,7 @@ class _Session:
                 if len(dest) != h.length:
                     raise ValueError(f"allocator returned {len(dest)} bytes for a {h.length}-byte block")
                 if s.ring is not None:
+                    s.ring.unlink()  # the sender has it mapped now
                     dest[:] = s.ring.slot(h.slot, h.length)
                 else:
                     s.ch.recv_into(dest)
@@ -493,7 +610,6 @@ class _Session:
         if self._closed:
             return
         self._outstanding -= 1
-        self.moved_bytes += len(block.data)
         self.client.metrics.moved(self.backend, "received", len(block.data))
         self.handle._landed_block(block, s)
         if self._outstanding == 0 and not self.finished.done():
@@ -503,9 +619,19 @@ class _Session:
         if not self.finished.done() and not self._closed:
             self.finished.set_exception(exc)
 
+    def release(self) -> None:
+        """Success: every stream is idle and healthy; park them in the client's pool."""
+        self._closed = True
+        idle = [st for st in self.streams if st.idle.wait(1.0)]
+        for st in self.streams:
+            if st not in idle:
+                st.close()
+        self.client._checkin((self.host, self.port, self.backend), idle)
+        self.streams = []
+
     def close(self) -> None:
         self._closed = True
-        for s in self.streams:
-            s.close()
+        for st in self.streams:
+            st.close()
         if not self.finished.done():
             self.finished.cancel()

@@ -1,8 +1,8 @@
 """The sending side: serve registered blocks by hash to authenticated peers.
 
-One accept thread; per connection a reader thread (REQUEST, CREDIT,
-SHM_ATTACH frames) and a writer thread that sends queued blocks in request
-order while it holds credits. A peer that fails the HMAC challenge is
+One accept thread; per connection one thread that reads a control frame
+(REQUEST, CREDIT, SHM_ATTACH) and then sends queued blocks in request order
+while it holds credits. A peer that fails the HMAC challenge is
 rejected, logged and counted; a malformed frame closes only that connection
 and is counted; neither ever stops the server.
 """
@@ -20,7 +20,14 @@ from typing import Any
 from kvfleet.agent.transfer import auth
 from kvfleet.agent.transfer.channel import Channel, PeerClosed
 from kvfleet.agent.transfer.errors import AuthError, FrameError, StreamError, TransferError
-from kvfleet.agent.transfer.frames import BlockHash, FrameType, checksum, decode_request, encode_control, encode_header
+from kvfleet.agent.transfer.frames import (
+    BlockHash,
+    FrameType,
+    checksum,
+    decode_request,
+    encode_control,
+    encode_header,
+)
 from kvfleet.agent.transfer.metrics import TransferMetrics
 from kvfleet.agent.transfer.shm import ShmRing
 from kvfleet.agent.transfer.source import BlockSource
@@ -39,7 +46,6 @@ class _Conn:
         self.backend = "tcp"
         self.queue: deque[tuple[int, BlockHash]] = deque()
         self.credits = 0
-        self.cond = threading.Condition()
         self.done = False
         self.ring: ShmRing | None = None
         self.sent_blocks = 0
@@ -66,68 +72,58 @@ class _Conn:
         self.backend = str(backend)
         self.ch.send(encode_control(FrameType.AUTH_OK, {"mac": auth.mac(s.secret, b"s", nonce_s, nonce_c)}))
 
-    # -- reader: control frames from the receiver ---------------------------
-    def read_loop(self) -> None:
+    # -- one loop per connection: read a control frame, then send what the credits allow
+    def serve_loop(self) -> None:
+        """Single-threaded per connection: no hand-off between a reader and a writer thread.
+
+        While a block is being sent, the receiver's credit frames wait in the
+        socket buffer; they are read right after.
+        """
         while True:
             h, body = self.ch.recv_control()
             if h.type == FrameType.REQUEST:
-                items = decode_request(body)
-                with self.cond:
-                    self.queue.extend(items)
-                    self.cond.notify()
+                self.queue.extend(decode_request(body))
             elif h.type == FrameType.CREDIT:
-                with self.cond:
-                    self.credits += h.seq
-                    self.cond.notify()
+                self.credits += h.seq
             elif h.type == FrameType.SHM_ATTACH and self.backend == "shm" and self.ring is None:
                 if not isinstance(body, dict):
                     raise FrameError("SHM_ATTACH body must be a map")
-                ring = ShmRing.attach(self.server.settings.shm_dir, body.get("name"), body.get("slots"), body.get("slot_bytes"))
-                with self.cond:
-                    self.ring = ring
-                    self.cond.notify()
+                self.ring = ShmRing.attach(self.server.settings.shm_dir, body.get("name"), body.get("slots"), body.get("slot_bytes"))
             else:
                 raise FrameError(f"unexpected {h.type.name} frame from receiver")
-
-    # -- writer: blocks to the receiver --------------------------------------
-    def write_loop(self) -> None:
-        s = self.server
-        while True:
-            with self.cond:
-                while not self.done and not (self.queue and self.credits > 0 and (self.backend != "shm" or self.ring)):
-                    self.cond.wait()
-                if self.done:
-                    return
+            while self.queue and self.credits > 0 and (self.backend != "shm" or self.ring is not None):
                 seq, bh = self.queue.popleft()
                 self.credits -= 1
-            data = s.source.get_block(bh)
-            if data is None:
-                self.ch.send(encode_header(FrameType.MISSING, seq=seq, block_hash=bh))
-                continue
-            view = memoryview(data).cast("B")
-            csum = s.checksum_of(bh, view)
-            if self.ring is not None:
-                slot = self.sent_blocks % self.ring.slots
-                self.ring.slot(slot, len(view))[:] = view
-                self.ch.send(encode_header(FrameType.SHM_BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh, slot=slot))
+                self.send_block(seq, bh)
+
+    def send_block(self, seq: int, bh: BlockHash) -> None:
+        s = self.server
+        data = s.source.get_block(bh)
+        if data is None:
+            self.ch.send(encode_header(FrameType.MISSING, seq=seq, block_hash=bh))
+            return
+        view = memoryview(data).cast("B")
+        csum = s.checksum_of(bh, view)
+        if self.ring is not None:
+            slot = self.sent_blocks % self.ring.slots
+            self.ring.slot(slot, len(view))[:] = view
+            self.ch.send(encode_header(FrameType.SHM_BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh, slot=slot))
+        else:
+            hdr = encode_header(FrameType.BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh)
+            hook = s.fault_hook
+            if hook is None:
+                self.ch.send(hdr, view)
             else:
-                hdr = encode_header(FrameType.BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh)
-                hook = s.fault_hook
-                if hook is None:
-                    self.ch.send(hdr, view)
-                else:
-                    wire, kill = hook(hdr, view)
-                    self.ch.send(wire)
-                    if kill:
-                        raise StreamError("connection killed by fault injection")
-            self.sent_blocks += 1
-            s.sent_blocks += 1
-            s.metrics.moved(self.backend, "sent", len(view))
+                wire, kill = hook(hdr, view)
+                self.ch.send(wire)
+                if kill:
+                    raise StreamError("connection killed by fault injection")
+        self.sent_blocks += 1
+        s.sent_blocks += 1
+        s.metrics.moved(self.backend, "sent", len(view))
 
     def stop(self) -> None:
-        with self.cond:
-            self.done = True
-            self.cond.notify_all()
+        self.done = True
         self.ch.close()
         if self.ring is not None:
             self.ring.close()
@@ -165,6 +161,7 @@ class TransferServer:
         self.backends = tuple(b for b in self.settings.backends if b in ("tcp", "shm"))
         self.fault_hook: Any = None
         self.sent_blocks = 0
+        self.accepted = 0
         self._sock: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._conns: set[_Conn] = set()
@@ -231,6 +228,7 @@ class TransferServer:
                 continue
             except OSError:
                 return
+            self.accepted += 1
             t = threading.Thread(target=self._serve, args=(sock,), name="kvfleet-xfer-conn", daemon=True)
             t.start()
             with self._lock:
@@ -241,7 +239,6 @@ class TransferServer:
         conn = _Conn(self, ch)
         with self._lock:
             self._conns.add(conn)
-        writer: threading.Thread | None = None
         try:
             try:
                 conn.handshake()
@@ -251,9 +248,7 @@ class TransferServer:
                 log.warning("transfer: rejected peer %s: %s", ch.peer, exc)
                 return
             ch.settimeout(None)
-            writer = threading.Thread(target=self._guard, args=(conn, conn.write_loop), name="kvfleet-xfer-send", daemon=True)
-            writer.start()
-            conn.read_loop()
+            conn.serve_loop()
         except PeerClosed:
             pass
         except TransferError as exc:
@@ -262,16 +257,5 @@ class TransferServer:
                 log.warning("transfer: closing connection from %s: %s", ch.peer, exc)
         finally:
             conn.stop()
-            if writer is not None:
-                writer.join(timeout=5)
             with self._lock:
                 self._conns.discard(conn)
-
-    def _guard(self, conn: _Conn, fn: Any) -> None:
-        try:
-            fn()
-        except TransferError as exc:
-            if not (self._stopping.is_set() or conn.done):
-                self.metrics.errors.labels(exc.kind).inc()
-                log.warning("transfer: send to %s failed: %s", conn.ch.peer, exc)
-            conn.stop()

@@ -15,9 +15,15 @@ import mmap
 import os
 import re
 import secrets
+import weakref
 from pathlib import Path
 
 from kvfleet.agent.transfer.errors import FrameError, StreamError
+
+
+def _unlink_quietly(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
 
 _NAME = re.compile(r"^kvfleet-xfer-[0-9a-f]{32}$")
 
@@ -32,6 +38,13 @@ class ShmRing:
         self._mm = mm
         self._view = memoryview(mm)
         self.owner = owner
+        # the name only matters until the peer has mapped it; never leave it behind, even on a crash
+        self._unlink = weakref.finalize(self, _unlink_quietly, path) if owner else None
+
+    def unlink(self) -> None:
+        """Drop the name (both sides keep their mappings); the creator calls it once the peer attached."""
+        if self._unlink is not None:
+            self._unlink()
 
     @property
     def name(self) -> str:
@@ -87,5 +100,4 @@ class ShmRing:
             self._mm.close()
         except (BufferError, ValueError):
             pass
-        if self.owner:
-            self.path.unlink(missing_ok=True)
+        self.unlink()

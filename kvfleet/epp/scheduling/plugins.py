@@ -67,19 +67,25 @@ class PrefixCacheScorer:
 class QueueScorer:
     """Minus the seconds of prefill queued on the pod ahead of this request.
 
-    ``queue_s = pending_tokens · prefill_s_per_token + max(0, waiting − pending_requests) · prefill_s(request)``
+    ``queue_s = pending_tokens · prefill_s_per_token + pending_requests · overhead_s + running · running_s
+    + max(0, waiting − pending_requests) · prefill_s(request)``
     where ``pending_tokens`` are the predicted uncached tokens of the picker's own
-    requests not yet answered, and ``waiting`` (fresh metrics only) adds requests
-    the picker did not route, each assumed as long as this one.
+    ``pending_requests`` not yet answered (each also costs ``overhead_s``, param,
+    default 0.01 s: at least one engine step), ``running`` its requests already decoding there
+    (each slows a new prefill by ``running_s``, param, default 0.01 s: the
+    decode steps interleaved with it), and ``waiting`` (fresh metrics only) adds
+    requests the picker did not route, each assumed as long as this one.
     """
 
     def __init__(self, params: Mapping[str, float]) -> None:
-        pass
+        self.running_s = float(params.get("running_s", 0.01))
+        self.overhead_s = float(params.get("overhead_s", 0.01))
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         out = []
         for c in cands:
-            q = c.pending_tokens * req.prefill_s_per_token
+            q = c.pending_tokens * req.prefill_s_per_token + c.pending_requests * self.overhead_s
+            q += max(0, c.inflight - c.pending_requests) * self.running_s
             if c.metrics is not None:
                 q += max(0.0, c.metrics.waiting - c.pending_requests) * req.prefill_s
             out.append(-q)

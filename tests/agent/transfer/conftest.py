@@ -37,7 +37,7 @@ def store() -> MemoryBlockStore:
 
 @pytest.fixture
 def hashes(store: MemoryBlockStore) -> list[int]:
-    return sorted(store)  # type: ignore[type-var]
+    return sorted(int(h) for h in store)
 
 
 @pytest.fixture
@@ -47,8 +47,10 @@ async def server(store: MemoryBlockStore, settings: TransferSettings) -> AsyncIt
 
 
 @pytest.fixture
-def client(settings: TransferSettings) -> TransferClient:
-    return TransferClient(SECRET, settings=settings)
+def client(settings: TransferSettings) -> Iterator[TransferClient]:
+    c = TransferClient(SECRET, settings=settings)
+    yield c
+    c.close()
 
 
 def peer(srv: TransferServer) -> tuple[str, int]:

@@ -1,0 +1,535 @@
+"""bench.routing: discrete-event cluster simulation of routing policies on the Mooncake traces.
+
+N pods, each a FIFO prefill server at the cost model's speed with a GPU prefix
+cache of C blocks (the trace's 512-token blocks, LRU); kvfleet's tiered runs add
+CPU and SSD tiers (exclusive, demote on eviction, promote on a hit at the
+cost model's read bandwidth). TTFT = queueing + prefill of the uncached suffix
++ tier loads + one decode step. Arrivals replay the trace at ×1, ×2, ×4 its rate.
+
+Policies (the same arrivals for all):
+
+- ``random``, ``round-robin``, ``least-load`` (fewest outstanding requests);
+- ``gie-approx-prefix``: GIE's approximate prefix scorer (the router's own
+  per-pod LRU of the blocks it routed) weight 3 + queue-depth scorer (min-max) 2
+  + KV-utilisation scorer 2, max score wins;
+- ``sglang-cache-aware`` (sglang-router 0.3): the router's own per-pod prefix
+  tree; match rate > 0.3 → best match, else least-loaded; when
+  ``max − min load > 64`` and ``max > 1.5·min`` → least-loaded;
+- ``kvfleet``: kvfleet's EPP scheduling profile and :class:`BlockIndex`
+  (``kvfleet.epp``), fed by the pods' KV events after ``event_delay_s``; picks are
+  indexed speculatively until events confirm them; GPU-only caches;
+- ``kvfleet-tiered``: the same with CPU/SSD tiers on the pods; tier weights from
+  the cost model.
+
+Reported per trace, load and cache size: token hit rate and its ratio to the
+one-node ideal (a single LRU of N·C blocks, infinite compute, arrival order),
+TTFT p50/mean/p90/p99, max/mean busy time over pods. Last line: one JSON
+object with ``hit_vs_ideal`` (kvfleet GPU-only, worst config),
+``ttft_vs_best_peer`` (largest kvfleet/best-peer ratio over configs and over
+p50/mean/p90) and ``tiered_ttft_p90_vs_best_peer`` (synthetic, ×4, small GPU
+caches: kvfleet-tiered p90 / best GPU-only peer p90).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import sys
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from bench import _traces as traces
+from kvfleet.cache.tiers import Tier
+from kvfleet.config.epp import CostModelSettings, PluginSpec
+from kvfleet.epp.datastore import Pod
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.inflight import InflightTracker
+from kvfleet.epp.router import tier_weights
+from kvfleet.epp.scheduling import Candidate, Profile, SchedulingRequest
+
+BLOCK = traces.TRACE_BLOCK
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated cluster (cost model of an 8B model on one H100 per pod)."""
+
+    pods: int = 8
+    gpu_blocks: int = 1000
+    cpu_blocks: int = 0
+    ssd_blocks: int = 0
+    prefill_tokens_per_s: float = 16_000.0
+    decode_step_s: float = 0.009
+    kv_bytes_per_token: int = 131_072
+    cpu_gbps: float = 20.0
+    ssd_gbps: float = 3.0
+    event_delay_s: float = 0.02
+    seed: int = 0
+
+    @property
+    def block_prefill_s(self) -> float:
+        return BLOCK / self.prefill_tokens_per_s
+
+    def load_s(self, tier: Tier) -> float:
+        bw = self.cpu_gbps if tier is Tier.CPU else self.ssd_gbps
+        return BLOCK * self.kv_bytes_per_token / (bw * 1e9)
+
+
+@dataclass
+class Req:
+    arrival: float
+    tokens: int
+    blocks: list[int]
+
+
+@dataclass
+class SimPod:
+    """A pod: exclusive GPU/CPU/SSD LRU tiers and a FIFO prefill server."""
+
+    cfg: SimConfig
+    gpu: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    cpu: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    ssd: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    busy_until: float = 0.0
+    busy_s: float = 0.0
+    outstanding: deque[tuple[float, float]] = field(default_factory=deque)  # (start, finish)
+
+    def serve(self, r: Req, now: float) -> tuple[float, int, list[tuple[str, list[int], Tier]]]:
+        """Queue ``r``; returns (finish time, hit tokens, KV events the pod emits at finish)."""
+        cfg = self.cfg
+        start = max(now, self.busy_until)
+        hit = 0
+        load = 0.0
+        events: list[tuple[str, list[int], Tier]] = []
+        promoted_cpu: list[int] = []
+        promoted_ssd: list[int] = []
+        for b in r.blocks:
+            if b in self.gpu:
+                self.gpu.move_to_end(b)
+            elif b in self.cpu:
+                del self.cpu[b]
+                promoted_cpu.append(b)
+                load += cfg.load_s(Tier.CPU)
+            elif b in self.ssd:
+                del self.ssd[b]
+                promoted_ssd.append(b)
+                load += cfg.load_s(Tier.SSD)
+            else:
+                break
+            hit += 1
+        hit_tokens = min(hit * BLOCK, r.tokens)
+        service = (r.tokens - hit_tokens) / cfg.prefill_tokens_per_s + load + cfg.decode_step_s
+        finish = start + service
+        self.busy_until = finish
+        self.busy_s += service
+        self.outstanding.append((start, finish))
+        if promoted_cpu:
+            events.append(("removed", promoted_cpu, Tier.CPU))
+        if promoted_ssd:
+            events.append(("removed", promoted_ssd, Tier.SSD))
+        new: list[int] = []
+        for b in r.blocks[hit:]:
+            if b not in self.gpu:
+                new.append(b)
+        for b in promoted_cpu + promoted_ssd + new:
+            self.gpu[b] = None
+        stored = promoted_cpu + promoted_ssd + new
+        if stored:
+            events.append(("stored", stored, Tier.GPU))
+        self._spill(events)
+        return finish, hit_tokens, events
+
+    def _spill(self, events: list[tuple[str, list[int], Tier]]) -> None:
+        cfg = self.cfg
+        tiers = [(self.gpu, cfg.gpu_blocks, Tier.GPU), (self.cpu, cfg.cpu_blocks, Tier.CPU), (self.ssd, cfg.ssd_blocks, Tier.SSD)]
+        for i, (cache, cap, tier) in enumerate(tiers):
+            if len(cache) <= cap:
+                continue
+            out: list[int] = []
+            while len(cache) > cap:
+                b, _ = cache.popitem(last=False)
+                out.append(b)
+            events.append(("removed", out, tier))
+            nxt = next(((c, cp, t) for c, cp, t in tiers[i + 1 :] if cp > 0), None)
+            if nxt is not None:
+                for b in out:
+                    nxt[0][b] = None
+                events.append(("stored", out, nxt[2]))
+
+    def waiting_running(self, now: float) -> tuple[int, int]:
+        while self.outstanding and self.outstanding[0][1] <= now:
+            self.outstanding.popleft()
+        waiting = sum(1 for s, _ in self.outstanding if s > now)
+        return waiting, len(self.outstanding) - waiting
+
+
+# --- policies -------------------------------------------------------------------------------
+
+
+class Policy:
+    name = "base"
+
+    def __init__(self, cfg: SimConfig, pods: list[SimPod]) -> None:
+        self.cfg, self.pods = cfg, pods
+        self.rng = random.Random(cfg.seed)
+
+    def route(self, r: Req, now: float) -> int:
+        raise NotImplementedError
+
+    def routed(self, r: Req, pod: int, now: float, finish: float) -> None:
+        """Bookkeeping after the pick (the router's own view)."""
+
+    def prefill_done(self, token: Any, now: float) -> None:
+        pass
+
+    def on_events(self, pod: int, events: list[tuple[str, list[int], Tier]]) -> None:
+        pass
+
+    def least_loaded(self, now: float) -> int:
+        loads = [len(p.outstanding) for p in self.pods]
+        lo = min(loads)
+        return self.rng.choice([i for i, v in enumerate(loads) if v == lo])
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def route(self, r: Req, now: float) -> int:
+        return self.rng.randrange(len(self.pods))
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+    _i = 0
+
+    def route(self, r: Req, now: float) -> int:
+        self._i = (self._i + 1) % len(self.pods)
+        return self._i
+
+
+class LeastLoad(Policy):
+    name = "least-load"
+
+    def route(self, r: Req, now: float) -> int:
+        for p in self.pods:
+            p.waiting_running(now)
+        return self.least_loaded(now)
+
+
+class _RouterLRU:
+    """The router's own per-pod record of routed blocks (LRU, capacity in blocks)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, blocks: Sequence[int]) -> int:
+        n = 0
+        for b in blocks:
+            if b not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            self.blocks[b] = None
+            self.blocks.move_to_end(b)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+
+class GieApproxPrefix(Policy):
+    name = "gie-approx-prefix"
+
+    def __init__(self, cfg: SimConfig, pods: list[SimPod]) -> None:
+        super().__init__(cfg, pods)
+        self.lru = [_RouterLRU(cfg.gpu_blocks) for _ in pods]
+
+    def route(self, r: Req, now: float) -> int:
+        n = max(1, len(r.blocks))
+        wr = [p.waiting_running(now) for p in self.pods]
+        qs = [w for w, _ in wr]
+        qmin, qmax = min(qs), max(qs)
+        best, best_s = [], -1e18
+        for i, p in enumerate(self.pods):
+            prefix = self.lru[i].match(r.blocks) / n
+            queue = 1.0 if qmax == qmin else (qmax - qs[i]) / (qmax - qmin)
+            kv = 1.0 - len(p.gpu) / self.cfg.gpu_blocks
+            s = 3 * prefix + 2 * queue + 2 * kv
+            if s > best_s + 1e-12:
+                best, best_s = [i], s
+            elif abs(s - best_s) <= 1e-12:
+                best.append(i)
+        return self.rng.choice(best)
+
+    def routed(self, r: Req, pod: int, now: float, finish: float) -> None:
+        self.lru[pod].insert(r.blocks)
+
+
+class SglangCacheAware(Policy):
+    name = "sglang-cache-aware"
+
+    def __init__(self, cfg: SimConfig, pods: list[SimPod]) -> None:
+        super().__init__(cfg, pods)
+        self.tree = [_RouterLRU(1 << 15) for _ in pods]
+
+    def route(self, r: Req, now: float) -> int:
+        for p in self.pods:
+            p.waiting_running(now)
+        loads = [len(p.outstanding) for p in self.pods]
+        if max(loads) - min(loads) > 64 and max(loads) > 1.5 * min(loads):
+            return self.least_loaded(now)
+        n = max(1, len(r.blocks))
+        matches = [t.match(r.blocks) for t in self.tree]
+        m = max(matches)
+        if m / n > 0.3:
+            cands = [i for i, v in enumerate(matches) if v == m]
+            lo = min(loads[i] for i in cands)
+            return self.rng.choice([i for i in cands if loads[i] == lo])
+        return self.least_loaded(now)
+
+    def routed(self, r: Req, pod: int, now: float, finish: float) -> None:
+        self.tree[pod].insert(r.blocks)
+
+
+class Kvfleet(Policy):
+    """kvfleet's EPP profile over its BlockIndex, fed by the pods' KV events."""
+
+    name = "kvfleet"
+
+    def __init__(self, cfg: SimConfig, pods: list[SimPod], plugins: Sequence[PluginSpec], hotspot_beta: float, spec_ttl_s: float) -> None:
+        super().__init__(cfg, pods)
+        self.now = 0.0
+        self.index = BlockIndex()
+        self.tracker = InflightTracker(clock=lambda: self.now)
+        self.profile = Profile(plugins)
+        self.names = [f"pod-{i}" for i in range(len(pods))]
+        self.pods_rec = [Pod(name=n, address="10.0.0.1", port=8000 + i) for i, n in enumerate(self.names)]
+        cost = CostModelSettings(
+            prefill_tokens_per_s=cfg.prefill_tokens_per_s, kv_bytes_per_token=cfg.kv_bytes_per_token,
+            cpu_gbps=cfg.cpu_gbps, ssd_gbps=cfg.ssd_gbps, remote_gbps=cfg.ssd_gbps / 2,
+        )
+        self.weights = tier_weights(cost)
+        self.beta = hotspot_beta
+        self.spec_ttl_s = spec_ttl_s
+        self._last: Any = None
+
+    def route(self, r: Req, now: float) -> int:
+        self.now = now
+        matches = self.index.match(r.blocks, self.names, self.weights, now=now)
+        shard = r.blocks[min(4, len(r.blocks)) - 1] if r.blocks else 0
+        cands = []
+        for i, p in enumerate(self.pods_rec):
+            m = matches.get(p.name)
+            inflight, pt, pr = self.tracker.load(p.name)
+            cands.append(Candidate(pod=p, hit_blocks=m.blocks if m else 0, hit_weighted=m.weighted if m else 0.0,
+                                   inflight=inflight, same_prefix=self.tracker.same_prefix(p.name, shard),
+                                   pending_tokens=pt, pending_requests=pr))
+        sreq = SchedulingRequest(num_tokens=r.tokens, block_size=BLOCK, prefill_s_per_token=1.0 / self.cfg.prefill_tokens_per_s,
+                                 hotspot_beta=self.beta)
+        best = self.profile.run(sreq, cands).pods[0]
+        pod = int(best.name.rsplit("-", 1)[1])
+        hit = min(r.tokens, best.hit_blocks * BLOCK)
+        self._last = (pod, shard, float(r.tokens - hit))
+        return pod
+
+    def routed(self, r: Req, pod: int, now: float, finish: float) -> Any:
+        _, shard, pending = self._last
+        ticket = self.tracker.open((self.names[pod],), shard, pending)
+        # as the EPP does: speculative until the first token, then spec_ttl_s more unless events confirm
+        self.index.add_speculative(self.names[pod], r.blocks, self.tracker.max_age_s, now=now)
+        return ticket, self.names[pod], r.blocks
+
+    def prefill_done(self, token: Any, now: float) -> None:
+        ticket, name, blocks = token
+        self.now = now
+        ticket.close()
+        self.index.add_speculative(name, blocks, self.spec_ttl_s, now=now)
+
+    def on_events(self, pod: int, events: list[tuple[str, list[int], Tier]]) -> None:
+        name = self.names[pod]
+        for kind, keys, tier in events:
+            if kind == "stored":
+                self.index.add(name, keys, tier)
+            else:
+                self.index.remove(name, keys, tier)
+
+
+# --- the simulation -------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    policy: str
+    hit_rate: float
+    ttft: dict[str, float]
+    load_max_over_mean: float
+    seconds: float
+
+
+def simulate(reqs: list[Req], cfg: SimConfig, make: Callable[[SimConfig, list[SimPod]], Policy]) -> Result:
+    t0 = time.perf_counter()
+    pods = [SimPod(cfg) for _ in range(cfg.pods)]
+    pol = make(cfg, pods)
+    heap: list[tuple[float, int, int, Any]] = []  # (time, seq, kind 0=events 1=prefill done, payload)
+    seq = 0
+    ttft = np.empty(len(reqs))
+    hit_tokens = 0
+    total_tokens = 0
+    for k, r in enumerate(reqs):
+        now = r.arrival
+        while heap and heap[0][0] <= now:
+            t, _, kind, payload = heapq.heappop(heap)
+            if kind == 0:
+                pol.on_events(*payload)
+            else:
+                pol.prefill_done(payload, t)
+        i = pol.route(r, now)
+        finish, hit, events = pods[i].serve(r, now)
+        token = pol.routed(r, i, now, finish)
+        seq += 1
+        heapq.heappush(heap, (finish, seq, 1, token))
+        if events:
+            seq += 1
+            heapq.heappush(heap, (finish + cfg.event_delay_s, seq, 0, (i, events)))
+        ttft[k] = finish - now
+        hit_tokens += hit
+        total_tokens += r.tokens
+    busy = np.array([p.busy_s for p in pods])
+    return Result(
+        policy=pol.name,
+        hit_rate=hit_tokens / max(1, total_tokens),
+        ttft={"p50": float(np.percentile(ttft, 50)), "mean": float(ttft.mean()),
+              "p90": float(np.percentile(ttft, 90)), "p99": float(np.percentile(ttft, 99))},
+        load_max_over_mean=float(busy.max() / max(1e-9, busy.mean())),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def ideal_hit_rate(reqs: list[Req], capacity: int) -> float:
+    """One node, one LRU of ``capacity`` blocks, infinite compute, arrival order."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    hit_tokens = total = 0
+    for r in reqs:
+        hit = 0
+        for b in r.blocks:
+            if b not in lru:
+                break
+            hit += 1
+        for b in r.blocks:
+            lru[b] = None
+            lru.move_to_end(b)
+        while len(lru) > capacity:
+            lru.popitem(last=False)
+        hit_tokens += min(hit * BLOCK, r.tokens)
+        total += r.tokens
+    return hit_tokens / max(1, total)
+
+
+def load_requests(name: str, limit: int | None, speed: float) -> list[Req]:
+    rows = traces.load(name, limit)
+    return [Req(arrival=row.timestamp_ms / 1000.0 / speed, tokens=row.input_length, blocks=list(row.hash_ids)) for row in rows]
+
+
+def kvfleet_plugins(hit_weight: float = 1.0, kv_weight: float = 0.05, overhead_s: float = 0.009) -> list[PluginSpec]:
+    return [
+        PluginSpec(type="prefix-cache-scorer", weight=hit_weight),
+        # the simulation has no decode interference; each request costs one decode step
+        PluginSpec(type="queue-scorer", weight=1.0, params={"running_s": 0.0, "overhead_s": overhead_s}),
+        PluginSpec(type="kv-cache-utilization-scorer", weight=kv_weight),
+        PluginSpec(type="max-score-picker", params={"fallbacks": 0}),
+    ]
+
+
+def peers() -> dict[str, Callable[[SimConfig, list[SimPod]], Policy]]:
+    return {
+        "random": RandomPolicy,
+        "round-robin": RoundRobin,
+        "least-load": LeastLoad,
+        "gie-approx-prefix": GieApproxPrefix,
+        "sglang-cache-aware": SglangCacheAware,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="a prefix of each trace (fits in 60 s)")
+    ap.add_argument("--pods", type=int, default=12)
+    ap.add_argument("--beta", type=float, default=0.0, help="hot-spot decay β of the prefix scorer")
+    ap.add_argument("--hit-weight", type=float, default=5.0, help="weight of the prefix-cache scorer")
+    ap.add_argument("--spec-ttl", type=float, default=10.0, help="speculative index TTL (s)")
+    args = ap.parse_args(argv)
+    limits = {"conversation": 2000, "synthetic": 1000} if args.quick else {"conversation": None, "synthetic": None}
+    loads = (1, 2, 4)
+    gpu_sizes = {"large": 1000, "small": 250}
+
+    def kvfleet(cfg: SimConfig, pods: list[SimPod]) -> Policy:
+        return Kvfleet(cfg, pods, kvfleet_plugins(args.hit_weight), args.beta, args.spec_ttl)
+
+    def kvfleet_tiered(cfg: SimConfig, pods: list[SimPod]) -> Policy:
+        p = Kvfleet(cfg, pods, kvfleet_plugins(args.hit_weight), args.beta, args.spec_ttl)
+        p.name = "kvfleet-tiered"
+        return p
+
+    rows: list[dict[str, Any]] = []
+    hit_ratios: list[float] = []
+    ttft_ratios: list[float] = []
+    t_start = time.perf_counter()
+
+    def run_config(trace: str, size_name: str, gpu: int, speed: int, limit: int | None, grid: bool) -> dict[str, Result]:
+        cfg = SimConfig(pods=args.pods, gpu_blocks=gpu)
+        reqs = load_requests(trace, limit, speed)
+        ideal = ideal_hit_rate(reqs, cfg.pods * cfg.gpu_blocks)
+        results = [simulate(reqs, cfg, mk) for mk in peers().values()]
+        kv = simulate(reqs, cfg, kvfleet)
+        results.append(kv)
+        tiered = simulate(reqs, replace(cfg, cpu_blocks=4 * gpu, ssd_blocks=16 * gpu), kvfleet_tiered)
+        results.append(tiered)
+        best = {q: min(r.ttft[q] for r in results if not r.policy.startswith("kvfleet")) for q in ("p50", "mean", "p90")}
+        if grid:
+            hit_ratios.append(kv.hit_rate / ideal if ideal > 0 else 1.0)
+            ttft_ratios.extend(kv.ttft[q] / best[q] for q in best)
+        print(f"\n{trace} ×{speed} gpu={gpu}/pod ({len(reqs)} req, ideal hit {ideal:.3f})")
+        print(f"  {'policy':<20} {'hit':>6} {'/ideal':>7} {'p50':>8} {'mean':>8} {'p90':>8} {'p99':>8} {'max/mean':>8}")
+        for r in results:
+            print(f"  {r.policy:<20} {r.hit_rate:6.3f} {r.hit_rate / ideal if ideal else 1:7.3f} "
+                  f"{r.ttft['p50']:8.3f} {r.ttft['mean']:8.3f} {r.ttft['p90']:8.3f} {r.ttft['p99']:8.3f} {r.load_max_over_mean:8.2f}")
+            rows.append({"trace": trace, "load": speed, "gpu_blocks": gpu, "policy": r.policy, "hit": round(r.hit_rate, 4),
+                         "hit_vs_ideal": round(r.hit_rate / ideal, 4) if ideal else None,
+                         **{k: round(v, 4) for k, v in r.ttft.items()}, "load_max_over_mean": round(r.load_max_over_mean, 3)})
+        sys.stdout.flush()
+        return {r.policy: r for r in results}
+
+    for trace in ("conversation", "synthetic"):
+        for size_name, gpu in gpu_sizes.items():
+            for speed in loads:
+                run_config(trace, size_name, gpu, speed, limits[trace], grid=True)
+    # the tiering headline: the whole synthetic trace at ×4 with small GPU caches
+    head = run_config("synthetic", "small", gpu_sizes["small"], 4, None, grid=False)
+    best_p90 = min(r.ttft["p90"] for name, r in head.items() if not name.startswith("kvfleet"))
+    tiered_ratio = head["kvfleet-tiered"].ttft["p90"] / best_p90
+    summary = {
+        "bench": "routing",
+        "quick": args.quick,
+        "pods": args.pods,
+        "hit_vs_ideal": round(min(hit_ratios), 4),
+        "ttft_vs_best_peer": round(max(ttft_ratios), 4),
+        "tiered_ttft_p90_vs_best_peer": round(tiered_ratio, 4),
+        "configs": len(hit_ratios),
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+    print(f"\n{len(rows)} rows; wall {summary['seconds']} s")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""bench.transfer — KV block transfer prefill → decode over tcp and shm, against a raw socket pair.
+
+A sender child process (the "prefill pod") holds N blocks of 2 MiB (one
+Llama-3-8B 16-token block: 32 layers × 2 (K,V) × 8 KV heads × 128 dims × 16
+tokens × fp16) in a kvfleet TransferServer and in a raw sender. This process
+(the "decode pod") pulls them into one preallocated arena:
+
+* raw: one TCP connection, plain ``sendall`` / ``recv_into`` of the same
+  blocks, no framing, auth or checksums — the baseline, measured in this run;
+* kvfleet tcp at 1/2/4 streams and kvfleet shm (same host);
+* first-block latency (``pull`` → first block delivered, warm connections)
+  against one block's raw transfer time, and against the whole batch;
+* Mooncake Transfer Engine's TCP transport when ``mooncake`` imports (else null).
+
+Each figure is the best of ``--reps`` runs (the machine is shared and noisy);
+medians are printed too. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from kvfleet.agent.transfer import MemoryBlockStore, TransferClient, TransferServer
+from kvfleet.config.transfer import TransferSettings
+
+BLOCK = 2 << 20
+SECRET = b"bench-transfer-secret"
+HOST = "127.0.0.1"
+
+
+def _blocks(n: int) -> list[bytes]:
+    rng = np.random.default_rng(7)
+    return [rng.bytes(BLOCK) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------
+# sender child
+# ---------------------------------------------------------------------------
+
+
+def _raw_serve(conn: socket.socket, blocks: list[memoryview]) -> None:
+    with conn:
+        while True:
+            head = conn.recv(8, socket.MSG_WAITALL)
+            if len(head) < 8:
+                return
+            (count,) = struct.unpack("!Q", head)
+            for i in range(count):
+                conn.sendall(blocks[i % len(blocks)])
+
+
+def _raw_accept(lsock: socket.socket, blocks: list[memoryview]) -> None:
+    while True:
+        try:
+            conn, _ = lsock.accept()
+        except OSError:
+            return
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=_raw_serve, args=(conn, blocks), daemon=True).start()
+
+
+async def _sender(n: int, shm_dir: str) -> None:
+    blocks = _blocks(n)
+    store = MemoryBlockStore()
+    for i, b in enumerate(blocks):
+        store.put(i + 1, b)
+    lsock = socket.socket()
+    lsock.bind((HOST, 0))
+    lsock.listen(16)
+    threading.Thread(target=_raw_accept, args=(lsock, [memoryview(b) for b in blocks]), daemon=True).start()
+    settings = TransferSettings(host_id="bench-host", shm_dir=shm_dir, window_blocks=8)
+    async with TransferServer(store, SECRET, settings=settings) as srv:
+        print(json.dumps({"port": srv.port, "raw_port": lsock.getsockname()[1]}), flush=True)
+        await asyncio.to_thread(sys.stdin.read)  # until the parent closes our stdin
+    lsock.close()
+
+
+# ---------------------------------------------------------------------------
+# receiver (this process)
+# ---------------------------------------------------------------------------
+
+
+def _raw_batch(sock: socket.socket, arena: memoryview, n: int) -> float:
+    t = time.perf_counter()
+    sock.sendall(struct.pack("!Q", n))
+    for i in range(n):
+        view = arena[i * BLOCK : (i + 1) * BLOCK]
+        got = 0
+        while got < BLOCK:
+            got += sock.recv_into(view[got:], BLOCK - got, socket.MSG_WAITALL)
+    return time.perf_counter() - t
+
+
+def _mooncake_gbps() -> float | None:
+    try:
+        import mooncake.engine  # noqa: F401  (optional: mooncake-transfer-engine)
+    except Exception:
+        return None
+    return None  # importable, but no adapter measured here: see docs/transfer.md
+
+
+async def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    n, reps = int(args.blocks), int(args.reps)
+    shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "bench.transfer", "--role", "sender", "--blocks", str(n), "--shm-dir", shm_dir],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"sender child died (rc={child.wait()})")
+        ports = json.loads(line)
+        arena = memoryview(bytearray(b"\x01") * (n * BLOCK))  # prefaulted destination slots
+        hashes = list(range(1, n + 1))
+        gb = float(n * BLOCK / 1e9)
+
+        raw = socket.create_connection((HOST, ports["raw_port"]))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _raw_batch(raw, arena, n)  # warm-up
+        raw_s = [_raw_batch(raw, arena, n) for _ in range(reps)]
+        one_block_s = [_raw_batch(raw, arena, 1) for _ in range(max(10, 3 * reps))]
+
+        def alloc(seq: int, _h: object, length: int) -> memoryview:
+            return arena[seq * BLOCK : seq * BLOCK + length]
+
+        settings = TransferSettings(host_id="bench-host", shm_dir=shm_dir, window_blocks=8, streams=4)
+        client = TransferClient(SECRET, settings=settings)
+        peer = (HOST, ports["port"])
+
+        async def run(backend: str, streams: int) -> tuple[float, float]:
+            t = time.perf_counter()
+            handle = client.pull(peer, hashes, alloc=alloc, backends=[backend], streams=streams)
+            count = 0
+            async for _b in handle:
+                count += 1
+            assert count == n, handle.exception()
+            if handle.stats.retries:
+                print(f"note: {backend} x{streams} needed {handle.stats.retries} retries", file=sys.stderr)
+            return time.perf_counter() - t, handle.stats.first_block_s or 0.0
+
+        results: dict[str, list[float]] = {}
+        first: list[float] = []
+        for backend, streams in (("tcp", 1), ("tcp", 2), ("tcp", 4), ("shm", 1)):
+            await run(backend, streams)  # warm-up: connections, shm ring
+            key = f"{backend}{streams}" if backend == "tcp" else backend
+            times = []
+            for _ in range(reps):
+                dt, _fb = await run(backend, streams)
+                times.append(dt)
+            results[key] = times
+        for _ in range(max(9, reps)):  # first-block latency: one stream, warm connection, whole batch requested
+            first.append((await run("tcp", 1))[1])
+        whole_tcp1 = statistics.median(results["tcp1"])
+        raw.close()
+        client.close()
+        # interleave one more raw round after the kvfleet runs: the baseline drifts on shared machines
+        raw = socket.create_connection((HOST, ports["raw_port"]))
+        raw_s += [_raw_batch(raw, arena, n) for _ in range(reps)]
+        raw.close()
+        assert bytes(arena[:BLOCK]) == _blocks(1)[0]
+    finally:
+        if child.stdin is not None:
+            child.stdin.close()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+    def gbps(ts: list[float]) -> float:
+        return gb / min(ts)
+
+    raw_gbps = gbps(raw_s)
+    tcp = {s: gbps(results[f"tcp{s}"]) for s in (1, 2, 4)}
+    best = max(tcp, key=lambda s: tcp[s])
+    one = statistics.median(one_block_s)
+    fb = statistics.median(first)
+    print(f"batch: {n} blocks × {BLOCK >> 20} MiB = {n * BLOCK >> 20} MiB, best of {reps}")
+    print(f"raw socket pair     {raw_gbps:6.2f} GB/s (median {gb / statistics.median(raw_s):.2f})")
+    for s in (1, 2, 4):
+        print(f"kvfleet tcp x{s}      {tcp[s]:6.2f} GB/s (median {gb / statistics.median(results[f'tcp{s}']):.2f})  "
+              f"ratio {tcp[s] / raw_gbps:.2f}")
+    print(f"kvfleet shm         {gbps(results['shm']):6.2f} GB/s (median {gb / statistics.median(results['shm']):.2f})")
+    print(f"first block {fb * 1e3:.2f} ms vs one raw block {one * 1e3:.2f} ms (x{fb / one:.2f}); "
+          f"whole batch {whole_tcp1 * 1e3:.1f} ms (first/whole {fb / whole_tcp1:.3f})")
+    return {
+        "bench": "transfer",
+        "blocks": n,
+        "block_bytes": BLOCK,
+        "batch_mib": n * BLOCK >> 20,
+        "reps": reps,
+        "raw_gbps": round(raw_gbps, 3),
+        "tcp_gbps": round(tcp[best], 3),
+        "tcp_streams": best,
+        "tcp_gbps_by_streams": {str(s): round(v, 3) for s, v in tcp.items()},
+        "tcp_ratio": round(tcp[best] / raw_gbps, 3),
+        "shm_gbps": round(gbps(results["shm"]), 3),
+        "shm_ratio": round(gbps(results["shm"]) / raw_gbps, 3),
+        "first_block_ms": round(fb * 1e3, 3),
+        "raw_one_block_ms": round(one * 1e3, 3),
+        "first_block_ratio": round(fb / one, 3),
+        "whole_batch_ms": round(whole_tcp1 * 1e3, 2),
+        "first_to_whole_ratio": round(fb / whole_tcp1, 4),
+        "mooncake_gbps": _mooncake_gbps(),
+        "nixl_gbps": None,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (finishes well within 60 s)")
+    p.add_argument("--blocks", type=int, default=128, help="blocks per batch (128 × 2 MiB = 256 MiB)")
+    p.add_argument("--reps", type=int, default=0, help="timed runs per configuration (default 3 quick, 7 full)")
+    p.add_argument("--role", choices=["receiver", "sender"], default="receiver", help=argparse.SUPPRESS)
+    p.add_argument("--shm-dir", default="/dev/shm", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.blocks < 1:
+        p.error("--blocks must be >= 1")
+    if args.role == "sender":
+        asyncio.run(_sender(args.blocks, args.shm_dir))
+        return
+    args.reps = args.reps or (3 if args.quick else 7)
+    print(json.dumps(asyncio.run(_measure(args))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+{{/* Names: every object is prefixed with the release's full name. */}}
+{{- define "kvfleet.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvfleet.labels" -}}
+app.kubernetes.io/name: kvfleet
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvfleet.selector" -}}
+app.kubernetes.io/name: kvfleet
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvfleet.image" -}}
+{{ printf "%s:%s" .Values.image.repository .Values.image.tag }}
+{{- end -}}
+
+{{- define "kvfleet.eppName" -}}{{ include "kvfleet.fullname" . }}-epp{{- end -}}
+{{- define "kvfleet.registryName" -}}{{ include "kvfleet.fullname" . }}-epp-pools{{- end -}}
+{{- define "kvfleet.transferSecret" -}}{{ include "kvfleet.fullname" . }}-transfer{{- end -}}
+
+{{/* The kvfleet config.yaml: values.config with the release's object names written in. */}}
+{{- define "kvfleet.config" -}}
+{{- $cfg := deepCopy .Values.config -}}
+{{- $op := default dict $cfg.operator -}}
+{{- $_ := set $op "image" (include "kvfleet.image" .) -}}
+{{- $_ := set $op "image_pull_policy" .Values.image.pullPolicy -}}
+{{- $_ := set $op "epp_service" (include "kvfleet.eppName" .) -}}
+{{- $_ := set $op "pool_registry" (include "kvfleet.registryName" .) -}}
+{{- $_ := set $op "transfer_secret" (include "kvfleet.transferSecret" .) -}}
+{{- $_ := set $op "epp_port" (dig "epp" "grpc_port" 9002 $cfg) -}}
+{{- $_ := set $cfg "operator" $op -}}
+{{- if hasKey $cfg "epp" -}}
+{{- $_ := set $cfg.epp "namespace" .Release.Namespace -}}
+{{- end -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{- define "kvfleet.securityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 10001
+capabilities:
+  drop: ["ALL"]
+{{- end -}}

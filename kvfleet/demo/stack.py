@@ -1,0 +1,216 @@
+"""The local stack as child processes: engines, the EPP, Envoy — started, probed, and always stopped.
+
+Every child runs in its own session (process group) with its output in a log
+file; :class:`ProcessStack` remembers them and :meth:`ProcessStack.stop_all`
+sends SIGTERM to each group, waits, then SIGKILLs what is left, so no process
+outlives the stack (also on Ctrl-C, via ``with ProcessStack() as stack``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+
+class StackError(RuntimeError):
+    """A child failed to start or died; the message carries the tail of its log."""
+
+
+class PortTakenError(StackError):
+    """A port the stack needs is already in use."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def check_port_free(port: int, what: str) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise PortTakenError(f"port {port} ({what}) is already in use on 127.0.0.1: stop what holds it or pick another") from None
+
+
+@dataclass
+class Child:
+    """One started process."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@dataclass
+class ProcessStack:
+    """Starts children in their own process groups and stops every one of them."""
+
+    workdir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def __enter__(self) -> ProcessStack:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop_all()
+
+    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
+        log_path = self.workdir / f"{name}.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                list(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
+        child = Child(name, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def spawn_kvfleet(self, name: str, role_args: Sequence[str], env: dict[str, str] | None = None) -> Child:
+        return self.spawn(name, [sys.executable, "-m", "kvfleet", *role_args], env)
+
+    def wait_http(self, child: Child, url: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not child.alive():
+                raise StackError(f"{child.name} exited with {child.proc.returncode}:\n{child.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise StackError(f"{child.name} not ready at {url} after {timeout_s:.0f}s:\n{child.log_tail()}")
+
+    def wait_tcp(self, child: Child, port: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not child.alive():
+                raise StackError(f"{child.name} exited with {child.proc.returncode}:\n{child.log_tail()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+            time.sleep(0.1)
+        raise StackError(f"{child.name} not listening on {port} after {timeout_s:.0f}s:\n{child.log_tail()}")
+
+    def stop(self, child: Child, timeout_s: float = 5.0, sig: int = signal.SIGTERM) -> int:
+        """Stop one child's process group; returns its exit code."""
+        if child.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, sig)
+            try:
+                child.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                child.proc.wait(5)
+        else:
+            # The leader is gone; make sure nothing else of its group survived.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
+        if child in self.children:
+            self.children.remove(child)
+        return int(child.proc.returncode or 0)
+
+    def stop_all(self) -> None:
+        for child in list(reversed(self.children)):
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                if child.alive():
+                    os.killpg(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for child in list(reversed(self.children)):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(max(0.05, deadline - time.monotonic()))
+        for child in list(self.children):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(5)
+        self.children.clear()
+
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self.children]
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    """One engine of the stack and the ports it uses."""
+
+    name: str
+    pool: str
+    role: str
+    port: int
+    events_port: int
+    replay_port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def plan_pods(num_pods: int = 4, num_pools: int = 2, pd_pools: int = 1) -> list[PodSpec]:
+    """``num_pods`` engines over ``num_pools`` pools; the last ``pd_pools`` pools are prefill/decode.
+
+    A P/D pool alternates prefill and decode pods (at least one of each).
+    """
+    if num_pods < num_pools or num_pools < 1:
+        raise ValueError("need at least one pod per pool")
+    pods: list[PodSpec] = []
+    per = [num_pods // num_pools + (1 if i < num_pods % num_pools else 0) for i in range(num_pools)]
+    k = 0
+    for p, n in enumerate(per):
+        pd = p >= num_pools - pd_pools and n >= 2
+        for j in range(n):
+            role = ("prefill" if j % 2 == 0 else "decode") if pd else "both"
+            pods.append(PodSpec(f"pod-{k}", f"pool-{chr(ord('a') + p)}", role, free_port(), free_port(), free_port()))
+            k += 1
+    return pods
+
+
+def pods_file(pods: Sequence[PodSpec], model: str) -> dict[str, Any]:
+    """The EPP's static pods/pools file (``kvfleet.epp.datastore`` format)."""
+    pools: dict[str, list[dict[str, Any]]] = {}
+    for p in pods:
+        pools.setdefault(p.pool, []).append(
+            {
+                "name": p.name,
+                "address": "127.0.0.1",
+                "port": p.port,
+                "role": p.role,
+                "events": f"tcp://127.0.0.1:{p.events_port}",
+                "replay": f"tcp://127.0.0.1:{p.replay_port}",
+                "metrics": f"http://127.0.0.1:{p.port}/metrics",
+            }
+        )
+    return {"pools": [{"name": name, "models": [model], "pods": members} for name, members in pools.items()]}
+
+
+def write_yaml(path: Path, data: Any) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

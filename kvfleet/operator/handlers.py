@@ -1,0 +1,277 @@
+"""kopf handlers: KVCachePool reconciliation, status refresh, InferencePool registry.
+
+:func:`build_registry` returns a fresh :class:`kopf.OperatorRegistry` bound to one
+:class:`Runtime` (settings, the operator's namespace, the API client), so tests
+run the real kopf runtime with their own registry and nothing is global.
+
+Error policy (typed, never by message):
+
+* :class:`~kvfleet.operator.spec.InvalidSpecError` → status ``InvalidSpec`` +
+  Warning Event + :class:`kopf.PermanentError` (no retries until the spec changes);
+* :class:`~kvfleet.operator.kube.Transient` (5xx, 429, no answer) →
+  :class:`kopf.TemporaryError` with ``operator.retry_backoff_s``;
+* :class:`~kvfleet.operator.kube.Rejected` (the API refused a rendered child) →
+  ``Degraded`` + Warning Event + :class:`kopf.PermanentError`;
+* :class:`~kvfleet.operator.apply.ForeignOwnerError` → ``Degraded`` + Warning
+  Event, retried slowly (the other owner may go away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+import yaml
+
+from kvfleet.config import Settings
+from kvfleet.operator import registry as poolreg
+from kvfleet.operator.apply import ForeignOwnerError, apply
+from kvfleet.operator.kube import ApiClient, NotFound, Rejected, Transient
+from kvfleet.operator.manifests import (
+    GROUP,
+    IP_GROUP,
+    IP_VERSION,
+    PLURAL,
+    VERSION,
+    render_children,
+    shard_name,
+)
+from kvfleet.operator.spec import InvalidSpecError, PoolSpec, parse_spec
+from kvfleet.operator.status import degraded_conditions, healthy_conditions, invalid_conditions, role_counts
+
+ROLES = ("unified", "prefill", "decode")
+
+
+@dataclass
+class Runtime:
+    """What the handlers share: settings, where the registry lives, the API client."""
+
+    settings: Settings = field(default_factory=Settings)
+    namespace: str = "default"
+    connection: kopf.ConnectionInfo | None = None
+    _api: ApiClient | None = None
+    registry_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def api(self) -> ApiClient:
+        if self._api is None:
+            if self.connection is None:
+                raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=1)
+            self._api = ApiClient(self.connection)
+        return self._api
+
+    async def close(self) -> None:
+        if self._api is not None:
+            await self._api.close()
+            self._api = None
+
+
+def _temporary(exc: Exception, delay: float) -> kopf.TemporaryError:
+    return kopf.TemporaryError(f"transient API error, retrying in {delay:g}s: {exc}", delay=delay)
+
+
+async def _patch_status(rt: Runtime, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    await rt.api.patch("KVCachePool", namespace, name, {"status": dict(status)}, subresource="status")
+
+
+async def _deployments(rt: Runtime, namespace: str, name: str, spec: PoolSpec) -> dict[str, dict[str, Any] | None]:
+    out: dict[str, dict[str, Any] | None] = {}
+    for i in range(spec.pools):
+        for r in spec.roles:
+            dname = f"{shard_name(name, i)}-{r.name}"
+            out[dname] = await rt.api.get_or_none("Deployment", namespace, dname)
+    return out
+
+
+async def _delete_stale(rt: Runtime, body: Mapping[str, Any], spec: PoolSpec, desired: set[tuple[str, str]], old_pools: int) -> list[str]:
+    """Delete owned children that the current spec no longer renders (fewer pools, other roles)."""
+    meta = body["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid")
+    candidates: list[tuple[str, str]] = []
+    for i in range(max(old_pools, spec.pools)):
+        shard = shard_name(name, i)
+        candidates += [("Deployment", f"{shard}-{role}") for role in ROLES]
+        candidates += [("ConfigMap", shard), ("Service", shard), ("InferencePool", shard)]
+    deleted = []
+    for kind, cname in candidates:
+        if (kind, cname) in desired:
+            continue
+        live = await rt.api.get_or_none(kind, namespace, cname)
+        if live is None:
+            continue
+        owners = (live.get("metadata") or {}).get("ownerReferences") or []
+        if not any(o.get("uid") == uid and o.get("controller") for o in owners):
+            continue
+        try:
+            await rt.api.delete(kind, namespace, cname)
+            deleted.append(f"{kind}/{cname}")
+        except NotFound:
+            pass
+    return deleted
+
+
+async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any]) -> dict[str, Any]:
+    """Make a KVCachePool's children match its spec and report status."""
+    meta, status = body["metadata"], body.get("status") or {}
+    namespace, name = meta["namespace"], meta["name"]
+    generation = int(meta.get("generation") or 1)
+    conditions = list(status.get("conditions") or [])
+    try:
+        spec = parse_spec(body.get("spec"), name)
+    except InvalidSpecError as exc:
+        await _patch_status(rt, namespace, name, {"observedGeneration": generation, "conditions": invalid_conditions(conditions, str(exc), generation)})
+        kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+    backoff = rt.settings.operator.retry_backoff_s
+    children = render_children(body, spec, rt.settings)
+    results: dict[str, int] = {"created": 0, "patched": 0, "unchanged": 0}
+    try:
+        for child in children:
+            results[await apply(rt.api, child)] += 1
+        deleted = await _delete_stale(rt, body, spec, {(c["kind"], c["metadata"]["name"]) for c in children}, int(status.get("pools") or spec.pools))
+        deployments = await _deployments(rt, namespace, name, spec)
+    except Transient as exc:
+        raise _temporary(exc, backoff) from exc
+    except (Rejected, ForeignOwnerError) as exc:
+        reason = "ChildRejected" if isinstance(exc, Rejected) else "ForeignOwner"
+        await _patch_status(rt, namespace, name, {"observedGeneration": generation, "conditions": degraded_conditions(conditions, reason, str(exc), generation)})
+        kopf.warn(body, reason=reason, message=str(exc))
+        if isinstance(exc, Rejected):
+            raise kopf.PermanentError(str(exc)) from exc
+        raise kopf.TemporaryError(str(exc), delay=max(60.0, backoff)) from exc
+    new_status = {
+        "observedGeneration": generation,
+        "pools": spec.pools,
+        "inferencePools": [shard_name(name, i) for i in range(spec.pools)],
+        "roles": role_counts(name, spec, deployments),
+        "conditions": healthy_conditions(conditions, name, spec, deployments, generation),
+    }
+    await _patch_status(rt, namespace, name, new_status)
+    if results["created"] or results["patched"] or deleted:
+        msg = f"{results['created']} created, {results['patched']} updated, {len(deleted)} deleted"
+        kopf.info(body, reason="Reconciled", message=msg)
+        logger.info("reconciled: %s", msg)
+    return results
+
+
+async def refresh_status(rt: Runtime, body: kopf.Body) -> None:
+    """Ready counts and conditions from the Deployments; writes only when something changed."""
+    meta, status = body["metadata"], body.get("status") or {}
+    generation = int(meta.get("generation") or 1)
+    if status.get("observedGeneration") != generation:
+        return  # the reconcile of this generation has not finished (or failed): it owns the status
+    try:
+        spec = parse_spec(body.get("spec"), meta["name"])
+    except InvalidSpecError:
+        return
+    conditions = list(status.get("conditions") or [])
+    if any(c.get("type") == "InvalidSpec" and c.get("status") == "True" for c in conditions):
+        return
+    try:
+        deployments = await _deployments(rt, meta["namespace"], meta["name"], spec)
+    except Transient:
+        return  # the next tick retries
+    roles = role_counts(meta["name"], spec, deployments)
+    new_conditions = healthy_conditions(conditions, meta["name"], spec, deployments, generation)
+    if roles != status.get("roles") or new_conditions != conditions:
+        await _patch_status(rt, meta["namespace"], meta["name"], {"roles": roles, "conditions": new_conditions})
+
+
+async def _registry_write(rt: Runtime, key: str, value: dict[str, Any] | None) -> bool:
+    """Set (or with None remove) one pool in the registry ConfigMap; True when it changed."""
+    op = rt.settings.operator
+    async with rt.registry_lock:
+        live = await rt.api.get_or_none("ConfigMap", rt.namespace, op.pool_registry)
+        text = yaml.safe_dump(value, sort_keys=True) if value is not None else None
+        if live is None:
+            if value is None:
+                return False
+            await rt.api.create({
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": op.pool_registry, "namespace": rt.namespace,
+                             "labels": {"app.kubernetes.io/name": "kvfleet", "app.kubernetes.io/component": "pool-registry"}},
+                "data": {key: text},
+            })
+            return True
+        data = live.get("data") or {}
+        if data.get(key) == text:
+            return False
+        await rt.api.patch("ConfigMap", rt.namespace, op.pool_registry, {"data": {key: text}})
+        return True
+
+
+async def sync_inferencepool(rt: Runtime, event_type: str | None, body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """Validate an InferencePool that names the kvfleet EPP and keep its registry entry current."""
+    meta = body.get("metadata") or {}
+    key = poolreg.registry_key(meta.get("namespace", ""), meta.get("name", ""))
+    op = rt.settings.operator
+    if event_type == "DELETED" or not poolreg.names_kvfleet_epp(body, op):
+        if await _registry_write(rt, key, None):
+            logger.info("removed from the EPP pool registry")
+        return
+    pods = await rt.api.list("Pod", meta.get("namespace"))
+    problems = poolreg.validate(body, pods, op)
+    record = poolreg.entry(body, pods, problems)
+    if await _registry_write(rt, key, record):
+        for problem in problems:
+            kopf.warn(body, reason="InvalidInferencePool", message=problem)
+        logger.info("EPP pool registry updated (%s)", "valid" if not problems else f"{len(problems)} problem(s)")
+
+
+def build_registry(rt: Runtime, *, login: bool = True) -> kopf.OperatorRegistry:
+    """All handlers of ``kvfleet operator``, bound to ``rt``."""
+    registry = kopf.OperatorRegistry()
+    op = rt.settings.operator
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = "kvfleet.io/finalizer"
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvfleet.io")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kvfleet.io", key="last-handled-configuration")
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 300
+        settings.queueing.error_delays = [1, 2, 5, 10, 30]
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        await rt.close()
+
+    if login:
+        @kopf.on.login(registry=registry)
+        def authenticate(**kwargs: Any) -> kopf.ConnectionInfo | None:
+            info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+            rt.connection = info
+            return info
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
+    async def kvcachepool_reconcile(body: kopf.Body, logger: kopf.Logger, **_: Any) -> dict[str, Any]:
+        return await reconcile(rt, body, logger)
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=op.status_interval_s, registry=registry)
+    async def kvcachepool_status(body: kopf.Body, **_: Any) -> None:
+        await refresh_status(rt, body)
+
+    @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
+    async def kvcachepool_delete(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        meta, status = body["metadata"], body.get("status") or {}
+        try:
+            for pool in status.get("inferencePools") or []:
+                await _registry_write(rt, poolreg.registry_key(meta["namespace"], pool), None)
+        except Transient as exc:
+            raise _temporary(exc, op.retry_backoff_s) from exc
+        logger.info("deleted; owned children follow through garbage collection")
+
+    @kopf.on.event(IP_GROUP, IP_VERSION, "inferencepools", registry=registry)
+    async def inferencepool_event(type: str | None, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        try:
+            await sync_inferencepool(rt, type, body, logger)
+        except Transient as exc:
+            logger.warning("EPP pool registry not updated (will retry on the next event): %s", exc)
+
+    return registry

@@ -1,0 +1,104 @@
+"""Stores on their own: the record format, host arena slots and views, the file store, the backend registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvfleet.agent.codecs import get_codec
+from kvfleet.agent.tiers import (
+    BlockNotFoundError,
+    BlockTooLargeError,
+    CorruptBlockError,
+    TierFullError,
+    TruncatedBlockError,
+    UnknownBackendError,
+    open_store,
+)
+from kvfleet.agent.tiers.record import BlockMeta, hash_from_key, key_name, meta_for, pack, unpack
+from kvfleet.cache.tiers import Tier
+from kvfleet.config.tiers import MemoryTierSpec, SsdTierSpec, TierSpec
+
+from .conftest import BLOCK_NBYTES, make_block
+
+
+def _meta(h: int | bytes, codec: str = "none") -> BlockMeta:
+    return meta_for(h, make_block(1), codec, parent=7, token_ids=tuple(range(16)))
+
+
+@pytest.mark.parametrize("h", [0, 2**64 - 1, 12345, b"\x01" * 32])
+def test_record_round_trip(h: int | bytes) -> None:
+    """pack/unpack keep meta and payload; key names round-trip int and bytes hashes."""
+    payload = get_codec("none").encode(make_block(1))
+    head, body = pack(_meta(h), payload)
+    meta, out = unpack(head + bytes(body))
+    assert meta == _meta(h)
+    assert bytes(out) == payload.tobytes()
+    assert hash_from_key(key_name(h)) == h
+
+
+def test_record_detects_damage() -> None:
+    """A flipped bit, a short record, and a foreign blob are typed errors with a reason."""
+    head, body = pack(_meta(5), get_codec("none").encode(make_block(1)))
+    raw = bytearray(head + bytes(body))
+    flipped = bytearray(raw)
+    flipped[-10] ^= 0x40
+    with pytest.raises(CorruptBlockError) as exc:
+        unpack(flipped)
+    assert exc.value.reason == "corrupt"
+    with pytest.raises(TruncatedBlockError):
+        unpack(raw[:-1])
+    with pytest.raises(CorruptBlockError) as exc:
+        unpack(b"GIF89a" + bytes(100))
+    assert exc.value.reason == "foreign"
+
+
+def test_arena_slots_and_zero_copy_views() -> None:
+    """The arena sizes its slots from the first block, hands out read-only views, and refuses when full."""
+    store = open_store(Tier.CPU, MemoryTierSpec(capacity_bytes=3 * BLOCK_NBYTES, slab_bytes=2 * BLOCK_NBYTES))
+    payload = get_codec("none").encode(make_block(1))
+    for h in range(3):
+        store.write(_meta(h), payload)
+    assert store.used_bytes == 3 * BLOCK_NBYTES
+    with pytest.raises(TierFullError):
+        store.write(_meta(3), payload)
+    _, view = store.read(1)
+    assert not view.flags.writeable
+    assert view.tobytes() == payload.tobytes()
+    store.delete(0)
+    store.write(_meta(3), payload)  # the freed slot is reused
+    with pytest.raises(BlockTooLargeError):
+        store.write(_meta(4), np.zeros(BLOCK_NBYTES + 1, dtype=np.uint8))
+    with pytest.raises(BlockNotFoundError):
+        store.read(0)
+
+
+def test_gpu_arena_reports_stand_in() -> None:
+    store = open_store(Tier.GPU, MemoryTierSpec(capacity_bytes=BLOCK_NBYTES))
+    assert store.stand_in
+    assert "standing in for HBM" in store.describe()
+    assert not open_store(Tier.CPU, MemoryTierSpec(capacity_bytes=BLOCK_NBYTES)).stand_in
+
+
+def test_file_store_write_read_delete(tmp_path: Path) -> None:
+    """One record file per block; capacity counts record bytes; delete removes the file."""
+    store = open_store(Tier.SSD, SsdTierSpec(capacity_bytes=2 * (BLOCK_NBYTES + 200), path=str(tmp_path)))
+    payload = get_codec("none").encode(make_block(1))
+    store.write(_meta(1), payload)
+    store.write(_meta(2), payload)
+    with pytest.raises(TierFullError):
+        store.write(_meta(3), payload)
+    meta, out = store.read(1)
+    assert meta.token_ids == tuple(range(16)) and bytes(out) == payload.tobytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [key_name(1) + ".kvb", key_name(2) + ".kvb"]
+    store.delete(1)
+    assert not (tmp_path / (key_name(1) + ".kvb")).exists()
+    with pytest.raises(BlockNotFoundError):
+        store.read(1)
+
+
+def test_unknown_backend_lists_names() -> None:
+    with pytest.raises(UnknownBackendError, match="arena, files, redis"):
+        open_store(Tier.CPU, TierSpec(backend="nvme-of"))

@@ -1,0 +1,118 @@
+"""Through real Envoy and the EPP to simulated engines: prefix routing, P/D, EPP failure and index rebuild.
+
+Covers, on one running stack (module fixture):
+- requests that share a prefix land on the pod that holds it and report it as cached
+  (``usage.prompt_tokens_details.cached_tokens``);
+- a request the EPP sends to the P/D pool (decode pod + ``x-prefiller-host-port``) returns
+  the same tokens as a unified engine given the same prompt;
+- with the EPP killed, Envoy fails closed (5xx, as configured); after a restart the EPP
+  rebuilds its index from the engines' KV events (replay) and routing is prefix-aware
+  again within a bounded time, which is measured and printed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import MODEL, Fleet, http_json, scrape
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+_ids = itertools.count(1)
+
+
+def fresh_prompt(n: int = 640) -> list[int]:
+    base = 1_000_000 * next(_ids)
+    return list(range(base, base + n))
+
+
+def counter(text: str, name: str) -> float:
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def predicted_hits(fleet: Fleet) -> float:
+    return counter(fleet.epp_metrics(), "kvfleet_epp_predicted_hit_tokens_total")
+
+
+def wait_routed_with_cache(fleet: Fleet, prefix: list[int], want_pod: str, timeout_s: float) -> tuple[float, dict[str, str], dict]:
+    """Send prefix + a new suffix until the EPP predicts a hit and the answer comes from ``want_pod``
+    with cached tokens (so the pick was prefix-aware, not luck); returns the wait."""
+    t0 = time.monotonic()
+    last: tuple[int, object, dict[str, str]] = (0, None, {})
+    while time.monotonic() - t0 < timeout_s:
+        predicted = predicted_hits(fleet)
+        st, body, hdrs = fleet.complete(prefix + fresh_prompt(20))
+        last = (st, body, hdrs)
+        if (
+            st == 200
+            and hdrs.get("x-kvfleet-pod") == want_pod
+            and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            and predicted_hits(fleet) > predicted
+        ):
+            return time.monotonic() - t0, hdrs, body
+        time.sleep(0.2)
+    raise AssertionError(f"not routed to {want_pod} with a cache hit within {timeout_s}s; last answer {last}")
+
+
+def test_shared_prefix_lands_on_its_pod_and_is_cached(fleet: Fleet) -> None:
+    prefix = fresh_prompt(640)
+    st, first, hdrs = fleet.complete(prefix + fresh_prompt(20))
+    assert st == 200, first
+    holder = hdrs["x-kvfleet-pod"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    waited, _, body = wait_routed_with_cache(fleet, prefix, holder, timeout_s=15)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 640 - 16
+    for _ in range(3):  # and it keeps doing so
+        st, again, hdrs = fleet.complete(prefix + fresh_prompt(20))
+        assert hdrs["x-kvfleet-pod"] == holder
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 640 - 16
+
+
+def test_pd_returns_the_same_tokens_as_a_unified_engine(fleet: Fleet) -> None:
+    decode = next(p for p in fleet.pods if p.role == "decode")
+    prefill = next(p for p in fleet.pods if p.role == "prefill")
+    unified = next(p for p in fleet.pods if p.role == "both")
+    for _ in range(40):  # level 1 shards prompts over pools by prefix: try prompts until one goes to the P/D pool
+        prompt = fresh_prompt(900)
+        before = counter(scrape(f"http://127.0.0.1:{prefill.port}/metrics"), "vllm:prompt_tokens_total")
+        st, via_pd, hdrs = fleet.complete(prompt, max_tokens=8)
+        assert st == 200, via_pd
+        if hdrs.get("x-kvfleet-pod") != decode.name:
+            continue
+        after = counter(scrape(f"http://127.0.0.1:{prefill.port}/metrics"), "vllm:prompt_tokens_total")
+        assert after - before == len(prompt), "the prefill pod did not run the prompt"
+        st, direct, _ = http_json(f"http://127.0.0.1:{unified.port}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8})
+        assert st == 200
+        assert via_pd["choices"][0]["text"] == direct["choices"][0]["text"]
+        mism = counter(scrape(f"http://127.0.0.1:{decode.port}/metrics"), "kvfleet_engine_kv_mismatched_blocks_total")
+        assert mism == 0
+        return
+    pytest.fail("no prompt was routed to the P/D pool in 40 tries")
+
+
+def test_epp_down_fails_closed_then_restart_rebuilds_the_index(fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+    prefix = fresh_prompt(640)
+    st, _, hdrs = fleet.complete(prefix + fresh_prompt(20))
+    assert st == 200
+    holder = hdrs["x-kvfleet-pod"]
+    wait_routed_with_cache(fleet, prefix, holder, timeout_s=15)
+    assert fleet.epp is not None
+    fleet.stack.stop(fleet.epp, sig=signal.SIGKILL)
+    st, body, _ = fleet.complete(prefix + fresh_prompt(20))
+    assert st >= 500, f"with the EPP down and failure_mode_allow off Envoy must fail the request, got {st} {body}"
+    t0 = time.monotonic()
+    fleet.start_epp()
+    waited, _, _ = wait_routed_with_cache(fleet, prefix, holder, timeout_s=30)
+    while counter(fleet.epp_metrics(), "kvfleet_epp_index_blocks") < len(prefix) // 16:
+        assert time.monotonic() - t0 < 30, "the EPP did not rebuild its index from the engines' KV events"
+        fleet.complete(fresh_prompt(20))  # an idle pod publishes nothing; any event lets the EPP see its gap
+        time.sleep(0.2)
+    wait_routed_with_cache(fleet, prefix, holder, timeout_s=10)
+    rebuilt = time.monotonic() - t0
+    with capsys.disabled():
+        print(f"\n[e2e] EPP restart → prefix-aware routing again after {rebuilt:.2f}s (first matching answer after {waited:.2f}s)")

@@ -1,0 +1,218 @@
+"""Test-side model-server pods: tiny aiohttp servers with a prefix cache that publish vLLM KV events over ZMQ.
+
+Each :class:`FakePod` keys prompts exactly as the engine simulator does
+(byte-level tokens of the rendered prompt, the core's chained block hash),
+keeps the set of blocks it "computed", answers OpenAI requests with
+``usage.prompt_tokens_details.cached_tokens`` and the pod's name, and publishes
+``BlockStored`` batches with vLLM's framing ``[topic, seq, msgpack]``
+(:class:`KVEventPublisher`, with a ROUTER replay endpoint). ``/metrics`` serves
+vLLM's gauge names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+from aiohttp import web
+
+from kvfleet.cache.events import KVEventBatch, encode_batch, stored
+from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
+from kvfleet.cache.tokens import ByteTokenizer, render_chat
+
+_SEQ = struct.Struct(">q")
+
+
+class KVEventPublisher:
+    """ZMQ PUB of KV-event batches in vLLM's framing, plus a ROUTER replay endpoint."""
+
+    def __init__(self, buffer_steps: int = 10_000) -> None:
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        rport = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
+        self.seq = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._thread.start()
+
+    def publish(self, batch: KVEventBatch, *, drop: bool = False) -> int:
+        """Send one batch; ``drop`` buffers it for replay without sending it (simulates a lost message)."""
+        payload = encode_batch(batch)
+        with self._lock:
+            seq = self.seq
+            self.seq += 1
+            self.buffer.append((seq, payload))
+            if not drop:
+                self.pub.send_multipart([b"", _SEQ.pack(seq), payload])
+        return seq
+
+    def _serve_replay(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(50):
+                continue
+            frames = self.router.recv_multipart()
+            ident, start = frames[0], _SEQ.unpack(frames[-1])[0]
+            with self._lock:
+                items = [(s, p) for s, p in self.buffer if s >= start]
+            for s, p in items:
+                self.router.send_multipart([ident, b"", b"", _SEQ.pack(s), p])
+            self.router.send_multipart([ident, b"", b"", _SEQ.pack(-1), b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.pub.close(0)
+        self.router.close(0)
+
+
+class FakePod:
+    """One pod: prefix cache of block hashes, OpenAI endpoints, KV events, vLLM metrics."""
+
+    def __init__(self, name: str, block_size: int = 16, delay_s: float = 0.0) -> None:
+        self.name = name
+        self.hasher = BlockHasher(block_size)
+        self.tok = ByteTokenizer()
+        self.blocks: set[int] = set()
+        self.delay_s = delay_s
+        self.requests: list[dict[str, Any]] = []
+        self.running = 0
+        self.publisher = KVEventPublisher()
+        self.port = 0
+        self.publish_events = True
+
+    def handle(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        text = render_chat(body["messages"]) if path.endswith("chat/completions") else body["prompt"]
+        tokens = self.tok.encode(text)
+        salt = body.get("cache_salt")
+        hashes = self.hasher.hash_tokens(tokens, extra_keys=[salt] if salt else None)
+        keys = hashes_as_ints(hashes)
+        hit = 0
+        for k in keys:
+            if k not in self.blocks:
+                break
+            hit += 1
+        new = keys[hit:]
+        self.blocks.update(new)
+        if new and self.publish_events:
+            bs = self.hasher.block_size
+            parent = keys[hit - 1] if hit else None
+            ev = stored(new, parent, tokens[hit * bs : len(keys) * bs].tolist(), bs, "GPU")
+            self.publisher.publish(KVEventBatch(ts=time.time(), events=[ev]))
+        self.requests.append(body)
+        cached = hit * self.hasher.block_size
+        return {
+            "id": f"cmpl-{len(self.requests)}",
+            "object": "text_completion",
+            "model": body.get("model"),
+            "pod": self.name,
+            "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": len(tokens), "completion_tokens": 1, "total_tokens": len(tokens) + 1,
+                      "prompt_tokens_details": {"cached_tokens": cached}},
+        }
+
+    def app(self) -> web.Application:
+        async def completions(request: web.Request) -> web.Response:
+            body = await request.json()
+            self.running += 1
+            try:
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                data = self.handle(request.path, body)
+            finally:
+                self.running -= 1
+            return web.json_response(data, headers={"x-pod": self.name,
+                                                    "x-seen-destination": request.headers.get("x-gateway-destination-endpoint", ""),
+                                                    "x-seen-prefiller": request.headers.get("x-prefiller-host-port", "")})
+
+        async def metrics(request: web.Request) -> web.Response:
+            text = (
+                f"vllm:num_requests_waiting{{model_name=\"m\"}} 0\n"
+                f"vllm:num_requests_running{{model_name=\"m\"}} {self.running}\n"
+                f"vllm:kv_cache_usage_perc{{model_name=\"m\"}} {min(1.0, len(self.blocks) / 10000):.4f}\n"
+            )
+            return web.Response(text=text, content_type="text/plain")
+
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/v1/chat/completions", completions)
+        app.router.add_get("/metrics", metrics)
+        return app
+
+
+class PodFleet:
+    """Runs several FakePods on one background event loop (loopback, free ports)."""
+
+    def __init__(self, n: int, delay_s: float = 0.0, block_size: int = 16) -> None:
+        self.pods = [FakePod(f"pod-{i}", block_size, delay_s) for i in range(n)]
+        self.loop = asyncio.new_event_loop()
+        self._runners: list[web.AppRunner] = []
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> PodFleet:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    async def _start(self) -> None:
+        for pod in self.pods:
+            runner = web.AppRunner(pod.app(), access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            pod.port = runner.addresses[0][1]
+            self._runners.append(runner)
+
+    def stop(self) -> None:
+        async def _stop() -> None:
+            for r in self._runners:
+                await r.cleanup()
+
+        asyncio.run_coroutine_threadsafe(_stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        for pod in self.pods:
+            pod.publisher.close()
+
+    def pools_config(self, model: str = "m", events: bool = True, roles: list[str] | None = None) -> dict[str, Any]:
+        pods = []
+        for i, pod in enumerate(self.pods):
+            entry: dict[str, Any] = {"name": pod.name, "address": "127.0.0.1", "port": pod.port,
+                                     "metrics": f"http://127.0.0.1:{pod.port}/metrics"}
+            if events:
+                entry["events"] = pod.publisher.endpoint
+                entry["replay"] = pod.publisher.replay_endpoint
+            if roles:
+                entry["role"] = roles[i]
+            pods.append(entry)
+        return {"pools": [{"name": "pool-a", "models": [model], "pods": pods}]}
+
+    def by_port(self, port: int) -> FakePod:
+        return next(p for p in self.pods if p.port == port)
+
+
+def post(url: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """A plain HTTP POST (urllib); returns (status, headers, body) for any status."""
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST", headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()

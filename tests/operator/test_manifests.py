@@ -1,0 +1,165 @@
+"""Rendering a KVCachePool into Kubernetes objects (pure functions).
+
+Covers: the set and names of children per pool and role; owner references on
+every object; every built-in object valid for Kubernetes 1.33 (kubernetes-validate,
+strict); rendered InferencePools valid against our InferencePool CRD; pods carry
+the agent sidecar, the shared in-memory emptyDir, the ssd volume and GPU limits
+in GPU mode; the per-role config.yaml loads as kvfleet Settings with the pool's
+fields; the config hash changes with tiers but not with replicas; idempotent
+apply decisions (contains / merge_patch).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import yaml
+
+from kvfleet.config import Settings, from_dict
+from kvfleet.operator.apply import ForeignOwnerError, contains, merge_patch
+from kvfleet.operator.manifests import (
+    AGENT_CONTAINER,
+    ANN_CONFIG_HASH,
+    LABEL_AGENT,
+    config_hash,
+    pool_settings,
+    render_children,
+)
+from kvfleet.operator.spec import parse_spec
+from tests.operator import samples
+from tests.operator.k8s import admit, load_crd, validate_builtin
+
+INFP = load_crd("inferencepool.yaml")
+
+
+def _render(obj: dict[str, Any], settings: Settings | None = None) -> list[dict[str, Any]]:
+    obj = copy.deepcopy(obj)
+    obj["metadata"]["uid"] = "0b4d3c9e-1111-2222-3333-444455556666"
+    return render_children(obj, parse_spec(obj["spec"], obj["metadata"]["name"]), settings or Settings())
+
+
+@pytest.mark.parametrize("name", sorted(samples.VALID))
+def test_rendered_builtin_objects_are_valid_kubernetes(name: str) -> None:
+    """ConfigMaps, Deployments and Services pass kubernetes-validate (strict, no unknown fields)."""
+    assert validate_builtin(_render(samples.VALID[name])) == []
+
+
+@pytest.mark.parametrize("name", sorted(samples.VALID))
+def test_rendered_inferencepools_are_valid_custom_objects(name: str) -> None:
+    """InferencePools pass our CRD's schema and CEL rules and name the kvfleet EPP."""
+    pools = [c for c in _render(samples.VALID[name]) if c["kind"] == "InferencePool"]
+    assert pools
+    for pool in pools:
+        _, errors = admit(INFP, pool)
+        assert errors == []
+        assert pool["spec"]["endpointPickerRef"]["name"] == Settings().operator.epp_service
+        assert pool["spec"]["selector"]["matchLabels"][LABEL_AGENT] == "true"
+
+
+def test_children_names_and_owner_references() -> None:
+    """2 pools × P/D → per pool: ConfigMap, prefill and decode Deployments, Service, InferencePool; all owned."""
+    children = _render(samples.FULL_GPU)
+    names = [(c["kind"], c["metadata"]["name"]) for c in children]
+    assert names == [
+        ("ConfigMap", "llama-p0"), ("Deployment", "llama-p0-prefill"), ("Deployment", "llama-p0-decode"),
+        ("Service", "llama-p0"), ("InferencePool", "llama-p0"),
+        ("ConfigMap", "llama-p1"), ("Deployment", "llama-p1-prefill"), ("Deployment", "llama-p1-decode"),
+        ("Service", "llama-p1"), ("InferencePool", "llama-p1"),
+    ]
+    for c in children:
+        (ref,) = c["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "kvfleet.io/v1alpha1", "kind": "KVCachePool", "name": "llama",
+                       "uid": "0b4d3c9e-1111-2222-3333-444455556666", "controller": True, "blockOwnerDeletion": True}
+
+
+def test_gpu_pod_shape() -> None:
+    """GPU mode: vLLM engine with nvidia.com/gpu, agent sidecar, /dev/shm memory emptyDir, ssd hostPath, secrets by reference."""
+    dep = next(c for c in _render(samples.FULL_GPU) if c["metadata"]["name"] == "llama-p0-decode")
+    assert dep["spec"]["replicas"] == 4
+    pod = dep["spec"]["template"]["spec"]
+    engine, agent = pod["containers"]
+    assert engine["command"] == ["vllm", "serve"] and engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert agent["name"] == AGENT_CONTAINER and agent["command"] == ["kvfleet", "agent"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["ssd"]["hostPath"]["path"] == "/mnt/nvme/kv"
+    for container in (engine, agent):
+        assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/dev/shm", "/var/lib/kvfleet/ssd", "/etc/kvfleet/config.yaml"}
+    env = {e["name"]: e for e in engine["env"]}
+    assert env["KVFLEET_TRANSFER_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "kv-transfer", "key": "secret"}
+    assert env["KVFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "kv-redis", "key": "url"}
+    assert env["LMCACHE_REMOTE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "kv-redis"
+
+
+def test_sim_pod_has_no_gpu_and_runs_kvfleet_engine() -> None:
+    """CPU fallback: `kvfleet engine --config`, no GPU resources, ssd tier on an emptyDir of its capacity."""
+    dep = next(c for c in _render(samples.SIM_PD) if c["kind"] == "Deployment")
+    engine = dep["spec"]["template"]["spec"]["containers"][0]
+    assert engine["command"] == ["kvfleet", "engine"] and engine["args"][:2] == ["--config", "/etc/kvfleet/config.yaml"]
+    assert "nvidia.com/gpu" not in (engine["resources"].get("limits") or {})
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["ssd"]["emptyDir"]["sizeLimit"] == str(8 * 1024**3)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_role_config_loads_as_settings(role: str) -> None:
+    """Each role's config.yaml in the ConfigMap is a loadable kvfleet Settings carrying the pool's fields."""
+    cm = next(c for c in _render(samples.SIM_PD) if c["kind"] == "ConfigMap")
+    loaded = from_dict(Settings, yaml.safe_load(cm["data"][f"{role}.yaml"]))
+    assert loaded.cache.block_size == 16
+    assert loaded.engine.model == samples.SIM_PD["spec"]["model"]["name"]
+    assert loaded.engine.role == role and loaded.engine.pool == "sim-pd-p0" and loaded.engine.host == "0.0.0.0"
+    assert loaded.engine.tiers.cpu_blocks == 2 * 1024**3 // (131072 * 16)
+    pool = yaml.safe_load(cm["data"]["pool.yaml"])
+    assert [t["name"] for t in pool["tiers"]] == ["gpu", "cpu", "ssd"]
+    assert pool["tiers"][1] == {"name": "cpu", "gpu_share": None, "capacity_bytes": 2 * 1024**3, "codec": "fp8_e4m3",
+                                "watermarks": {"high": 0.9, "low": 0.7}, "path": None, "url_env": None}
+
+
+def test_every_spec_path_has_a_home_in_settings() -> None:
+    """The paths the operator writes exist in Settings today (a rename elsewhere shows up here)."""
+    spec = parse_spec(samples.SIM_PD["spec"])
+    _, missing = pool_settings(spec, "sim-pd", 0, "prefill", Settings())
+    assert missing == []
+
+
+def test_config_hash_rolls_on_tiers_not_on_replicas() -> None:
+    """Scaling changes no pod template; a tier change does (the pods restart with the new tiers)."""
+    base = parse_spec(samples.MINIMAL["spec"])
+    scaled = parse_spec({**samples.MINIMAL["spec"], "roles": {"unified": {"replicas": 5}}})
+    tiered = parse_spec({**samples.MINIMAL["spec"], "tiers": [{"name": "gpu", "gpuShare": 0.9}, {"name": "cpu", "capacity": "1Gi"}]})
+    assert config_hash(base, Settings()) == config_hash(scaled, Settings())
+    assert config_hash(base, Settings()) != config_hash(tiered, Settings())
+    dep = next(c for c in _render(samples.MINIMAL) if c["kind"] == "Deployment")
+    assert dep["spec"]["template"]["metadata"]["annotations"][ANN_CONFIG_HASH] == config_hash(base, Settings())
+
+
+def test_apply_is_idempotent_against_server_defaults() -> None:
+    """A live object with server-added fields needs no patch; a changed field yields a merge patch; stale CM keys are deleted."""
+    dep = next(c for c in _render(samples.MINIMAL) if c["kind"] == "Deployment")
+    live = copy.deepcopy(dep)
+    live["metadata"].update({"uid": "x", "resourceVersion": "7", "generation": 3})
+    live["spec"]["revisionHistoryLimit"] = 10
+    live["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    assert contains(live["spec"], dep["spec"])
+    assert merge_patch(live, dep) is None
+    wanted = copy.deepcopy(dep)
+    wanted["spec"]["replicas"] = 3
+    patch = merge_patch(live, wanted)
+    assert patch is not None and patch["spec"]["replicas"] == 3
+    cm = next(c for c in _render(samples.MINIMAL) if c["kind"] == "ConfigMap")
+    live_cm = copy.deepcopy(cm)
+    live_cm["data"]["old.yaml"] = "x"
+    patch = merge_patch(live_cm, cm)
+    assert patch is not None and patch["data"]["old.yaml"] is None
+
+
+def test_apply_never_takes_over_foreign_objects() -> None:
+    """An object controlled by another owner is not patched."""
+    svc = next(c for c in _render(samples.MINIMAL) if c["kind"] == "Service")
+    live = copy.deepcopy(svc)
+    live["metadata"]["ownerReferences"] = [{**svc["metadata"]["ownerReferences"][0], "uid": "someone-else"}]
+    with pytest.raises(ForeignOwnerError):
+        merge_patch(live, svc)

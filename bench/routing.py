@@ -183,8 +183,9 @@ class Policy:
     def route(self, r: Req, now: float) -> int:
         raise NotImplementedError
 
-    def routed(self, r: Req, pod: int, now: float, finish: float) -> None:
-        """Bookkeeping after the pick (the router's own view)."""
+    def routed(self, r: Req, pod: int, now: float, finish: float) -> Any:
+        """Bookkeeping after the pick (the router's own view); returns a token for :meth:`prefill_done`."""
+        return None
 
     def prefill_done(self, token: Any, now: float) -> None:
         pass
@@ -327,14 +328,14 @@ class Kvfleet(Policy):
         matches = self.index.match(r.blocks, self.names, self.weights, now=now)
         shard = r.blocks[min(4, len(r.blocks)) - 1] if r.blocks else 0
         cands = []
-        for i, p in enumerate(self.pods_rec):
+        for p in self.pods_rec:
             m = matches.get(p.name)
             inflight, pt, pr = self.tracker.load(p.name)
             cands.append(Candidate(pod=p, hit_blocks=m.blocks if m else 0, hit_weighted=m.weighted if m else 0.0,
                                    inflight=inflight, same_prefix=self.tracker.same_prefix(p.name, shard),
                                    pending_tokens=pt, pending_requests=pr))
         sreq = SchedulingRequest(num_tokens=r.tokens, block_size=BLOCK, prefill_s_per_token=1.0 / self.cfg.prefill_tokens_per_s,
-                                 hotspot_beta=self.beta)
+                                 hotspot_beta=self.beta, shard=shard)
         best = self.profile.run(sreq, cands).pods[0]
         pod = int(best.name.rsplit("-", 1)[1])
         hit = min(r.tokens, best.hit_blocks * BLOCK)
@@ -414,6 +415,18 @@ def simulate(reqs: list[Req], cfg: SimConfig, make: Callable[[SimConfig, list[Si
     )
 
 
+def averaged(results: list[Result]) -> Result:
+    """The mean of each metric over runs with different seeds (the policies' random tie-breaks)."""
+    n = len(results)
+    return Result(
+        policy=results[0].policy,
+        hit_rate=sum(r.hit_rate for r in results) / n,
+        ttft={q: sum(r.ttft[q] for r in results) / n for q in results[0].ttft},
+        load_max_over_mean=sum(r.load_max_over_mean for r in results) / n,
+        seconds=sum(r.seconds for r in results),
+    )
+
+
 def ideal_hit_rate(reqs: list[Req], capacity: int) -> float:
     """One node, one LRU of ``capacity`` blocks, infinite compute, arrival order."""
     lru: OrderedDict[int, None] = OrderedDict()
@@ -439,13 +452,17 @@ def load_requests(name: str, limit: int | None, speed: float) -> list[Req]:
     return [Req(arrival=row.timestamp_ms / 1000.0 / speed, tokens=row.input_length, blocks=list(row.hash_ids)) for row in rows]
 
 
-def kvfleet_plugins(hit_weight: float = 1.0, kv_weight: float = 0.05, overhead_s: float = 0.009) -> list[PluginSpec]:
+def kvfleet_plugins(
+    hit_weight: float = 1.0, load_gain: float = 20.0, kv_weight: float = 0.05, overhead_s: float = 0.009, seed: int = 0,
+    affinity_s: float = 0.02,
+) -> list[PluginSpec]:
     return [
-        PluginSpec(type="prefix-cache-scorer", weight=hit_weight),
+        PluginSpec(type="prefix-cache-scorer", weight=hit_weight, params={"load_gain": load_gain}),
         # the simulation has no decode interference; each request costs one decode step
         PluginSpec(type="queue-scorer", weight=1.0, params={"running_s": 0.0, "overhead_s": overhead_s}),
         PluginSpec(type="kv-cache-utilization-scorer", weight=kv_weight),
-        PluginSpec(type="max-score-picker", params={"fallbacks": 0}),
+        PluginSpec(type="prefix-affinity-scorer", weight=1.0, params={"affinity_s": affinity_s}),
+        PluginSpec(type="max-score-picker", params={"fallbacks": 0, "seed": seed}),
     ]
 
 
@@ -463,19 +480,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="a prefix of each trace (fits in 60 s)")
     ap.add_argument("--pods", type=int, default=12)
-    ap.add_argument("--beta", type=float, default=0.0, help="hot-spot decay β of the prefix scorer")
-    ap.add_argument("--hit-weight", type=float, default=5.0, help="weight of the prefix-cache scorer")
+    ap.add_argument("--seeds", type=int, default=0, help="runs per policy (random tie-breaks), averaged; default 2 quick, 4 full")
+    ap.add_argument("--beta", type=float, default=0.1, help="hot-spot decay β of the prefix scorer (the EPP's default)")
+    ap.add_argument("--hit-weight", type=float, default=1.0, help="weight of the prefix-cache scorer")
+    ap.add_argument("--load-gain", type=float, default=20.0, help="load_gain of the prefix-cache scorer")
+    ap.add_argument("--affinity", type=float, default=0.02, help="affinity_s of the prefix-affinity scorer")
     ap.add_argument("--spec-ttl", type=float, default=10.0, help="speculative index TTL (s)")
     args = ap.parse_args(argv)
+    if args.seeds <= 0:
+        args.seeds = 2 if args.quick else 4
     limits = {"conversation": 2000, "synthetic": 1000} if args.quick else {"conversation": None, "synthetic": None}
     loads = (1, 2, 4)
     gpu_sizes = {"large": 1000, "small": 250}
 
     def kvfleet(cfg: SimConfig, pods: list[SimPod]) -> Policy:
-        return Kvfleet(cfg, pods, kvfleet_plugins(args.hit_weight), args.beta, args.spec_ttl)
+        return Kvfleet(cfg, pods, kvfleet_plugins(args.hit_weight, args.load_gain, seed=cfg.seed, affinity_s=args.affinity), args.beta, args.spec_ttl)
 
     def kvfleet_tiered(cfg: SimConfig, pods: list[SimPod]) -> Policy:
-        p = Kvfleet(cfg, pods, kvfleet_plugins(args.hit_weight), args.beta, args.spec_ttl)
+        p = Kvfleet(cfg, pods, kvfleet_plugins(args.hit_weight, args.load_gain, seed=cfg.seed, affinity_s=args.affinity), args.beta, args.spec_ttl)
         p.name = "kvfleet-tiered"
         return p
 
@@ -488,10 +510,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = SimConfig(pods=args.pods, gpu_blocks=gpu)
         reqs = load_requests(trace, limit, speed)
         ideal = ideal_hit_rate(reqs, cfg.pods * cfg.gpu_blocks)
-        results = [simulate(reqs, cfg, mk) for mk in peers().values()]
-        kv = simulate(reqs, cfg, kvfleet)
+        seeds = range(args.seeds)
+        results = [averaged([simulate(reqs, replace(cfg, seed=k), mk) for k in seeds]) for mk in peers().values()]
+        kv = averaged([simulate(reqs, replace(cfg, seed=k), kvfleet) for k in seeds])
         results.append(kv)
-        tiered = simulate(reqs, replace(cfg, cpu_blocks=4 * gpu, ssd_blocks=16 * gpu), kvfleet_tiered)
+        tier_cfg = replace(cfg, cpu_blocks=4 * gpu, ssd_blocks=16 * gpu)
+        tiered = averaged([simulate(reqs, replace(tier_cfg, seed=k), kvfleet_tiered) for k in seeds])
         results.append(tiered)
         best = {q: min(r.ttft[q] for r in results if not r.policy.startswith("kvfleet")) for q in ("p50", "mean", "p90")}
         if grid:
@@ -524,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_vs_best_peer": round(max(ttft_ratios), 4),
         "tiered_ttft_p90_vs_best_peer": round(tiered_ratio, 4),
         "configs": len(hit_ratios),
+        "seeds": args.seeds,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
     print(f"\n{len(rows)} rows; wall {summary['seconds']} s")

@@ -25,22 +25,28 @@ Last line: one JSON object, ``{"bench": "tiers", ...}``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
-import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import Any
 
-import numpy as np
+# One BLAS thread: the simulated step loop is one thread, and BLAS workers spinning
+# against the migration threads on a small machine would measure BLAS, not the tiers.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
-from kvfleet.agent.codecs import get_codec
-from kvfleet.agent.tiers import TierManager
-from kvfleet.cache.tiers import Tier
-from kvfleet.config.tiers import MemoryTierSpec, ModelProfile, RemoteTierSpec, SsdTierSpec, TierSettings
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from kvfleet.agent.codecs import get_codec  # noqa: E402
+from kvfleet.agent.tiers import TierManager  # noqa: E402
+from kvfleet.cache.tiers import Tier  # noqa: E402
+from kvfleet.config.tiers import MemoryTierSpec, ModelProfile, RemoteTierSpec, SsdTierSpec, TierSettings  # noqa: E402
 
 GiB = 1 << 30
 

@@ -10,7 +10,9 @@ tokens × fp16) in a kvfleet TransferServer and in a raw sender. This process
 * kvfleet tcp at 1/2/4 streams and kvfleet shm (same host);
 * first-block latency (``pull`` → first block delivered, warm connections)
   against one block's raw transfer time, and against the whole batch;
-* Mooncake Transfer Engine's TCP transport when ``mooncake`` imports (else null).
+* Mooncake Transfer Engine's own TCP transport (one batched read of the
+  registered batch) and kvfleet's ``mooncake`` backend, when ``mooncake``
+  imports (``kvfleet[mooncake]``); else ``mooncake_gbps`` is null.
 
 Each figure is the best of ``--reps`` runs (the machine is shared and noisy);
 medians are printed too. The last stdout line is one JSON object.
@@ -33,12 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from kvfleet.agent.transfer import MemoryBlockStore, TransferClient, TransferServer
+from kvfleet.agent.transfer import MemoryBlockStore, TransferClient, TransferServer, mooncake
 from kvfleet.config.transfer import TransferSettings
 
 BLOCK = 2 << 20
 SECRET = b"bench-transfer-secret"
 HOST = "127.0.0.1"
+BACKENDS = ("shm", "mooncake", "tcp") if mooncake.available() else ("shm", "tcp")
 
 
 def _blocks(n: int) -> list[bytes]:
@@ -81,9 +84,17 @@ async def _sender(n: int, shm_dir: str) -> None:
     lsock.bind((HOST, 0))
     lsock.listen(16)
     threading.Thread(target=_raw_accept, args=(lsock, [memoryview(b) for b in blocks]), daemon=True).start()
-    settings = TransferSettings(host_id="bench-host", shm_dir=shm_dir, window_blocks=8)
+    settings = TransferSettings(host_id="bench-host", shm_dir=shm_dir, window_blocks=8, backends=BACKENDS)
+    info: dict[str, Any] = {"raw_port": lsock.getsockname()[1]}
+    te_keep: list[Any] = []
+    if mooncake.available():  # the same blocks in one registered buffer, for Mooncake TE's own TCP transport
+        engine = mooncake.MooncakeEngine(HOST)
+        flat = np.frombuffer(b"".join(blocks), dtype=np.uint8)
+        engine.register(int(flat.ctypes.data), flat.nbytes)
+        te_keep += [engine, flat]
+        info.update(mc_rpc=engine.rpc, mc_addr=int(flat.ctypes.data))
     async with TransferServer(store, SECRET, settings=settings) as srv:
-        print(json.dumps({"port": srv.port, "raw_port": lsock.getsockname()[1]}), flush=True)
+        print(json.dumps({"port": srv.port, **info}), flush=True)
         await asyncio.to_thread(sys.stdin.read)  # until the parent closes our stdin
     lsock.close()
 
@@ -104,12 +115,15 @@ def _raw_batch(sock: socket.socket, arena: memoryview, n: int) -> float:
     return time.perf_counter() - t
 
 
-def _mooncake_gbps() -> float | None:
-    try:
-        import mooncake.engine  # noqa: F401  (optional: mooncake-transfer-engine)
-    except Exception:
-        return None
-    return None  # importable, but no adapter measured here: see docs/transfer.md
+def _mooncake_batch(engine: mooncake.MooncakeEngine, info: dict[str, Any], arena_addr: int, n: int) -> float:
+    """Mooncake TE's own TCP transport: one batched read of the whole batch, no kvfleet in the path."""
+    t = time.perf_counter()
+    rc = engine._te.batch_transfer_sync_read(
+        info["mc_rpc"], [arena_addr + i * BLOCK for i in range(n)], [info["mc_addr"] + i * BLOCK for i in range(n)], [BLOCK] * n
+    )
+    if rc != 0:
+        raise RuntimeError(f"mooncake batch read failed (rc={rc})")
+    return time.perf_counter() - t
 
 
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -125,20 +139,19 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         if not line:
             raise RuntimeError(f"sender child died (rc={child.wait()})")
         ports = json.loads(line)
-        arena = memoryview(bytearray(b"\x01") * (n * BLOCK))  # prefaulted destination slots
+        arena_buf = bytearray(b"\x01") * (n * BLOCK)  # prefaulted destination slots
+        arena = memoryview(arena_buf)
         hashes = list(range(1, n + 1))
         gb = float(n * BLOCK / 1e9)
 
         raw = socket.create_connection((HOST, ports["raw_port"]))
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _raw_batch(raw, arena, n)  # warm-up
-        raw_s = [_raw_batch(raw, arena, n) for _ in range(reps)]
-        one_block_s = [_raw_batch(raw, arena, 1) for _ in range(max(10, 3 * reps))]
 
         def alloc(seq: int, _h: object, length: int) -> memoryview:
             return arena[seq * BLOCK : seq * BLOCK + length]
 
-        settings = TransferSettings(host_id="bench-host", shm_dir=shm_dir, window_blocks=8, streams=4)
+        settings = TransferSettings(host_id="bench-host", shm_dir=shm_dir, window_blocks=8, streams=4, backends=BACKENDS)
         client = TransferClient(SECRET, settings=settings)
         peer = (HOST, ports["port"])
 
@@ -153,25 +166,35 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"note: {backend} x{streams} needed {handle.stats.retries} retries", file=sys.stderr)
             return time.perf_counter() - t, handle.stats.first_block_s or 0.0
 
-        results: dict[str, list[float]] = {}
-        first: list[float] = []
-        for backend, streams in (("tcp", 1), ("tcp", 2), ("tcp", 4), ("shm", 1)):
+        configs: tuple[tuple[str, int], ...] = (("tcp", 1), ("tcp", 2), ("tcp", 4), ("shm", 1))
+        if "mc_rpc" in ports:
+            configs += (("mooncake", 1),)
+        for backend, streams in configs:
             await run(backend, streams)  # warm-up: connections, shm ring
-            key = f"{backend}{streams}" if backend == "tcp" else backend
-            times = []
-            for _ in range(reps):
-                dt, _fb = await run(backend, streams)
-                times.append(dt)
-            results[key] = times
-        for _ in range(max(9, reps)):  # first-block latency: one stream, warm connection, whole batch requested
+        # interleaved, so that the baseline and kvfleet see the same load on a shared machine
+        raw_s: list[float] = []
+        results: dict[str, list[float]] = {f"{b}{s}" if b == "tcp" else b: [] for b, s in configs}
+        for _ in range(reps):
+            raw_s.append(_raw_batch(raw, arena, n))
+            for backend, streams in configs:
+                results[f"{backend}{streams}" if backend == "tcp" else backend].append((await run(backend, streams))[0])
+        # first block: one stream, warm connection, the whole batch requested; next to one raw block
+        one_block_s: list[float] = []
+        first: list[float] = []
+        for _ in range(max(9, reps)):
+            one_block_s.append(_raw_batch(raw, arena, 1))
             first.append((await run("tcp", 1))[1])
         whole_tcp1 = statistics.median(results["tcp1"])
         raw.close()
         client.close()
-        # interleave one more raw round after the kvfleet runs: the baseline drifts on shared machines
-        raw = socket.create_connection((HOST, ports["raw_port"]))
-        raw_s += [_raw_batch(raw, arena, n) for _ in range(reps)]
-        raw.close()
+        mc_s: list[float] = []
+        if "mc_rpc" in ports:
+            engine = mooncake.MooncakeEngine(HOST)
+            arena_addr = int(np.frombuffer(arena_buf, dtype=np.uint8).ctypes.data)
+            engine.register(arena_addr, n * BLOCK)
+            _mooncake_batch(engine, ports, arena_addr, n)  # warm-up: handshake
+            mc_s = [_mooncake_batch(engine, ports, arena_addr, n) for _ in range(reps)]
+            engine.unregister(arena_addr)
         assert bytes(arena[:BLOCK]) == _blocks(1)[0]
     finally:
         if child.stdin is not None:
@@ -196,6 +219,12 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"kvfleet tcp x{s}      {tcp[s]:6.2f} GB/s (median {gb / statistics.median(results[f'tcp{s}']):.2f})  "
               f"ratio {tcp[s] / raw_gbps:.2f}")
     print(f"kvfleet shm         {gbps(results['shm']):6.2f} GB/s (median {gb / statistics.median(results['shm']):.2f})")
+    mc_gbps = round(gbps(mc_s), 3) if mc_s else None
+    kv_mc = round(gbps(results["mooncake"]), 3) if "mooncake" in results else None
+    if mc_s:
+        print(f"mooncake TE tcp     {gbps(mc_s):6.2f} GB/s (its own batched read); kvfleet over mooncake {kv_mc:.2f} GB/s")
+    else:
+        print("mooncake TE         not importable here")
     print(f"first block {fb * 1e3:.2f} ms vs one raw block {one * 1e3:.2f} ms (x{fb / one:.2f}); "
           f"whole batch {whole_tcp1 * 1e3:.1f} ms (first/whole {fb / whole_tcp1:.3f})")
     return {
@@ -216,7 +245,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "first_block_ratio": round(fb / one, 3),
         "whole_batch_ms": round(whole_tcp1 * 1e3, 2),
         "first_to_whole_ratio": round(fb / whole_tcp1, 4),
-        "mooncake_gbps": _mooncake_gbps(),
+        "mooncake_gbps": mc_gbps,
+        "kvfleet_mooncake_gbps": kv_mc,
         "nixl_gbps": None,
     }
 

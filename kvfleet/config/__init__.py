@@ -25,7 +25,19 @@ from kvfleet.config.operator import OperatorSettings
 from kvfleet.config.tiers import TierSettings
 from kvfleet.config.transfer import TransferSettings
 
-__all__ = ["CacheSettings", "ConfigError", "EngineSettings", "Settings", "from_dict", "load", "to_dict"]
+__all__ = [
+    "CacheSettings",
+    "ConfigError",
+    "EngineSettings",
+    "EppSettings",
+    "OperatorSettings",
+    "Settings",
+    "TierSettings",
+    "TransferSettings",
+    "from_dict",
+    "load",
+    "to_dict",
+]
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
 """Settings of the CPU-fallback engine simulator (``kvfleet engine``).
 
-The simulator behaves like a vLLM pod whose timing comes from a model profile
-(the seeds' cost model): prefill runs at ``prefill_tokens_per_s`` over the
-uncached suffix only, each decode step costs ``decode_ms_per_step``, and a hit
-in a slower tier pays that tier's read cost instead of prefill.
+The simulator behaves like a vLLM pod whose timing comes from the cost model:
+prefill runs at the model profile's ``prefill_tokens_per_s`` over the uncached
+suffix only (the profile is the tier manager's
+:class:`~kvfleet.config.tiers.ModelProfile`, ``tiers.model``: one source for
+prefill speed and KV bytes per token), each decode step costs
+``decode_ms_per_step`` (+ ``decode_ms_per_seq`` per running sequence), and a
+hit in a slower tier pays that tier's read cost instead of prefill.
 ``time_factor`` scales every simulated duration into wall time (0.1 = ten
 times faster than the modelled GPU), so a demo fits in minutes.
 """
@@ -16,48 +19,17 @@ ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True)
-class EngineProfile:
-    """Speed and KV footprint of one model on one accelerator.
-
-    Defaults: Llama-3-8B (32 layers, 8 KV heads of 128, fp16 → 128 KiB of KV per
-    token) on one H100, with published vLLM throughput figures rounded.
-    """
-
-    name: str = "llama-3-8b-h100"
-    prefill_tokens_per_s: float = 16000.0
-    decode_ms_per_step: float = 9.0
-    decode_ms_per_seq: float = 0.05
-    kv_bytes_per_token: int = 131072
-    max_model_len: int = 131072
-
-    def __post_init__(self) -> None:
-        if self.prefill_tokens_per_s <= 0 or self.decode_ms_per_step < 0 or self.decode_ms_per_seq < 0:
-            raise ValueError("profile speeds must be positive")
-        if self.kv_bytes_per_token <= 0 or self.max_model_len <= 0:
-            raise ValueError("kv_bytes_per_token and max_model_len must be > 0")
-
-
-#: Built-in profiles by name (``engine.profile_name``); ``engine.profile`` overrides fields.
-PROFILES: dict[str, EngineProfile] = {
-    "llama-3-8b-h100": EngineProfile(),
-    "llama-3-70b-h100x4": EngineProfile(
-        name="llama-3-70b-h100x4", prefill_tokens_per_s=6000.0, decode_ms_per_step=22.0, kv_bytes_per_token=327680
-    ),
-    "qwen2.5-7b-l4": EngineProfile(
-        name="qwen2.5-7b-l4", prefill_tokens_per_s=3500.0, decode_ms_per_step=28.0, kv_bytes_per_token=57344
-    ),
-}
-
-
-@dataclass(frozen=True)
 class EngineTierSettings:
-    """The simulator's own slower tiers, used when no kvfleet agent tier manager is configured.
+    """The tiers below the simulator's GPU stand-in.
 
-    ``cpu_blocks`` host blocks (LRU), then ``ssd_dir`` with up to ``ssd_blocks``
-    block files that survive a restart (empty ``ssd_dir`` disables the SSD tier).
-    Read bandwidths price a promotion in the cost model.
+    ``backend``: ``local`` — the simulator's own small tiers: ``cpu_blocks``
+    host blocks (LRU), then ``ssd_dir`` with up to ``ssd_blocks`` block files
+    that survive a restart (empty ``ssd_dir`` disables it); read bandwidths
+    price a promotion. ``agent`` — the node agent's tier manager, configured by
+    the top-level ``tiers:`` settings (its GPU tier is turned off); ``none``.
     """
 
+    backend: str = "local"
     cpu_blocks: int = 0
     ssd_dir: str = ""
     ssd_blocks: int = 65536
@@ -65,6 +37,8 @@ class EngineTierSettings:
     ssd_read_gbps: float = 3.0
 
     def __post_init__(self) -> None:
+        if self.backend not in ("local", "agent", "none"):
+            raise ValueError(f"tiers.backend must be one of local, agent, none; got {self.backend!r}")
         if self.cpu_blocks < 0 or self.ssd_blocks < 0:
             raise ValueError("tier capacities must be >= 0")
         if self.cpu_read_gbps <= 0 or self.ssd_read_gbps <= 0:
@@ -83,8 +57,9 @@ class EngineSettings:
     """
 
     model: str = "llama-3-8b"
-    profile_name: str = "llama-3-8b-h100"
-    profile: EngineProfile | None = None
+    decode_ms_per_step: float = 9.0
+    decode_ms_per_seq: float = 0.05
+    max_model_len: int = 131072
     host: str = "127.0.0.1"
     port: int = 8000
     kv_events_port: int = 5557
@@ -109,12 +84,7 @@ class EngineSettings:
             raise ValueError("time_factor must be >= 0")
         if self.num_gpu_blocks <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("num_gpu_blocks, max_num_seqs and max_num_batched_tokens must be > 0")
-        if self.profile is None and self.profile_name not in PROFILES:
-            raise ValueError(f"unknown profile {self.profile_name!r}; known: {', '.join(sorted(PROFILES))}")
+        if self.decode_ms_per_step < 0 or self.decode_ms_per_seq < 0 or self.max_model_len <= 0:
+            raise ValueError("decode times must be >= 0 and max_model_len > 0")
         if self.sim_kv_values_per_token <= 0:
             raise ValueError("sim_kv_values_per_token must be > 0")
-
-    @property
-    def model_profile(self) -> EngineProfile:
-        """The effective profile: ``profile`` when given, else the named built-in one."""
-        return self.profile if self.profile is not None else PROFILES[self.profile_name]

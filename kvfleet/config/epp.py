@@ -20,6 +20,7 @@ def _default_plugins() -> tuple[PluginSpec, ...]:
         PluginSpec(type="prefix-cache-scorer", weight=1.0),
         PluginSpec(type="queue-scorer", weight=1.0),
         PluginSpec(type="kv-cache-utilization-scorer", weight=0.05),
+        PluginSpec(type="prefix-affinity-scorer", weight=1.0),
         PluginSpec(type="max-score-picker", params={"fallbacks": 0}),
     )
 

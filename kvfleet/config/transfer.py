@@ -17,7 +17,9 @@ class TransferSettings:
     peers offer). The pool secret is read from ``secret_file`` (a mounted
     Kubernetes Secret) or else the ``secret_env`` environment variable.
     ``link_capacity_gbps`` is the configured link capacity (GB/s) that the
-    bandwidth-utilisation metric divides by.
+    bandwidth-utilisation metric divides by. ``mooncake_protocol`` is the
+    Mooncake Transfer Engine transport (``tcp``, ``rdma``) when ``mooncake``
+    is among ``backends`` and its package imports.
     """
 
     listen_host: str = "127.0.0.1"
@@ -35,6 +37,7 @@ class TransferSettings:
     secret_file: str = ""
     secret_env: str = "KVFLEET_TRANSFER_SECRET"
     link_capacity_gbps: float = 10.0
+    mooncake_protocol: str = "tcp"
 
     def __post_init__(self) -> None:
         if self.streams < 1:

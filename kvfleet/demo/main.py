@@ -45,6 +45,9 @@ from kvfleet.demo.workload import WorkItem, WorkloadError, default_trace, load_t
 
 MODEL = "llama-3-8b"
 
+#: The model profile the demo's engines run (Llama-3-8B fp16 on one H100, rounded vLLM figures).
+H100: dict[str, Any] = {"name": "llama-3-8b-h100", "prefill_tokens_per_s": 16000.0, "kv_bytes_per_token": 131072}
+
 _READY = {"type": "ready-filter"}
 _MAX = {"type": "max-score-picker", "params": {"fallbacks": 0}}
 
@@ -130,6 +133,7 @@ class Demo:
                     "time_factor": self.args.time_factor, "num_gpu_blocks": self.args.gpu_blocks,
                     "tiers": {"cpu_blocks": self.args.cpu_blocks},
                 },
+                "tiers": {"model": H100},
             }
             path = write_yaml(self.cfg_dir / f"{p.name}.yaml", cfg)
             env = {"KVFLEET_TRANSFER_SECRET": self.secret}
@@ -156,7 +160,7 @@ class Demo:
         epp: dict[str, Any] = {
             "host": "127.0.0.1", "grpc_port": grpc_port, "health_port": health_port, "metrics_port": metrics_port,
             "pods_file": str(pods_path),
-            "cost": {"prefill_tokens_per_s": load().engine.model_profile.prefill_tokens_per_s},
+            "cost": {"prefill_tokens_per_s": H100["prefill_tokens_per_s"], "kv_bytes_per_token": H100["kv_bytes_per_token"]},
             # The trace's prompts all open with one shared 512-token block: shard pools on the first 1024 tokens.
             "prefix_shard_blocks": 64,
             # Spill to the next pool early: pool-b has a single prefill pod.
@@ -192,15 +196,25 @@ class Demo:
         except StackError as exc:
             reason = str(exc).strip().splitlines()
             tail = next((ln for ln in reversed(reason) if "kvfleet epp:" in ln or "Error" in ln), reason[-1] if reason else "")
-            return skipped(policy, f"the EPP refused this profile ({tail.strip()[:200]})")
+            return skipped(policy, f"the EPP refused this profile ({tail.strip()[:400]})")
+        cpu0 = {c.name: c.cpu_seconds() or 0.0 for c in self.stack.children}
         try:
             outcomes, duration = self._replay(policy, items)
             engine_metrics = {p.name: self.scrape(f"http://127.0.0.1:{p.port}/metrics") or "" for p in self.pods}
             epp_metrics = self.scrape(f"http://127.0.0.1:{self.epp_ports[2]}/metrics")
+            (self.cfg_dir / f"epp-{policy}.metrics.txt").write_text(epp_metrics or "")
+            for p in self.pods:
+                (self.cfg_dir / f"{p.name}-{policy}.metrics.txt").write_text(engine_metrics[p.name])
+            cpu = {
+                c.name.split("-")[0] if c.name.startswith("epp-") else c.name: round((c.cpu_seconds() or 0.0) - cpu0.get(c.name, 0.0), 2)
+                for c in self.stack.children
+            }
         finally:
             self.stack.stop(epp)
         prefill_pods = [p.name for p in self.pods if p.role != "decode"]
-        return summarize(policy, outcomes, duration, engine_metrics, prefill_pods, self.block_size, epp_metrics)
+        res = summarize(policy, outcomes, duration, engine_metrics, prefill_pods, self.block_size, epp_metrics)
+        res.cpu_seconds = cpu
+        return res
 
     def _replay(self, policy: str, items: list[WorkItem]) -> tuple[list[Outcome], float]:
         url = f"http://127.0.0.1:{self.gateway_port}/v1/completions"
@@ -270,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             demo.log(f"[bold]kvfleet demo[/]: {len(items)} requests ({workload}); engines {topo}")
             demo.start_engines()
             demo.start_envoy()
-            demo.log(f"gateway http://127.0.0.1:{demo.gateway_port} (Envoy → EPP → engines); logs in {workdir}")
+            print(f"kvfleet demo: gateway http://127.0.0.1:{demo.gateway_port} (Envoy → EPP → engines); logs in {workdir}",
+                  file=sys.stderr, flush=True)
             for policy in policies:
                 res = demo.run_policy(policy, items)
                 results.append(res)
@@ -280,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workload": workload, "requests": len(items),
                 "prompt_tokens_mean": sum(len(i.prompt) for i in items) / len(items), "max_tokens": args.max_tokens,
                 "pods": len(demo.pods), "pools": args.pools, "topology": topo,
-                "profile": load().engine.model_profile.name, "time_factor": args.time_factor,
+                "profile": H100["name"], "time_factor": args.time_factor,
                 "gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks, "block_size": demo.block_size,
                 "wall_s": round(time.monotonic() - t_start, 1),
             }

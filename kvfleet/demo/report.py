@@ -67,6 +67,7 @@ class PolicyResult:
     ttft_p50_ms_per_pod: dict[str, float | None] = field(default_factory=dict)
     duration_s: float | None = None
     first_error: str = ""
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def summarize(

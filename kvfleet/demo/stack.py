@@ -66,6 +66,14 @@ class Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the process so far (Linux ``/proc``), ``None`` if unknown."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+
 
 @dataclass
 class ProcessStack:

@@ -42,7 +42,8 @@ from kvfleet.cache.events import AnyEvent, BlockRemoved, BlockStored, EventSink,
 from kvfleet.cache.hashing import BlockHash, BlockHasher, ExtraKeys, as_tokens, to_int64
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.cache import CacheSettings
-from kvfleet.config.engine import EngineProfile, EngineSettings, EngineTierSettings
+from kvfleet.config.engine import EngineSettings, EngineTierSettings
+from kvfleet.config.tiers import ModelProfile
 
 log = logging.getLogger(__name__)
 
@@ -360,9 +361,10 @@ class EngineKV:
         cache: CacheSettings,
         sink: EventSink = null_sink,
         tiers: SlowTiers | None = None,
+        model: ModelProfile | None = None,
     ) -> None:
         self.settings = settings
-        self.profile: EngineProfile = settings.model_profile
+        self.model: ModelProfile = model or ModelProfile()
         self.block_size = cache.block_size
         self.hasher = BlockHasher(block_size=cache.block_size, algo=cache.hash_algo, seed=cache.hash_seed)
         self.values_per_token = settings.sim_kv_values_per_token
@@ -378,7 +380,7 @@ class EngineKV:
 
     def _default_tiers(self) -> SlowTiers:
         t = self.settings.tiers
-        if t.cpu_blocks == 0 and not t.ssd_dir:
+        if t.backend == "none" or (t.cpu_blocks == 0 and not t.ssd_dir):
             return NoTiers()
         return LocalTiers(t, self.block_size, sink=self.out_sink)
 
@@ -406,12 +408,12 @@ class EngineKV:
 
     # -- cost model ---------------------------------------------------------------------------
     def prefill_seconds(self, num_tokens: int) -> float:
-        return num_tokens / self.profile.prefill_tokens_per_s
+        return num_tokens / self.model.prefill_tokens_per_s
 
     def read_seconds(self, tier: Tier, num_blocks: int) -> float:
         t = self.settings.tiers
         gbps = t.cpu_read_gbps if tier is Tier.CPU else t.ssd_read_gbps
-        return num_blocks * self.block_size * self.profile.kv_bytes_per_token / (gbps * 1e9)
+        return num_blocks * self.block_size * self.model.kv_bytes_per_token / (gbps * 1e9)
 
     def promotion_pays(self, tier: Tier) -> bool:
         """The seeds' rule: promote iff prefill of a block costs more than reading it (write to HBM ~free)."""

@@ -7,7 +7,7 @@ waiting requests in arrival order while sequences and KV blocks allow
 and decodes one token for every sequence past its prefill. A step lasts::
 
     step = decode_ms_per_step + n_decode · decode_ms_per_seq
-         + prefill_tokens / prefill_tokens_per_s + slow-tier read time of promoted blocks
+         + prefill_tokens / model.prefill_tokens_per_s + slow-tier read time of promoted blocks
 
 (modelled seconds), slept as ``step · time_factor`` wall seconds. Only the
 uncached suffix is prefilled; a fully cached prompt still computes its last
@@ -135,7 +135,7 @@ class Scheduler:
     def __init__(self, kv: EngineKV, on_step: Callable[[], None] = lambda: None) -> None:
         self.kv = kv
         self.settings = kv.settings
-        self.profile = kv.profile
+        self.model = kv.model
         self.on_step = on_step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -278,9 +278,9 @@ class Scheduler:
                 self._fail(r, r.remote.error)
         if not completing_ready and not decoding and prefill_tokens == 0:
             return False
-        dt = prefill_tokens / self.profile.prefill_tokens_per_s + promote_s
+        dt = prefill_tokens / self.model.prefill_tokens_per_s + promote_s
         if decoding or completing_ready or prefill_tokens:
-            dt += self.profile.decode_ms_per_step / 1000.0 + len(decoding) * self.profile.decode_ms_per_seq / 1000.0
+            dt += self.settings.decode_ms_per_step / 1000.0 + len(decoding) * self.settings.decode_ms_per_seq / 1000.0
         self.stats.steps += 1
         self.stats.modelled_seconds += dt
         self.on_step()

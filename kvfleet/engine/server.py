@@ -62,6 +62,7 @@ from kvfleet.engine.scheduler import (
     SchedulerClosedError,
     TokenEvent,
 )
+from kvfleet.engine.tiers import AgentTiers
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,10 @@ class EngineServer:
         self.settings = settings
         self.es = settings.engine
         self.events = EventBuffer()
-        self.kv = EngineKV(self.es, settings.cache, sink=self.events)
+        self.agent_tiers: AgentTiers | None = None
+        if self.es.tiers.backend == "agent":
+            self.agent_tiers = AgentTiers(settings.tiers, sink=self.events)
+        self.kv = EngineKV(self.es, settings.cache, sink=self.events, tiers=self.agent_tiers, model=settings.tiers.model)
         self.sched = Scheduler(self.kv, on_step=self.flush_events)
         self.metrics = EngineMetrics(self.sched, self.kv, settings.cache)
         self.tokenizer = ByteTokenizer()
@@ -194,6 +198,8 @@ class EngineServer:
         await self.puller.close()
         if self.transfer_server is not None:
             self.transfer_server.stop()
+        if self.agent_tiers is not None:
+            self.agent_tiers.close()
         self.flush_events()
         if self.publisher is not None:
             self.publisher.close()
@@ -239,7 +245,7 @@ class EngineServer:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ApiError("max_tokens must be a positive integer", param="max_tokens")
         max_tokens = min(max_tokens, self.es.max_output_tokens)
-        limit = self.es.model_profile.max_model_len
+        limit = self.es.max_model_len
         if len(ids) + max_tokens > limit:
             raise ApiError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -266,9 +272,13 @@ class EngineServer:
                 raise ApiError("prompt must not be empty", param="prompt")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt:
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt):
+            try:
+                arr = np.asarray(prompt)
+            except (ValueError, OverflowError):
+                arr = np.asarray([0.5])  # ragged or oversized: rejected below
+            if arr.ndim != 1 or arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= 2**32:
                 raise ApiError("prompt token ids must be integers in [0, 2^32)", param="prompt")
-            return np.asarray(prompt, dtype=np.uint32)
+            return arr.astype(np.uint32)
         raise ApiError("prompt must be a non-empty string or list of token ids", param="prompt")
 
     # -- handlers -----------------------------------------------------------------------------
@@ -282,7 +292,7 @@ class EngineServer:
             "created": self.created,
             "owned_by": "kvfleet",
             "root": self.es.model,
-            "max_model_len": self.es.model_profile.max_model_len,
+            "max_model_len": self.es.max_model_len,
         }
         return web.json_response({"object": "list", "data": [card]})
 

@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -38,7 +38,8 @@ def make_datastore(settings: Settings) -> Datastore:
     if s.datastore == "kubernetes":
         from kvfleet.epp.kube import KubernetesDatastore
 
-        return KubernetesDatastore(namespace=s.namespace)
+        kube: Datastore = KubernetesDatastore(namespace=s.namespace)
+        return kube
     return StaticDatastore(s.pods_file or None)
 
 
@@ -61,8 +62,10 @@ class Epp:
         self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools, lambda: dict(self.subscriber.stats))
         self.servicer = ExtProcServicer(self.router, self.metrics, s.max_body_bytes, body_mode)
         self.appliers: dict[str, PodEventApplier] = {}
-        self._grpc: grpc.Server | None = None
-        self._health: grpc.Server | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._health: grpc.aio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
         self._http: Any = None
         self._stop = threading.Event()
         self._janitor: threading.Thread | None = None
@@ -91,25 +94,36 @@ class Epp:
         self.subscriber.start()
         self.scraper.start()
         self.datastore.subscribe(self._on_pods)
-        self._grpc = grpc.server(
-            ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="ext-proc"),
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
-        )
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
-        self._grpc.add_generic_rpc_handlers((health_handler(lambda: self.serving),))
-        self.grpc_port = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
-        self._health = grpc.server(ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
-        self._health.add_generic_rpc_handlers((health_handler(lambda: self.serving),))
-        self.health_port = self._health.add_insecure_port(f"{s.host}:{s.health_port}")
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="ext-proc-loop", daemon=True)
+        self._loop_thread.start()
+        asyncio.run_coroutine_threadsafe(self._start_grpc(), self._loop).result(30)
         self._http, _ = start_http_server(s.metrics_port, addr=s.host, registry=self.metrics.registry)
         self.metrics_port = self._http.server_port
-        self._grpc.start()
-        self._health.start()
         self._janitor = threading.Thread(target=self._housekeeping, name="epp-janitor", daemon=True)
         self._janitor.start()
         self.serving = True
         log.info("epp: ext_proc on :%d, health on :%d, metrics on :%d", self.grpc_port, self.health_port, self.metrics_port)
         return self
+
+    async def _start_grpc(self) -> None:
+        s = self.settings.epp
+        self._grpc = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
+        self._grpc.add_generic_rpc_handlers((health_handler(lambda: self.serving),))
+        self.grpc_port = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        self._health = grpc.aio.server()
+        self._health.add_generic_rpc_handlers((health_handler(lambda: self.serving),))
+        self.health_port = self._health.add_insecure_port(f"{s.host}:{s.health_port}")
+        await self._grpc.start()
+        await self._health.start()
+
+    async def _stop_grpc(self) -> None:
+        for srv in (self._grpc, self._health):
+            if srv is not None:
+                await srv.stop(grace=0.5)
 
     def _housekeeping(self) -> None:
         while not self._stop.wait(1.0):
@@ -125,9 +139,14 @@ class Epp:
     def stop(self) -> None:
         self.serving = False
         self._stop.set()
-        for srv in (self._grpc, self._health):
-            if srv is not None:
-                srv.stop(grace=0.5).wait(2)
+        if self._loop is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._stop_grpc(), self._loop).result(5)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                if self._loop_thread is not None:
+                    self._loop_thread.join(timeout=5)
+                self._loop.close()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

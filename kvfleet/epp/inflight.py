@@ -103,8 +103,8 @@ class InflightTracker:
 
     def load(self, pod: str) -> tuple[int, float, int]:
         """(in flight, pending tokens, pending requests) of ``pod``."""
-        l = self._loads.get(pod)
-        return (0, 0.0, 0) if l is None else (l.inflight, l.pending_tokens, l.pending_requests)
+        ld = self._loads.get(pod)
+        return (0, 0.0, 0) if ld is None else (ld.inflight, ld.pending_tokens, ld.pending_requests)
 
     def same_prefix(self, pod: str, prefix: int) -> int:
         return self._prefix.get((pod, prefix), 0)

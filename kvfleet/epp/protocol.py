@@ -187,7 +187,7 @@ def immediate_response(error: EppError) -> pb.ProcessingResponse:
     """An ImmediateResponse with the error's HTTP status and a JSON body."""
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=error.status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=error.status),
             headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
             body=error_body(error),
             details=error.kind,

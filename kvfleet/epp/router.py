@@ -97,7 +97,7 @@ class Router:
         return hashes_as_ints(self.hasher.hash_tokens(tokens, extra_keys=extra))
 
     def route(self, req: InferenceRequest, subset: Sequence[str] | None = None) -> Decision:
-        pools = [p for p in self.datastore.pools() if req.model in p.models]
+        pools = [p for p in self.datastore.pools() if req.model in p.models or "*" in p.models]
         if not pools:
             raise UnknownModelError(f"no pool serves model {req.model!r}")
         tokens = self.tokens_of(req)
@@ -109,6 +109,7 @@ class Router:
             block_size=self.hasher.block_size,
             prefill_s_per_token=self.prefill_s_per_token,
             hotspot_beta=self.settings.hotspot_beta,
+            shard=shard,
         )
         allowed = set(subset) if subset is not None else None
         chosen: tuple[Pool, list[Pod]] | None = None

@@ -58,7 +58,7 @@ class EventSubscriber:
     """Subscribes to pods' KV events; :meth:`add_pod`/:meth:`remove_pod` are safe from any thread."""
 
     def __init__(self, replay_timeout_s: float = 1.0, on_batch: Callable[[str], None] | None = None) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._cmds: queue.Queue[tuple[str, tuple[object, ...]]] = queue.Queue()
         self._feeds: dict[str, _Feed] = {}
         self._stop = threading.Event()

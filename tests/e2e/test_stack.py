@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import signal
 import time
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,7 +40,7 @@ def predicted_hits(fleet: Fleet) -> float:
     return counter(fleet.epp_metrics(), "kvfleet_epp_predicted_hit_tokens_total")
 
 
-def wait_routed_with_cache(fleet: Fleet, prefix: list[int], want_pod: str, timeout_s: float) -> tuple[float, dict[str, str], dict]:
+def wait_routed_with_cache(fleet: Fleet, prefix: list[int], want_pod: str, timeout_s: float) -> tuple[float, dict[str, str], Any]:
     """Send prefix + a new suffix until the EPP predicts a hit and the answer comes from ``want_pod``
     with cached tokens (so the pick was prefix-aware, not luck); returns the wait."""
     t0 = time.monotonic()
@@ -65,7 +66,7 @@ def test_shared_prefix_lands_on_its_pod_and_is_cached(fleet: Fleet) -> None:
     assert st == 200, first
     holder = hdrs["x-kvfleet-pod"]
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    waited, _, body = wait_routed_with_cache(fleet, prefix, holder, timeout_s=15)
+    _, _, body = wait_routed_with_cache(fleet, prefix, holder, timeout_s=15)
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 640 - 16
     for _ in range(3):  # and it keeps doing so
         st, again, hdrs = fleet.complete(prefix + fresh_prompt(20))

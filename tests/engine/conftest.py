@@ -43,7 +43,7 @@ async def make_engine() -> AsyncIterator[EngineFactory]:
     """Start engines with ``engine`` setting overrides; all are stopped at teardown."""
     started: list[RunningEngine] = []
 
-    async def start(cache: dict[str, Any] | None = None, **engine: Any) -> RunningEngine:
+    async def start(cache: dict[str, Any] | None = None, sections: dict[str, Any] | None = None, **engine: Any) -> RunningEngine:
         port = free_port()
         overrides: dict[str, Any] = {
             "engine": {
@@ -58,6 +58,7 @@ async def make_engine() -> AsyncIterator[EngineFactory]:
         }
         if cache:
             overrides["cache"] = cache
+        overrides.update(sections or {})
         server = EngineServer(load(None, overrides))
         server.start_publisher()
         runner = web.AppRunner(server.app(), access_log=None)

@@ -10,6 +10,7 @@ and OpenAI-style error JSON with the right status for bad input.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import aiohttp
 
@@ -83,7 +84,7 @@ async def test_errors_are_openai_shaped(make_engine: EngineFactory) -> None:
         assert r.status == 400
         err = await r.json()
     assert err["error"]["type"] == "invalid_request_error"
-    cases = [
+    cases: list[tuple[dict[str, Any], int, str]] = [
         ({"model": "nope", "prompt": "a"}, 404, "model"),
         ({"model": MODEL, "prompt": list(range(131072))}, 400, "prompt"),
         ({"model": MODEL, "prompt": ""}, 400, "prompt"),

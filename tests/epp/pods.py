@@ -33,7 +33,7 @@ class KVEventPublisher:
     """ZMQ PUB of KV-event batches in vLLM's framing, plus a ROUTER replay endpoint."""
 
     def __init__(self, buffer_steps: int = 10_000) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         port = self.pub.bind_to_random_port("tcp://127.0.0.1")

@@ -124,7 +124,7 @@ def test_bad_requests_get_json_errors_through_envoy(fleet: PodFleet, epp_factory
         (url(env), json.dumps({"prompt": "x"}).encode(), 400),
     ]
     for u, payload, want in cases:
-        status, headers, body = post(u, payload, timeout=10)
+        status, _, body = post(u, payload, timeout=10)
         assert status == want, (u, payload[:40], body)
         err = json.loads(body)["error"]
         assert err["code"] == want and "Traceback" not in err["message"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvfleet.cache.events import AllBlocksCleared, KVEventBatch, decode_batch, removed, stored
-from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
+from kvfleet.cache.hashing import BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.epp import CostModelSettings
 from kvfleet.epp.index import BlockIndex
@@ -109,7 +109,7 @@ class TestIngest:
         idx = BlockIndex()
         ap = PodEventApplier("p", idx, BlockHasher(16, "sha256_cbor"))
         ap.apply(KVEventBatch(ts=0, events=batch.events[:2]))
-        k0, k1 = (int.from_bytes(h[-8:], "big") for h in batch.events[0].block_hashes)  # type: ignore[union-attr]
+        k0, k1 = (to_int64(h) for h in batch.events[0].block_hashes)  # type: ignore[union-attr]
         assert idx.pod_tiers("p", k1) == {Tier.GPU, Tier.CPU}
         ap.apply(KVEventBatch(ts=0, events=batch.events[2:3]))
         assert idx.pod_tiers("p", k1) == {Tier.CPU} and idx.match([k0, k1], ["p"])["p"].blocks == 2

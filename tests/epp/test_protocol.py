@@ -10,7 +10,13 @@ from google.protobuf import struct_pb2
 
 from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat
 from kvfleet.epp import protocol
-from kvfleet.epp.errors import BadRequestError, BodyTooLargeError, NoEndpointError, SheddingError, UnknownModelError
+from kvfleet.epp.errors import (
+    BadRequestError,
+    BodyTooLargeError,
+    NoEndpointError,
+    SheddingError,
+    UnknownModelError,
+)
 
 
 def body(obj: object) -> bytes:

@@ -8,14 +8,13 @@ import pytest
 
 from kvfleet.config import load
 from kvfleet.config.epp import PluginSpec
-from kvfleet.epp.datastore import Pod, StaticDatastore
+from kvfleet.epp.datastore import Pod, Pool, StaticDatastore
 from kvfleet.epp.errors import NoEndpointError, SheddingError, UnknownModelError, UnknownPluginError
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.podmetrics import MetricsStore, PodMetrics
 from kvfleet.epp.protocol import InferenceRequest
 from kvfleet.epp.router import Router
 from kvfleet.epp.scheduling import REGISTRY, Candidate, Profile, SchedulingRequest, create, rendezvous_rank
-from kvfleet.epp.datastore import Pool
 from kvfleet.epp.tokenize import load_tokenizer
 
 
@@ -27,7 +26,7 @@ def pools(n: int = 3, roles: list[str] | None = None, npools: int = 1) -> dict[s
     return {"pools": out}
 
 
-def router(data: dict[str, Any] | None = None, **over: Any) -> Router:
+def router(data: Any = None, **over: Any) -> Router:
     s = load(overrides={"epp": over})
     return Router(s.epp, s.cache, StaticDatastore(data=data or pools()), BlockIndex(), MetricsStore(), load_tokenizer("bytes"))
 

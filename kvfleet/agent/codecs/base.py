@@ -55,11 +55,11 @@ class Codec(ABC):
         """
 
     @abstractmethod
-    def decode(self, payload: Payload | bytes | memoryview, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> npt.NDArray[Any]:
         """The block back, with ``dtype`` and ``shape`` (raises :class:`CorruptPayloadError`)."""
 
     @abstractmethod
-    def encoded_nbytes(self, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> int:
+    def encoded_nbytes(self, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> int:
         """Exactly how many bytes :meth:`encode` produces for such a block."""
 
 

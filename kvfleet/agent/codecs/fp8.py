@@ -88,7 +88,7 @@ class Fp8E4M3Codec(Codec):
         ng = -(-n // self.group_size)
         return n, ng, ng * self.group_size
 
-    def encoded_nbytes(self, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> int:
+    def encoded_nbytes(self, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> int:
         _, ng, n_pad = self._layout(shape)
         return 2 * ng + n_pad
 
@@ -126,7 +126,7 @@ class Fp8E4M3Codec(Codec):
             np.copyto(codes[start : start + len(c)], sign, casting="unsafe")
         return out
 
-    def decode(self, payload: Payload | bytes | memoryview, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> npt.NDArray[Any]:
         dt = np.dtype(dtype)
         work = dt if dt.name in _FORMATS else np.dtype(np.float32)
         fmt = _FORMATS[work.name]

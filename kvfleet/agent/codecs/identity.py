@@ -20,12 +20,12 @@ class IdentityCodec(Codec):
         """A byte view of ``block`` (a copy only when it is not contiguous)."""
         return np.ascontiguousarray(block).reshape(-1).view(np.uint8)
 
-    def decode(self, payload: Payload | bytes | memoryview, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> npt.NDArray[Any]:
         dt = np.dtype(dtype)
         buf = as_payload(payload)
         if buf.size != num_values(shape) * dt.itemsize:
             raise CorruptPayloadError(f"payload of {buf.size} bytes cannot hold {shape} {dt}")
         return buf.view(dt).reshape(shape)
 
-    def encoded_nbytes(self, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> int:
+    def encoded_nbytes(self, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> int:
         return num_values(shape) * np.dtype(dtype).itemsize

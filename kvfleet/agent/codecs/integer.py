@@ -14,6 +14,7 @@ output dtype.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any, ClassVar
 
 import numpy as np
@@ -49,7 +50,7 @@ class _GroupIntCodec(Codec):
         ng = -(-n // self.group_size)
         return n, ng, ng * self.group_size
 
-    def encoded_nbytes(self, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> int:
+    def encoded_nbytes(self, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> int:
         _, ng, n_pad = self._layout(shape)
         return 4 * ng + n_pad * self.bits // 8
 
@@ -78,7 +79,7 @@ class _GroupIntCodec(Codec):
             self._store(x.reshape(-1), codes, start)
         return out
 
-    def decode(self, payload: Payload | bytes | memoryview, dtype: np.dtype[Any] | str, shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> npt.NDArray[Any]:
         dt = np.dtype(dtype)
         n, ng, n_pad = self._layout(shape)
         buf = as_payload(payload)
@@ -96,11 +97,13 @@ class _GroupIntCodec(Codec):
             out[start:stop] = q.reshape(-1)
         return out[:n].reshape(shape)
 
+    @abstractmethod
     def _store(self, q: npt.NDArray[np.float32], codes: Payload, start: int) -> None:
-        raise NotImplementedError
+        """Write the rounded values ``q`` (already in [-qmax, qmax]) as codes from value ``start``."""
 
+    @abstractmethod
     def _load(self, codes: Payload, start: int, stop: int) -> npt.NDArray[np.float32]:
-        raise NotImplementedError
+        """The signed integer values of codes ``start:stop`` as float32."""
 
 
 class Int8Codec(_GroupIntCodec):

@@ -93,6 +93,10 @@ class TierStore(ABC):
     def keys(self) -> Iterator[BlockHash]:
         return iter(())
 
+    def contains(self, block_hash: BlockHash) -> bool:
+        """Whether the store holds the block (by its own bookkeeping, no I/O)."""
+        return block_hash in set(self.keys())
+
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing to release
         """Release resources; the store is not used afterwards."""
 

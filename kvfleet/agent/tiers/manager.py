@@ -24,8 +24,9 @@ or network unless it says so)::
     mgr.pin(hashes) -> PinReceipt    pinned blocks are never demoted or evicted; receipt.release() / with
     mgr.unpin(hashes)
     mgr.discard(hashes)              drop blocks from every tier (BlockRemoved)
+    mgr.decide(h) -> Decision | None the promotion rule for a held block, with its inputs
     mgr.drain(timeout_s) -> bool     wait until the queues are empty and no tier is above its high watermark
-    mgr.close()
+    mgr.close(flush=False)           flush=True first writes gpu/cpu blocks to ssd/remote (kept across restarts)
 
 Events: every store, move and drop goes to ``sink`` as vLLM KV events with
 ``medium`` = the tier (``BlockStored`` on the destination, ``BlockRemoved`` on
@@ -37,8 +38,10 @@ Policy: a tier above its high watermark demotes least-recently-used,
 unpinned blocks one enabled tier down until it is at its low watermark; the
 last enabled tier drops them instead (``BlockRemoved``). Two daemon threads do
 the moving (``kvfleet-tier-demote``, ``kvfleet-tier-promote``), in batches of
-``migration_batch``, off the caller's thread. A block lives in exactly one
-tier at a time. If the destination fails (disk full, Redis down) the block
+``migration_batch``, off the caller's thread; demotion writes straight from
+the source slot (leased, so it is not reused meanwhile) and promotion from
+ssd reads straight into a reserved slot. A block lives in exactly one tier at
+a time. If the destination fails (disk full, Redis down) the block
 stays where it was, the error is logged and counted, and the failing tier is
 skipped for a while (``retry_after_s``): nothing held in memory is lost. While
 every tier below it is failing, the ssd tier acts as the last tier (drops its
@@ -74,8 +77,10 @@ from kvfleet.agent.tiers.errors import (
     TierFullError,
     TierIOError,
 )
+from kvfleet.agent.tiers.memory import ArenaStore
 from kvfleet.agent.tiers.metrics import TierMetrics
 from kvfleet.agent.tiers.record import BlockMeta, meta_for
+from kvfleet.agent.tiers.ssd import FileStore
 from kvfleet.cache.events import EventSink, null_sink, removed, stored
 from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
@@ -175,6 +180,7 @@ class TierManager:
         self._jobs: queue.Queue[_Job] = queue.Queue(maxsize=self.settings.queue_depth)
         self._stop = threading.Event()
         self._busy = 0
+        self._last_yield = 0.0
         self.metrics.queue_depth.labels(queue="jobs").set(0)
         for tier in self.order:
             self._rescan(tier)
@@ -490,18 +496,44 @@ class TierManager:
             time.sleep(0.005)
         return False
 
-    def close(self) -> None:
-        """Stop the migration threads and close the stores (memory tiers are lost; ssd/remote stay)."""
+    def close(self, flush: bool = False) -> None:
+        """Stop the migration threads and close the stores.
+
+        Memory tiers are lost unless ``flush``: then their blocks are first written
+        to the persistent tiers (most recently used first, while there is room), so
+        a restarted agent finds them there.
+        """
+        if self._stop.is_set():
+            return
         self._stop.set()
         with self._lock:
             self._wake.notify_all()
         for t in self._threads:
             t.join(timeout=5)
+        if flush:
+            self._flush_memory()
         for store in self.stores.values():
             try:
                 store.close()
             except Exception as exc:  # closing must not fail the caller
                 log.warning("%s tier: close failed: %s", store.tier, exc)
+
+    def _flush_memory(self) -> None:
+        persistent = [t for t in self.order if t not in _MEMORY and self._available(t)]
+        flushed = 0
+        for tier in (t for t in self.order if t in _MEMORY):
+            with self._lock:
+                hashes = list(reversed(self._lru[tier]))
+            for h in hashes:
+                try:
+                    source = self._read_for_move(tier, h)
+                except TierError:
+                    continue
+                if not any(self._write_moved(h, source, tier, dst, kind="demote") for dst in persistent):
+                    break  # no room left
+                flushed += 1
+        if flushed:
+            log.info("flushed %d block(s) from memory tiers to %s before closing", flushed, ", ".join(persistent))
 
     def __enter__(self) -> TierManager:
         return self
@@ -510,6 +542,13 @@ class TierManager:
         self.close()
 
     # ----------------------------------------------------------- migrations
+
+    def _yield_gil(self) -> None:
+        """Give the engine's thread the GIL about once a millisecond of migration work."""
+        now = time.perf_counter()
+        if now - self._last_yield > 0.001:
+            time.sleep(0)
+            self._last_yield = time.perf_counter()
 
     def _enqueue(self, job: _Job) -> None:
         try:
@@ -615,14 +654,26 @@ class TierManager:
     def _move_down(self, src: Tier, h: BlockHash, lower: list[Tier]) -> int:
         if not lower:
             return 0
+        store = self.stores[src]
+        if isinstance(store, ArenaStore):
+            # Write straight from the slot: the lease keeps it from being reused meanwhile.
+            try:
+                meta, view, slot = store.lease(h)
+            except BlockNotFoundError:
+                return 0
+            try:
+                return int(any(self._write_moved(h, (meta, view), src, dst, kind="demote") for dst in lower))
+            finally:
+                store.release(slot)
+                self._yield_gil()
         try:
             source = self._read_for_move(src, h)
         except TierError:
             return 0
-        for dst in lower:
-            if self._write_moved(h, source, src, dst, kind="demote"):
-                return 1
-        return 0
+        try:
+            return int(any(self._write_moved(h, source, src, dst, kind="demote") for dst in lower))
+        finally:
+            self._yield_gil()
 
     def _read_for_move(self, src: Tier, h: BlockHash) -> tuple[BlockMeta, Payload]:
         """The encoded block as stored (memory tiers: a private copy, the slot may be reused)."""
@@ -660,19 +711,72 @@ class TierManager:
         with self._lock:
             e = self._entries.get(h)
             if e is None or e.tier != src or (kind == "demote" and e.pins):
-                _quiet_delete(store, h)
-                return True  # handled: gone, moved or pinned meanwhile
-            self._relocate(h, e, dst, meta, charge)
-            try:
-                self.stores[src].delete(h)
-            except TierIOError as exc:
-                self._io_failed(src, exc)
-            self._emit_stored(meta, dst)
-            self._emit_removed(h, src)
-            self._wake.notify_all()
+                # Handled: gone, moved or pinned meanwhile. Stores are keyed by hash, so the copy
+                # just written is only ours to delete if the index does not place the block there.
+                if e is None or e.tier != dst:
+                    _quiet_delete(store, h)
+                return True
+            if not store.contains(h):  # deleted by another mover's clean-up meanwhile
+                return False
+            self._switch(h, e, src, dst, meta, charge)
+        self._count_move(src, dst, kind, meta, payload.nbytes)
+        return True
+
+    def _switch(self, h: BlockHash, e: _Entry, src: Tier, dst: Tier, meta: BlockMeta, charge: int) -> None:
+        """Point the index at ``dst`` and drop the ``src`` copy (caller holds the lock)."""
+        self._relocate(h, e, dst, meta, charge)
+        try:
+            self.stores[src].delete(h)
+        except TierIOError as exc:
+            self._io_failed(src, exc)
+        self._emit_stored(meta, dst)
+        self._emit_removed(h, src)
+        self._wake.notify_all()
+
+    def _count_move(self, src: Tier, dst: Tier, kind: str, meta: BlockMeta, nbytes: int) -> None:
         self.metrics.migrations.labels(src=src.value, dst=dst.value, kind=kind).inc()
-        self.metrics.migrated_bytes.labels(src=src.value, dst=dst.value, kind=kind).inc(payload.nbytes)
-        self.metrics.codec_saved.labels(tier=dst.value, codec=codec.name).inc(max(0, meta.raw_nbytes - payload.nbytes))
+        self.metrics.migrated_bytes.labels(src=src.value, dst=dst.value, kind=kind).inc(nbytes)
+        self.metrics.codec_saved.labels(tier=dst.value, codec=meta.codec).inc(max(0, meta.raw_nbytes - nbytes))
+
+    def _promote_direct(self, h: BlockHash, src: Tier, dst: Tier) -> bool | None:
+        """Read an ssd record straight into a free slot of a memory tier (same codec): one copy.
+
+        ``None`` when not applicable (other stores or codecs), else like :meth:`_write_moved`.
+        """
+        src_store, dst_store = self.stores[src], self.stores[dst]
+        if not isinstance(src_store, FileStore) or not isinstance(dst_store, ArenaStore):
+            return None
+        with self._lock:
+            e = self._entries.get(h)
+            if e is None or e.tier != src:
+                return True
+            if e.meta.codec != self.codecs[dst].name:
+                return None
+        reserved: list[tuple[int, int]] = []
+
+        def alloc(meta: BlockMeta, nbytes: int) -> Payload:
+            slot, view = dst_store.reserve(nbytes)
+            reserved.append((slot, nbytes))
+            return view
+
+        try:
+            meta = src_store.read_into(h, alloc)
+        except (TierFullError, BlockTooLargeError):
+            return False
+        except TierError:
+            for slot, _ in reserved:
+                dst_store.abort(slot)
+            self._read_raw(src, h)  # the normal path logs, counts and drops what is broken
+            return False
+        slot, nbytes = reserved[0]
+        with self._lock:
+            e = self._entries.get(h)
+            if e is None or e.tier != src:
+                dst_store.abort(slot)
+                return True
+            charge = dst_store.commit(slot, meta, nbytes)
+            self._switch(h, e, src, dst, meta, charge)
+        self._count_move(src, dst, "promote", meta, nbytes)
         return True
 
     def _job_loop(self) -> None:
@@ -696,6 +800,7 @@ class TierManager:
                         self._run_job(j)
                     except Exception:
                         log.exception("tier job %s for %r failed", j.kind, j.hash)
+                    self._yield_gil()
             finally:
                 with self._lock:
                     self._busy -= 1
@@ -711,12 +816,20 @@ class TierManager:
             src = e.tier
             e.moving = True
         try:
+            faster = [t for t in self.order if t.rank < src.rank]
+            if job.block is None:
+                for dst in faster:
+                    done = self._promote_direct(job.hash, src, dst)
+                    if done is None:
+                        break
+                    if done:
+                        return
             if job.block is not None:
                 plain = get_codec("none")
                 source = (BlockMeta(job.hash, plain.name, job.block.dtype.name, job.block.shape), plain.encode(job.block))
             else:
                 source = self._read_for_move(src, job.hash)
-            for dst in [t for t in self.order if t.rank < src.rank]:
+            for dst in faster:
                 if self._write_moved(job.hash, source, src, dst, kind="promote"):
                     return
                 with self._lock:
@@ -745,9 +858,13 @@ class TierManager:
                 self._io_failed(dst, exc)
                 continue
             with self._lock:
-                if job.hash in self._entries:
-                    _quiet_delete(self.stores[dst], job.hash)
+                e = self._entries.get(job.hash)
+                if e is not None:  # put again meanwhile; same hash, same bytes
+                    if e.tier != dst:
+                        _quiet_delete(self.stores[dst], job.hash)
                     return
+                if not self.stores[dst].contains(job.hash):  # evicted meanwhile
+                    continue
                 self._add(job.hash, dst, meta, charge)
                 self._emit_stored(meta, dst)
                 self._wake.notify_all()

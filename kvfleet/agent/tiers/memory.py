@@ -47,6 +47,9 @@ class ArenaStore(TierStore):
         self._free: list[int] = []
         self._next_slot = 0
         self._index: dict[BlockHash, tuple[int, int, BlockMeta]] = {}
+        #: slot → outstanding leases; a deleted slot that is still leased is freed on the last release.
+        self._leases: dict[int, int] = {}
+        self._deferred: set[int] = set()
         self._lock = threading.Lock()
         if self.stand_in:
             log.warning("gpu tier: host arena standing in for HBM (no CUDA device driven), capacity %d bytes", self.capacity_bytes)
@@ -95,11 +98,35 @@ class ArenaStore(TierStore):
                 raise BlockTooLargeError(f"{self.tier}: block of {nbytes} bytes exceeds the {self.slot_bytes}-byte slot")
             old = self._index.pop(meta.hash, None)
             if old is not None:
-                self._free.append(old[0])
+                self._release_slot(old[0])
             slot = self._alloc()
             self._slot_view(slot, nbytes)[:] = payload.reshape(-1).view(np.uint8)
             self._index[meta.hash] = (slot, nbytes, meta)
         return self.slot_bytes
+
+    def reserve(self, nbytes: int) -> tuple[int, Payload]:
+        """A free slot and a writable view of its first ``nbytes``; then :meth:`commit` or :meth:`abort`."""
+        with self._lock:
+            if not self.slot_bytes:
+                self.slot_bytes = _round_up(nbytes)
+                self._slab_bytes = max(self._slab_bytes, self.slot_bytes)
+            if nbytes > self.slot_bytes:
+                raise BlockTooLargeError(f"{self.tier}: block of {nbytes} bytes exceeds the {self.slot_bytes}-byte slot")
+            slot = self._alloc()
+            return slot, self._slot_view(slot, nbytes)
+
+    def commit(self, slot: int, meta: BlockMeta, nbytes: int) -> int:
+        """Index a reserved slot (filled by the caller) under ``meta.hash``; returns its charge."""
+        with self._lock:
+            old = self._index.pop(meta.hash, None)
+            if old is not None:
+                self._release_slot(old[0])
+            self._index[meta.hash] = (slot, nbytes, meta)
+        return self.slot_bytes
+
+    def abort(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
 
     def read(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload]:
         with self._lock:
@@ -116,7 +143,40 @@ class ArenaStore(TierStore):
         with self._lock:
             old = self._index.pop(block_hash, None)
             if old is not None:
-                self._free.append(old[0])
+                self._release_slot(old[0])
+
+    def _release_slot(self, slot: int) -> None:
+        if self._leases.get(slot):
+            self._deferred.add(slot)
+        else:
+            self._free.append(slot)
+
+    def lease(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload, int]:
+        """Like :meth:`read`, but the slot is not reused until :meth:`release` (even if deleted)."""
+        with self._lock:
+            try:
+                slot, nbytes, meta = self._index[block_hash]
+            except KeyError:
+                raise BlockNotFoundError(block_hash) from None
+            self._leases[slot] = self._leases.get(slot, 0) + 1
+            view = self._slot_view(slot, nbytes).view()
+        view.flags.writeable = False
+        return meta, view, slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            n = self._leases.get(slot, 0) - 1
+            if n > 0:
+                self._leases[slot] = n
+                return
+            self._leases.pop(slot, None)
+            if slot in self._deferred:
+                self._deferred.discard(slot)
+                self._free.append(slot)
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            return block_hash in self._index
 
     def keys(self) -> Iterator[BlockHash]:
         with self._lock:
@@ -125,6 +185,8 @@ class ArenaStore(TierStore):
     def close(self) -> None:
         with self._lock:
             self._index.clear()
+            self._leases.clear()
+            self._deferred.clear()
             self._slabs.clear()
             self._free.clear()
             self._next_slot = 0

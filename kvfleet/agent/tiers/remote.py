@@ -116,6 +116,10 @@ class RedisStore(TierStore):
         except _REDIS_DOWN as exc:
             raise TierUnavailableError(f"{self.tier}: redis {self.url} unreachable: {exc}") from exc
 
+    def contains(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            return block_hash in self._sizes
+
     def keys(self) -> Iterator[BlockHash]:
         with self._lock:
             return iter(list(self._sizes))

@@ -10,6 +10,7 @@ module          cares about                                   in → out
 ``auth``        HMAC challenge with the pool secret           nonces → MACs
 ``channel``     one socket: sendmsg / recv_into, timeouts     frames ↔ socket
 ``shm``         the same-host shared-memory ring              slots
+``mooncake``    Mooncake Transfer Engine rings (optional)     registered slots
 ``topology``    which backend for which peer                  PeerInfo × PeerInfo → names
 ``source``      where sent blocks come from                   hash → bytes
 ``metrics``     Prometheus series                             events → counters
@@ -27,7 +28,7 @@ Typical use (a decode pod pulling from a prefill pod)::
         engine.load(block.block_hash, block.data)
 """
 
-from kvfleet.agent.transfer import auth
+from kvfleet.agent.transfer import auth, mooncake
 from kvfleet.agent.transfer.client import (
     Allocator,
     Block,
@@ -74,4 +75,5 @@ __all__ = [
     "auth",
     "choose_backends",
     "local_host_id",
+    "mooncake",
 ]

@@ -28,6 +28,12 @@ class IdleTimeout(StreamError):
     """Nothing arrived within the timeout, between two frames."""
 
 
+def _timeval(secs: float | None) -> bytes:
+    """A ``struct timeval``; ``None`` (or 0) means no timeout."""
+    s = 0.0 if secs is None else secs
+    return struct.pack("ll", int(s), int((s - int(s)) * 1e6))
+
+
 class Channel:
     """A framed, thread-safe-for-send wrapper around one connected socket."""
 
@@ -50,18 +56,18 @@ class Channel:
             return "?"
         return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else str(name)
 
-    def settimeout(self, timeout_s: float | None) -> None:
+    def settimeout(self, timeout_s: float | None, send_timeout_s: float | None = -1.0) -> None:
         """Kernel-side timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket.
 
         Python's own socket timeouts poll before every call and split a
         ``MSG_WAITALL`` receive into many; kernel timeouts keep one syscall per
-        block and still turn a stall into ``EAGAIN``.
+        block and still turn a stall into ``EAGAIN``. ``send_timeout_s``
+        defaults to ``timeout_s``.
         """
         self.sock.settimeout(None)
-        secs = 0.0 if timeout_s is None else timeout_s
-        tv = struct.pack("ll", int(secs), int((secs - int(secs)) * 1e6))
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        send = timeout_s if send_timeout_s == -1.0 else send_timeout_s
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send))
 
     # -- sending ------------------------------------------------------------
     def send(self, *parts: bytes | bytearray | memoryview) -> int:

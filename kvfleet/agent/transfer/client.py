@@ -1,7 +1,7 @@
 """The receiving side: pull blocks from a peer's :class:`TransferServer`.
 
 A :class:`TransferClient` opens a *session* per attempt: N authenticated
-streams (tcp) or one (shm), the remaining blocks striped over them
+streams (tcp) or one (shm, mooncake), the remaining blocks striped over them
 round-robin by sequence number so that block 0 lands first. I/O threads
 ``recv_into`` each payload straight into its destination slot, verify its
 checksum, and hand it to the event loop; the :class:`TransferHandle` delivers
@@ -16,8 +16,10 @@ no deadlock.
 
 Failover: a broken, stalled or corrupt stream fails the session; the blocks
 already verified are kept and a new session asks for the remaining ones only,
-on the next backend of the topology's list (shm → tcp) or the same one, up to
-``max_retries`` times. Permanent errors (auth, missing block) fail at once.
+on the next backend of the topology's list (shm → tcp, mooncake → tcp) or the
+same one, up to ``max_retries`` times. Permanent errors (auth, missing block)
+fail at once. Idle authenticated streams are pooled per (peer, backend), each
+with its I/O thread, so a warm transfer starts with one REQUEST frame.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from kvfleet.agent.transfer.frames import (
     encode_header,
 )
 from kvfleet.agent.transfer.metrics import TransferMetrics
+from kvfleet.agent.transfer.mooncake import MooncakeEngine, RegisteredRing
+from kvfleet.agent.transfer.mooncake import available as mooncake_available
 from kvfleet.agent.transfer.shm import ShmRing
 from kvfleet.agent.transfer.topology import PeerInfo, choose_backends, local_host_id
 from kvfleet.config.transfer import TransferSettings
@@ -64,8 +68,8 @@ log = logging.getLogger(__name__)
 #: ``alloc(seq, block_hash, length) -> writable buffer of exactly length bytes``;
 #: called from I/O threads, so it must be thread-safe.
 Allocator = Callable[[int, BlockHash, int], Any]
-#: Backends with an implementation here (the RDMA-class ones have no adapter yet: docs/transfer.md).
-BACKENDS: tuple[str, ...] = ("shm", "tcp")
+#: Backends with an implementation (``mooncake`` only where :func:`mooncake.available`; NIXL has none).
+BACKENDS: tuple[str, ...] = ("shm", "mooncake", "tcp")
 Peer = tuple[str, int] | str
 
 
@@ -118,7 +122,8 @@ class _Stream:
         self.backend = backend
         self.index = index
         self.items: list[tuple[int, BlockHash]] = []
-        self.ring: ShmRing | None = None
+        self.ring: ShmRing | RegisteredRing | None = None
+        self.remote: tuple[str, int] | None = None  # mooncake: the sender's engine rpc and ring address
         self.thread: threading.Thread | None = None
         self.jobs: queue.SimpleQueue[Callable[[_Stream], None] | None] = queue.SimpleQueue()
         self.idle = threading.Event()
@@ -281,8 +286,6 @@ class TransferHandle:
     def cancel(self) -> None:
         if not self._done.done():
             self._finish(TransferCancelled("transfer cancelled"))
-        if self._task is not None:
-            self._task.cancel()
 
     def add_done_callback(self, fn: Callable[[TransferHandle], Any]) -> None:
         self._done.add_done_callback(lambda _f: fn(self))
@@ -358,6 +361,8 @@ class TransferHandle:
         else:
             self._done.set_exception(error)
             self._done.exception()  # mark retrieved: iteration reports it too
+            if self._task is not None and self._task is not asyncio.current_task():
+                self._task.cancel()  # stop the driver: its session closes its streams
         for hook in self._finish_hooks:
             hook(self)
         self._wake.set()
@@ -380,11 +385,22 @@ class TransferClient:
         self.secret = secret
         self.settings = settings or TransferSettings()
         self.metrics = metrics or TransferMetrics(link_capacity_bps=self.settings.link_capacity_gbps * 1e9)
-        self.local = PeerInfo(local_host_id(self.settings.host_id), tuple(b for b in self.settings.backends if b in BACKENDS))
+        offered = [b for b in self.settings.backends if b in BACKENDS and (b != "mooncake" or mooncake_available())]
+        self.local = PeerInfo(local_host_id(self.settings.host_id), tuple(offered))
+        self.mooncake: MooncakeEngine | None = None
+        self._mooncake_lock = threading.Lock()
         self._remotes: dict[tuple[str, int], PeerInfo] = {}
         self._pool: dict[tuple[str, int, str], list[_Stream]] = {}
 
     # -- the pool of idle authenticated streams -----------------------------------
+    def _engine(self) -> MooncakeEngine:
+        """The client's Transfer Engine, started on first use (from an I/O thread)."""
+        with self._mooncake_lock:
+            if self.mooncake is None:
+                host = self.settings.listen_host if self.settings.listen_host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+                self.mooncake = MooncakeEngine(host, self.settings.mooncake_protocol)
+            return self.mooncake
+
     def _checkout(self, key: tuple[str, int, str], n: int) -> list[_Stream]:
         idle = self._pool.get(key, [])
         out: list[_Stream] = []
@@ -410,6 +426,8 @@ class TransferClient:
             for st in idle:
                 st.close()
         self._pool.clear()
+        with self._mooncake_lock:
+            self.mooncake = None
 
     async def __aenter__(self) -> TransferClient:
         return self
@@ -538,7 +556,7 @@ class _Session:
             else:
                 chosen = backend
             backend = self.backend = chosen
-            n = 1 if backend == "shm" else max(1, min(self.n, len(items)))
+            n = 1 if backend in ("shm", "mooncake") else max(1, min(self.n, len(items)))
             pooled = c._checkout((self.host, self.port, backend), n - len(fresh))
             for _ in range(n - len(fresh) - len(pooled)):
                 extra, _r, _b = await asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, backend)
@@ -559,6 +577,11 @@ class _Session:
                 slot_bytes = c.settings.max_block_bytes
                 st.ring = await asyncio.to_thread(ShmRing.create, c.settings.shm_dir, window, slot_bytes)
                 st.ch.send(encode_control(FrameType.SHM_ATTACH, {"name": st.ring.name, "slots": window, "slot_bytes": slot_bytes}))
+            elif backend == "mooncake" and st.ring is None:
+                slot_bytes = c.settings.max_block_bytes
+                engine = await asyncio.to_thread(c._engine)
+                st.ring = await asyncio.to_thread(RegisteredRing, engine, window, slot_bytes, slot_bytes)
+                st.ch.send(encode_control(FrameType.MC_ATTACH, {"slots": window, "slot_bytes": slot_bytes}))
             st.batch = max(1, window // 4)
             st.ch.send(encode_control(FrameType.REQUEST, [[q, h] for q, h in st.items]))
             st.pending = 0  # held-back credits of an earlier session: the top-up covers them
@@ -572,6 +595,14 @@ class _Session:
     # -- I/O thread -------------------------------------------------------------
     def _receive(self, s: _Stream) -> None:
         try:
+            if isinstance(s.ring, RegisteredRing) and s.remote is None:
+                h0, body = s.ch.recv_control()
+                if h0.type != FrameType.MC_READY or not isinstance(body, dict):
+                    raise FrameError(f"expected MC_READY, got {h0.type.name}")
+                rpc, addr = body.get("rpc"), body.get("addr")
+                if not (isinstance(rpc, str) and isinstance(addr, int)):
+                    raise FrameError("MC_READY needs rpc (str) and addr (int)")
+                s.remote = (rpc, addr)
             for seq, bh in s.items:
                 while True:
                     try:
@@ -582,15 +613,20 @@ class _Session:
                             raise
                 if h.type == FrameType.MISSING and h.seq == seq:
                     raise BlockNotFoundError(bh)
-                want = FrameType.SHM_BLOCK if s.ring is not None else FrameType.BLOCK
+                want = FrameType.SLOT_BLOCK if s.ring is not None else FrameType.BLOCK
                 if h.type != want or h.seq != seq or h.block_hash != bh:
                     raise FrameError(f"expected {want.name} seq {seq}, got {h.type.name} seq {h.seq}")
                 dest = memoryview(self.alloc(seq, bh, h.length)).cast("B")
                 if len(dest) != h.length:
                     raise ValueError(f"allocator returned {len(dest)} bytes for a {h.length}-byte block")
-                if s.ring is not None:
+                if isinstance(s.ring, ShmRing):
                     s.ring.unlink()  # the sender has it mapped now
                     dest[:] = s.ring.slot(h.slot, h.length)
+                elif isinstance(s.ring, RegisteredRing):
+                    assert s.remote is not None
+                    ring = s.ring
+                    ring.engine.read(s.remote[0], ring.slot_addr(h.slot), s.remote[1] + h.slot * ring.slot_bytes, h.length)
+                    dest[:] = ring.slot(h.slot, h.length)
                 else:
                     s.ch.recv_into(dest)
                 self._verify(h, dest)

@@ -52,8 +52,10 @@ class FrameType(enum.IntEnum):
     BLOCK = 7  # server → client: header + payload
     MISSING = 8  # server → client: the block ``hash`` at ``seq`` is not held
     SHM_ATTACH = 9  # client → server: shared-memory ring name, slots, slot size
-    SHM_BLOCK = 10  # server → client: block written to ``slot`` of the ring
+    SLOT_BLOCK = 10  # server → client: block written to ``slot`` of the shm / mooncake ring
     ERROR = 11  # either way: a reason, then close
+    MC_ATTACH = 12  # client → server: mooncake staging ring geometry
+    MC_READY = 13  # server → client: its Transfer Engine rpc address and ring address
 
 
 _TYPES = {int(t) for t in FrameType}

@@ -29,6 +29,8 @@ from kvfleet.agent.transfer.frames import (
     encode_header,
 )
 from kvfleet.agent.transfer.metrics import TransferMetrics
+from kvfleet.agent.transfer.mooncake import MooncakeEngine, RegisteredRing
+from kvfleet.agent.transfer.mooncake import available as mooncake_available
 from kvfleet.agent.transfer.shm import ShmRing
 from kvfleet.agent.transfer.source import BlockSource
 from kvfleet.agent.transfer.topology import local_host_id
@@ -37,8 +39,15 @@ from kvfleet.config.transfer import TransferSettings
 log = logging.getLogger(__name__)
 
 
+def _te_hostname(host: str) -> str:
+    """The address a Transfer Engine advertises: the listen host, or this host's address for a wildcard."""
+    if host in ("", "0.0.0.0", "::"):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
 class _Conn:
-    """One accepted connection's send queue, credits and (for shm) ring."""
+    """One accepted connection's send queue, credits and (for shm / mooncake) staging ring."""
 
     def __init__(self, server: TransferServer, ch: Channel) -> None:
         self.server = server
@@ -47,7 +56,7 @@ class _Conn:
         self.queue: deque[tuple[int, BlockHash]] = deque()
         self.credits = 0
         self.done = False
-        self.ring: ShmRing | None = None
+        self.ring: ShmRing | RegisteredRing | None = None
         self.sent_blocks = 0
 
     # -- handshake ----------------------------------------------------------
@@ -89,9 +98,16 @@ class _Conn:
                 if not isinstance(body, dict):
                     raise FrameError("SHM_ATTACH body must be a map")
                 self.ring = ShmRing.attach(self.server.settings.shm_dir, body.get("name"), body.get("slots"), body.get("slot_bytes"))
+            elif h.type == FrameType.MC_ATTACH and self.backend == "mooncake" and self.ring is None:
+                if not isinstance(body, dict) or self.server.mooncake is None:
+                    raise FrameError("MC_ATTACH without a map body or without a mooncake engine")
+                mc = self.server.mooncake
+                ring = RegisteredRing(mc, body.get("slots"), body.get("slot_bytes"), self.server.settings.max_block_bytes)
+                self.ring = ring
+                self.ch.send(encode_control(FrameType.MC_READY, {"rpc": mc.rpc, "addr": ring.addr}))
             else:
                 raise FrameError(f"unexpected {h.type.name} frame from receiver")
-            while self.queue and self.credits > 0 and (self.backend != "shm" or self.ring is not None):
+            while self.queue and self.credits > 0 and (self.backend == "tcp" or self.ring is not None):
                 seq, bh = self.queue.popleft()
                 self.credits -= 1
                 self.send_block(seq, bh)
@@ -107,7 +123,7 @@ class _Conn:
         if self.ring is not None:
             slot = self.sent_blocks % self.ring.slots
             self.ring.slot(slot, len(view))[:] = view
-            self.ch.send(encode_header(FrameType.SHM_BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh, slot=slot))
+            self.ch.send(encode_header(FrameType.SLOT_BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh, slot=slot))
         else:
             hdr = encode_header(FrameType.BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh)
             hook = s.fault_hook
@@ -130,7 +146,7 @@ class _Conn:
 
 
 class TransferServer:
-    """Serves blocks of a :class:`BlockSource` over tcp/shm to peers holding the pool secret.
+    """Serves blocks of a :class:`BlockSource` over tcp/shm/mooncake to peers holding the pool secret.
 
     ``async with TransferServer(source, secret) as srv:`` binds ``srv.port``
     (``port=0`` picks a free one). ``fault_hook(header, payload)``,
@@ -158,7 +174,10 @@ class TransferServer:
         self._want_port = port if port is not None else self.settings.port
         self.metrics = metrics or TransferMetrics(link_capacity_bps=self.settings.link_capacity_gbps * 1e9)
         self.host_id = local_host_id(self.settings.host_id)
-        self.backends = tuple(b for b in self.settings.backends if b in ("tcp", "shm"))
+        self.backends = tuple(
+            b for b in self.settings.backends if b in ("tcp", "shm") or (b == "mooncake" and mooncake_available())
+        )
+        self.mooncake: MooncakeEngine | None = None
         self.fault_hook: Any = None
         self.sent_blocks = 0
         self.accepted = 0
@@ -191,6 +210,8 @@ class TransferServer:
         return c
 
     def start(self) -> None:
+        if "mooncake" in self.backends and self.mooncake is None:
+            self.mooncake = MooncakeEngine(_te_hostname(self.host), self.settings.mooncake_protocol)
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self._want_port))
@@ -211,6 +232,7 @@ class TransferServer:
             t.join(timeout=5)
         if self._sock is not None:
             self._sock.close()
+        self.mooncake = None  # the engine shuts down with its last reference
 
     async def __aenter__(self) -> TransferServer:
         self.start()
@@ -247,7 +269,9 @@ class TransferServer:
                 self.metrics.errors.labels(exc.kind).inc()
                 log.warning("transfer: rejected peer %s: %s", ch.peer, exc)
                 return
-            ch.settimeout(None)
+            # idle pooled connections may wait for the next REQUEST forever; a receiver
+            # that stops draining blocks it holds credits for is cut off
+            ch.settimeout(None, self.settings.stall_timeout_s)
             conn.serve_loop()
         except PeerClosed:
             pass
@@ -255,6 +279,9 @@ class TransferServer:
             if not (self._stopping.is_set() or conn.done):
                 self.metrics.errors.labels(exc.kind).inc()
                 log.warning("transfer: closing connection from %s: %s", ch.peer, exc)
+        except Exception as exc:  # a bug or a resource limit: that connection only, never the server
+            self.metrics.errors.labels("internal").inc()
+            log.exception("transfer: internal error on connection from %s: %s", ch.peer, exc)
         finally:
             conn.stop()
             with self._lock:

@@ -3,7 +3,7 @@
 The receiver creates ``slots`` × ``slot_bytes`` in a file under ``shm_dir``
 (``/dev/shm``: RAM, never disk) and sends its name over the authenticated
 control connection; the sender maps it, copies each block into slot
-``n % slots`` and sends only a 64-byte ``SHM_BLOCK`` header (hash, length,
+``n % slots`` and sends only a 64-byte ``SLOT_BLOCK`` header (hash, length,
 checksum, slot). The receiver checks the checksum and copies the slot into the
 block's destination. Credits (one per slot) keep the sender from overwriting a
 slot before it was read. No socket copy of payload bytes; one memcpy per side.

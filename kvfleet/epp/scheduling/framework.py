@@ -26,6 +26,8 @@ class SchedulingRequest:
     block_size: int = 16
     prefill_s_per_token: float = 1e-4
     hotspot_beta: float = 0.1
+    #: the prefix shard key (the key of block ``min(K, n) − 1``), for affinity
+    shard: int = 0
 
     @property
     def prefill_s(self) -> float:

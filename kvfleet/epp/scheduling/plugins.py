@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
+import xxhash
+
 from kvfleet.epp.scheduling.framework import Candidate, SchedulingRequest, register
 
 
@@ -43,23 +45,31 @@ def waiting_of(c: Candidate) -> float:
 
 @register("prefix-cache-scorer", "scorer")
 class PrefixCacheScorer:
-    """Prefill seconds the pod's cached prefix saves, damped on hot spots.
+    """Prefill seconds the pod's cached prefix saves, damped on hot spots, valued more under load.
 
-    ``hit_s = hit_weighted · block_size · prefill_s_per_token · 1 / (1 + β · same_prefix)``
+    ``hit_s = hit_weighted · block_size · prefill_s_per_token · (1 + g·ρ) / (1 + β · same_prefix)``
     where ``hit_weighted = Σ over matched prefix blocks of weight(tier)`` and
     ``weight(tier) = max(0, 1 − load_s_per_token(tier) / prefill_s_per_token)``
-    (a CPU/SSD hit is worth what it saves after its load cost), ``same_prefix``
+    (a CPU/SSD hit is worth what it saves after its load cost); ``same_prefix``
     the in-flight requests already sent to the pod for this prefix (seed 5.4:
-    without it every same-prefix request piles onto one pod), ``β`` = hotspot_beta.
-    Equals ``tier-weighted hit fraction · decay · prefill_s(request)``.
+    without it every same-prefix request piles onto one pod), ``β`` = hotspot_beta
+    (param ``beta`` overrides it). ``ρ = q̄ / (q̄ + prefill_s(request))`` with ``q̄``
+    the candidates' mean queued prefill seconds is a load proxy: idle, a hit is
+    worth the latency it saves (ρ = 0); loaded, also the compute it keeps free for
+    the queue and the KV it does not duplicate (``g`` = param ``load_gain``, default 20).
     """
 
     def __init__(self, params: Mapping[str, float]) -> None:
         self.beta = params.get("beta")
+        self.load_gain = float(params.get("load_gain", 20.0))
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         beta = req.hotspot_beta if self.beta is None else float(self.beta)
         unit = req.block_size * req.prefill_s_per_token
+        if self.load_gain and cands:
+            q = sum(c.pending_tokens for c in cands) / len(cands) * req.prefill_s_per_token
+            rho = q / (q + req.prefill_s) if q > 0 else 0.0
+            unit *= 1.0 + self.load_gain * rho
         return [c.hit_weighted * unit / (1.0 + beta * c.same_prefix) for c in cands]
 
 
@@ -90,6 +100,28 @@ class QueueScorer:
                 q += max(0.0, c.metrics.waiting - c.pending_requests) * req.prefill_s
             out.append(-q)
         return out
+
+
+@register("prefix-affinity-scorer", "scorer")
+class PrefixAffinityScorer:
+    """``affinity_s`` seconds (param, default 0.02) for the pod that ranks first for the request's
+    prefix shard by rendezvous hashing (``xxh3(pod name, seed = shard)``), 0 for the others.
+
+    Keeps a prefix family on one pod when nothing else separates the candidates
+    (no pod holds it any more, or several hold the same amount), so its next
+    requests find it cached instead of scattering copies over the pool.
+    """
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        self.affinity_s = float(params.get("affinity_s", 0.02))
+
+    def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        if not cands:
+            return []
+        seed = req.shard & 0xFFFFFFFFFFFFFFFF
+        ranks = [xxhash.xxh3_64_intdigest(c.pod.name.encode(), seed=seed) for c in cands]
+        top = max(range(len(cands)), key=ranks.__getitem__)
+        return [self.affinity_s if i == top else 0.0 for i in range(len(cands))]
 
 
 @register("kv-cache-utilization-scorer", "scorer")

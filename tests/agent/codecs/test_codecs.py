@@ -40,7 +40,7 @@ def _group_amax(x: npt.NDArray[np.float64], g: int) -> npt.NDArray[np.float64]:
 
 
 def _ulp(dtype: Any, x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-    eps = float(ml_dtypes.finfo(dtype).eps) if dtype is ml_dtypes.bfloat16 else float(np.finfo(dtype).eps)
+    eps = 2.0**-7 if dtype is ml_dtypes.bfloat16 else float(np.finfo(dtype).eps)
     return np.abs(x) * eps
 
 
@@ -102,7 +102,8 @@ def _attention(q: npt.NDArray[np.float64], k: npt.NDArray[np.float64], v: npt.ND
     s -= s.max(axis=-1, keepdims=True)
     p = np.exp(s)
     p /= p.sum(axis=-1, keepdims=True)
-    return p @ v
+    out: npt.NDArray[np.float64] = p @ v
+    return out
 
 
 @pytest.mark.parametrize(("name", "min_cosine"), [("fp8_e4m3", 0.999), ("int8", 0.9999), ("int4", 0.99)])

@@ -19,6 +19,9 @@ from kvfleet.agent.tiers import TierManager
 from kvfleet.cache.events import EventBuffer
 from kvfleet.config.tiers import MemoryTierSpec, ModelProfile, RemoteTierSpec, SsdTierSpec, TierSettings
 
+Factory = Callable[..., TierManager]
+"""``manager_factory(settings, **kw)`` → a TierManager closed at teardown."""
+
 BLOCK_SHAPE = (2, 16, 4, 32)  # K/V, tokens, heads, head_dim
 BLOCK_NBYTES = int(np.prod(BLOCK_SHAPE)) * 2
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvfleet.agent.tiers import METRIC_NAMES
 from kvfleet.cache.tiers import Tier
 
-from .conftest import make_block, small_settings
+from .conftest import Factory, make_block, small_settings
 
 GOLDEN = {
     "kvfleet_tier_info",
@@ -36,7 +36,7 @@ GOLDEN = {
 }
 
 
-def test_metric_names_golden(tmp_path: Path, manager_factory) -> None:
+def test_metric_names_golden(tmp_path: Path, manager_factory: Factory) -> None:
     assert set(METRIC_NAMES) == GOLDEN
     m = manager_factory(small_settings(tmp_path, gpu_blocks=2, cpu_blocks=2, ssd_blocks=2))
     for h in range(10):

@@ -13,7 +13,7 @@ from kvfleet.cache.events import BlockRemoved, BlockStored, EventBuffer
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.tiers import MemoryTierSpec
 
-from .conftest import BLOCK_NBYTES, make_block, small_settings
+from .conftest import BLOCK_NBYTES, Factory, make_block, small_settings
 
 
 def _events(buf: EventBuffer) -> list[tuple[str, int | bytes, str | None]]:
@@ -25,7 +25,7 @@ def _events(buf: EventBuffer) -> list[tuple[str, int | bytes, str | None]]:
     return out
 
 
-def test_put_lookup_prefix(tmp_path: Path, manager_factory, events: EventBuffer) -> None:
+def test_put_lookup_prefix(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
     """lookup() counts leading hits and says where each lives; put() is idempotent; events say GPU."""
     m = manager_factory(small_settings(tmp_path))
     for h in (10, 11, 12):
@@ -39,7 +39,7 @@ def test_put_lookup_prefix(tmp_path: Path, manager_factory, events: EventBuffer)
     assert m.get(99) is None
 
 
-def test_watermark_demotion_lru(tmp_path: Path, manager_factory, events: EventBuffer) -> None:
+def test_watermark_demotion_lru(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
     """Above the high watermark the least recently used blocks move down until the low watermark."""
     m = manager_factory(small_settings(tmp_path, gpu_blocks=10, cpu_blocks=40))
     for h in range(8):
@@ -60,7 +60,7 @@ def test_watermark_demotion_lru(tmp_path: Path, manager_factory, events: EventBu
         np.testing.assert_array_equal(m.get(h), make_block(h))
 
 
-def test_chain_to_ssd_and_eviction(tmp_path: Path, manager_factory, events: EventBuffer) -> None:
+def test_chain_to_ssd_and_eviction(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
     """gpu → cpu → ssd, and the last tier drops its LRU blocks with BlockRemoved."""
     m = manager_factory(small_settings(tmp_path, gpu_blocks=4, cpu_blocks=4, ssd_blocks=6))
     for h in range(30):
@@ -79,7 +79,7 @@ def test_chain_to_ssd_and_eviction(tmp_path: Path, manager_factory, events: Even
             np.testing.assert_array_equal(m.get(h), make_block(h))
 
 
-def test_pinned_blocks_stay(tmp_path: Path, manager_factory) -> None:
+def test_pinned_blocks_stay(tmp_path: Path, manager_factory: Factory) -> None:
     """Pinned blocks are never demoted; once released they can be."""
     m = manager_factory(small_settings(tmp_path, gpu_blocks=4, cpu_blocks=20))
     m.put(0, make_block(0))
@@ -99,7 +99,7 @@ def test_pinned_blocks_stay(tmp_path: Path, manager_factory) -> None:
         m.pin([12345])
 
 
-def test_unpinned_get_is_a_copy(tmp_path: Path, manager_factory) -> None:
+def test_unpinned_get_is_a_copy(tmp_path: Path, manager_factory: Factory) -> None:
     m = manager_factory(small_settings(tmp_path))
     m.put(1, make_block(1))
     a = m.get(1)
@@ -108,7 +108,7 @@ def test_unpinned_get_is_a_copy(tmp_path: Path, manager_factory) -> None:
     np.testing.assert_array_equal(m.get(1), make_block(1))
 
 
-def test_quantized_tier_holds_more_blocks(tmp_path: Path, manager_factory) -> None:
+def test_quantized_tier_holds_more_blocks(tmp_path: Path, manager_factory: Factory) -> None:
     """Capacity counts encoded bytes: an fp8 cpu tier holds about twice the blocks of an fp16 one."""
     held = {}
     for codec in ("none", "fp8_e4m3"):
@@ -129,7 +129,7 @@ def test_quantized_tier_holds_more_blocks(tmp_path: Path, manager_factory) -> No
     assert held["fp8_e4m3"] >= 15
 
 
-def test_discard_emits_removed(tmp_path: Path, manager_factory, events: EventBuffer) -> None:
+def test_discard_emits_removed(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
     m = manager_factory(small_settings(tmp_path))
     m.put(1, make_block(1))
     _events(events)
@@ -138,14 +138,14 @@ def test_discard_emits_removed(tmp_path: Path, manager_factory, events: EventBuf
     assert _events(events) == [("BlockRemoved", 1, "GPU")]
 
 
-def test_put_rejects_non_arrays(tmp_path: Path, manager_factory) -> None:
+def test_put_rejects_non_arrays(tmp_path: Path, manager_factory: Factory) -> None:
     m = manager_factory(small_settings(tmp_path))
     with pytest.raises(TypeError):
         m.put(1, [1, 2, 3])  # type: ignore[arg-type]
     assert m.locate(1) is None
 
 
-def test_full_memory_goes_to_ssd(tmp_path: Path, manager_factory) -> None:
+def test_full_memory_goes_to_ssd(tmp_path: Path, manager_factory: Factory) -> None:
     """When gpu and cpu have no free slot, put() queues the block to the ssd tier."""
     s = small_settings(
         tmp_path,

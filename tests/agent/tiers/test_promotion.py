@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from kvfleet.agent.tiers import Action
+from kvfleet.agent.tiers import Action, TierManager
 from kvfleet.cache.events import BlockRemoved, BlockStored, EventBuffer
 from kvfleet.cache.tiers import Tier
-from kvfleet.config.tiers import MemoryTierSpec, ModelProfile, SsdTierSpec
+from kvfleet.config.tiers import MemoryTierSpec, ModelProfile, SsdTierSpec, TierSettings
 
-from .conftest import BLOCK_NBYTES, make_block, small_settings
+from .conftest import BLOCK_NBYTES, Factory, make_block, small_settings
 
 
-def _settings(tmp_path: Path, prefill_tokens_per_s: float, gpu_write_latency_us: float = 1.0):
+def _settings(tmp_path: Path, prefill_tokens_per_s: float, gpu_write_latency_us: float = 1.0) -> TierSettings:
     # Fixed costs: ssd read 100 µs + bytes at 2 GB/s; gpu write as given, 1000 GB/s.
     return small_settings(
         tmp_path,
@@ -27,13 +27,13 @@ def _settings(tmp_path: Path, prefill_tokens_per_s: float, gpu_write_latency_us:
     )
 
 
-def _in_ssd(m, h: int) -> None:
+def _in_ssd(m: TierManager, h: int) -> None:
     assert m.put(h, make_block(h), tier=Tier.SSD) is Tier.SSD
     assert m.drain(10)
     assert m.locate(h) is Tier.SSD
 
 
-def test_promote_when_prefill_costs_more(tmp_path: Path, manager_factory, events: EventBuffer) -> None:
+def test_promote_when_prefill_costs_more(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
     """A slow model (8k tokens/s: 2 ms per block) ≫ ssd read + gpu write: the hit moves up."""
     m = manager_factory(_settings(tmp_path, 8000.0))
     _in_ssd(m, 1)
@@ -53,7 +53,7 @@ def test_promote_when_prefill_costs_more(tmp_path: Path, manager_factory, events
     assert not (tmp_path / "ssd").joinpath("i0000000000000001.kvb").exists()
 
 
-def test_recompute_when_prefill_is_cheaper(tmp_path: Path, manager_factory) -> None:
+def test_recompute_when_prefill_is_cheaper(tmp_path: Path, manager_factory: Factory) -> None:
     """A very fast model (prefill cheaper than even reading the block): get() reports a miss, nothing moves."""
     m = manager_factory(_settings(tmp_path, 1e12))
     _in_ssd(m, 2)
@@ -65,7 +65,7 @@ def test_recompute_when_prefill_is_cheaper(tmp_path: Path, manager_factory) -> N
     assert m.metrics.decisions.labels(src="ssd", decision="recompute")._value.get() >= 2
 
 
-def test_serve_in_place_between(tmp_path: Path, manager_factory) -> None:
+def test_serve_in_place_between(tmp_path: Path, manager_factory: Factory) -> None:
     """read < prefill < read + write (a slow fast-tier write): the block is served but not moved."""
     # prefill 0.5 ms; ssd read ≈ 0.1 ms + 8 KiB / 2 GB/s; gpu write 1 ms.
     m = manager_factory(_settings(tmp_path, 16 / 0.0005, gpu_write_latency_us=1000))
@@ -78,7 +78,7 @@ def test_serve_in_place_between(tmp_path: Path, manager_factory) -> None:
     assert m.locate(3) is Tier.SSD
 
 
-def test_decision_metrics_exported(tmp_path: Path, manager_factory) -> None:
+def test_decision_metrics_exported(tmp_path: Path, manager_factory: Factory) -> None:
     m = manager_factory(_settings(tmp_path, 8000.0))
     _in_ssd(m, 4)
     m.decide(4)
@@ -87,7 +87,7 @@ def test_decision_metrics_exported(tmp_path: Path, manager_factory) -> None:
     assert 'kvfleet_tier_promotion_cost_seconds{src="ssd",term="prefill"} 0.002' in text
 
 
-def test_prefetch_promotes_in_background(tmp_path: Path, manager_factory) -> None:
+def test_prefetch_promotes_in_background(tmp_path: Path, manager_factory: Factory) -> None:
     m = manager_factory(_settings(tmp_path, 8000.0))
     for h in (5, 6):
         _in_ssd(m, h)

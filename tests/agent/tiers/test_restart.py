@@ -13,10 +13,10 @@ from kvfleet.agent.tiers.record import key_name
 from kvfleet.cache.events import BlockStored, EventBuffer
 from kvfleet.cache.tiers import Tier
 
-from .conftest import make_block, small_settings
+from .conftest import Factory, make_block, small_settings
 
 
-def test_restart_reuses_ssd_blocks(tmp_path: Path, manager_factory) -> None:
+def test_restart_reuses_ssd_blocks(tmp_path: Path, manager_factory: Factory) -> None:
     ssd = tmp_path / "ssd"
     settings = small_settings(ssd, ssd_blocks=32)
     first = manager_factory(settings, sink=EventBuffer())
@@ -55,3 +55,16 @@ def test_restart_reuses_ssd_blocks(tmp_path: Path, manager_factory) -> None:
     assert not corrupt.exists() and not truncated.exists()
     assert (ssd / "README.txt").exists()
     assert not list(ssd.glob("*.tmp"))
+
+
+def test_close_with_flush_keeps_memory_blocks(tmp_path: Path, manager_factory: Factory) -> None:
+    """close(flush=True) writes gpu/cpu blocks to ssd, so the next manager serves them from there."""
+    settings = small_settings(tmp_path / "ssd", ssd_blocks=32)
+    first = manager_factory(settings, sink=EventBuffer())
+    for h in range(6):
+        first.put(h, make_block(h), token_ids=range(16))
+    first.close(flush=True)
+    second = manager_factory(settings, sink=EventBuffer())
+    assert second.lookup(range(6)).tiers == [Tier.SSD] * 6
+    for h in range(6):
+        np.testing.assert_array_equal(second.get(h), make_block(h))

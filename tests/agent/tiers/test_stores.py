@@ -102,3 +102,17 @@ def test_file_store_write_read_delete(tmp_path: Path) -> None:
 def test_unknown_backend_lists_names() -> None:
     with pytest.raises(UnknownBackendError, match="arena, files, redis"):
         open_store(Tier.CPU, TierSpec(backend="nvme-of"))
+
+
+def test_arena_lease_defers_slot_reuse() -> None:
+    """A slot deleted while leased (a demotion writing from it) is not handed out until released."""
+    store = open_store(Tier.CPU, MemoryTierSpec(capacity_bytes=1 * BLOCK_NBYTES))
+    a, b = (get_codec("none").encode(make_block(i)) for i in (1, 2))
+    store.write(_meta(1), a)
+    _, view, slot = store.lease(1)  # type: ignore[attr-defined]
+    store.delete(1)
+    with pytest.raises(TierFullError):
+        store.write(_meta(2), b)
+    assert view.tobytes() == a.tobytes()
+    store.release(slot)  # type: ignore[attr-defined]
+    store.write(_meta(2), b)

@@ -155,7 +155,7 @@ async def test_pooled_streams_of_a_restarted_peer_are_replaced(
 async def test_unknown_backend_names_are_refused_with_the_known_ones(client: TransferClient, hashes: list[int]) -> None:
     from kvfleet.agent.transfer import UnknownBackendError
 
-    with pytest.raises(UnknownBackendError, match="known: shm, tcp"):
+    with pytest.raises(UnknownBackendError, match="known: mooncake, shm, tcp"):
         client.pull(("127.0.0.1", 1), hashes, backends=["nixl"])
     with pytest.raises(ValueError, match="host:port"):
         client.pull("no-port", hashes)

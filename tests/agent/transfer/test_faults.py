@@ -54,6 +54,8 @@ class OneShot:
             return hdr + bytes(bad), False
         if self.mode == "bad-magic":
             return b"XX" + hdr[2:] + bytes(view), False
+        if self.mode == "wrong-seq":  # a well-formed frame for a block that was not asked for next
+            return hdr[:8] + (int.from_bytes(hdr[8:12], "big") + 1000).to_bytes(4, "big") + hdr[12:] + bytes(view), False
         if self.mode == "stall":
             self.release.wait(10)
             return hdr + bytes(view), False
@@ -68,7 +70,7 @@ async def _pull_all(client: TransferClient, srv: TransferServer, hashes: list[in
     assert handle.stats.retries >= 1
 
 
-@pytest.mark.parametrize("mode", ["kill", "corrupt", "bad-magic"])
+@pytest.mark.parametrize("mode", ["kill", "corrupt", "bad-magic", "wrong-seq"])
 @pytest.mark.parametrize("streams", [1, 3])
 async def test_a_broken_stream_resumes_after_the_last_verified_block(
     server: TransferServer, client: TransferClient, store: MemoryBlockStore, hashes: list[int], mode: str, streams: int
@@ -187,3 +189,25 @@ async def test_malformed_frames_close_only_that_connection_and_are_counted(
         await asyncio.sleep(0.02)
     assert server.metrics.errors.labels("frame")._value.get() == 4
     assert len(await client.pull(peer(server), hashes[:4]).collect()) == 4
+
+
+async def test_a_failing_consumer_ends_the_transfer_with_its_error(
+    server: TransferServer, client: TransferClient, hashes: list[int]
+) -> None:
+    seen: list[int] = []
+
+    def on_block(block: object) -> None:
+        seen.append(1)
+        if len(seen) == 3:
+            raise KeyError("consumer broke")
+
+    handle = client.pull(peer(server), hashes, on_block=on_block, backends=["tcp"])
+    with pytest.raises(KeyError, match="consumer broke"):
+        await handle.wait()
+    assert handle.state == "failed" and len(seen) == 3
+    assert handle._task is not None
+    for _ in range(100):  # the driver stops and closes its streams instead of waiting forever
+        if handle._task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert handle._task.done()

@@ -1,0 +1,164 @@
+"""Pools and pods from Kubernetes: InferencePools (``inference.networking.k8s.io/v1``) and the Pods they select.
+
+:func:`pools_from_objects` is the pure mapping (tested on plain objects):
+
+* an InferencePool's ``spec.selector.matchLabels`` selects Pods in its namespace;
+  ``spec.targetPorts[0].number`` is the serving port;
+* models: the pool's annotation ``kvfleet.io/models`` (comma-separated; absent
+  means every model, ``*``); capacity weight: ``kvfleet.io/weight`` (default 1);
+* a Pod is ready when it has an IP, is not being deleted and its ``Ready``
+  condition is ``True``; its role comes from label ``kvfleet.io/role``
+  (``both`` by default); KV events from annotation ``kvfleet.io/kv-events-port``
+  (default 5557) and ``kvfleet.io/kv-replay-port`` (optional); metrics from
+  ``kvfleet.io/metrics-port`` (default: the serving port) at ``/metrics``.
+
+:class:`KubernetesDatastore` keeps both lists current with two watch threads
+(list, then watch from the list's resourceVersion; on any error or expiry,
+list again after a short backoff) and rebuilds the pools on every change.
+The watch loop is exercised only against a real API server; without a
+cluster here it is not covered by the tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kvfleet.epp.datastore import ROLES, Pod, Pool, _ListenerMixin
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
+ANN_MODELS, ANN_WEIGHT = "kvfleet.io/models", "kvfleet.io/weight"
+ANN_EVENTS, ANN_REPLAY, ANN_METRICS = "kvfleet.io/kv-events-port", "kvfleet.io/kv-replay-port", "kvfleet.io/metrics-port"
+LABEL_ROLE = "kvfleet.io/role"
+
+
+def _get(obj: Mapping[str, Any], *path: str) -> Any:
+    cur: Any = obj
+    for p in path:
+        if not isinstance(cur, Mapping):
+            return None
+        cur = cur.get(p)
+    return cur
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    if _get(pod, "metadata", "deletionTimestamp") or not _get(pod, "status", "podIP"):
+        return False
+    conds = _get(pod, "status", "conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds if isinstance(c, Mapping))
+
+
+def pools_from_objects(inference_pools: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]) -> list[Pool]:
+    """InferencePool and Pod objects (as plain dicts) → pools with their selected pods."""
+    out: list[Pool] = []
+    for ip in inference_pools:
+        name = str(_get(ip, "metadata", "name") or "")
+        ns = _get(ip, "metadata", "namespace")
+        labels: Mapping[str, str] = _get(ip, "spec", "selector", "matchLabels") or {}
+        ports = _get(ip, "spec", "targetPorts") or []
+        port = int(ports[0].get("number", 8000)) if ports and isinstance(ports[0], Mapping) else 8000
+        ann: Mapping[str, str] = _get(ip, "metadata", "annotations") or {}
+        models = tuple(m.strip() for m in ann.get(ANN_MODELS, "*").split(",") if m.strip()) or ("*",)
+        try:
+            weight = float(ann.get(ANN_WEIGHT, "1"))
+        except ValueError:
+            weight = 1.0
+        members: list[Pod] = []
+        for p in pods:
+            if ns is not None and _get(p, "metadata", "namespace") not in (None, ns):
+                continue
+            plabels: Mapping[str, str] = _get(p, "metadata", "labels") or {}
+            if not labels or any(plabels.get(k) != v for k, v in labels.items()):
+                continue
+            pann: Mapping[str, str] = _get(p, "metadata", "annotations") or {}
+            ip_addr = str(_get(p, "status", "podIP") or "")
+            role = plabels.get(LABEL_ROLE, "both")
+            events_port = pann.get(ANN_EVENTS, "5557")
+            replay_port = pann.get(ANN_REPLAY)
+            metrics_port = pann.get(ANN_METRICS, str(port))
+            members.append(Pod(
+                name=str(_get(p, "metadata", "name")),
+                address=ip_addr,
+                port=port,
+                pool=name,
+                role=role if role in ROLES else "both",
+                events=f"tcp://{ip_addr}:{events_port}" if ip_addr and events_port else None,
+                replay=f"tcp://{ip_addr}:{replay_port}" if ip_addr and replay_port else None,
+                metrics=f"http://{ip_addr}:{metrics_port}/metrics" if ip_addr else None,
+                ready=_pod_ready(p),
+            ))
+        out.append(Pool(name=name, models=models, weight=weight if weight > 0 else 1.0, pods=tuple(sorted(members, key=lambda x: x.name))))
+    return out
+
+
+class KubernetesDatastore(_ListenerMixin):
+    """Watches InferencePools and Pods in one namespace (in-cluster config, else the kubeconfig)."""
+
+    def __init__(self, namespace: str = "default", backoff_s: float = 2.0, api_client: Any = None) -> None:
+        super().__init__()
+        from kubernetes import client, config
+
+        if api_client is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api_client = client.ApiClient()
+        self.namespace = namespace
+        self.backoff_s = backoff_s
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self._objs: dict[str, dict[str, Mapping[str, Any]]] = {"pools": {}, "pods": {}}
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._watch, args=("pods", self._list_pods), daemon=True, name="watch-pods"),
+            threading.Thread(target=self._watch, args=("pools", self._list_pools), daemon=True, name="watch-pools"),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _list_pods(self) -> Any:
+        return self.core.api_client.sanitize_for_serialization(self.core.list_namespaced_pod(self.namespace))
+
+    def _list_pools(self) -> Any:
+        return self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)
+
+    def _watch(self, kind: str, lister: Callable[..., Any]) -> None:
+        from kubernetes import watch
+
+        while not self._stop.is_set():
+            try:
+                listing = lister()
+                items = listing.get("items", []) if isinstance(listing, dict) else []
+                self._objs[kind] = {str(_get(o, "metadata", "name")): o for o in items}
+                self._rebuild()
+                rv = _get(listing, "metadata", "resourceVersion")
+                w = watch.Watch()
+                func = self.core.list_namespaced_pod if kind == "pods" else self.custom.list_namespaced_custom_object
+                args: tuple[Any, ...] = (self.namespace,) if kind == "pods" else (GROUP, VERSION, self.namespace, PLURAL)
+                for ev in w.stream(func, *args, resource_version=rv, timeout_seconds=300):
+                    if self._stop.is_set():
+                        w.stop()
+                        return
+                    obj = ev.get("raw_object") or ev.get("object")
+                    if not isinstance(obj, Mapping):
+                        obj = self.core.api_client.sanitize_for_serialization(obj)
+                    name = str(_get(obj, "metadata", "name"))
+                    if ev.get("type") == "DELETED":
+                        self._objs[kind].pop(name, None)
+                    elif ev.get("type") in ("ADDED", "MODIFIED"):
+                        self._objs[kind][name] = obj
+                    self._rebuild()
+            except Exception as exc:  # expired resourceVersion, connection loss: list again
+                log.warning("kubernetes watch of %s restarted: %s", kind, exc)
+                self._stop.wait(self.backoff_s)
+
+    def _rebuild(self) -> None:
+        self._set_pools(pools_from_objects(list(self._objs["pools"].values()), list(self._objs["pods"].values())))
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,80 @@
+"""The ``kvfleet epp`` entry point (a real subprocess on free ports) and the metric names (golden list)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from kvfleet.epp.datastore import StaticDatastore
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.inflight import InflightTracker
+from kvfleet.epp.main import main
+from kvfleet.epp.metrics import EppMetrics
+from kvfleet.epp.podmetrics import MetricsStore
+from kvfleet.epp.envoy import free_port
+from kvfleet.epp.server import health_check
+
+GOLDEN_METRICS = sorted([
+    "inference_extension_scheduler_e2e_duration_seconds",
+    "inference_model_request",
+    "inference_model_request_error",
+    "inference_pool_average_kv_cache_utilization",
+    "inference_pool_average_queue_size",
+    "inference_pool_ready_pods",
+    "kvfleet_epp_engine_cached_tokens",
+    "kvfleet_epp_index_blocks",
+    "kvfleet_epp_index_speculative_blocks",
+    "kvfleet_epp_kv_event_batches",
+    "kvfleet_epp_kv_event_gaps",
+    "kvfleet_epp_kv_event_resyncs",
+    "kvfleet_epp_misprediction_tokens",
+    "kvfleet_epp_pod_inflight",
+    "kvfleet_epp_pod_pending_tokens",
+    "kvfleet_epp_predicted_hit_tokens",
+    "kvfleet_epp_prompt_tokens",
+])
+
+
+def test_metric_names_are_stable() -> None:
+    """Metric names are API: any rename or addition must update this golden list (and docs/epp.md)."""
+    m = EppMetrics()
+    ds = StaticDatastore(data={"pools": [{"name": "a", "models": ["m"], "pods": [{"name": "p", "address": "h", "port": 1}]}]})
+    m.attach_state(BlockIndex(), InflightTracker(), MetricsStore(), ds.pools, dict)
+    assert sorted({fam.name for fam in m.registry.collect()}) == GOLDEN_METRICS
+
+
+def test_bad_config_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "epp.yaml"
+    bad.write_text("epp: {grpc_prot: 1}\n")
+    assert main(["--config", str(bad)]) == 2
+    pods = tmp_path / "pods.yaml"
+    pods.write_text("pools: [{name: a, pods: [{name: x}]}]\n")
+    assert main(["--pods", str(pods), "--grpc-port", "0", "--health-port", "0", "--metrics-port", "0"]) == 2
+
+
+def test_process_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """``python -m kvfleet.epp.main`` binds the configured ports, reports SERVING, exits 0 on SIGTERM."""
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(yaml.safe_dump({"pools": [{"name": "a", "models": ["m"], "pods": [{"name": "p", "address": "127.0.0.1", "port": 1}]}]}))
+    health = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvfleet.epp.main", "--pods", str(pods), "--host", "127.0.0.1",
+         "--grpc-port", str(free_port()), "--health-port", str(health), "--metrics-port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not health_check(f"127.0.0.1:{health}", 0.5):
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "epp never became healthy"
+            time.sleep(0.1)
+        proc.terminate()
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)

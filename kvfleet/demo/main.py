@@ -88,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start", type=int, default=0, help="first trace row of the slice")
     p.add_argument("--slice", choices=["sessions", "contiguous"], default="sessions",
                    help="whole conversations across the trace (default) or consecutive rows")
-    p.add_argument("--speedup", type=float, default=10.0, help="trace seconds per modelled second")
+    p.add_argument("--speedup", type=float, default=20.0, help="trace seconds per modelled second")
     p.add_argument("--max-tokens", type=int, default=24, help="cap on generated tokens per request")
-    p.add_argument("--time-factor", type=float, default=0.1, help="wall seconds per modelled second")
+    p.add_argument("--time-factor", type=float, default=0.25, help="wall seconds per modelled second")
     p.add_argument("--pods", type=int, default=4)
     p.add_argument("--pools", type=int, default=2)
     p.add_argument("--pd-pools", type=int, default=1, help="how many pools (the last ones) are prefill/decode")

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from kvfleet.config import ConfigError, Settings, load
-from kvfleet.engine.publisher import PortInUseError
+from kvfleet.agent.publisher import PortInUseError
 from kvfleet.engine.server import EngineServer
 
 log = logging.getLogger("kvfleet.engine")

@@ -51,7 +51,7 @@ from kvfleet.engine.pd import (
     hash_to_json,
     request_remote_prefill,
 )
-from kvfleet.engine.publisher import ZmqPublisher
+from kvfleet.agent.publisher import ZmqPublisher
 from kvfleet.engine.scheduler import (
     CapacityError,
     FailEvent,
@@ -519,5 +519,7 @@ class EngineServer:
             self.kv.reset()
         except LockedError as exc:
             return error_response(ConflictApiError(str(exc)))
+        if self.publisher is not None:
+            self.publisher.forget_history()
         self.flush_events()
         return web.json_response({"reset": self.es.pod_name})

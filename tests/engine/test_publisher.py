@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from kvfleet.cache.events import BlockStored, decode_batch
 from kvfleet.cache.hashing import BlockHasher
-from kvfleet.engine.publisher import END_SEQ
+from kvfleet.agent.publisher import END_SEQ
 from tests.engine.conftest import EngineFactory
 
 
@@ -60,5 +60,39 @@ async def test_events_are_published_and_replayed(make_engine: EngineFactory) -> 
             seqs.append(int.from_bytes(frames[2], "big"))
             decode_batch(frames[3])
         assert seqs == list(range(len(seqs))) and len(seqs) >= 1
+    finally:
+        dealer.close(0)
+
+
+async def test_reset_drops_older_history_from_replay(make_engine: EngineFactory) -> None:
+    """After a cache reset, replay starts at the reset (its AllBlocksCleared), not at the stale blocks before it."""
+    from kvfleet.cache.events import AllBlocksCleared
+
+    eng = await make_engine()
+    es = eng.server.es
+    for base in (0, 1000):
+        await eng.post("/v1/completions", {"model": es.model, "prompt": list(range(base, base + 48)), "max_tokens": 1})
+    st, _, _ = await eng.post("/kvfleet/v1/reset", {})
+    assert st == 200
+    ctx = zmq.asyncio.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{es.kv_events_replay_port}")
+    try:
+        for _ in range(50):  # the publisher thread applies the reset asynchronously
+            await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            batches = []
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+                if frames[2] == END_SEQ:
+                    break
+                batches.append((int.from_bytes(frames[2], "big"), decode_batch(frames[3])))
+            if batches and any(isinstance(e, AllBlocksCleared) for e in batches[0][1].events):
+                break
+            await asyncio.sleep(0.05)
+        assert batches[0][0] > 0, "sequence numbers keep counting across a reset"
+        first = batches[0][1].events
+        cleared = next(i for i, e in enumerate(first) if isinstance(e, AllBlocksCleared))
+        assert not any(isinstance(e, BlockStored) for e in first[cleared:])
     finally:
         dealer.close(0)

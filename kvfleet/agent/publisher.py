@@ -26,6 +26,7 @@ from kvfleet.cache.events import KVEventBatch, encode_batch
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_FORGET = object()
 
 
 class PortInUseError(OSError):
@@ -46,7 +47,7 @@ class ZmqPublisher:
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._queue: queue.Queue[bytes | object | None] = queue.Queue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(1, buffer_steps))
         self._seq = 0
         self._pub = self._ctx.socket(zmq.PUB)
@@ -77,6 +78,15 @@ class ZmqPublisher:
         """Encode and queue a batch (never blocks on the network)."""
         self._queue.put(encode_batch(batch))
 
+    def forget_history(self) -> None:
+        """Drop the replay buffer before the next batch (after a cache reset nothing older matters).
+
+        Sequence numbers keep counting, so a subscriber asking for an older
+        ``start_seq`` sees the buffer begin later and resyncs from what is left,
+        which starts with the reset's ``AllBlocksCleared``.
+        """
+        self._queue.put(_FORGET)
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
@@ -97,6 +107,10 @@ class ZmqPublisher:
                 continue
             if payload is None:
                 return
+            if payload is _FORGET:
+                self._buffer.clear()
+                continue
+            assert isinstance(payload, bytes)
             seq = self._seq
             self._seq += 1
             seq_bytes = seq.to_bytes(8, "big")

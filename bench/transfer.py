@@ -8,8 +8,14 @@ tokens × fp16) in a kvfleet TransferServer and in a raw sender. This process
 * raw: one TCP connection, plain ``sendall`` / ``recv_into`` of the same
   blocks, no framing, auth or checksums — the baseline, measured in this run;
 * kvfleet tcp at 1/2/4 streams and kvfleet shm (same host);
-* first-block latency (``pull`` → first block delivered, warm connections)
-  against one block's raw transfer time, and against the whole batch;
+* first-block latency (``pull`` → block 0 handed to the consumer, one warm
+  stream, the whole batch requested), delivered in the receiving I/O thread
+  (``deliver="thread"``, the ratio the aim is about) and through the event
+  loop (``async for``), against one block's raw transfer time measured the
+  same way: the raw receiver asks for the whole batch and times request →
+  first byte → last byte of block 0 on a socket with the same options
+  (``TCP_NODELAY``, ``TCP_QUICKACK`` re-armed before the block), then drains
+  the rest; and against the whole batch;
 * Mooncake Transfer Engine's own TCP transport (one batched read of the
   registered batch) and kvfleet's ``mooncake`` backend, when ``mooncake``
   imports (``kvfleet[mooncake]``); else ``mooncake_gbps`` is null.
@@ -115,6 +121,28 @@ def _raw_batch(sock: socket.socket, arena: memoryview, n: int) -> float:
     return time.perf_counter() - t
 
 
+_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
+
+
+def _raw_first_block(sock: socket.socket, arena: memoryview, n: int) -> tuple[float, float]:
+    """Request the whole batch; (first byte, last byte) of block 0 after the request; drain the rest untimed."""
+    view = arena[:BLOCK]
+    if _QUICKACK is not None:  # what kvfleet's receiver does before each block
+        sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
+    t = time.perf_counter()
+    sock.sendall(struct.pack("!Q", n))
+    got = sock.recv_into(view, BLOCK)  # returns at the first bytes
+    t_first = time.perf_counter() - t
+    while got < BLOCK:
+        got += sock.recv_into(view[got:], BLOCK - got, socket.MSG_WAITALL)
+    t_last = time.perf_counter() - t
+    for i in range(1, n):
+        rest, got = arena[i * BLOCK : (i + 1) * BLOCK], 0
+        while got < BLOCK:
+            got += sock.recv_into(rest[got:], BLOCK - got, socket.MSG_WAITALL)
+    return t_first, t_last
+
+
 def _mooncake_batch(engine: mooncake.MooncakeEngine, info: dict[str, Any], arena_addr: int, n: int) -> float:
     """Mooncake TE's own TCP transport: one batched read of the whole batch, no kvfleet in the path."""
     t = time.perf_counter()
@@ -178,12 +206,31 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
             raw_s.append(_raw_batch(raw, arena, n))
             for backend, streams in configs:
                 results[f"{backend}{streams}" if backend == "tcp" else backend].append((await run(backend, streams))[0])
-        # first block: one stream, warm connection, the whole batch requested; next to one raw block
+        async def run_in_thread() -> float:
+            """on_block in the receiving I/O thread: block 0 reaches the consumer without an event-loop hop."""
+            count = 0
+
+            def on_block(_b: object) -> None:
+                nonlocal count
+                count += 1
+
+            handle = client.pull(peer, hashes, on_block=on_block, alloc=alloc, backends=["tcp"], streams=1, deliver="thread")
+            await handle.wait()
+            assert count == n, handle.exception()
+            return handle.stats.first_block_s or 0.0
+
+        # first block: one stream, warm connection, the whole batch requested; next to raw block 0 of a whole batch
+        await run_in_thread()  # warm-up
         one_block_s: list[float] = []
+        raw_first_byte_s: list[float] = []
         first: list[float] = []
+        first_loop: list[float] = []
         for _ in range(max(9, reps)):
-            one_block_s.append(_raw_batch(raw, arena, 1))
-            first.append((await run("tcp", 1))[1])
+            fb_byte, fb_last = _raw_first_block(raw, arena, n)
+            raw_first_byte_s.append(fb_byte)
+            one_block_s.append(fb_last)
+            first.append(await run_in_thread())
+            first_loop.append((await run("tcp", 1))[1])
         whole_tcp1 = statistics.median(results["tcp1"])
         raw.close()
         client.close()
@@ -213,6 +260,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     best = max(tcp, key=lambda s: tcp[s])
     one = statistics.median(one_block_s)
     fb = statistics.median(first)
+    fb_loop = statistics.median(first_loop)
+    fb_byte = statistics.median(raw_first_byte_s)
     print(f"batch: {n} blocks × {BLOCK >> 20} MiB = {n * BLOCK >> 20} MiB, best of {reps}")
     print(f"raw socket pair     {raw_gbps:6.2f} GB/s (median {gb / statistics.median(raw_s):.2f})")
     for s in (1, 2, 4):
@@ -225,8 +274,9 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"mooncake TE tcp     {gbps(mc_s):6.2f} GB/s (its own batched read); kvfleet over mooncake {kv_mc:.2f} GB/s")
     else:
         print("mooncake TE         not importable here")
-    print(f"first block {fb * 1e3:.2f} ms vs one raw block {one * 1e3:.2f} ms (x{fb / one:.2f}); "
-          f"whole batch {whole_tcp1 * 1e3:.1f} ms (first/whole {fb / whole_tcp1:.3f})")
+    print(f"raw block 0: first byte {fb_byte * 1e3:.2f} ms, last byte {one * 1e3:.2f} ms (median of {len(first)})")
+    print(f"first block in I/O thread {fb * 1e3:.2f} ms (x{fb / one:.2f}); via event loop {fb_loop * 1e3:.2f} ms "
+          f"(x{fb_loop / one:.2f}); whole batch {whole_tcp1 * 1e3:.1f} ms (first/whole {fb / whole_tcp1:.3f})")
     return {
         "bench": "transfer",
         "blocks": n,
@@ -242,7 +292,10 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "shm_ratio": round(gbps(results["shm"]) / raw_gbps, 3),
         "first_block_ms": round(fb * 1e3, 3),
         "raw_one_block_ms": round(one * 1e3, 3),
+        "raw_first_byte_ms": round(fb_byte * 1e3, 3),
         "first_block_ratio": round(fb / one, 3),
+        "first_block_loop_ms": round(fb_loop * 1e3, 3),
+        "first_block_loop_ratio": round(fb_loop / one, 3),
         "whole_batch_ms": round(whole_tcp1 * 1e3, 2),
         "first_to_whole_ratio": round(fb / whole_tcp1, 4),
         "mooncake_gbps": mc_gbps,

@@ -4,9 +4,13 @@ A :class:`TransferClient` opens a *session* per attempt: N authenticated
 streams (tcp) or one (shm, mooncake), the remaining blocks striped over them
 round-robin by sequence number so that block 0 lands first. I/O threads
 ``recv_into`` each payload straight into its destination slot, verify its
-checksum, and hand it to the event loop; the :class:`TransferHandle` delivers
+checksum, and hand it to the event loop — or, with ``deliver="thread"``,
+straight to ``on_block`` in that thread; the :class:`TransferHandle` delivers
 blocks strictly in sequence order, each exactly once, as soon as the gap
-before it closes.
+before it closes. Block 0's path is kept short: with pooled streams its
+REQUEST leaves inside ``pull()``; a stream's I/O thread is waiting in
+``recv`` before its REQUEST is written; stream 0 starts before the others
+connect.
 
 Flow control: every stream starts with ``window_blocks`` credits and gets one
 back each time the consumer takes one of its blocks, so a slow consumer stops
@@ -71,6 +75,8 @@ Allocator = Callable[[int, BlockHash, int], Any]
 #: Backends with an implementation (``mooncake`` only where :func:`mooncake.available`; NIXL has none).
 BACKENDS: tuple[str, ...] = ("shm", "mooncake", "tcp")
 Peer = tuple[str, int] | str
+#: Where ``on_block`` runs: the event loop thread, or the receiving I/O thread.
+DELIVERY: tuple[str, ...] = ("loop", "thread")
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,12 +249,23 @@ class TransferHandle:
     (then ``wait`` raises :class:`TransferCancelled`). Without ``on_block``
     the blocks must be consumed (iterate, or ``await handle.collect()``):
     unconsumed blocks hold the sender's credits.
+
+    With ``deliver="thread"`` the ``on_block`` callback runs in the receiving
+    I/O thread, right after the block's checksum was verified: no hop to the
+    event loop before the consumer sees it. Calls are serialised by a lock and
+    stay in sequence order, each block once; the callback must not block on
+    the event loop (use ``loop.call_soon_threadsafe``). A block whose delivery
+    is already under way when the transfer is cancelled still completes.
     """
 
-    def __init__(self, hashes: Sequence[BlockHash], on_block: Callable[[Block], Any] | None) -> None:
+    def __init__(self, hashes: Sequence[BlockHash], on_block: Callable[[Block], Any] | None, *, in_thread: bool = False) -> None:
         self.block_hashes = list(hashes)
         self.stats = TransferStats(started=time.perf_counter())
         self._on_block = on_block
+        self._in_thread = in_thread and on_block is not None
+        self._lock = threading.Lock()  # guards _landed/_next/credits while I/O threads deliver
+        self._stopped = False
+        self.complete = False  # every block delivered (set in the I/O thread with deliver="thread")
         self._landed: dict[int, tuple[Block, _Stream | None]] = {}
         self._next = 0
         self._loop = asyncio.get_running_loop()
@@ -309,7 +326,8 @@ class TransferHandle:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            self._deliver(*got)
+            if self._deliver(*got):
+                self._finish(None)
             yield got[0]
         if self._error is not None and not isinstance(self._error, TransferCancelled):
             raise self._error
@@ -332,12 +350,36 @@ class TransferHandle:
                 except Exception as exc:  # the consumer's failure ends the transfer
                     self._finish(exc)
                     return
-                self._deliver(b, s)
+                if self._deliver(b, s):
+                    self._finish(None)
             self._flush_credits()
         else:
             self._wake.set()
 
-    def _deliver(self, block: Block, stream: _Stream | None) -> None:
+    # -- fed by an I/O thread (deliver="thread") --------------------------------
+    def _landed_in_thread(self, block: Block, stream: _Stream | None) -> None:
+        """Deliver ``block`` and any landed successors to ``on_block`` from this I/O thread."""
+        assert self._on_block is not None
+        with self._lock:
+            if self._stopped or not self._is_needed(block.seq):
+                return  # a duplicate from an older session, or the transfer ended
+            if block.seq == 0 and self.stats.first_block_s is None:
+                self.stats.first_block_s = time.perf_counter() - self.stats.started
+            self._landed[block.seq] = (block, stream)
+            while self._next in self._landed and not self._stopped:
+                b, s = self._landed.pop(self._next)
+                try:
+                    self._on_block(b)
+                except Exception as exc:  # the consumer's failure ends the transfer
+                    self._stopped = True
+                    self._loop.call_soon_threadsafe(self._finish, exc)
+                    return
+                if self._deliver(b, s):
+                    self._stopped = self.complete = True  # the session's _landed, posted next, finishes
+            self._flush_credits()
+
+    def _deliver(self, block: Block, stream: _Stream | None) -> bool:
+        """Account one delivered block; True when it was the last one."""
         self._next = block.seq + 1
         self.stats.blocks += 1
         self.stats.bytes += len(block.data)
@@ -345,7 +387,8 @@ class TransferHandle:
             self._holding.add(stream)
         if self._next == len(self.block_hashes):
             self.stats.finished_s = time.perf_counter() - self.stats.started
-            self._finish(None)
+            return True
+        return False
 
     def _flush_credits(self) -> None:
         for st in self._holding:
@@ -355,6 +398,7 @@ class TransferHandle:
     def _finish(self, error: BaseException | None) -> None:
         if self._done.done():
             return
+        self._stopped = True
         self._error = error
         if error is None:
             self._done.set_result(None)
@@ -368,7 +412,8 @@ class TransferHandle:
         self._wake.set()
 
     def _missing(self) -> list[tuple[int, BlockHash]]:
-        return [(s, self.block_hashes[s]) for s in range(self._next, len(self.block_hashes)) if s not in self._landed]
+        with self._lock:
+            return [(s, self.block_hashes[s]) for s in range(self._next, len(self.block_hashes)) if s not in self._landed]
 
 
 # ---------------------------------------------------------------------------
@@ -444,17 +489,25 @@ class TransferClient:
         alloc: Allocator | None = None,
         streams: int | None = None,
         backends: Sequence[str] | None = None,
+        deliver: str = "loop",
     ) -> TransferHandle:
         """Start pulling ``block_hashes`` from ``peer``; returns at once (call from a coroutine).
 
         ``alloc`` gives each block its destination buffer (default: a new
         bytearray); ``streams`` overrides the tcp stream count; ``backends``
         restricts and orders the backends tried (default: the topology's choice).
+        ``deliver`` says where ``on_block`` runs: ``"loop"`` (the event loop
+        thread) or ``"thread"`` (the receiving I/O thread, as soon as the block
+        is verified: the lowest first-block latency; see :class:`TransferHandle`).
         """
         for name in backends or ():
             if name not in BACKENDS:
                 raise UnknownBackendError(name, list(BACKENDS))
-        handle = TransferHandle(list(block_hashes), on_block)
+        if deliver not in DELIVERY:
+            raise ValueError(f"deliver must be one of {', '.join(DELIVERY)}, got {deliver!r}")
+        if deliver == "thread" and on_block is None:
+            raise ValueError('deliver="thread" needs an on_block callback')
+        handle = TransferHandle(list(block_hashes), on_block, in_thread=deliver == "thread")
         host, port = _parse_peer(peer)
         n = streams if streams is not None else self.settings.streams
         if n < 1:
@@ -463,27 +516,40 @@ class TransferClient:
         if not handle.block_hashes:
             handle._finish(None)
             return handle
-        handle._task = asyncio.get_running_loop().create_task(
-            self._drive(handle, host, port, alloc or _default_alloc, n, list(backends) if backends else None)
-        )
+        alloc = alloc or _default_alloc
+        candidates = list(backends) if backends else None
+        known = self._remotes.get((host, port))
+        if candidates is None and known is not None:
+            candidates = choose_backends(self.local, known)
+        warm: _Session | None = None
+        if candidates:  # pooled streams: block 0's request goes out before this call returns
+            session = _Session(self, handle, host, port, alloc, n)
+            try:
+                if session.start_warm(candidates[0]):
+                    warm = session
+            except TransferError:  # a pooled connection died under us: the driver reconnects
+                session.close()
+        handle._task = asyncio.get_running_loop().create_task(self._drive(handle, host, port, alloc, n, candidates, warm))
+        if warm is not None:  # closed also when the task is cancelled before it runs
+            close_warm = warm.close
+            handle._task.add_done_callback(lambda _t: close_warm())
         return handle
 
     #: ``transfer(block_hashes, peer)`` reads well where the caller thinks in batches.
     def transfer(self, block_hashes: Iterable[BlockHash], peer: Peer, **kw: Any) -> TransferHandle:
         return self.pull(peer, block_hashes, **kw)
 
-    async def _drive(self, handle: TransferHandle, host: str, port: int, alloc: Allocator, n: int, backends: list[str] | None) -> None:
-        candidates = backends
-        known = self._remotes.get((host, port))
-        if candidates is None and known is not None:
-            candidates = choose_backends(self.local, known)
+    async def _drive(
+        self, handle: TransferHandle, host: str, port: int, alloc: Allocator, n: int,
+        candidates: list[str] | None, warm: _Session | None,
+    ) -> None:
         idx = 0
         attempt = 0
         while not handle.done() and handle._missing():
             backend = candidates[idx] if candidates else None
             session: _Session | None = None
             try:
-                session = _Session(self, handle, host, port, alloc, n)
+                session, warm = warm or _Session(self, handle, host, port, alloc, n), None
                 await session.open(backend)
                 if candidates is None:
                     candidates = choose_backends(self.local, self._remotes[(host, port)])
@@ -540,57 +606,116 @@ class _Session:
         self.streams: list[_Stream] = []
         self.finished: asyncio.Future[None] = self.loop.create_future()
         self.backend = "tcp"
+        self._n = 1
+        self._stripes: list[list[tuple[int, BlockHash]]] = []
         self._outstanding = 0
         self._closed = False
 
-    async def open(self, backend: str | None) -> None:
-        """Take pooled streams or connect new ones, request the missing blocks, start the receivers."""
+    def _plan(self, backend: str) -> list[tuple[int, BlockHash]]:
+        """Fix the backend, the stream count and each stream's stripe (round-robin: block 0 on stream 0)."""
         items = self.handle._missing()
+        self.backend = backend
+        self._n = 1 if backend in ("shm", "mooncake") else max(1, min(self.n, len(items)))
+        self._stripes = [items[i :: self._n] for i in range(self._n)]
+        self._outstanding = len(items)
+        return items
+
+    def start_warm(self, backend: str) -> bool:
+        """Start at once on pooled streams, without an event-loop turn: block 0's REQUEST leaves now.
+
+        False (nothing started) when the pool holds no stream for this backend;
+        :meth:`open` then connects, and after a warm start it connects only the
+        streams the pool lacked.
+        """
+        if not self._plan(backend):
+            return False
+        pooled = self.client._checkout((self.host, self.port, backend), self._n)
+        for st in pooled:
+            self.streams.append(st)
+            self._go(st)
+        return bool(pooled)
+
+    async def open(self, backend: str | None) -> None:
+        """Request the missing blocks: stream 0 (block 0's) first, the others as they connect.
+
+        Stream 0 — pooled, or the first connection authenticated — gets its
+        REQUEST and starts receiving before any further stream is opened, so
+        block 0 is on its way while the rest connect (concurrently).
+        """
         c = self.client
-        fresh: list[Channel] = []
-        try:
+        if not self.streams:  # not started warm
+            first: Channel | None = None
             if backend is None:  # first contact: the peer's HELLO decides the backend
-                ch, remote, chosen = await asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, None)
+                first, remote, chosen = await asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, None)
                 c._remotes[(self.host, self.port)] = remote
-                fresh.append(ch)
             else:
                 chosen = backend
-            backend = self.backend = chosen
-            n = 1 if backend in ("shm", "mooncake") else max(1, min(self.n, len(items)))
-            pooled = c._checkout((self.host, self.port, backend), n - len(fresh))
-            for _ in range(n - len(fresh) - len(pooled)):
-                extra, _r, _b = await asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, backend)
-                fresh.append(extra)
-        except BaseException:
-            for x in fresh:
-                x.close()
-            raise
-        self.streams = pooled + [_Stream(x, backend, i) for i, x in enumerate(fresh, start=len(pooled))]
-        for st in self.streams:
-            st.items = []
-        for i, item in enumerate(items):
-            self.streams[i % n].items.append(item)
-        self._outstanding = len(items)
+            backend = chosen
+            if not self._plan(backend):
+                if first is not None:
+                    first.close()
+                self.finished.set_result(None)
+                return
+            pooled = c._checkout((self.host, self.port, backend), self._n - (first is not None))
+            if first is not None:
+                pooled.append(_Stream(first, backend, len(pooled)))
+            try:
+                for st in pooled:
+                    await self._start(st)
+            except BaseException:
+                for st in pooled:
+                    if st not in self.streams:
+                        st.close()
+                raise
+        missing = self._n - len(self.streams)
+        if missing:
+            fresh = await asyncio.gather(
+                *(asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, self.backend) for _ in range(missing)),
+                return_exceptions=True,
+            )
+            chans = [x[0] for x in fresh if not isinstance(x, BaseException)]
+            errors = [x for x in fresh if isinstance(x, BaseException)]
+            if errors:
+                for ch in chans:
+                    ch.close()
+                raise errors[0]
+            for ch in chans:
+                await self._start(_Stream(ch, self.backend, len(self.streams)))
+
+    async def _start(self, st: _Stream) -> None:
+        """Attach a fresh stream's ring (shm, mooncake; pooled ones keep theirs), then :meth:`_go`."""
+        self.streams.append(st)  # from here on close() closes it
+        c = self.client
         window = c.settings.window_blocks
-        for st in self.streams:
-            if backend == "shm" and st.ring is None:
-                slot_bytes = c.settings.max_block_bytes
-                st.ring = await asyncio.to_thread(ShmRing.create, c.settings.shm_dir, window, slot_bytes)
-                st.ch.send(encode_control(FrameType.SHM_ATTACH, {"name": st.ring.name, "slots": window, "slot_bytes": slot_bytes}))
-            elif backend == "mooncake" and st.ring is None:
-                slot_bytes = c.settings.max_block_bytes
-                engine = await asyncio.to_thread(c._engine)
-                st.ring = await asyncio.to_thread(RegisteredRing, engine, window, slot_bytes, slot_bytes)
-                st.ch.send(encode_control(FrameType.MC_ATTACH, {"slots": window, "slot_bytes": slot_bytes}))
-            st.batch = max(1, window // 4)
-            st.ch.send(encode_control(FrameType.REQUEST, [[q, h] for q, h in st.items]))
-            st.pending = 0  # held-back credits of an earlier session: the top-up covers them
-            top_up = window - (st.granted - st.received)
-            if top_up > 0:
-                st.credit(top_up)
-            st.submit(self._receive)
-        if not items:
-            self.finished.set_result(None)
+        if self.backend == "shm" and st.ring is None:
+            slot_bytes = c.settings.max_block_bytes
+            st.ring = await asyncio.to_thread(ShmRing.create, c.settings.shm_dir, window, slot_bytes)
+            st.ch.send(encode_control(FrameType.SHM_ATTACH, {"name": st.ring.name, "slots": window, "slot_bytes": slot_bytes}))
+        elif self.backend == "mooncake" and st.ring is None:
+            slot_bytes = c.settings.max_block_bytes
+            engine = await asyncio.to_thread(c._engine)
+            st.ring = await asyncio.to_thread(RegisteredRing, engine, window, slot_bytes, slot_bytes)
+            st.ch.send(encode_control(FrameType.MC_ATTACH, {"slots": window, "slot_bytes": slot_bytes}))
+        self._go(st)
+
+    def _go(self, st: _Stream) -> None:
+        """Start the stream's receiver, then send its credits and REQUESTs in one write."""
+        items = st.items = self._stripes[self.streams.index(st)]
+        window = self.client.settings.window_blocks
+        st.batch = max(1, window // 4)
+        st.pending = 0  # held-back credits of an earlier session: the top-up covers them
+        top_up = window - (st.granted - st.received)
+        # the stream's first block in a REQUEST of its own: the sender starts it before decoding the rest
+        request = encode_control(FrameType.REQUEST, [list(items[0])])
+        rest = encode_control(FrameType.REQUEST, [[q, h] for q, h in items[1:]]) if len(items) > 1 else b""
+        credit = b""
+        if top_up > 0:  # credits first: the sender may start block 0 as soon as it reads the REQUEST
+            st.granted += top_up
+            credit = encode_header(FrameType.CREDIT, seq=top_up)
+        # the receiver first, then the request: the I/O thread is already waiting in recv when block 0
+        # arrives (on loopback the woken sender often preempts this thread for a whole block's send)
+        st.submit(self._receive)
+        st.ch.send(credit, request, rest)
 
     # -- I/O thread -------------------------------------------------------------
     def _receive(self, s: _Stream) -> None:
@@ -603,7 +728,9 @@ class _Session:
                 if not (isinstance(rpc, str) and isinstance(addr, int)):
                     raise FrameError("MC_READY needs rpc (str) and addr (int)")
                 s.remote = (rpc, addr)
+            in_thread = self.handle._in_thread
             for seq, bh in s.items:
+                s.ch.quickack()
                 while True:
                     try:
                         h = s.ch.recv_header()
@@ -622,16 +749,21 @@ class _Session:
                 if isinstance(s.ring, ShmRing):
                     s.ring.unlink()  # the sender has it mapped now
                     dest[:] = s.ring.slot(h.slot, h.length)
+                    self._verify(h, dest)
                 elif isinstance(s.ring, RegisteredRing):
                     assert s.remote is not None
                     ring = s.ring
                     ring.engine.read(s.remote[0], ring.slot_addr(h.slot), s.remote[1] + h.slot * ring.slot_bytes, h.length)
                     dest[:] = ring.slot(h.slot, h.length)
+                    self._verify(h, dest)
                 else:
                     s.ch.recv_into(dest)
-                self._verify(h, dest)
+                    self._verify(h, dest)
                 s.received += 1
-                self.loop.call_soon_threadsafe(self._landed, s, Block(seq, bh, dest))
+                block = Block(seq, bh, dest)
+                if in_thread:
+                    self.handle._landed_in_thread(block, s)  # the consumer sees it now; bookkeeping follows
+                self.loop.call_soon_threadsafe(self._landed, s, block)
         except BaseException as exc:
             if not (self._closed or s.closed):
                 self.loop.call_soon_threadsafe(self._failed, exc)
@@ -643,20 +775,24 @@ class _Session:
 
     # -- event-loop thread ------------------------------------------------------
     def _landed(self, s: _Stream, block: Block) -> None:
-        if self._closed:
-            return
-        self._outstanding -= 1
-        self.client.metrics.moved(self.backend, "received", len(block.data))
-        self.handle._landed_block(block, s)
-        if self._outstanding == 0 and not self.finished.done():
-            self.finished.set_result(None)
+        """Bookkeeping for one verified block (posted by its I/O thread, after any in-thread delivery)."""
+        if not self._closed:
+            self._outstanding -= 1
+            self.client.metrics.moved(self.backend, "received", len(block.data))
+            if not self.handle._in_thread:
+                self.handle._landed_block(block, s)
+            if self._outstanding == 0 and not self.finished.done():
+                self.release()  # pooled before the consumer resumes: a pull right after starts warm
+                self.finished.set_result(None)
+        if self.handle.complete:  # deliver="thread": the last block went to the consumer
+            self.handle._finish(None)
 
     def _failed(self, exc: BaseException) -> None:
         if not self.finished.done() and not self._closed:
             self.finished.set_exception(exc)
 
     def release(self) -> None:
-        """Success: every stream is idle and healthy; park them in the client's pool."""
+        """Success: every stream is idle and healthy; park them in the client's pool (idempotent)."""
         self._closed = True
         idle = [st for st in self.streams if st.idle.wait(1.0)]
         for st in self.streams:

@@ -158,6 +158,11 @@ def decode_request(body: Any) -> list[tuple[int, BlockHash]]:
         raise FrameError("REQUEST body must be a list")
     out: list[tuple[int, BlockHash]] = []
     for item in body:
+        if type(item) is list and len(item) == 2:  # fast path: exact types, checked inline
+            seq, h = item
+            if type(seq) is int and ((type(h) is int and 0 <= h <= _U64) or (type(h) is bytes and len(h) <= 32)):
+                out.append((seq, h))
+                continue
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)):
             raise FrameError(f"REQUEST item must be [seq, hash], got {item!r}")
         seq, h = item

@@ -62,7 +62,7 @@ class MemoryTierSpec(TierSpec):
 
 @dataclass(frozen=True)
 class SsdTierSpec(TierSpec):
-    """The local-disk tier: one file per block under ``path``."""
+    """The local-disk tier under ``path``: slab files of block slots (backend ``slab``, the default) or a file per block (``files``)."""
 
     capacity_bytes: int = 16 * GiB
     path: str = "/var/lib/kvfleet/ssd"

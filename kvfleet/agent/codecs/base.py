@@ -62,6 +62,27 @@ class Codec(ABC):
     def encoded_nbytes(self, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> int:
         """Exactly how many bytes :meth:`encode` produces for such a block."""
 
+    def encode_into(self, block: npt.NDArray[Any], out: Payload) -> Payload:
+        """:meth:`encode` into ``out`` (at least :meth:`encoded_nbytes` bytes, e.g. a store's slot).
+
+        Returns the written prefix of ``out``. This default encodes then copies; codecs that can
+        write in place override it (``fp8_e4m3``).
+        """
+        payload = self.encode(block)
+        dest = as_payload(out)[: payload.nbytes]
+        if dest.nbytes != payload.nbytes:
+            raise CodecInputError(f"output of {out.nbytes} bytes cannot hold {payload.nbytes} encoded bytes")
+        np.copyto(dest, payload.reshape(-1).view(np.uint8))
+        return dest
+
+    def decode_into(self, payload: Payload | bytes | memoryview, out: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """:meth:`decode` into ``out``, whose dtype and shape say what to decode to; returns ``out``.
+
+        This default decodes then copies; codecs that can write in place override it.
+        """
+        np.copyto(out, self.decode(payload, out.dtype, out.shape))
+        return out
+
 
 def as_payload(buf: Payload | bytes | memoryview | bytearray) -> Payload:
     """A read-only ``uint8`` view of ``buf`` (no copy)."""

@@ -45,7 +45,7 @@ from kvfleet.agent.codecs.base import (
 )
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-_CHUNK_VALUES = 1 << 16
+_CHUNK_VALUES = 1 << 17
 #: e4m3 biased exponent given to the group maximum's binade (unbiased 7: values up to 2**8).
 _TOP = 14
 
@@ -94,36 +94,64 @@ class Fp8E4M3Codec(Codec):
 
     def encode(self, block: npt.NDArray[Any]) -> Payload:
         check_float(block, self.name)
+        _, ng, n_pad = self._layout(block.shape)
+        return self._encode(block, np.empty(2 * ng + n_pad, dtype=np.uint8))
+
+    def encode_into(self, block: npt.NDArray[Any], out: Payload) -> Payload:
+        """Encode straight into ``out`` (no temporary payload)."""
+        check_float(block, self.name)
+        size = self.encoded_nbytes(block.dtype, block.shape)
+        dest = as_payload(out)[:size]
+        if dest.nbytes != size:
+            raise CodecInputError(f"output of {out.nbytes} bytes cannot hold {size} encoded bytes")
+        return self._encode(block, dest)
+
+    def _encode(self, block: npt.NDArray[Any], out: Payload) -> Payload:
         src = block if block.dtype.name in _FORMATS else block.astype(np.float32)
         fmt = _FORMATS[src.dtype.name]
         n, ng, n_pad = self._layout(block.shape)
         bits = np.ascontiguousarray(src).reshape(-1).view(fmt.uint)
         if n_pad != n:
             bits = np.concatenate([bits, np.zeros(n_pad - n, dtype=fmt.uint)])
-        out = np.empty(2 * ng + n_pad, dtype=np.uint8)
         offsets = out[: 2 * ng].view(np.int16)
         codes = out[2 * ng :]
         g = self.group_size
         sh = fmt.mant - 3
         half = 1 << (sh - 1)
-        for start in range(0, n_pad, self._chunk):
-            c = bits[start : start + self._chunk]
-            a = (c & fmt.mag_mask).view(fmt.sint)
-            amax = a.reshape(-1, g).max(axis=1)
+        size = bits.dtype.itemsize
+        # Scratch reused across chunks: every pass below writes in place (no per-chunk temporaries),
+        # and every ufunc works on one dtype (a casting ufunc runs buffered, several times slower).
+        chunk = min(self._chunk, n_pad)
+        a_buf = np.empty(chunk, dtype=fmt.uint)
+        s_buf = np.empty(chunk, dtype=fmt.uint)
+        keep_buf = np.empty(chunk, dtype=np.bool_)
+        sign_buf = np.empty(chunk, dtype=np.uint8)
+        sign_shift = 8 * size - 8
+        for start in range(0, n_pad, chunk):
+            c = bits[start : start + chunk]
+            m = len(c)
+            au = np.bitwise_and(c, fmt.mag_mask, out=a_buf[:m])
+            amax = au.reshape(-1, g).max(axis=1)
             if int(amax.max()) >= fmt.inf:
                 raise CodecInputError(f"codec {self.name!r} cannot encode inf/nan values")
             off = (amax >> fmt.mant).astype(fmt.sint) - _TOP
             g0 = start // g
             offsets[g0 : g0 + len(off)] = off
-            a += half
+            a = au.view(fmt.sint)
+            # ((a + half) >> sh) - (off << 3) == (a - ((off << mant) - half)) >> sh: one pass fewer.
+            a2 = a.reshape(-1, g)
+            a2 -= ((off << fmt.mant) - half)[:, None]
             a >>= sh
-            r8 = a.reshape(-1, g)
-            r8 -= (off << 3)[:, None]
-            np.multiply(a, a >= 8, out=a)
-            sign = c >> (fmt.sign_shift - 7)
+            np.greater_equal(a, 8, out=keep_buf[:m])  # below e4m3's normal range: flushed to zero
+            a *= keep_buf[:m]
+            code = codes[start : start + m]
+            np.copyto(code, a, casting="unsafe")
+            # the sign: the top bit of the most significant byte
+            hi = np.right_shift(c, sign_shift, out=s_buf[:m])
+            sign = sign_buf[:m]
+            np.copyto(sign, hi, casting="unsafe")
             sign &= 0x80
-            sign |= a.view(fmt.uint)
-            np.copyto(codes[start : start + len(c)], sign, casting="unsafe")
+            code |= sign
         return out
 
     def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> npt.NDArray[Any]:
@@ -134,23 +162,55 @@ class Fp8E4M3Codec(Codec):
         buf = as_payload(payload)
         if buf.size != 2 * ng + n_pad:
             raise CorruptPayloadError(f"fp8 payload of {buf.size} bytes cannot hold {shape} {dt}")
-        offsets = buf[: 2 * ng].view(np.int16)
-        codes = buf[2 * ng :]
         out = np.empty(n_pad, dtype=fmt.uint)
-        g = self.group_size
-        sh = fmt.mant - 3
-        for start in range(0, n_pad, self._chunk):
-            q = codes[start : start + self._chunk]
-            w = out[start : start + len(q)].view(fmt.sint)
-            np.copyto(w, q, casting="unsafe")
-            sign = w & 0x80
-            w &= 0x7F
-            nz = w != 0
-            w <<= sh
-            g0 = start // g
-            w.reshape(-1, g)[...] += (offsets[g0 : g0 + len(q) // g].astype(fmt.sint) << fmt.mant)[:, None]
-            w *= nz
-            sign <<= fmt.sign_shift - 7
-            w |= sign
+        self._decode(buf, fmt, out)
         block = out[:n].view(work).reshape(shape)
         return block if work == dt else block.astype(dt)
+
+    def decode_into(self, payload: Payload | bytes | memoryview, out: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """Decode straight into ``out`` when it is contiguous, of an input format, and unpadded."""
+        n, ng, n_pad = self._layout(out.shape)
+        buf = as_payload(payload)
+        if out.dtype.name not in _FORMATS or n != n_pad or not out.flags.c_contiguous or not out.flags.writeable:
+            return super().decode_into(payload, out)
+        if buf.size != 2 * ng + n_pad:
+            raise CorruptPayloadError(f"fp8 payload of {buf.size} bytes cannot hold {out.shape} {out.dtype}")
+        fmt = _FORMATS[out.dtype.name]
+        self._decode(buf, fmt, out.reshape(-1).view(fmt.uint))
+        return out
+
+    def _decode(self, buf: Payload, fmt: _Bits, out: npt.NDArray[Any]) -> None:
+        """Decode ``buf`` (checked length) into the bit patterns ``out`` (``fmt.uint``, padded length)."""
+        n_pad = out.size
+        ng = n_pad // self.group_size
+        offsets = buf[: 2 * ng].view(np.int16)
+        codes = buf[2 * ng :].view(np.int8)
+        g = self.group_size
+        sh = fmt.mant - 3
+        sign_bit = 1 << fmt.sign_shift
+        # int8 codes sign-extend to -128 + magnitude; shifted left, the sign lands in the top bit and in
+        # the bits between it and the magnitude, which ``keep`` clears.
+        keep = _signed(sign_bit | (0x7F << sh), fmt)
+        sign_only = _signed(sign_bit, fmt)
+        chunk = min(self._chunk, n_pad)
+        zero_buf = np.empty(chunk, dtype=np.bool_)
+        mag_buf = np.empty(chunk, dtype=np.uint8)
+        for start in range(0, n_pad, chunk):
+            q = codes[start : start + chunk]
+            m = len(q)
+            w = out[start : start + m].view(fmt.sint)
+            np.copyto(w, q, casting="unsafe")
+            w <<= sh
+            w &= keep
+            g0 = start // g
+            w.reshape(-1, g)[...] += (offsets[g0 : g0 + m // g].astype(fmt.sint) << fmt.mant)[:, None]
+            # zero codes (±0) got the group offset too: put back the bare sign
+            mag = np.bitwise_and(q.view(np.uint8), 0x7F, out=mag_buf[:m])
+            zero = np.equal(mag, 0, out=zero_buf[:m])
+            np.bitwise_and(w, sign_only, out=w, where=zero)
+
+
+def _signed(mask: int, fmt: _Bits) -> int:
+    """``mask`` as the signed integer of the format's width (for in-place ops on signed views)."""
+    bits = 8 * np.dtype(fmt.sint).itemsize
+    return mask - (1 << bits) if mask >= 1 << (bits - 1) else mask

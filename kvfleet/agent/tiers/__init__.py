@@ -1,7 +1,7 @@
 """Tiered KV-block storage of the node agent: gpu → cpu → ssd → remote.
 
 :class:`TierManager` (``manager.py``) is the entry point; stores
-(``memory.py``, ``ssd.py``, ``remote.py``) implement :class:`TierStore`
+(``memory.py``, ``slab.py``, ``ssd.py``, ``remote.py``) implement :class:`TierStore`
 (``base.py``); ``cost.py`` holds the promotion rule, ``record.py`` the on-disk
 / on-wire record, ``metrics.py`` the Prometheus series. See docs/tiers.md.
 """

@@ -12,7 +12,8 @@ Backends (``TierSpec.backend``; empty = the tier's default):
 name       class                                       default for
 =========  ==========================================  =================
 arena      :class:`~.memory.ArenaStore` (host slabs)   gpu (stand-in), cpu
-files      :class:`~.ssd.FileStore` (file per block)   ssd
+slab       :class:`~.slab.SlabStore` (slab files)      ssd
+files      :class:`~.ssd.FileStore` (file per block)
 redis      :class:`~.remote.RedisStore`                remote
 =========  ==========================================  =================
 """
@@ -139,10 +140,11 @@ class TierStore(ABC):
 BACKENDS: dict[str, tuple[str, str]] = {
     "arena": ("kvfleet.agent.tiers.memory", "ArenaStore"),
     "files": ("kvfleet.agent.tiers.ssd", "FileStore"),
+    "slab": ("kvfleet.agent.tiers.slab", "SlabStore"),
     "redis": ("kvfleet.agent.tiers.remote", "RedisStore"),
 }
 
-DEFAULT_BACKEND: dict[Tier, str] = {Tier.GPU: "arena", Tier.CPU: "arena", Tier.SSD: "files", Tier.REMOTE: "redis"}
+DEFAULT_BACKEND: dict[Tier, str] = {Tier.GPU: "arena", Tier.CPU: "arena", Tier.SSD: "slab", Tier.REMOTE: "redis"}
 
 
 def open_store(tier: Tier, spec: TierSpec) -> TierStore:

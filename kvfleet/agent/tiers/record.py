@@ -148,12 +148,23 @@ def unpack(buf: bytes | bytearray | memoryview, verify: bool = True) -> tuple[Bl
     return decode_header(header), payload
 
 
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {}
+
+
+def _dtype_name(dt: np.dtype[Any]) -> str:
+    """``dt.name``, cached (numpy computes it on every access)."""
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = dt.name
+    return name
+
+
 def meta_for(block_hash: BlockHash, block: Any, codec: str, parent: BlockHash | None, token_ids: tuple[int, ...]) -> BlockMeta:
     arr = np.asarray(block)
     return BlockMeta(
         hash=block_hash,
         codec=codec,
-        dtype=arr.dtype.name,
+        dtype=_dtype_name(arr.dtype),
         shape=tuple(int(d) for d in arr.shape),
         raw_nbytes=int(arr.nbytes),
         parent=parent,

@@ -1,4 +1,5 @@
-"""The SSD tier: one self-describing record file per block in a local directory.
+"""The SSD tier, ``files`` backend: one self-describing record file per block in a local directory
+(the default ssd backend is :mod:`~.slab`).
 
 Files are ``<key>.kvb`` (:func:`~.record.key_name`), written as
 ``<key>.kvb.tmp`` then renamed, so a reader never sees half a file under the

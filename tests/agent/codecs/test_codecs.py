@@ -161,3 +161,36 @@ def test_bad_input(name: str) -> None:
     good = codec.encode(np.ones(256, dtype=np.float16))
     with pytest.raises(CorruptPayloadError):
         codec.decode(good[:-1], np.float16, (256,))
+
+
+@pytest.mark.parametrize("name", ["none", "fp8_e4m3", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])
+def test_encode_into_and_decode_into_match(name: str, dtype: Any) -> None:
+    """``encode_into``/``decode_into`` write the same bytes as ``encode``/``decode``, and nothing past them."""
+    codec = get_codec(name)
+    x = _block(np.random.default_rng(8), dtype, shape=(3, 7, 64))
+    payload = codec.encode(x)
+    room = np.full(payload.nbytes + 16, 0xAB, dtype=np.uint8)
+    written = codec.encode_into(x, room)
+    assert written.tobytes() == payload.tobytes()
+    assert room[payload.nbytes :].tolist() == [0xAB] * 16
+    out = np.empty(x.shape, dtype=x.dtype)
+    assert codec.decode_into(payload, out) is out
+    assert out.tobytes() == codec.decode(payload, x.dtype, x.shape).tobytes()
+    with pytest.raises(CodecInputError):
+        codec.encode_into(x, np.empty(payload.nbytes - 1, dtype=np.uint8))
+
+
+def test_fp8_decodes_any_code_like_the_reference() -> None:
+    """Every e4m3 code, ±0 included, with plausible group exponents decodes to code_value · 2^(offset-8)
+    (subnormal and NaN codes, which encode never writes, are not checked)."""
+    codec = Fp8E4M3Codec(group_size=256)
+    codes = np.arange(256, dtype=np.uint8)
+    for off in (0, 5, 15):
+        payload = np.concatenate([np.array([off], dtype=np.int16).view(np.uint8), codes])
+        got = codec.decode(payload, np.float16, (256,)).astype(np.float64)
+        ref = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0 ** (off - 8)
+        normal = ((codes & 0x78) != 0) & ((codes & 0x7F) != 0x7F)  # exponent > 0, not NaN
+        np.testing.assert_array_equal(got[normal], ref[normal])
+        zero = (codes & 0x7F) == 0
+        assert np.all(got[zero] == 0) and np.signbit(got[zero]).tolist() == [False, True]

@@ -24,6 +24,8 @@ Factory = Callable[..., TierManager]
 
 BLOCK_SHAPE = (2, 16, 4, 32)  # K/V, tokens, heads, head_dim
 BLOCK_NBYTES = int(np.prod(BLOCK_SHAPE)) * 2
+#: slot of the slab backend for such a block: record + HEADER_ROOM, rounded up to 4 KiB.
+SSD_SLOT_BYTES = 12288
 
 
 def make_block(i: int) -> npt.NDArray[np.float16]:
@@ -42,13 +44,15 @@ def events() -> EventBuffer:
     return EventBuffer()
 
 
-def small_settings(ssd_path: Path, *, gpu_blocks: int = 8, cpu_blocks: int = 8, ssd_blocks: int = 16, **over: Any) -> TierSettings:
-    """Tiers sized in blocks, calibrated off (nominal costs) unless overridden."""
-    record = BLOCK_NBYTES + 200
+def small_settings(
+    ssd_path: Path, *, gpu_blocks: int = 8, cpu_blocks: int = 8, ssd_blocks: int = 16, ssd_backend: str = "", **over: Any
+) -> TierSettings:
+    """Tiers sized in blocks, calibrated off (nominal costs) unless overridden; ssd backend: the default (slab) or ``files``."""
+    record = SSD_SLOT_BYTES if ssd_backend in ("", "slab") else BLOCK_NBYTES + 200
     kw: dict[str, Any] = {
         "gpu": MemoryTierSpec(capacity_bytes=gpu_blocks * BLOCK_NBYTES, high_watermark=0.9, low_watermark=0.5),
         "cpu": MemoryTierSpec(capacity_bytes=cpu_blocks * BLOCK_NBYTES, high_watermark=0.9, low_watermark=0.5),
-        "ssd": SsdTierSpec(capacity_bytes=ssd_blocks * record, path=str(ssd_path), high_watermark=0.9, low_watermark=0.5),
+        "ssd": SsdTierSpec(capacity_bytes=ssd_blocks * record, path=str(ssd_path), high_watermark=0.9, low_watermark=0.5, backend=ssd_backend),
         "remote": RemoteTierSpec(enabled=False),
         "model": ModelProfile(kv_bytes_per_token=BLOCK_NBYTES // 16, prefill_tokens_per_s=8000.0, block_size=16),
         "calibrate": False,

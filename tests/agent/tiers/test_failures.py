@@ -1,4 +1,4 @@
-"""Bad input and broken media: a full disk (real ENOSPC from /dev/full) keeps blocks in memory,
+"""Bad input and broken media (``files`` backend; the slab backend's are in test_slab.py): a full disk (real ENOSPC from /dev/full) keeps blocks in memory,
 a record corrupted while indexed is dropped on read, bad settings and codec names are clear errors."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="nee
 def test_full_disk_keeps_blocks_in_memory(tmp_path: Path, manager_factory: Factory) -> None:
     """Demotions whose file write fails with ENOSPC leave the blocks in the cpu tier, counted as no_space."""
     ssd = tmp_path / "ssd"
-    m = manager_factory(small_settings(ssd, gpu_blocks=4, cpu_blocks=4))
+    m = manager_factory(small_settings(ssd, gpu_blocks=4, cpu_blocks=4, ssd_backend="files"))
     for h in range(8):  # the first write of each record lands on a device that is always full
         (ssd / (key_name(h) + ".kvb.tmp")).symlink_to("/dev/full")
     for h in range(8):
@@ -41,7 +41,7 @@ def test_full_disk_keeps_blocks_in_memory(tmp_path: Path, manager_factory: Facto
 
 def test_corrupted_while_indexed(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
     """A record damaged on disk after indexing reads as a miss, is dropped and announced removed."""
-    m = manager_factory(small_settings(tmp_path / "ssd"))
+    m = manager_factory(small_settings(tmp_path / "ssd", ssd_backend="files"))
     m.put(5, make_block(5), tier=Tier.SSD)
     assert m.drain(10)
     path = tmp_path / "ssd" / (key_name(5) + ".kvb")
@@ -72,7 +72,7 @@ def test_unknown_codec_at_start(tmp_path: Path, manager_factory: Factory) -> Non
 
 def test_prefetch_of_a_corrupted_record(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
     """The direct ssd → slot promotion checks the record too: a damaged one is dropped, not promoted."""
-    m = manager_factory(small_settings(tmp_path / "ssd"))
+    m = manager_factory(small_settings(tmp_path / "ssd", ssd_backend="files"))
     for h in (6, 7):
         m.put(h, make_block(h), tier=Tier.SSD)
     assert m.drain(10)

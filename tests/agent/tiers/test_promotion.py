@@ -50,7 +50,7 @@ def test_promote_when_prefill_costs_more(tmp_path: Path, manager_factory: Factor
     kinds = {(type(e).__name__, e.medium) for e in batch.events if isinstance(e, BlockStored | BlockRemoved)}
     assert kinds == {("BlockStored", "GPU"), ("BlockRemoved", "SSD")}
     assert m.metrics.migrations.labels(src="ssd", dst="gpu", kind="promote")._value.get() == 1
-    assert not (tmp_path / "ssd").joinpath("i0000000000000001.kvb").exists()
+    assert not m.stores[Tier.SSD].contains(1)
 
 
 def test_recompute_when_prefill_is_cheaper(tmp_path: Path, manager_factory: Factory) -> None:

@@ -1,4 +1,4 @@
-"""SSD restart: a new manager on the same directory re-indexes and re-announces valid blocks,
+"""SSD restart (``files`` backend; slab files: test_slab.py): a new manager on the same directory re-indexes and re-announces valid blocks,
 drops a corrupt and a truncated record (counted by reason), removes a partial write,
 leaves a foreign file alone, and serves the surviving blocks bit for bit."""
 
@@ -18,7 +18,7 @@ from .conftest import Factory, make_block, small_settings
 
 def test_restart_reuses_ssd_blocks(tmp_path: Path, manager_factory: Factory) -> None:
     ssd = tmp_path / "ssd"
-    settings = small_settings(ssd, ssd_blocks=32)
+    settings = small_settings(ssd, ssd_blocks=32, ssd_backend="files")
     first = manager_factory(settings, sink=EventBuffer())
     hashes = list(range(100, 110))
     for i, h in enumerate(hashes):

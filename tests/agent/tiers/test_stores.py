@@ -84,7 +84,7 @@ def test_gpu_arena_reports_stand_in() -> None:
 
 def test_file_store_write_read_delete(tmp_path: Path) -> None:
     """One record file per block; capacity counts record bytes; delete removes the file."""
-    store = open_store(Tier.SSD, SsdTierSpec(capacity_bytes=2 * (BLOCK_NBYTES + 200), path=str(tmp_path)))
+    store = open_store(Tier.SSD, SsdTierSpec(capacity_bytes=2 * (BLOCK_NBYTES + 200), path=str(tmp_path), backend="files"))
     payload = get_codec("none").encode(make_block(1))
     store.write(_meta(1), payload)
     store.write(_meta(2), payload)
@@ -100,7 +100,7 @@ def test_file_store_write_read_delete(tmp_path: Path) -> None:
 
 
 def test_unknown_backend_lists_names() -> None:
-    with pytest.raises(UnknownBackendError, match="arena, files, redis"):
+    with pytest.raises(UnknownBackendError, match="arena, files, redis, slab"):
         open_store(Tier.CPU, TierSpec(backend="nvme-of"))
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
-from kvfleet.config import ConfigError, Settings, load
 from kvfleet.agent.publisher import PortInUseError
+from kvfleet.config import ConfigError, Settings, load
 from kvfleet.engine.server import EngineServer
 
 log = logging.getLogger("kvfleet.engine")

@@ -32,12 +32,13 @@ import numpy.typing as npt
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvfleet.agent.publisher import ZmqPublisher
 from kvfleet.agent.transfer import AuthError, TransferClient, TransferServer
 from kvfleet.agent.transfer.auth import load_secret
 from kvfleet.cache.errors import LockedError
 from kvfleet.cache.events import EventBuffer
 from kvfleet.cache.hashing import ExtraKeys
-from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat
+from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat, salt_extra_keys
 from kvfleet.config import Settings
 from kvfleet.engine.kv import EngineKV
 from kvfleet.engine.metrics import EngineMetrics
@@ -51,7 +52,6 @@ from kvfleet.engine.pd import (
     hash_to_json,
     request_remote_prefill,
 )
-from kvfleet.agent.publisher import ZmqPublisher
 from kvfleet.engine.scheduler import (
     CapacityError,
     FailEvent,
@@ -112,11 +112,6 @@ class ParsedRequest:
     include_usage: bool
     extra_keys: ExtraKeys
     remote_decode: bool
-
-
-def salt_extra_keys(salt: str | None) -> ExtraKeys:
-    """vLLM's rule: the cache salt is an extra key of the first block only."""
-    return None if salt is None else [(salt,)]
 
 
 class EngineServer:

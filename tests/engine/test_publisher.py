@@ -13,9 +13,9 @@ import asyncio
 import zmq
 import zmq.asyncio
 
+from kvfleet.agent.publisher import END_SEQ
 from kvfleet.cache.events import BlockStored, decode_batch
 from kvfleet.cache.hashing import BlockHasher
-from kvfleet.agent.publisher import END_SEQ
 from tests.engine.conftest import EngineFactory
 
 

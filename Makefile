@@ -23,8 +23,8 @@ venv: $(STAMP) ## Create or refresh the virtual environment in .venv with every 
 lint: $(STAMP) ## ruff (style, imports, bugbear) over the package, tests and benchmarks.
 	$(VENV)/bin/ruff check kvfleet tests bench e2e
 
-typecheck: $(STAMP) ## mypy: strict for the cache core and config, typed everywhere else.
-	$(VENV)/bin/mypy kvfleet bench
+typecheck: $(STAMP) ## mypy over package, benchmarks and tests: strict for the cache core and config.
+	$(VENV)/bin/mypy kvfleet bench tests e2e
 
 layers: $(STAMP) ## import-linter: layers only import downwards; the core imports nothing above it.
 	$(VENV)/bin/lint-imports

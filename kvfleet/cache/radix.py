@@ -192,15 +192,28 @@ class RadixTree:
         lookup); ``touch=False`` is a pure query.
         """
         q = as_tokens(token_ids)
-        bb = self._bb
         n = len(q) // self.block_size
         qb = q[: n * self.block_size].tobytes()
-        node = self.root
-        pos = 0
-        parts: list[tuple[Node, int]] = []
+        tick = None
         if touch:
             self._tick += 1
             tick = self._tick
+        node, pos, parts = self._descend(qb, n, tick, count_hits=True)
+        if touch and node.parent is not None and not node.children:
+            self._push(node)
+        return self._result(pos, parts, node)
+
+    def _descend(self, qb: bytes, n: int, tick: int | None, count_hits: bool) -> tuple[Node, int, list[tuple[Node, int]]]:
+        """Walk from the root along the ``n`` blocks of ``qb``: (deepest node, blocks matched, path).
+
+        With a ``tick``, every node on the path gets it as its last access, and a
+        node matched only partly is split first, so its unmatched tail keeps its
+        own recency; without one, the walk changes nothing.
+        """
+        bb = self._bb
+        node = self.root
+        pos = 0
+        parts: list[tuple[Node, int]] = []
         while pos < n:
             child = node.children.get(qb[pos * bb : (pos + 1) * bb])
             if child is None:
@@ -210,19 +223,18 @@ class RadixTree:
                 m = k
             else:
                 m = self._common_blocks(child.key, qb, pos, n)
-            if touch:
+            if tick is not None:
                 if m < k:
-                    child = self._split(child, m)  # so the unmatched tail keeps its own recency
+                    child = self._split(child, m)
                 child.last_access = tick
-                child.hit_count += 1
+                if count_hits:
+                    child.hit_count += 1
             parts.append((child, m))
             pos += m
             node = child
             if m < k:
                 break
-        if touch and node.parent is not None and not node.children:
-            self._push(node)
-        return self._result(pos, parts, node)
+        return node, pos, parts
 
     def _common_blocks(self, key: bytes, qb: bytes, pos: int, n: int) -> int:
         bb = self._bb
@@ -269,22 +281,7 @@ class RadixTree:
         qb = q[: n * bs].tobytes()
         self._tick += 1
         tick = self._tick
-        node = self.root
-        pos = 0
-        while pos < n:
-            child = node.children.get(qb[pos * bb : (pos + 1) * bb])
-            if child is None:
-                break
-            k = child.num_blocks
-            if pos + k <= n and qb.startswith(child.key, pos * bb):
-                m = k
-            else:
-                m = self._common_blocks(child.key, qb, pos, n)
-            if m < k:
-                child = self._split(child, m)
-            child.last_access = tick
-            pos += m
-            node = child
+        node, pos, _ = self._descend(qb, n, tick, count_hits=False)
         existing = pos
         if pos == n:
             if node.parent is not None and not node.children:

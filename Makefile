@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+BASE_IMAGE ?= python:3.11-slim
 
 .DEFAULT_GOAL := help
 
@@ -46,6 +47,9 @@ chart: $(STAMP) ## Regenerate chart values, schema and CRD copies from Settings 
 e2e-kind: $(STAMP) tools ## kind cluster + image + chart + sample KVCachePools + traffic checks + teardown (needs docker, kind; KEEP=1 keeps it).
 	e2e/kind/run.sh
 
+docker-smoke: ## Build the image on BASE_IMAGE and start every role in it (needs a Docker engine; e2e/docker/base.sh makes a base).
+	e2e/docker/smoke.sh $(BASE_IMAGE)
+
 bench: $(STAMP) ## Run every benchmark in quick mode; each prints one JSON line last.
 	@set -e; for b in $$(ls bench/*.py | xargs -n1 basename | sed 's/\.py$$//' | grep -v '^_' | grep -v '^__init__$$'); do \
 		echo "== bench.$$b"; $(PY) -m bench.$$b --quick; done
@@ -53,4 +57,4 @@ bench: $(STAMP) ## Run every benchmark in quick mode; each prints one JSON line 
 clean: ## Remove caches and build outputs (keeps .venv).
 	rm -rf .mypy_cache .ruff_cache .pytest_cache .hypothesis build dist *.egg-info demo-report
 
-.PHONY: help venv lint typecheck layers unit test demo tools chart e2e-kind bench clean
+.PHONY: help venv lint typecheck layers unit test demo tools chart e2e-kind docker-smoke bench clean

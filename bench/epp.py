@@ -143,6 +143,12 @@ class Upstream:
         self._thread.join(timeout=5)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux ``/proc``), to price a decision independently of contention."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def timed_post(url: str, body: bytes) -> float:
     req = urllib.request.Request(url, data=body, method="POST", headers={"content-type": "application/json"})
     t0 = time.perf_counter()
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="short measurements (fits in 60 s)")
     args = ap.parse_args(argv)
     seconds = 4.0 if args.quick else 15.0
+    print(f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (other processes skew every figure)")
     n_lat = 300 if args.quick else 2000
     workdir = Path(tempfile.mkdtemp(prefix="kvfleet-bench-epp-"))
     upstream = Upstream().start()
@@ -185,10 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         target = f"127.0.0.1:{grpc_port}"
         small = prompts(256, 4096, 1)
         large = prompts(32, 220 * 1024, 2)
+        c0 = cpu_seconds(proc.pid)
         d4k, e4k = asyncio.run(decisions_per_s(target, small, seconds))
-        print(f"decisions/s, 4k-token prompts:  {d4k:8.0f}  (errors {e4k})")
+        c1 = cpu_seconds(proc.pid)
+        cpu4k = (c1 - c0) / max(1.0, d4k * seconds + 16) * 1e3
+        print(f"decisions/s, 4k-token prompts:  {d4k:8.0f}  (errors {e4k}); EPP CPU {cpu4k:.2f} ms/decision")
         d220, e220 = asyncio.run(decisions_per_s(target, large, seconds))
-        print(f"decisions/s, 220 KB prompts:   {d220:8.0f}  (errors {e220})")
+        cpu220 = (cpu_seconds(proc.pid) - c1) / max(1.0, d220 * seconds + 16) * 1e3
+        print(f"decisions/s, 220 KB prompts:   {d220:8.0f}  (errors {e220}); EPP CPU {cpu220:.2f} ms/decision")
         proc.terminate()
         proc.wait(10)
         # latency: a single-pod pool so every pick lands on the real upstream
@@ -218,12 +229,17 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "decisions_per_s_4k": round(d4k, 1),
             "decisions_per_s_220kb": round(d220, 1),
+            "epp_cpu_ms_per_decision_4k": round(cpu4k, 3),
+            "epp_cpu_ms_per_decision_220kb": round(cpu220, 3),
+            "decisions_per_cpu_s_4k": round(1e3 / cpu4k, 1) if cpu4k > 0 else None,
+            "decisions_per_cpu_s_220kb": round(1e3 / cpu220, 1) if cpu220 > 0 else None,
             "added_p50_ms": round(added_p50, 3),
             "added_p99_ms": round(added_p99, 3),
             "baseline_p50_ms": round(float(np.percentile(wb, 50)), 3),
             "baseline_p99_ms": round(float(np.percentile(wb, 99)), 3),
             "errors": e4k + e220,
             "cpus": os.cpu_count(),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
         }
     finally:
         for e in envoys:

@@ -15,9 +15,10 @@ Policies (the same arrivals for all):
 - ``sglang-cache-aware`` (sglang-router 0.3): the router's own per-pod prefix
   tree; match rate > 0.3 → best match, else least-loaded; when
   ``max − min load > 64`` and ``max > 1.5·min`` → least-loaded;
-- ``kvfleet``: kvfleet's EPP scheduling profile and :class:`BlockIndex`
-  (``kvfleet.epp``), fed by the pods' KV events after ``event_delay_s``; picks are
-  indexed speculatively until events confirm them; GPU-only caches;
+- ``kvfleet``: kvfleet's EPP router itself (``kvfleet.epp.router.Router.route_keys``:
+  its scheduling profile, :class:`BlockIndex`, in-flight tracker and speculative
+  picks, on the simulation's clock), fed by the pods' KV events after
+  ``event_delay_s``; GPU-only caches;
 - ``kvfleet-tiered``: the same with CPU/SSD tiers on the pods; tier weights from
   the cost model.
 
@@ -47,12 +48,14 @@ import numpy as np
 
 from bench import _traces as traces
 from kvfleet.cache.tiers import Tier
-from kvfleet.config.epp import CostModelSettings, PluginSpec
-from kvfleet.epp.datastore import Pod
+from kvfleet.config.cache import CacheSettings
+from kvfleet.config.epp import CostModelSettings, EppSettings, PluginSpec
+from kvfleet.epp.datastore import StaticDatastore
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
-from kvfleet.epp.router import tier_weights
-from kvfleet.epp.scheduling import Candidate, Profile, SchedulingRequest
+from kvfleet.epp.podmetrics import MetricsStore
+from kvfleet.epp.router import Router
+from kvfleet.epp.tokenize import load_tokenizer
 
 BLOCK = traces.TRACE_BLOCK
 
@@ -302,58 +305,44 @@ class SglangCacheAware(Policy):
 
 
 class Kvfleet(Policy):
-    """kvfleet's EPP profile over its BlockIndex, fed by the pods' KV events."""
+    """kvfleet's EPP :class:`~kvfleet.epp.router.Router` itself (its profile, :class:`BlockIndex`,
+    :class:`InflightTracker` and speculative picks), on the simulation's clock, fed by the pods' KV events."""
 
     name = "kvfleet"
 
     def __init__(self, cfg: SimConfig, pods: list[SimPod], plugins: Sequence[PluginSpec], hotspot_beta: float, spec_ttl_s: float) -> None:
         super().__init__(cfg, pods)
         self.now = 0.0
-        self.index = BlockIndex()
-        self.tracker = InflightTracker(clock=lambda: self.now)
-        self.profile = Profile(plugins)
         self.names = [f"pod-{i}" for i in range(len(pods))]
-        self.pods_rec = [Pod(name=n, address="10.0.0.1", port=8000 + i) for i, n in enumerate(self.names)]
+        self.pos = {n: i for i, n in enumerate(self.names)}
         cost = CostModelSettings(
             prefill_tokens_per_s=cfg.prefill_tokens_per_s, kv_bytes_per_token=cfg.kv_bytes_per_token,
             cpu_gbps=cfg.cpu_gbps, ssd_gbps=cfg.ssd_gbps, remote_gbps=cfg.ssd_gbps / 2,
         )
-        self.weights = tier_weights(cost)
-        self.beta = hotspot_beta
-        self.spec_ttl_s = spec_ttl_s
+        settings = EppSettings(plugins=tuple(plugins), hotspot_beta=hotspot_beta, speculative_ttl_s=spec_ttl_s, cost=cost)
+        data = {"pools": [{"name": "pool", "models": ["m"], "pods": [
+            {"name": n, "address": "10.0.0.1", "port": 8000 + i} for i, n in enumerate(self.names)]}]}
+        clock = lambda: self.now  # noqa: E731
+        self.index = BlockIndex(clock=clock)
+        self.router = Router(
+            settings, CacheSettings(block_size=BLOCK), StaticDatastore(data=data), self.index, MetricsStore(),
+            load_tokenizer("bytes"), InflightTracker(clock=clock),
+        )
         self._last: Any = None
 
     def route(self, r: Req, now: float) -> int:
         self.now = now
-        matches = self.index.match(r.blocks, self.names, self.weights, now=now)
-        shard = r.blocks[min(4, len(r.blocks)) - 1] if r.blocks else 0
-        cands = []
-        for p in self.pods_rec:
-            m = matches.get(p.name)
-            inflight, pt, pr = self.tracker.load(p.name)
-            cands.append(Candidate(pod=p, hit_blocks=m.blocks if m else 0, hit_weighted=m.weighted if m else 0.0,
-                                   inflight=inflight, same_prefix=self.tracker.same_prefix(p.name, shard),
-                                   pending_tokens=pt, pending_requests=pr))
-        sreq = SchedulingRequest(num_tokens=r.tokens, block_size=BLOCK, prefill_s_per_token=1.0 / self.cfg.prefill_tokens_per_s,
-                                 hotspot_beta=self.beta, shard=shard)
-        best = self.profile.run(sreq, cands).pods[0]
-        pod = int(best.name.rsplit("-", 1)[1])
-        hit = min(r.tokens, best.hit_blocks * BLOCK)
-        self._last = (pod, shard, float(r.tokens - hit))
-        return pod
+        d = self.router.route_keys("m", r.blocks, r.tokens)
+        self._last = d.ticket
+        return self.pos[d.pod]
 
     def routed(self, r: Req, pod: int, now: float, finish: float) -> Any:
-        _, shard, pending = self._last
-        ticket = self.tracker.open((self.names[pod],), shard, pending)
-        # as the EPP does: speculative until the first token, then spec_ttl_s more unless events confirm
-        self.index.add_speculative(self.names[pod], r.blocks, self.tracker.max_age_s, now=now)
-        return ticket, self.names[pod], r.blocks
+        return self._last
 
     def prefill_done(self, token: Any, now: float) -> None:
-        ticket, name, blocks = token
         self.now = now
-        ticket.close()
-        self.index.add_speculative(name, blocks, self.spec_ttl_s, now=now)
+        token.first_byte()  # as the EPP on response headers: the speculative TTL counts from here
+        token.close()
 
     def on_events(self, pod: int, events: list[tuple[str, list[int], Tier]]) -> None:
         name = self.names[pod]
@@ -447,9 +436,13 @@ def ideal_hit_rate(reqs: list[Req], capacity: int) -> float:
     return hit_tokens / max(1, total)
 
 
-def load_requests(name: str, limit: int | None, speed: float) -> list[Req]:
-    rows = traces.load(name, limit)
-    return [Req(arrival=row.timestamp_ms / 1000.0 / speed, tokens=row.input_length, blocks=list(row.hash_ids)) for row in rows]
+def load_requests(name: str, limit: int | None, speed: float, offset: int = 0) -> list[Req]:
+    """Rows ``offset … offset + limit`` of a trace, arrivals from the slice's first row, ``speed``× the trace rate."""
+    rows = traces.load(name, None if limit is None else offset + limit)[offset:]
+    if not rows:
+        raise SystemExit(f"bench.routing: trace {name!r} has no rows from {offset}")
+    t0 = rows[0].timestamp_ms
+    return [Req(arrival=(row.timestamp_ms - t0) / 1000.0 / speed, tokens=row.input_length, blocks=list(row.hash_ids)) for row in rows]
 
 
 def kvfleet_plugins(
@@ -486,10 +479,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-gain", type=float, default=20.0, help="load_gain of the prefix-cache scorer")
     ap.add_argument("--affinity", type=float, default=0.02, help="affinity_s of the prefix-affinity scorer")
     ap.add_argument("--spec-ttl", type=float, default=10.0, help="speculative index TTL (s)")
+    ap.add_argument("--offset", type=str, default="0,0",
+                    help="first row of the conversation,synthetic slices (default 0,0; the held-out check of the "
+                         "weights chosen on rows 0… is --offset 4000,2000)")
     args = ap.parse_args(argv)
     if args.seeds <= 0:
         args.seeds = 2 if args.quick else 4
     limits = {"conversation": 2000, "synthetic": 1000} if args.quick else {"conversation": None, "synthetic": None}
+    try:
+        off_c, off_s = (int(x) for x in args.offset.split(","))
+    except ValueError:
+        ap.error("--offset takes two row numbers: CONVERSATION,SYNTHETIC")
+    offsets = {"conversation": off_c, "synthetic": off_s}
     loads = (1, 2, 4)
     gpu_sizes = {"large": 1000, "small": 250}
 
@@ -506,11 +507,11 @@ def main(argv: list[str] | None = None) -> int:
     ttft_ratios: list[float] = []
     t_start = time.perf_counter()
 
-    def run_config(trace: str, size_name: str, gpu: int, speed: int, limit: int | None, grid: bool) -> dict[str, Result]:
+    def run_config(trace: str, size_name: str, gpu: int, speed: int, limit: int | None, grid: bool, nseeds: int) -> dict[str, Result]:
         cfg = SimConfig(pods=args.pods, gpu_blocks=gpu)
-        reqs = load_requests(trace, limit, speed)
+        reqs = load_requests(trace, limit, speed, offsets[trace] if grid else 0)
         ideal = ideal_hit_rate(reqs, cfg.pods * cfg.gpu_blocks)
-        seeds = range(args.seeds)
+        seeds = range(nseeds)
         results = [averaged([simulate(reqs, replace(cfg, seed=k), mk) for k in seeds]) for mk in peers().values()]
         kv = averaged([simulate(reqs, replace(cfg, seed=k), kvfleet) for k in seeds])
         results.append(kv)
@@ -535,9 +536,9 @@ def main(argv: list[str] | None = None) -> int:
     for trace in ("conversation", "synthetic"):
         for size_name, gpu in gpu_sizes.items():
             for speed in loads:
-                run_config(trace, size_name, gpu, speed, limits[trace], grid=True)
+                run_config(trace, size_name, gpu, speed, limits[trace], grid=True, nseeds=args.seeds)
     # the tiering headline: the whole synthetic trace at ×4 with small GPU caches
-    head = run_config("synthetic", "small", gpu_sizes["small"], 4, None, grid=False)
+    head = run_config("synthetic", "small", gpu_sizes["small"], 4, None, grid=False, nseeds=1 if args.quick else args.seeds)
     best_p90 = min(r.ttft["p90"] for name, r in head.items() if not name.startswith("kvfleet"))
     tiered_ratio = head["kvfleet-tiered"].ttft["p90"] / best_p90
     summary = {
@@ -548,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_vs_best_peer": round(max(ttft_ratios), 4),
         "tiered_ttft_p90_vs_best_peer": round(tiered_ratio, 4),
         "configs": len(hit_ratios),
+        "offset": args.offset,
         "seeds": args.seeds,
         "seconds": round(time.perf_counter() - t_start, 1),
     }

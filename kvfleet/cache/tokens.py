@@ -12,6 +12,10 @@ The default chat template renders OpenAI ``messages`` as::
 
 ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts
 (other part types are rejected: they cannot be keyed without their encoder).
+
+:func:`salt_extra_keys` is vLLM's rule for ``cache_salt``: the one-element tuple
+``(salt,)`` is the extra key of the first block only (an empty or missing salt
+adds nothing), so the EPP's keys equal the engine's and vLLM's.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ByteTokenizer", "ChatFormatError", "render_chat"]
+__all__ = ["ByteTokenizer", "ChatFormatError", "render_chat", "salt_extra_keys"]
 
 
 class ChatFormatError(ValueError):
@@ -76,3 +80,13 @@ def render_chat(messages: Any, add_generation_prompt: bool = True) -> str:
     if add_generation_prompt:
         out.append("<|assistant|>\n")
     return "".join(out)
+
+
+def salt_extra_keys(salt: str | None) -> list[tuple[str] | None] | None:
+    """Per-block extra keys for a request's ``cache_salt``, as vLLM builds them.
+
+    vLLM's ``generate_block_hash_extra_keys`` adds ``request.cache_salt`` to the
+    extra-key tuple of the block starting at token 0 only, and only when the salt
+    is non-empty: ``[(salt,)]`` (later blocks: none), else ``None``.
+    """
+    return [(salt,)] if salt else None

@@ -55,6 +55,9 @@ class EppSettings:
     ``speculative_ttl_s``: how long a pick counts as cached on its pod before KV
     events confirm it; with ``events_enabled: false`` the index is built from
     picks only (approximate mode) and ``approximate_ttl_s`` applies.
+    ``prefix_shard_pools``: level 1 (prefix shard → pool by rendezvous hashing on
+    the key of block ``prefix_shard_blocks``); ``false`` schedules over the serving
+    pods of every pool in one cycle (what a plain load balancer does: baselines).
     """
 
     host: str = "0.0.0.0"
@@ -72,17 +75,17 @@ class EppSettings:
     recompute_keys: bool = True
     scrape_interval_s: float = 0.5
     metrics_staleness_s: float = 5.0
+    prefix_shard_pools: bool = True
     prefix_shard_blocks: int = 4
     pool_saturation_queue: float = 32.0
     shed_queue: float = 0.0
     pd_min_uncached_tokens: int = 512
     hotspot_beta: float = 0.1
-    workers: int = 32
     plugins: tuple[PluginSpec, ...] = field(default_factory=_default_plugins)
     cost: CostModelSettings = field(default_factory=CostModelSettings)
 
     def __post_init__(self) -> None:
         if self.datastore not in ("static", "kubernetes"):
             raise ValueError(f"datastore must be 'static' or 'kubernetes', got {self.datastore!r}")
-        if self.max_body_bytes <= 0 or self.prefix_shard_blocks <= 0 or self.workers <= 0:
-            raise ValueError("max_body_bytes, prefix_shard_blocks and workers must be > 0")
+        if self.max_body_bytes <= 0 or self.prefix_shard_blocks <= 0:
+            raise ValueError("max_body_bytes and prefix_shard_blocks must be > 0")

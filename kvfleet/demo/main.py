@@ -52,11 +52,14 @@ _READY = {"type": "ready-filter"}
 _MAX = {"type": "max-score-picker", "params": {"fallbacks": 0}}
 
 #: policy name → EPP settings overrides (``epp:`` section).
+#: The baselines are what a plain load balancer does: no level-1 prefix sharding, one pick over every pool's
+#: serving pods. kvfleet and approx-prefix keep the EPP's two levels.
 POLICIES: dict[str, dict[str, Any]] = {
-    "random": {"plugins": [_READY, {"type": "random-picker", "params": {"fallbacks": 0}}]},
-    "round-robin": {"plugins": [_READY, {"type": "round-robin-picker", "params": {"fallbacks": 0}}]},
+    "random": {"prefix_shard_pools": False, "plugins": [_READY, {"type": "random-picker", "params": {"fallbacks": 0}}]},
+    "round-robin": {"prefix_shard_pools": False, "plugins": [_READY, {"type": "round-robin-picker", "params": {"fallbacks": 0}}]},
     "least-load": {
-        "plugins": [_READY, {"type": "queue-scorer", "weight": 1.0}, {"type": "least-inflight-scorer", "weight": 1.0}, _MAX]
+        "prefix_shard_pools": False,
+        "plugins": [_READY, {"type": "queue-scorer", "weight": 1.0}, {"type": "least-inflight-scorer", "weight": 1.0}, _MAX],
     },
     "approx-prefix": {"events_enabled": False},
     "kvfleet": {},

@@ -11,7 +11,11 @@ missing block (a hole left by eviction breaks reuse in vLLM too).
 Speculative entries (:meth:`add_speculative`) record the picker's own picks
 until the pod's events confirm them or their TTL expires: without them, a burst
 of same-prefix requests arriving before the first prefill's events would
-scatter. With events disabled they are the whole index (approximate mode).
+scatter. They are not dropped when an event about the key arrives: an event
+reports the pod's state when the prefill finished, while a later pick for the
+same prefix (queued behind it) re-admits the blocks; dropping entries on
+``BlockRemoved`` lowered the routing simulation's hit rate (``docs/epp.md``).
+With events disabled they are the whole index (approximate mode).
 
 Tiers are a bit mask per (key, pod): bit ``Tier.rank``; the best (fastest) tier
 counts. All methods are thread-safe (one lock; the walk is short).
@@ -19,27 +23,53 @@ counts. All methods are thread-safe (one lock; the walk is short).
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvfleet.cache.tiers import Tier
 
-#: Speculative entries are kept for every block below SPEC_DENSE, then every SPEC_STRIDE-th.
+#: Speculative entries are kept for every block below SPEC_DENSE, then every SPEC_STRIDE-th block up to
+#: SPEC_FAR blocks, then on a grid whose spacing grows with the position (``p → p + p // SPEC_RESOLUTION``:
+#: a credited prefix is short by at most 1/SPEC_RESOLUTION of it), plus the prompt's last block.
 SPEC_DENSE = 64
 SPEC_STRIDE = 16
+SPEC_FAR = 1024
+SPEC_RESOLUTION = 64
 
 
-def spec_positions(n: int) -> range | list[int]:
-    """Block positions sampled for speculative entries of an ``n``-block prompt (absolute, so all prompts agree)."""
+def _grid(limit: int = 1 << 32) -> list[int]:
+    out = [*range(SPEC_DENSE), *range(SPEC_DENSE + SPEC_STRIDE - 1, SPEC_FAR, SPEC_STRIDE)]
+    while out[-1] < limit:
+        out.append(out[-1] + max(SPEC_STRIDE, out[-1] // SPEC_RESOLUTION))
+    return out
+
+
+_GRID = _grid()  # ≈ 1,500 positions up to 2^32 blocks
+
+
+def spec_positions(n: int) -> Sequence[int]:
+    """Block positions sampled for speculative entries of an ``n``-block prompt: the grid (absolute, so all
+    prompts agree on it) below ``n``, and ``n − 1`` (so a repeated prompt is credited in full)."""
     if n <= SPEC_DENSE:
         return range(n)
-    return [*range(SPEC_DENSE), *range(SPEC_DENSE + SPEC_STRIDE - 1, n, SPEC_STRIDE)]
+    out = _GRID[: bisect.bisect_left(_GRID, n)]
+    return out if out[-1] == n - 1 else [*out, n - 1]
 
 
 def _best_rank(mask: int) -> int:
     return (mask & -mask).bit_length() - 1
+
+
+class Lease:
+    """The expiry of one pick's speculative entries, shared by all of them: extending it is O(1)."""
+
+    __slots__ = ("expiry",)
+
+    def __init__(self, expiry: float) -> None:
+        self.expiry = expiry
 
 
 @dataclass(frozen=True)
@@ -54,10 +84,11 @@ class PodMatch:
 class BlockIndex:
     """key → {pod: tier mask}; plus speculative picks with an expiry (see module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self._holders: dict[int, dict[str, int]] = {}
         self._pod_keys: dict[str, set[int]] = {}
-        self._spec: dict[int, dict[str, float]] = {}
+        self._spec: dict[int, dict[str, Lease]] = {}
         self._lock = threading.Lock()
 
     # --- write path -------------------------------------------------------------------
@@ -106,28 +137,40 @@ class BlockIndex:
                 if not self._spec[k]:
                     del self._spec[k]
 
-    def add_speculative(self, pod: str, keys: Sequence[int], ttl_s: float, now: float | None = None) -> None:
+    def add_speculative(self, pod: str, keys: Sequence[int], ttl_s: float, now: float | None = None) -> Lease:
         """Record that ``pod`` will hold the prefix ``keys`` (until ``now + ttl_s``).
 
         Keys are chained, so holding block ``i`` implies blocks ``0..i``: only the
         positions of :func:`spec_positions` are stored (every block of the first
-        ``SPEC_DENSE``, then every ``SPEC_STRIDE``-th) and :meth:`match` credits the
-        prefix up to the last sampled key found. A 220 KB prompt (13.7 k blocks)
-        costs about 900 entries.
+        ``SPEC_DENSE``, every ``SPEC_STRIDE``-th to ``SPEC_FAR``, then ``SPEC_RESOLUTION``
+        points per doubling, and the last block) and :meth:`match` credits the prefix up
+        to the last sampled key found. A 220 KB prompt (13.7 k blocks) costs about 370 entries
+        (915 with a fixed stride). Returns the pick's :class:`Lease`: :meth:`extend` moves the expiry of
+        every entry still held by this pick at once (a later pick of the same key takes the entry over).
         """
-        expiry = (time.monotonic() if now is None else now) + ttl_s
+        lease = Lease((self.clock() if now is None else now) + ttl_s)
+        spec = self._spec
         with self._lock:
             for i in spec_positions(len(keys)):
-                self._spec.setdefault(keys[i], {})[pod] = expiry
+                held = spec.get(keys[i])
+                if held is None:
+                    spec[keys[i]] = {pod: lease}
+                else:
+                    held[pod] = lease
+        return lease
+
+    def extend(self, lease: Lease, ttl_s: float, now: float | None = None) -> None:
+        """Set a pick's speculative entries to expire ``ttl_s`` from now."""
+        lease.expiry = (self.clock() if now is None else now) + ttl_s
 
     def expire(self, now: float | None = None) -> int:
         """Drop expired speculative entries; returns how many."""
-        t = time.monotonic() if now is None else now
+        t = self.clock() if now is None else now
         n = 0
         with self._lock:
             for k in list(self._spec):
                 s = self._spec[k]
-                for pod in [p for p, e in s.items() if e <= t]:
+                for pod in [p for p, e in s.items() if e.expiry <= t]:
                     del s[pod]
                     n += 1
                 if not s:
@@ -147,7 +190,7 @@ class BlockIndex:
         A pod's match is the longer of its exact prefix (events; tier-weighted) and
         its speculative prefix (picks; GPU weight for the blocks beyond the exact part).
         """
-        t = time.monotonic() if now is None else now
+        t = self.clock() if now is None else now
         w = list(tier_weights)
         blocks: dict[str, int] = {}
         weighted: dict[str, float] = {}
@@ -171,18 +214,24 @@ class BlockIndex:
                 for pod in gone:
                     alive.discard(pod)
             if self._spec:
-                alive = set(pods)
-                for i in spec_positions(len(keys)):
-                    spec = self._spec.get(keys[i])
-                    if spec is None:
-                        break
-                    gone = [pod for pod in alive if spec.get(pod, 0.0) <= t]
-                    for pod in gone:
-                        alive.discard(pod)
-                    if not alive:
-                        break
-                    for pod in alive:
-                        spec_len[pod] = i + 1
+                positions = spec_positions(len(keys))
+                first = self._spec.get(keys[positions[0]]) if len(positions) else None
+                for pod in set(pods):
+                    held = None if first is None else first.get(pod)
+                    if held is None or held.expiry <= t:
+                        continue
+                    # one pick stores a whole prefix, so "held at position i" is (nearly) monotone in i:
+                    # binary search for the last sampled position the pod holds
+                    lo, hi = 0, len(positions) - 1
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        spec = self._spec.get(keys[positions[mid]])
+                        lease = None if spec is None else spec.get(pod)
+                        if lease is not None and lease.expiry > t:
+                            lo = mid
+                        else:
+                            hi = mid - 1
+                    spec_len[pod] = positions[lo] + 1
         out = {p: PodMatch(blocks=b, weighted=weighted[p]) for p, b in blocks.items()}
         for pod, n in spec_len.items():
             exact = out.get(pod, PodMatch())

@@ -7,6 +7,14 @@ picker instead recomputes its own keys from the events' ``token_ids``, chained
 from the key it recorded for ``parent_block_hash`` (as llm-d's indexer does), so
 pods whose hash differs (vLLM's builtin ``hash``) still line up. A stored event
 whose parent is unknown cannot be keyed and is counted as an orphan.
+
+Events carry no extra keys, so a chain whose first block was salted
+(``cache_salt``) or LoRA/multimodal-keyed cannot be recomputed. Once a pod has
+shown that it hashes like the picker (some recomputed key equalled its hash),
+a first block whose hash differs from the recomputation is such a block: its
+engine hashes are used as keys (they equal the picker's salted keys) and its
+children chain from them. Until then (or on a pod that hashes differently) the
+recomputed keys stand, and salted requests miss on that pod.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ class PodEventApplier:
         self.recompute_keys = recompute_keys
         self.stats = IngestStats()
         self._engine_to_key: dict[int, int] = {}
+        #: None until known: does this pod hash like the picker (same algorithm, block size, seed)?
+        self.hashes_like_us: bool | None = None
 
     def reset(self) -> None:
         """Forget the pod's blocks (before a full resync)."""
@@ -91,6 +101,10 @@ class PodEventApplier:
             if len(keys) != n:
                 self.stats.orphans += 1
                 return
+            if keys == engine:
+                self.hashes_like_us = True
+            elif parent is None and self.hashes_like_us:
+                keys = engine  # an extra-keyed (salted) first block: the engine's hashes are our keys
             for e, k in zip(engine, keys, strict=True):
                 self._engine_to_key[e] = k
         self.stats.stored += len(keys)

@@ -15,12 +15,13 @@
 :class:`KubernetesDatastore` keeps both lists current with two watch threads
 (list, then watch from the list's resourceVersion; on any error or expiry,
 list again after a short backoff) and rebuilds the pools on every change.
-The watch loop is exercised only against a real API server; without a
-cluster here it is not covered by the tests.
+The watch loop is tested against kmock's Kubernetes API emulator
+(``tests/epp/test_kube.py``), not against a real API server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -104,12 +105,14 @@ class KubernetesDatastore(_ListenerMixin):
 
         if api_client is None:
             try:
-                config.load_incluster_config()
+                config.load_incluster_config()  # type: ignore[no-untyped-call]
             except config.ConfigException:
-                config.load_kube_config()
+                config.load_kube_config()  # type: ignore[no-untyped-call]
             api_client = client.ApiClient()
         self.namespace = namespace
         self.backoff_s = backoff_s
+        self._api = api_client
+        self._watches: dict[str, Any] = {}
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self._objs: dict[str, dict[str, Mapping[str, Any]]] = {"pools": {}, "pods": {}}
@@ -137,12 +140,13 @@ class KubernetesDatastore(_ListenerMixin):
                 self._objs[kind] = {str(_get(o, "metadata", "name")): o for o in items}
                 self._rebuild()
                 rv = _get(listing, "metadata", "resourceVersion")
-                w = watch.Watch()
+                w = watch.Watch()  # type: ignore[no-untyped-call]
+                self._watches[kind] = w
                 func = self.core.list_namespaced_pod if kind == "pods" else self.custom.list_namespaced_custom_object
                 args: tuple[Any, ...] = (self.namespace,) if kind == "pods" else (GROUP, VERSION, self.namespace, PLURAL)
-                for ev in w.stream(func, *args, resource_version=rv, timeout_seconds=300):
+                for ev in w.stream(func, *args, resource_version=rv, timeout_seconds=60):  # type: ignore[no-untyped-call]
                     if self._stop.is_set():
-                        w.stop()
+                        w.stop()  # type: ignore[no-untyped-call]
                         return
                     obj = ev.get("raw_object") or ev.get("object")
                     if not isinstance(obj, Mapping):
@@ -161,4 +165,11 @@ class KubernetesDatastore(_ListenerMixin):
         self._set_pools(pools_from_objects(list(self._objs["pools"].values()), list(self._objs["pods"].values())))
 
     def stop(self) -> None:
+        """Stop both watches now: flag them, then close the client's connections under the blocked reads."""
         self._stop.set()
+        for w in list(self._watches.values()):
+            w.stop()
+        with contextlib.suppress(AttributeError):
+            self._api.rest_client.pool_manager.clear()
+        for t in self._threads:
+            t.join(timeout=5)

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
@@ -38,6 +39,7 @@ BODY_CHUNK = 62_000
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 API_PATHS = (COMPLETIONS, CHAT)
+_JSON = msgspec.json.Decoder()
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,9 @@ def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceReque
     if len(body) > max_body_bytes:
         raise BodyTooLargeError(f"request body of {len(body)} bytes exceeds the limit of {max_body_bytes}")
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequestError(f"request body is not valid JSON: {exc.msg if hasattr(exc, 'msg') else exc}") from None
+        data = _JSON.decode(body)
+    except msgspec.DecodeError as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise BadRequestError("request body must be a JSON object")
     model = data.get("model")

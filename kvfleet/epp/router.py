@@ -1,13 +1,16 @@
 """The read path: a parsed request → block keys → pool (level 1) → pod(s) (level 2).
 
 1. tokenize (byte-level or HF) and key the prompt's full blocks with the core's
-   chained hash (``cache_salt`` is the extra key of block 0, as in vLLM);
+   chained hash (``cache_salt`` → the extra key ``(salt,)`` of block 0, exactly
+   as vLLM and the engine simulator key it: :func:`~kvfleet.cache.tokens.salt_extra_keys`);
 2. level 1: rank the pools serving the model by weighted rendezvous hashing of
    the first ``prefix_shard_blocks`` keys; spill to the next pool while the
    ranked one is saturated (every ready pod waits ≥ ``pool_saturation_queue``);
 3. level 2: look the keys up in the global index, build one candidate per pod
    and run the scheduling profile; P/D pools pick a decode pod, and a prefill
-   pod only when the uncached part is at least ``pd_min_uncached_tokens``;
+   pod only when the uncached part is at least ``pd_min_uncached_tokens``; with
+   a prefill pod the predicted hit is the prefill pod's (it computes the prompt,
+   and the engine reports its ``cached_tokens``), else the serving pod's;
 4. record the pick: a speculative index entry on the chosen pod(s) (until the
    pod's events confirm it, or ``speculative_ttl_s`` after its first token) and
    an in-flight ticket (load, hot-spot decay, pending prefill work).
@@ -24,6 +27,7 @@ import xxhash
 
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
 from kvfleet.cache.tiers import Tier
+from kvfleet.cache.tokens import salt_extra_keys
 from kvfleet.config.cache import CacheSettings
 from kvfleet.config.epp import CostModelSettings, EppSettings
 from kvfleet.epp.datastore import Datastore, Pod, Pool
@@ -93,8 +97,7 @@ class Router:
         return self.tokenizer.encode(req.prompt or "")
 
     def keys_of(self, tokens: np.ndarray, cache_salt: str | None) -> list[int]:
-        extra = [cache_salt] if cache_salt else None
-        return hashes_as_ints(self.hasher.hash_tokens(tokens, extra_keys=extra))
+        return hashes_as_ints(self.hasher.hash_tokens(tokens, extra_keys=salt_extra_keys(cache_salt)))
 
     def route(self, req: InferenceRequest, subset: Sequence[str] | None = None) -> Decision:
         pools = [p for p in self.datastore.pools() if req.model in p.models or "*" in p.models]
@@ -102,41 +105,51 @@ class Router:
             raise UnknownModelError(f"no pool serves model {req.model!r}")
         tokens = self.tokens_of(req)
         keys = self.keys_of(tokens, req.cache_salt)
+        return self.route_keys(req.model, keys, len(tokens), pools, subset, tail=tokens)
+
+    def route_keys(
+        self,
+        model: str,
+        keys: Sequence[int],
+        num_tokens: int,
+        pools: Sequence[Pool] | None = None,
+        subset: Sequence[str] | None = None,
+        tail: np.ndarray | None = None,
+    ) -> Decision:
+        """Steps 2–4 for a request already keyed: ``keys`` of its full blocks, ``num_tokens`` in all.
+
+        ``pools`` defaults to those serving ``model``; ``tail`` (the token ids) shards a prompt shorter
+        than one block. The routing simulation (``bench.routing``) drives this with trace block ids.
+        """
+        if pools is None:
+            pools = [p for p in self.datastore.pools() if model in p.models or "*" in p.models]
+            if not pools:
+                raise UnknownModelError(f"no pool serves model {model!r}")
         k = min(self.settings.prefix_shard_blocks, len(keys))
-        shard = keys[k - 1] if k else xxhash.xxh3_64_intdigest(tokens.tobytes())
+        shard = keys[k - 1] if k else xxhash.xxh3_64_intdigest(b"" if tail is None else tail.tobytes())
         sreq = SchedulingRequest(
-            num_tokens=len(tokens),
+            num_tokens=num_tokens,
             block_size=self.hasher.block_size,
             prefill_s_per_token=self.prefill_s_per_token,
             hotspot_beta=self.settings.hotspot_beta,
             shard=shard,
         )
         allowed = set(subset) if subset is not None else None
-        chosen: tuple[Pool, list[Pod]] | None = None
-        for pool in rendezvous_rank(shard, pools):
-            pods = [p for p in pool.pods if p.ready and (allowed is None or p.endpoint in allowed)]
-            if not pods:
-                continue
-            if chosen is None:
-                chosen = (pool, pods)
-            if min(self._waiting(p) for p in pods) < self.settings.pool_saturation_queue:
-                chosen = (pool, pods)
-                break
-        if chosen is None:
-            raise NoEndpointError(f"no ready endpoint for model {req.model!r}")
-        pool, pods = chosen
-        disagg = pool.disaggregated
-        serving = [p for p in pods if p.role in ("both", "decode")] if disagg else pods
+        groups = self._pools(model, shard, pools, allowed)
+        home = {p.name: (pool, pods) for pool, pods in groups for p in pods}
+        serving = [p for pool, pods in groups for p in pods if not pool.disaggregated or p.role in ("both", "decode")]
         with self._lock:
             cands = self._candidates(serving, keys, shard)
             if self.settings.shed_queue > 0 and all(waiting_of(c) >= self.settings.shed_queue for c in cands):
-                raise SheddingError(f"every pod of pool {pool.name!r} is above the shedding threshold")
+                raise SheddingError(f"every pod of pool {groups[0][0].name!r} is above the shedding threshold")
             ranked = self.profile.run(sreq, cands)
             if not ranked.pods:
-                raise NoEndpointError(f"no endpoint of pool {pool.name!r} passed the filters")
+                raise NoEndpointError(f"no endpoint of pool {groups[0][0].name!r} passed the filters")
             best = ranked.pods[0]
-            hit_tokens = min(len(tokens), best.hit_blocks * self.hasher.block_size)
-            uncached = len(tokens) - hit_tokens
+            pool, pods = home[best.name]
+            disagg = pool.disaggregated
+            hit_tokens = min(num_tokens, best.hit_blocks * self.hasher.block_size)
+            uncached = num_tokens - hit_tokens
             prefiller: Pod | None = None
             if disagg and uncached >= self.settings.pd_min_uncached_tokens:
                 pre = [p for p in pods if p.role in ("both", "prefill") and p.name != best.name]
@@ -144,26 +157,49 @@ class Router:
                     pranked = self.profile.run(sreq, self._candidates(pre, keys, shard))
                     if pranked.pods:
                         prefiller = pranked.pods[0].pod
+                        # The prefill pod computes the prompt and its cache is what the engine reports as
+                        # cached_tokens: predict (and account pending work) from it, like with like.
+                        hit_tokens = min(num_tokens, pranked.pods[0].hit_blocks * self.hasher.block_size)
+                        uncached = num_tokens - hit_tokens
             picked = (best.name,) if prefiller is None else (best.name, prefiller.name)
             ttl = self.settings.speculative_ttl_s if self.settings.events_enabled else self.settings.approximate_ttl_s
 
+            leases = [self.index.add_speculative(name, keys, self.tracker.max_age_s) for name in picked]
+
             def refresh() -> None:  # the TTL counts from the first token: a long queue must not expire the entry
-                for name in picked:
-                    self.index.add_speculative(name, keys, ttl)
+                for lease in leases:
+                    self.index.extend(lease, ttl)
 
             ticket = self.tracker.open(picked, shard, float(uncached), on_first_byte=refresh)
-            for name in picked:
-                self.index.add_speculative(name, keys, self.tracker.max_age_s)
         return Decision(
             endpoints=tuple(c.pod.endpoint for c in ranked.pods),
             pod=best.name,
             pool=pool.name,
             prefiller=None if prefiller is None else prefiller.endpoint,
-            num_tokens=len(tokens),
+            num_tokens=num_tokens,
             predicted_hit_tokens=hit_tokens,
             scores=ranked.scores,
             ticket=ticket,
         )
+
+    def _pools(
+        self, model: str, shard: int, pools: Sequence[Pool], allowed: set[str] | None
+    ) -> list[tuple[Pool, list[Pod]]]:
+        """Level 1: the one pool the prefix shard picks (spilling past saturated pools), or, with
+        ``prefix_shard_pools: false``, every pool with a ready pod (one flat scheduling cycle)."""
+        ready: list[tuple[Pool, list[Pod]]] = []
+        for pool in rendezvous_rank(shard, pools) if self.settings.prefix_shard_pools else pools:
+            pods = [p for p in pool.pods if p.ready and (allowed is None or p.endpoint in allowed)]
+            if pods:
+                ready.append((pool, pods))
+        if not ready:
+            raise NoEndpointError(f"no ready endpoint for model {model!r}")
+        if not self.settings.prefix_shard_pools:
+            return ready
+        for pool, pods in ready:
+            if min(self._waiting(p) for p in pods) < self.settings.pool_saturation_queue:
+                return [(pool, pods)]
+        return [ready[0]]
 
     def _waiting(self, pod: Pod) -> float:
         m = self.metrics.get(pod.name)

@@ -5,10 +5,12 @@ thread owns every socket (ZMQ sockets are not thread-safe) and polls them; each
 pod's batches are applied in sequence order by that pod's
 :class:`~kvfleet.epp.ingest.PodEventApplier`.
 
-Gaps: the next expected sequence starts at 0, so a fresh picker (or one that
-restarted) first sees a gap and rebuilds the pod's blocks from the publisher's
-replay buffer (ROUTER socket: send ``[b"", start_seq]``, receive
-``[b"", topic, seq, payload]`` … end marker with seq ``-1``). When replay is
+Bootstrap: when a pod is added (picker start, pod discovered) the subscriber
+asks its replay buffer for everything from sequence 0 right away (ROUTER
+socket: send ``[b"", start_seq]``, receive ``[b"", topic, seq, payload]`` …
+end marker with seq ``-1``), so the blocks of an idle pod are known before it
+publishes again; live batches already covered by the replay are skipped.
+Gaps: a later sequence than expected is filled from the replay buffer. When replay is
 not configured, times out or no longer covers the gap, the pod's blocks are
 cleared and whatever replay still has is applied (a partial resync, counted in
 ``resyncs``). A sequence that goes backwards means the publisher restarted: the
@@ -88,6 +90,9 @@ class EventSubscriber:
         try:
             while not self._stop.is_set():
                 self._commands(poller)
+                if not self._feeds:  # zmq's poll returns at once with nothing registered: never spin
+                    self._stop.wait(0.05)
+                    continue
                 for sock, _ in poller.poll(50):
                     feed = next((f for f in self._feeds.values() if f.sock is sock), None)
                     if feed is None:
@@ -123,6 +128,20 @@ class EventSubscriber:
                 feed = _Feed(pod, str(endpoint), None if replay is None else str(replay), applier, sock, 0, stats)
                 self._feeds[pod] = feed
                 poller.register(sock, zmq.POLLIN)
+                if feed.replay is not None:
+                    self._bootstrap(feed)
+
+    def _bootstrap(self, feed: _Feed) -> None:
+        """Apply the pod's replay buffer from sequence 0 (its history may start later: a reset or a
+        bounded buffer; what it holds is the pod's state since then)."""
+        assert feed.stats is not None
+        got = self._replay(feed, 0)
+        if not got:
+            return
+        for seq, payload in got:
+            self._apply(feed, payload)
+            feed.stats.replayed += 1
+            feed.expected = seq + 1
 
     def _on_message(self, feed: _Feed, frames: list[bytes]) -> None:
         assert feed.stats is not None

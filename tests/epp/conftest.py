@@ -25,7 +25,7 @@ def fleet() -> Iterator[PodFleet]:
 
 def make_epp(fleet: PodFleet, **epp_overrides: Any) -> Epp:
     over: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0,
-                            "scrape_interval_s": 0.2, "workers": 8}
+                            "scrape_interval_s": 0.2}
     roles = epp_overrides.pop("roles", None)
     events = epp_overrides.get("events_enabled", True)
     over.update(epp_overrides)

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from kvfleet.cache.events import KVEventBatch, encode_batch, stored
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
-from kvfleet.cache.tokens import ByteTokenizer, render_chat
+from kvfleet.cache.tokens import ByteTokenizer, render_chat, salt_extra_keys
 
 _SEQ = struct.Struct(">q")
 
@@ -98,7 +98,7 @@ class FakePod:
         text = render_chat(body["messages"]) if path.endswith("chat/completions") else body["prompt"]
         tokens = self.tok.encode(text)
         salt = body.get("cache_salt")
-        hashes = self.hasher.hash_tokens(tokens, extra_keys=[salt] if salt else None)
+        hashes = self.hasher.hash_tokens(tokens, extra_keys=salt_extra_keys(salt))
         keys = hashes_as_ints(hashes)
         hit = 0
         for k in keys:

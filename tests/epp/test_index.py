@@ -7,8 +7,9 @@ from pathlib import Path
 from kvfleet.cache.events import AllBlocksCleared, KVEventBatch, decode_batch, removed, stored
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
+from kvfleet.cache.tokens import salt_extra_keys
 from kvfleet.config.epp import CostModelSettings
-from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.index import BlockIndex, spec_positions
 from kvfleet.epp.ingest import PodEventApplier
 from kvfleet.epp.router import tier_weights
 
@@ -53,8 +54,10 @@ class TestMatch:
         keys = list(range(10_000, 10_000 + 2000))
         idx.add_speculative("a", keys, ttl_s=10, now=0.0)
         assert idx.num_speculative < 250
-        assert idx.match(keys, ["a"], now=1.0)["a"].blocks == 2000  # position 1999 is sampled
-        assert idx.match([*keys[:100], 1, 2], ["a"], now=1.0)["a"].blocks == 64 + 16 * ((100 - 64) // 16)
+        assert idx.match(keys, ["a"], now=1.0)["a"].blocks == 2000  # the last block is always sampled
+        credited = idx.match([*keys[:1000], 1, 2], ["a"], now=1.0)["a"].blocks  # a shorter prompt of the same prefix
+        assert credited == max(p for p in spec_positions(2000) if p < 1000) + 1 and 1000 - 16 <= credited <= 1000
+        assert spec_positions(3000)[: len(spec_positions(2000)) - 1] == list(spec_positions(2000))[:-1]  # one grid
 
     def test_clear_pod(self) -> None:
         idx = BlockIndex()
@@ -101,7 +104,23 @@ class TestIngest:
         ap.apply(KVEventBatch(ts=0, events=[removed([1003], "GPU")]))
         assert idx.match(ours, ["p"])["p"].blocks == 2
         ap.apply(KVEventBatch(ts=0, events=[stored([5], 9999, list(range(4)), 4, "GPU")]))
-        assert ap.stats.orphans == 1
+        assert ap.stats.orphans == 1 and ap.hashes_like_us is None
+
+    def test_recompute_keeps_salted_chains_of_a_pod_that_hashes_like_us(self) -> None:
+        """Events carry no salt: after an unsalted block proves the pod hashes like the picker, a salted first
+        block (engine hash ≠ recomputation) is keyed by the engine's hashes, and its later blocks chain from them."""
+        h = BlockHasher(4)
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, h, recompute_keys=True)
+        plain = hashes_as_ints(h.hash_tokens(list(range(100, 104))))
+        ap.apply(KVEventBatch(ts=0, events=[stored(plain, None, list(range(100, 104)), 4, "GPU")]))
+        assert ap.hashes_like_us is True
+        salted = hashes_as_ints(h.hash_tokens(list(range(12)), extra_keys=salt_extra_keys("tenant-a")))
+        ap.apply(KVEventBatch(ts=0, events=[stored(salted[:2], None, list(range(8)), 4, "GPU")]))
+        ap.apply(KVEventBatch(ts=0, events=[stored(salted[2:], salted[1], list(range(8, 12)), 4, "GPU")]))
+        assert idx.match(salted, ["p"])["p"].blocks == 3 and ap.stats.orphans == 0
+        unsalted = hashes_as_ints(h.hash_tokens(list(range(12))))
+        assert idx.match(unsalted, ["p"]) == {}
 
     def test_vllm_produced_batches(self) -> None:
         """Batches encoded by vLLM itself (bytes and int hashes) land in the index with their tiers."""

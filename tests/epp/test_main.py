@@ -10,12 +10,12 @@ from pathlib import Path
 import yaml
 
 from kvfleet.epp.datastore import StaticDatastore
+from kvfleet.epp.envoy import free_port
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.main import main
 from kvfleet.epp.metrics import EppMetrics
 from kvfleet.epp.podmetrics import MetricsStore
-from kvfleet.epp.envoy import free_port
 from kvfleet.epp.server import health_check
 
 GOLDEN_METRICS = sorted([

@@ -46,6 +46,11 @@ class TestRegistry:
         assert {"ready-filter", "prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer", "max-score-picker"} <= set(REGISTRY)
         assert all(r.doc for r in REGISTRY.values())
 
+    def test_round_robin_picker_cycles(self) -> None:
+        r = router(plugins=[{"type": "round-robin-picker", "params": {"fallbacks": 0}}])
+        picks = [r.route(InferenceRequest(model="m", prompt=PROMPT)).pod for _ in range(6)]
+        assert picks == ["p0-0", "p0-1", "p0-2"] * 2
+
     def test_profile_rejects_two_pickers(self) -> None:
         with pytest.raises(UnknownPluginError):
             Profile([PluginSpec(type="max-score-picker"), PluginSpec(type="random-picker")])
@@ -58,18 +63,45 @@ class TestScorers:
         return Candidate(pod=Pod(name=name, address="a", port=1), **kw)
 
     def test_formula(self) -> None:
-        specs = [p for p in load().epp.plugins if p.type != "max-score-picker"]
-        prof = Profile([*specs, PluginSpec(type="max-score-picker", params={"fallbacks": 5})])
+        """hit_s·(1+g·ρ)/(1+β·same_prefix) − (pending·t + n_pending·overhead) − w_kv·kv, each term checked."""
+        prof = Profile([
+            PluginSpec(type="prefix-cache-scorer", params={"load_gain": 2.0}),
+            PluginSpec(type="queue-scorer", params={"overhead_s": 0.0}),
+            PluginSpec(type="kv-cache-utilization-scorer", weight=0.05),
+            PluginSpec(type="max-score-picker", params={"fallbacks": 5}),
+        ])
         req = SchedulingRequest(num_tokens=1600, block_size=16, prefill_s_per_token=1e-4, hotspot_beta=0.5)
         hit = self.cand("hit", hit_blocks=50, hit_weighted=50.0, same_prefix=2)
-        busy = self.cand("busy", hit_blocks=100, hit_weighted=100.0, pending_tokens=20_000)
+        busy = self.cand("busy", hit_blocks=100, hit_weighted=100.0, pending_tokens=4800)
         kv = self.cand("kv", metrics=PodMetrics(kv_usage=1.0, scraped_at=0))
         ranked = prof.run(req, [hit, busy, kv])
         scores = dict(zip((c.name for c in ranked.pods), ranked.scores, strict=True))
-        assert scores["hit"] == pytest.approx(50 * 16 * 1e-4 / 2.0)
-        assert scores["busy"] == pytest.approx(100 * 16 * 1e-4 - 2.0)
+        q_mean = 4800 / 3 * 1e-4
+        gain = 1 + 2.0 * q_mean / (q_mean + 0.16)
+        assert scores["hit"] == pytest.approx(50 * 16 * 1e-4 * gain / 2.0)
+        assert scores["busy"] == pytest.approx(100 * 16 * 1e-4 * gain - 0.48)
         assert scores["kv"] == pytest.approx(-0.05)
-        assert ranked.pods[0].name == "hit"
+        assert ranked.pods[0].name == "hit"  # gain = 2: 0.08 vs 0.32 − 0.48
+
+    def test_idle_cluster_values_hits_at_their_latency(self) -> None:
+        """With nothing queued (ρ = 0) the load gain does not apply: a hit is worth the prefill it saves."""
+        (score,) = create("prefix-cache-scorer", {"load_gain": 20.0})[1].score(  # type: ignore[union-attr]
+            SchedulingRequest(num_tokens=160, block_size=16, prefill_s_per_token=1e-3, hotspot_beta=0.0),
+            [self.cand("a", hit_weighted=4.0)],
+        )
+        assert score == pytest.approx(4 * 16 * 1e-3)
+
+    def test_affinity_is_stable_per_shard(self) -> None:
+        """The affinity bonus goes to one pod per shard, the same one every time, spread over pods across shards."""
+        _, plugin = create("prefix-affinity-scorer", {"affinity_s": 0.5})
+        cands = [self.cand(f"p{i}") for i in range(4)]
+        tops = set()
+        for shard in range(200):
+            req = SchedulingRequest(shard=shard)
+            first = plugin.score(req, cands)  # type: ignore[union-attr]
+            assert first == plugin.score(req, cands) and sorted(first) == [0, 0, 0, 0.5]  # type: ignore[union-attr]
+            tops.add(first.index(0.5))
+        assert tops == {0, 1, 2, 3}
 
 
 class TestRouting:
@@ -154,11 +186,24 @@ class TestPools:
         assert 0.68 < firsts.count("b") / len(firsts) < 0.82
 
     def test_same_prefix_same_pool_and_spill(self) -> None:
-        r = router(pools(2, npools=3), pool_saturation_queue=2.0, hotspot_beta=0.0)
+        r = router(pools(2, npools=3), pool_saturation_queue=2.0, plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker"}])
         first = [r.route(InferenceRequest(model="m", prompt=PROMPT + f"{i}")).pool for i in range(4)]
         assert len(set(first)) == 1  # 2 pods × 2 pending each = saturated after 4
         spilled = r.route(InferenceRequest(model="m", prompt=PROMPT + "x")).pool
         assert spilled != first[0]
+
+    def test_without_sharding_one_cycle_spans_every_pool(self) -> None:
+        """``prefix_shard_pools: false`` (baselines): the same prompt is spread over every pool's serving pods,
+        and a P/D pool still gets its prefill pod named for an uncached prompt."""
+        data = {"pools": [pools(2)["pools"][0], {**pools(2, roles=["prefill", "decode"], npools=2)["pools"][1]}]}
+        rr = [{"type": "round-robin-picker", "params": {"fallbacks": 0}}]
+        r = router(data, prefix_shard_pools=False, plugins=rr, pd_min_uncached_tokens=256)
+        got = [r.route(InferenceRequest(model="m", prompt=f"{i} {PROMPT}")) for i in range(6)]
+        # the prefill pod is not a serving pod, and its own cycle does not skew the serving pods' turns
+        assert sorted(d.pod for d in got) == ["p0-0", "p0-0", "p0-1", "p0-1", "p1-1", "p1-1"]
+        assert {d.prefiller for d in got if d.pool == "pool-1"} == {"10.0.0.1:8010"}
+        sharded = router(data, plugins=rr)
+        assert len({sharded.route(InferenceRequest(model="m", prompt=PROMPT)).pool for _ in range(6)}) == 1
 
 
 class TestDisaggregated:
@@ -169,9 +214,31 @@ class TestDisaggregated:
         d = r.route(InferenceRequest(model="m", prompt=PROMPT))
         assert d.pod in ("p0-1", "p0-2") and d.prefiller == "10.0.0.1:8000"
 
+    def test_prediction_is_the_prefill_pods_hit(self) -> None:
+        """With a prefill pod the engine reports the prefill pod's cached tokens: the prediction is its hit, not
+        the decode pod's (misprediction compares like with like)."""
+        r = router(pools(2, roles=["prefill", "decode"]), pd_min_uncached_tokens=256)
+        keys = r.keys_of(r.tokenizer.encode(PROMPT), None)
+        r.index.add("p0-0", keys[:10])  # only the prefill pod holds a part of the prompt
+        d = r.route(InferenceRequest(model="m", prompt=PROMPT))
+        assert d.pod == "p0-1" and d.prefiller == "10.0.0.1:8000" and d.predicted_hit_tokens == 160
+
     def test_short_uncached_skips_pd(self) -> None:
         r = router(pools(3, roles=["prefill", "decode", "decode"]), pd_min_uncached_tokens=256)
         keys = r.keys_of(r.tokenizer.encode(PROMPT), None)
         r.index.add("p0-2", keys)
         d = r.route(InferenceRequest(model="m", prompt=PROMPT + "tail"))
         assert d.pod == "p0-2" and d.prefiller is None
+
+
+class TestApproximateMode:
+    """Without KV events the index holds the picker's own picks, for approximate_ttl_s after the first token."""
+
+    def test_picks_alone_route_a_prefix_back(self) -> None:
+        r = router(events_enabled=False, approximate_ttl_s=60.0)
+        first = r.route(InferenceRequest(model="m", prompt=PROMPT))
+        assert first.ticket is not None
+        first.ticket.close()
+        again = r.route(InferenceRequest(model="m", prompt=PROMPT + " next turn"))
+        # speculative entries: 64 dense blocks, then sampled, and the prompt's last block: all 70 blocks credited
+        assert again.pod == first.pod and again.predicted_hit_tokens == (len(PROMPT) // 16) * 16 == 70 * 16

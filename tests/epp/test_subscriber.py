@@ -77,6 +77,18 @@ class TestFeed:
         connect(pub, sub, idx)
         wait_for(lambda: all(idx.match([key(i)], ["p"]) for i in range(3)), what="replayed history")
 
+    def test_idle_pod_is_known_without_a_new_publish(self, feed: tuple[KVEventPublisher, EventSubscriber, BlockIndex]) -> None:
+        """Adding a pod replays its history from 0 right away: an idle pod's blocks are indexed before it publishes."""
+        pub, sub, idx = feed
+        for i in range(3):
+            pub.publish(batch(i))
+        sub.add_pod("p", pub.endpoint, pub.replay_endpoint, PodEventApplier("p", idx, H))
+        wait_for(lambda: all(idx.match([key(i)], ["p"]) for i in range(3)), what="history of an idle pod")
+        assert sub.stats["p"].replayed == 3 and sub.stats["p"].gaps == 0
+        pub.publish(batch(3))  # the live stream continues after the replayed sequence, without a gap
+        wait_for(lambda: bool(idx.match([key(3)], ["p"])), what="live batch after the bootstrap")
+        assert sub.stats["p"].gaps == 0
+
     def test_gap_without_replay_resyncs(self, feed: tuple[KVEventPublisher, EventSubscriber, BlockIndex]) -> None:
         """Without a replay endpoint a gap clears the pod's blocks (stale entries must not linger)."""
         pub, sub, idx = feed

@@ -172,3 +172,25 @@ class RandomPicker:
         order = list(cands)
         self._rng.shuffle(order)
         return order[: 1 + self.fallbacks]
+
+
+@register("round-robin-picker", "picker")
+class RoundRobinPicker:
+    """Candidates in turn (baseline; scores ignored); ``fallbacks`` as for max-score-picker.
+
+    One turn counter per candidate set: a P/D pick's second cycle (over the prefill
+    pods) must not advance the serving pods' turn, or they are not served evenly."""
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        self.fallbacks = int(params.get("fallbacks", 2))
+        self._next: dict[tuple[str, ...], int] = {}
+
+    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
+        if not cands:
+            return []
+        order = sorted(cands, key=lambda c: c.name)
+        names = tuple(c.name for c in order)
+        turn = self._next.get(names, 0)
+        self._next[names] = turn + 1
+        i = turn % len(order)
+        return (order[i:] + order[:i])[: 1 + self.fallbacks]

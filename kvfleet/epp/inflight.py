@@ -5,6 +5,14 @@ headers came back: the prefill is done) removes its predicted uncached tokens
 from the pod's pending work; :meth:`Ticket.close` (stream end) removes it from
 the in-flight counts. Both are idempotent. Tickets older than ``max_age_s``
 are reaped so a lost stream cannot pin a pod as busy.
+
+:meth:`InflightTracker.pending_at` answers "how many of my requests were still
+waiting for their first token on this pod at time ``t``" (the instant a metrics
+scrape read the engine's ``waiting`` gauge), from the pending tickets and the
+first-token times of the last ``history_s`` seconds. Only that many of the
+scraped waiting requests are the picker's own: comparing the gauge with the
+pending count *now* instead counted every request whose first token came back
+since the scrape as someone else's queued request (a phantom queue).
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,9 +53,12 @@ class Ticket:
 
 
 class InflightTracker:
-    def __init__(self, max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic, history_s: float = 10.0) -> None:
         self.clock = clock
         self.max_age_s = max_age_s
+        self.history_s = history_s
+        #: per pod: (opened, first token) of tickets whose first token came back in the last ``history_s``
+        self._recent: dict[str, deque[tuple[float, float]]] = defaultdict(deque)
         self._loads: dict[str, _Load] = defaultdict(_Load)
         self._prefix: dict[tuple[str, int], int] = defaultdict(int)
         self._tickets: dict[int, Ticket] = {}
@@ -73,10 +84,15 @@ class InflightTracker:
             if not t.pending:
                 return
             t.pending = False
+            now = self.clock()
             for pod in t.pods:
                 load = self._loads[pod]
                 load.pending_tokens = max(0.0, load.pending_tokens - t.tokens)
                 load.pending_requests = max(0, load.pending_requests - 1)
+                recent = self._recent[pod]
+                recent.append((t.started, now))
+                while recent and recent[0][1] < now - self.history_s:
+                    recent.popleft()
         if t.on_first_byte is not None:
             t.on_first_byte()
 
@@ -106,9 +122,18 @@ class InflightTracker:
         ld = self._loads.get(pod)
         return (0, 0.0, 0) if ld is None else (ld.inflight, ld.pending_tokens, ld.pending_requests)
 
+    def pending_at(self, pod: str, t: float) -> int:
+        """The picker's requests on ``pod`` opened by ``t`` whose first token had not come back at ``t``
+        (exact for ``t`` within the last ``history_s``; older first tokens are forgotten)."""
+        with self._lock:
+            n = sum(1 for tk in self._tickets.values() if tk.pending and tk.started <= t and pod in tk.pods)
+            n += sum(1 for opened, first in self._recent.get(pod, ()) if opened <= t < first)
+        return n
+
     def same_prefix(self, pod: str, prefix: int) -> int:
         return self._prefix.get((pod, prefix), 0)
 
     def forget(self, pod: str) -> None:
         with self._lock:
             self._loads.pop(pod, None)
+            self._recent.pop(pod, None)

@@ -111,10 +111,11 @@ class MetricsScraper:
         list(self._pool.map(lambda kv: self._scrape(*kv), list(self._targets.items())))
 
     def _scrape(self, pod: str, url: str) -> None:
-        try:
+        started = self.store.clock()  # the gauges describe the pod at (about) the request: the picker
+        try:                             # compares them with its own accounting at that instant
             with urllib.request.urlopen(url, timeout=max(self.interval_s, 0.2)) as resp:
                 text = resp.read().decode("utf-8", errors="replace")
-            self.store.put(pod, parse_metrics(text, self.store.clock()))
+            self.store.put(pod, parse_metrics(text, started))
         except Exception as exc:  # any failure only makes the data go stale
             self.store.errors[pod] = self.store.errors.get(pod, 0) + 1
             log.debug("scrape of %s (%s) failed: %s", pod, url, exc)

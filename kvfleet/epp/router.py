@@ -63,6 +63,9 @@ class Decision:
     num_tokens: int = 0
     predicted_hit_tokens: int = 0
     scores: tuple[float, ...] = ()
+    #: every serving candidate's (name, hit blocks, of which speculative, engine-reported waiting or −1 when
+    #: stale, the picker's pending requests) at the pick: the decision log's evidence
+    hits: tuple[tuple[str, int, int, float, int], ...] = ()
     ticket: Ticket | None = field(default=None, compare=False)
 
 
@@ -179,6 +182,10 @@ class Router:
             num_tokens=num_tokens,
             predicted_hit_tokens=hit_tokens,
             scores=ranked.scores,
+            hits=tuple(
+                (c.name, c.hit_blocks, c.spec_blocks, -1.0 if c.metrics is None else c.metrics.waiting, c.pending_requests)
+                for c in cands
+            ),
             ticket=ticket,
         )
 
@@ -212,16 +219,21 @@ class Router:
         for p in pods:
             m = matches.get(p.name)
             inflight, pending_tokens, pending_requests = self.tracker.load(p.name)
+            pm = self.metrics.get(p.name)
+            # which of the scraped waiting requests are ours: count them at the scrape's instant, not now
+            scrape_pending = self.tracker.pending_at(p.name, pm.scraped_at) if pm is not None and pm.waiting > 0 else None
             out.append(
                 Candidate(
                     pod=p,
                     hit_blocks=m.blocks if m else 0,
                     hit_weighted=m.weighted if m else 0.0,
+                    spec_blocks=m.speculative if m else 0,
                     inflight=inflight,
                     same_prefix=self.tracker.same_prefix(p.name, shard),
                     pending_tokens=pending_tokens,
                     pending_requests=pending_requests,
-                    metrics=self.metrics.get(p.name),
+                    metrics=pm,
+                    scrape_pending=scrape_pending,
                 )
             )
         return out

@@ -15,13 +15,19 @@ listeners configured either way:
 
 Response headers mark the prefill as done (pending work off the pod); a
 response body is passed through and its ``usage.prompt_tokens_details.cached_tokens``
-is compared with the predicted hit (misprediction metrics). Every error ends
+is compared with the predicted hit (misprediction metrics). With the environment
+variable ``KVFLEET_EPP_DECISION_LOG`` set to a path, every answered request appends
+one JSON line there: the pick, each candidate's index hit (and its speculative
+part), the predicted and the engine-reported cached tokens (routing diagnosis;
+``docs/epp.md``). Every error ends
 in an ImmediateResponse with a JSON body; the stream always ends.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -39,6 +45,20 @@ from kvfleet.epp.router import Decision, Router
 log = logging.getLogger(__name__)
 _Mode = processing_mode_pb2.ProcessingMode
 _MAX_RESPONSE_CAPTURE = 1 << 20
+_DECISION_LOG = os.environ.get("KVFLEET_EPP_DECISION_LOG", "")
+
+
+def log_decision(path: str, d: Decision, reported: int | None) -> None:
+    """Append one decision as a JSON line (see the module doc)."""
+    rec = {
+        "t": time.time(), "pod": d.pod, "pool": d.pool, "prefiller": d.prefiller, "tokens": d.num_tokens,
+        "predicted": d.predicted_hit_tokens, "reported": reported, "hits": [list(h) for h in d.hits],
+    }
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError as exc:
+        log.warning("decision log %s: %s", path, exc)
 
 
 class _Stream:
@@ -163,6 +183,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             reported = protocol.cached_tokens_of(bytes(st.response))
             if reported is not None:
                 self.metrics.observe_cached(st.decision.predicted_hit_tokens, reported)
+            if _DECISION_LOG:
+                log_decision(_DECISION_LOG, st.decision, reported)
         if st.response_mode == _Mode.FULL_DUPLEX_STREAMED:
             return [protocol.passthrough_body_response(body.body, body.end_of_stream, request=False)]
         return [protocol.buffered_body_ack(request=False)]

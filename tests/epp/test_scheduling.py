@@ -242,3 +242,64 @@ class TestApproximateMode:
         again = r.route(InferenceRequest(model="m", prompt=PROMPT + " next turn"))
         # speculative entries: 64 dense blocks, then sampled, and the prompt's last block: all 70 blocks credited
         assert again.pod == first.pod and again.predicted_hit_tokens == (len(PROMPT) // 16) * 16 == 70 * 16
+
+
+class TestScrapedWaiting:
+    """The engine's ``waiting`` gauge counts the picker's own requests as they were at the scrape: a request
+    whose first token came back since must not become a phantom foreign request that outweighs a hit."""
+
+    def test_pending_at_counts_requests_waiting_at_that_instant(self) -> None:
+        now = [0.0]
+        from kvfleet.epp.inflight import InflightTracker
+
+        tr = InflightTracker(clock=lambda: now[0])
+        a = tr.open(("p",), 1, 100.0)
+        now[0] = 1.0
+        tr.open(("p",), 1, 100.0)
+        now[0] = 2.0
+        a.first_byte()
+        assert tr.load("p")[2] == 1
+        assert tr.pending_at("p", 0.5) == 1  # only a was open then
+        assert tr.pending_at("p", 1.5) == 2  # a had not answered yet; the second was queued
+        assert tr.pending_at("p", 2.5) == 1
+        assert tr.pending_at("q", 1.5) == 0
+
+    def test_a_stale_waiting_gauge_does_not_override_a_hit(self) -> None:
+        now = [0.0]
+        clock = lambda: now[0]  # noqa: E731
+        from kvfleet.epp.inflight import InflightTracker
+
+        s = load(overrides={"epp": {}})
+        r = Router(s.epp, s.cache, StaticDatastore(data=pools(2)), BlockIndex(clock=clock), MetricsStore(clock=clock),
+                   load_tokenizer("bytes"), InflightTracker(clock=clock))
+        keys = r.keys_of(r.tokenizer.encode(PROMPT), None)
+        first = r.route(InferenceRequest(model="m", prompt=PROMPT))  # computes the prefix on one pod
+        holder = first.pod
+        other = next(n for n in ("p0-0", "p0-1") if n != holder)
+        # the scrape at t=0.1 saw that request waiting on its pod; the other pod idle
+        r.metrics.put(holder, PodMetrics(waiting=1.0, scraped_at=0.1))
+        r.metrics.put(other, PodMetrics(waiting=0.0, scraped_at=0.1))
+        now[0] = 0.3
+        assert first.ticket is not None
+        first.ticket.first_byte()
+        first.ticket.close()
+        r.index.add(holder, keys)  # its events arrived
+        now[0] = 0.4
+        # a follow-up with a long new suffix: the phantom would cost its whole prefill, more than the hit saves
+        d = r.route(InferenceRequest(model="m", prompt=PROMPT + "a new question " * 150))
+        assert d.pod == holder and d.predicted_hit_tokens == len(keys) * 16
+
+    def test_foreign_waiting_requests_still_count(self) -> None:
+        """Requests the picker did not route (waiting beyond its own at the scrape) still repel."""
+        now = [0.0]
+        clock = lambda: now[0]  # noqa: E731
+        from kvfleet.epp.inflight import InflightTracker
+
+        s = load(overrides={"epp": {}})
+        r = Router(s.epp, s.cache, StaticDatastore(data=pools(2)), BlockIndex(clock=clock), MetricsStore(clock=clock),
+                   load_tokenizer("bytes"), InflightTracker(clock=clock))
+        fresh = "nobody holds this " * 100  # no hit anywhere; its prefill outweighs the affinity bonus
+        r.metrics.put("p0-0", PodMetrics(waiting=3.0, scraped_at=0.0))
+        r.metrics.put("p0-1", PodMetrics(waiting=0.0, scraped_at=0.0))
+        now[0] = 0.1
+        assert r.route(InferenceRequest(model="m", prompt=fresh)).pod == "p0-1"

@@ -43,17 +43,22 @@ class Candidate:
     ``same_prefix``: those sharing this request's prefix shard;
     ``pending_tokens``/``pending_requests``: predicted uncached tokens (and requests)
     routed there whose first token has not come back yet (queued prefill work);
-    ``metrics``: fresh model-server metrics, or ``None`` when stale/absent.
+    ``metrics``: fresh model-server metrics, or ``None`` when stale/absent;
+    ``scrape_pending``: the picker's pending requests on the pod at the instant those
+    metrics were scraped (``None``: unknown, ``pending_requests`` stands in).
     """
 
     pod: Pod
     hit_blocks: int = 0
     hit_weighted: float = 0.0
+    #: of ``hit_blocks``, those only the picker's speculative entries vouch for
+    spec_blocks: int = 0
     inflight: int = 0
     same_prefix: int = 0
     pending_tokens: float = 0.0
     pending_requests: int = 0
     metrics: PodMetrics | None = None
+    scrape_pending: int | None = None
 
     @property
     def name(self) -> str:

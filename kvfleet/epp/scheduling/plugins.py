@@ -78,13 +78,18 @@ class QueueScorer:
     """Minus the seconds of prefill queued on the pod ahead of this request.
 
     ``queue_s = pending_tokens · prefill_s_per_token + pending_requests · overhead_s + running · running_s
-    + max(0, waiting − pending_requests) · prefill_s(request)``
+    + max(0, waiting − scrape_pending) · prefill_s(request)``
     where ``pending_tokens`` are the predicted uncached tokens of the picker's own
     ``pending_requests`` not yet answered (each also costs ``overhead_s``, param,
     default 0.01 s: at least one engine step), ``running`` its requests already decoding there
     (each slows a new prefill by ``running_s``, param, default 0.01 s: the
     decode steps interleaved with it), and ``waiting`` (fresh metrics only) adds
-    requests the picker did not route, each assumed as long as this one.
+    requests the picker did not route, each assumed as long as this one: ``scrape_pending``
+    is how many of the picker's own requests were waiting when ``waiting`` was scraped
+    (``pending_requests`` when unknown). Subtracting the pending count *now* instead
+    turned each of the picker's requests whose first token came back since the scrape
+    into a phantom foreign request costing a whole prefill, which overrode hits of
+    thousands of tokens (``docs/epp.md``).
     """
 
     def __init__(self, params: Mapping[str, float]) -> None:
@@ -97,7 +102,8 @@ class QueueScorer:
             q = c.pending_tokens * req.prefill_s_per_token + c.pending_requests * self.overhead_s
             q += max(0, c.inflight - c.pending_requests) * self.running_s
             if c.metrics is not None:
-                q += max(0.0, c.metrics.waiting - c.pending_requests) * req.prefill_s
+                own = c.pending_requests if c.scrape_pending is None else c.scrape_pending
+                q += max(0.0, c.metrics.waiting - own) * req.prefill_s
             out.append(-q)
         return out
 

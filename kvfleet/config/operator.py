@@ -32,6 +32,7 @@ class OperatorSettings:
     transfer_secret_key: str = "secret"
     engine_port: int = 8000
     kv_events_port: int = 5557
+    kv_events_replay_port: int = 5558
     agent_metrics_port: int = 9091
     transfer_port: int = 7000
     #: Liveness endpoint of ``kvfleet operator`` (kopf's --liveness).
@@ -42,7 +43,7 @@ class OperatorSettings:
     retry_backoff_s: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("epp_port", "engine_port", "kv_events_port", "agent_metrics_port", "transfer_port", "liveness_port"):
+        for name in ("epp_port", "engine_port", "kv_events_port", "kv_events_replay_port", "agent_metrics_port", "transfer_port", "liveness_port"):
             port = getattr(self, name)
             if not 1 <= port <= 65535:
                 raise ValueError(f"{name} must be a port number in 1..65535, got {port}")

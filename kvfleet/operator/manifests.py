@@ -51,6 +51,10 @@ LABEL_AGENT = "kvfleet.io/agent"
 MANAGED_BY = "kvfleet-operator"
 ANN_CONFIG_HASH = "kvfleet.io/config-hash"
 ANN_MODEL = "kvfleet.io/model"
+#: read by the EPP's Kubernetes datastore (kvfleet/epp/kube.py): served models, KV-event ports.
+ANN_MODELS = "kvfleet.io/models"
+ANN_EVENTS = "kvfleet.io/kv-events-port"
+ANN_REPLAY = "kvfleet.io/kv-replay-port"
 ANN_ROUTING = "kvfleet.io/routing"
 AGENT_CONTAINER = "kvfleet-agent"
 ENGINE_CONTAINER = "engine"
@@ -138,6 +142,7 @@ def pool_settings(spec: PoolSpec, pool_name: str, shard: int, role: str, base: S
         "engine.host": "0.0.0.0",
         "engine.port": op.engine_port,
         "engine.kv_events_port": op.kv_events_port,
+        "engine.kv_events_replay_port": op.kv_events_replay_port,
         "engine.pool": shard_name(pool_name, shard),
         "engine.role": ENGINE_ROLE[role],
         "tiers.model.name": spec.model.name,
@@ -325,6 +330,8 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
                     "annotations": {
                         ANN_CONFIG_HASH: config_hash,
                         ANN_MODEL: spec.model.name,
+                        ANN_EVENTS: str(op.kv_events_port),
+                        ANN_REPLAY: str(op.kv_events_replay_port),
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(op.engine_port),
                     },
@@ -370,7 +377,8 @@ def render_inferencepool(obj: Mapping[str, Any], spec: PoolSpec, shard: int, bas
         "apiVersion": f"{IP_GROUP}/{IP_VERSION}",
         "kind": "InferencePool",
         "metadata": _meta(obj, shard_name(name, shard), _labels(name, shard, None, "inferencepool"),
-                          {ANN_MODEL: spec.model.name, ANN_ROUTING: json.dumps(routing, sort_keys=True)}),
+                          {ANN_MODEL: spec.model.name, ANN_MODELS: spec.model.name,
+                           ANN_ROUTING: json.dumps(routing, sort_keys=True)}),
         "spec": {
             "selector": {"matchLabels": {**selector_labels(name, shard), LABEL_AGENT: "true"}},
             "targetPorts": [{"number": op.engine_port}],

@@ -173,3 +173,12 @@ def test_dashboard_draws_the_five_seed_metrics(helm: str) -> None:
     sources = "\n".join(p.read_text() for p in (ROOT / "kvfleet").rglob("*.py"))
     missing = sorted(n for n in names if not any(f'"{n}{suffix}"' in sources for suffix in ("", "_total")))
     assert names and missing == [], f"dashboard metrics not exported by kvfleet: {missing}"
+
+
+def test_chart_epp_watches_kubernetes(helm: str) -> None:
+    """In a cluster the EPP reads InferencePools and their Pods (the datastore the operator's objects feed)."""
+    docs = _template(helm, "-n", "ns1")
+    configs = [d for d in docs if d.get("kind") == "ConfigMap" and "config.yaml" in d.get("data", {})]
+    assert configs
+    epp = from_dict(Settings, yaml.safe_load(configs[0]["data"]["config.yaml"])).epp
+    assert epp.datastore == "kubernetes" and epp.namespace == "ns1"

@@ -41,6 +41,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $cfg "operator" $op -}}
 {{- if hasKey $cfg "epp" -}}
 {{- $_ := set $cfg.epp "namespace" .Release.Namespace -}}
+{{- /* in a cluster the EPP watches InferencePools and their Pods */ -}}
+{{- $_ := set $cfg.epp "datastore" "kubernetes" -}}
 {{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}

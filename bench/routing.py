@@ -29,18 +29,26 @@ object with ``hit_vs_ideal`` (kvfleet GPU-only, worst config),
 ``ttft_vs_best_peer`` (largest kvfleet/best-peer ratio over configs and over
 p50/mean/p90) and ``tiered_ttft_p90_vs_best_peer`` (synthetic, ×4, small GPU
 caches: kvfleet-tiered p90 / best GPU-only peer p90).
+
+Every policy runs the same arrivals with the same picker seeds (paired); rows show
+means over seeds and the min–max of ``hit / ideal``; the JSON adds ``*_spread``
+(mean, min, max, half-width of the 95 % t-interval over seeds) and ``*_at`` (the
+config that set the figure). Simulations run on ``--jobs`` worker processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import json
+import os
 import random
 import sys
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -404,16 +412,51 @@ def simulate(reqs: list[Req], cfg: SimConfig, make: Callable[[SimConfig, list[Si
     )
 
 
-def averaged(results: list[Result]) -> Result:
-    """The mean of each metric over runs with different seeds (the policies' random tie-breaks)."""
-    n = len(results)
-    return Result(
-        policy=results[0].policy,
-        hit_rate=sum(r.hit_rate for r in results) / n,
-        ttft={q: sum(r.ttft[q] for r in results) / n for q in results[0].ttft},
-        load_max_over_mean=sum(r.load_max_over_mean for r in results) / n,
-        seconds=sum(r.seconds for r in results),
-    )
+@dataclass(frozen=True)
+class Stat:
+    """One metric over seeds: mean, min, max and the half-width of its 95 % t-interval (0 with one seed)."""
+
+    mean: float = 0.0
+    lo: float = 0.0
+    hi: float = 0.0
+    ci95: float = 0.0
+
+    @staticmethod
+    def of(values: Sequence[float]) -> Stat:
+        v = np.asarray(values, dtype=float)
+        n = len(v)
+        half = float(_T95[min(n - 1, len(_T95) - 1)] * v.std(ddof=1) / np.sqrt(n)) if n > 1 else 0.0
+        return Stat(float(v.mean()), float(v.min()), float(v.max()), half)
+
+    def js(self, nd: int = 4) -> dict[str, float]:
+        return {"mean": round(self.mean, nd), "min": round(self.lo, nd), "max": round(self.hi, nd), "ci95": round(self.ci95, nd)}
+
+
+#: Student's t 97.5 % quantiles by degrees of freedom (index 0 unused), then the normal value
+_T95 = (0.0, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 1.96)
+
+
+@dataclass
+class Runs:
+    """One policy's runs on one config, one :class:`Result` per seed (seed ``k`` is the ``k``-th entry for
+    every policy: the same arrivals and the same seed, so ratios between policies are paired)."""
+
+    policy: str
+    results: list[Result]
+
+    def hit(self) -> Stat:
+        return Stat.of([r.hit_rate for r in self.results])
+
+    def ttft(self, q: str) -> Stat:
+        return Stat.of([r.ttft[q] for r in self.results])
+
+    def per_seed(self, q: str, n: int) -> list[float]:
+        """``q`` for seeds ``0 … n − 1`` (a deterministic policy ran once: its value repeats)."""
+        return [self.results[min(k, len(self.results) - 1)].ttft[q] for k in range(n)]
+
+    def load(self) -> float:
+        return float(np.mean([r.load_max_over_mean for r in self.results]))
 
 
 def ideal_hit_rate(reqs: list[Req], capacity: int) -> float:
@@ -469,11 +512,74 @@ def peers() -> dict[str, Callable[[SimConfig, list[SimPod]], Policy]]:
     }
 
 
+#: policies whose routing uses no random numbers: one run stands for every seed
+DETERMINISTIC = frozenset({"round-robin"})
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """kvfleet's settings under test (the EPP's defaults unless overridden on the command line)."""
+
+    hit_weight: float = 1.0
+    load_gain: float = 20.0
+    affinity_s: float = 0.02
+    beta: float = 0.1
+    spec_ttl_s: float = 10.0
+
+
+def make_policy(name: str, knobs: Knobs) -> Callable[[SimConfig, list[SimPod]], Policy]:
+    if name in peers():
+        return peers()[name]
+    if name not in ("kvfleet", "kvfleet-tiered"):
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join([*peers(), 'kvfleet', 'kvfleet-tiered'])}")
+
+    def build(cfg: SimConfig, pods: list[SimPod]) -> Policy:
+        plugins = kvfleet_plugins(knobs.hit_weight, knobs.load_gain, seed=cfg.seed, affinity_s=knobs.affinity_s)
+        p = Kvfleet(cfg, pods, plugins, knobs.beta, knobs.spec_ttl_s)
+        p.name = name
+        return p
+
+    return build
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A slice of a trace replayed at ``speed``× its rate."""
+
+    trace: str
+    limit: int | None
+    offset: int
+    speed: int
+
+
+@functools.lru_cache(maxsize=8)
+def _requests(w: Workload) -> list[Req]:
+    return load_requests(w.trace, w.limit, w.speed, w.offset)
+
+
+def run_one(task: tuple[Workload, SimConfig, str, Knobs]) -> Result:
+    """One simulation (a unit of work for the process pool): workload, cluster with its seed, policy."""
+    w, cfg, name, knobs = task
+    return simulate(_requests(w), cfg, make_policy(name, knobs))
+
+
+def run_all(tasks: list[tuple[Workload, SimConfig, str, Knobs]], jobs: int) -> list[Result]:
+    """Every task, in order; ``jobs`` processes (the simulation is single-threaded Python)."""
+    if jobs <= 1:
+        return [run_one(t) for t in tasks]
+    order = sorted(range(len(tasks)), key=lambda i: -(tasks[i][0].limit or 1 << 20))  # long slices first
+    with ProcessPoolExecutor(max_workers=jobs) as ex:
+        done = dict(zip(order, ex.map(run_one, [tasks[i] for i in order], chunksize=1), strict=True))
+    return [done[i] for i in range(len(tasks))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="a prefix of each trace (fits in 60 s)")
+    ap.add_argument("--quick", action="store_true", help="a prefix of each trace, GPU-only grid (fits in 60 s)")
     ap.add_argument("--pods", type=int, default=12)
-    ap.add_argument("--seeds", type=int, default=0, help="runs per policy (random tie-breaks), averaged; default 2 quick, 4 full")
+    ap.add_argument("--seeds", type=int, default=0,
+                    help="runs per policy (picker seeds: random tie-breaks), paired across policies; default 8 quick, 12 full")
+    ap.add_argument("--jobs", type=int, default=0, help="worker processes (default: the CPU count, at most 4)")
     ap.add_argument("--beta", type=float, default=0.1, help="hot-spot decay β of the prefix scorer (the EPP's default)")
     ap.add_argument("--hit-weight", type=float, default=1.0, help="weight of the prefix-cache scorer")
     ap.add_argument("--load-gain", type=float, default=20.0, help="load_gain of the prefix-cache scorer")
@@ -484,77 +590,101 @@ def main(argv: list[str] | None = None) -> int:
                          "weights chosen on rows 0… is --offset 4000,2000)")
     args = ap.parse_args(argv)
     if args.seeds <= 0:
-        args.seeds = 2 if args.quick else 4
-    limits = {"conversation": 2000, "synthetic": 1000} if args.quick else {"conversation": None, "synthetic": None}
+        args.seeds = 8 if args.quick else 12
+    if args.jobs <= 0:
+        args.jobs = max(1, min(4, os.cpu_count() or 1))
+    limits: dict[str, int | None] = {"conversation": 4000, "synthetic": 2000} if args.quick else {"conversation": None, "synthetic": None}
     try:
         off_c, off_s = (int(x) for x in args.offset.split(","))
     except ValueError:
         ap.error("--offset takes two row numbers: CONVERSATION,SYNTHETIC")
     offsets = {"conversation": off_c, "synthetic": off_s}
+    knobs = Knobs(args.hit_weight, args.load_gain, args.affinity, args.beta, args.spec_ttl)
     loads = (1, 2, 4)
-    gpu_sizes = {"large": 1000, "small": 250}
-
-    def kvfleet(cfg: SimConfig, pods: list[SimPod]) -> Policy:
-        return Kvfleet(cfg, pods, kvfleet_plugins(args.hit_weight, args.load_gain, seed=cfg.seed, affinity_s=args.affinity), args.beta, args.spec_ttl)
-
-    def kvfleet_tiered(cfg: SimConfig, pods: list[SimPod]) -> Policy:
-        p = Kvfleet(cfg, pods, kvfleet_plugins(args.hit_weight, args.load_gain, seed=cfg.seed, affinity_s=args.affinity), args.beta, args.spec_ttl)
-        p.name = "kvfleet-tiered"
-        return p
-
-    rows: list[dict[str, Any]] = []
-    hit_ratios: list[float] = []
-    ttft_ratios: list[float] = []
+    gpu_sizes = (1000, 250)
     t_start = time.perf_counter()
 
-    def run_config(trace: str, size_name: str, gpu: int, speed: int, limit: int | None, grid: bool, nseeds: int) -> dict[str, Result]:
-        cfg = SimConfig(pods=args.pods, gpu_blocks=gpu)
-        reqs = load_requests(trace, limit, speed, offsets[trace] if grid else 0)
-        ideal = ideal_hit_rate(reqs, cfg.pods * cfg.gpu_blocks)
-        seeds = range(nseeds)
-        results = [averaged([simulate(reqs, replace(cfg, seed=k), mk) for k in seeds]) for mk in peers().values()]
-        kv = averaged([simulate(reqs, replace(cfg, seed=k), kvfleet) for k in seeds])
-        results.append(kv)
-        tier_cfg = replace(cfg, cpu_blocks=4 * gpu, ssd_blocks=16 * gpu)
-        tiered = averaged([simulate(reqs, replace(tier_cfg, seed=k), kvfleet_tiered) for k in seeds])
-        results.append(tiered)
-        best = {q: min(r.ttft[q] for r in results if not r.policy.startswith("kvfleet")) for q in ("p50", "mean", "p90")}
-        if grid:
-            hit_ratios.append(kv.hit_rate / ideal if ideal > 0 else 1.0)
-            ttft_ratios.extend(kv.ttft[q] / best[q] for q in best)
-        print(f"\n{trace} ×{speed} gpu={gpu}/pod ({len(reqs)} req, ideal hit {ideal:.3f})")
-        print(f"  {'policy':<20} {'hit':>6} {'/ideal':>7} {'p50':>8} {'mean':>8} {'p90':>8} {'p99':>8} {'max/mean':>8}")
-        for r in results:
-            print(f"  {r.policy:<20} {r.hit_rate:6.3f} {r.hit_rate / ideal if ideal else 1:7.3f} "
-                  f"{r.ttft['p50']:8.3f} {r.ttft['mean']:8.3f} {r.ttft['p90']:8.3f} {r.ttft['p99']:8.3f} {r.load_max_over_mean:8.2f}")
-            rows.append({"trace": trace, "load": speed, "gpu_blocks": gpu, "policy": r.policy, "hit": round(r.hit_rate, 4),
-                         "hit_vs_ideal": round(r.hit_rate / ideal, 4) if ideal else None,
-                         **{k: round(v, 4) for k, v in r.ttft.items()}, "load_max_over_mean": round(r.load_max_over_mean, 3)})
-        sys.stdout.flush()
-        return {r.policy: r for r in results}
-
+    # every config × policy × seed is one task; the grid's kvfleet-tiered rows only in the full run (in --quick
+    # the tiering headline below has its own run)
+    grid_policies = [*peers(), "kvfleet"] + ([] if args.quick else ["kvfleet-tiered"])
+    configs: list[tuple[Workload, SimConfig, bool]] = []
     for trace in ("conversation", "synthetic"):
-        for size_name, gpu in gpu_sizes.items():
+        for gpu in gpu_sizes:
             for speed in loads:
-                run_config(trace, size_name, gpu, speed, limits[trace], grid=True, nseeds=args.seeds)
+                configs.append((Workload(trace, limits[trace], offsets[trace], speed), SimConfig(pods=args.pods, gpu_blocks=gpu), True))
     # the tiering headline: the whole synthetic trace at ×4 with small GPU caches
-    head = run_config("synthetic", "small", gpu_sizes["small"], 4, None, grid=False, nseeds=1 if args.quick else args.seeds)
-    best_p90 = min(r.ttft["p90"] for name, r in head.items() if not name.startswith("kvfleet"))
-    tiered_ratio = head["kvfleet-tiered"].ttft["p90"] / best_p90
+    configs.append((Workload("synthetic", None, 0, 4), SimConfig(pods=args.pods, gpu_blocks=gpu_sizes[1]), False))
+    head_seeds = 2 if args.quick else args.seeds
+    tasks: list[tuple[Workload, SimConfig, str, Knobs]] = []
+    slots: list[tuple[int, str]] = []
+    for ci, (w, cfg, grid) in enumerate(configs):
+        policies = grid_policies if grid else [*peers(), "kvfleet-tiered"]
+        for name in policies:
+            c = cfg if name != "kvfleet-tiered" else replace(cfg, cpu_blocks=4 * cfg.gpu_blocks, ssd_blocks=16 * cfg.gpu_blocks)
+            for k in range(1 if name in DETERMINISTIC else (args.seeds if grid else head_seeds)):
+                tasks.append((w, replace(c, seed=k), name, knobs))
+                slots.append((ci, name))
+    print(f"{len(tasks)} simulations on {args.jobs} processes, {args.seeds} seeds per policy", flush=True)
+    results = run_all(tasks, args.jobs)
+    by_config: list[dict[str, Runs]] = [{} for _ in configs]
+    for (ci, name), r in zip(slots, results, strict=True):
+        by_config[ci].setdefault(name, Runs(name, [])).results.append(r)
+
+    rows: list[dict[str, Any]] = []
+    hit_stats: list[tuple[Stat, str]] = []
+    ttft_ratios: list[tuple[float, Stat, str]] = []
+    tiered_ratio = float("nan")
+    for (w, cfg, grid), runs in zip(configs, by_config, strict=True):
+        reqs = _requests(w)
+        ideal = ideal_hit_rate(reqs, cfg.pods * cfg.gpu_blocks)
+        label = f"{w.trace} ×{w.speed} gpu={cfg.gpu_blocks}/pod"
+        peer_runs = [r for n, r in runs.items() if not n.startswith("kvfleet")]
+        nseeds = max(len(r.results) for r in runs.values())
+        print(f"\n{label} ({len(reqs)} req from row {w.offset}, ideal hit {ideal:.3f}; mean [min–max] over {nseeds} seeds)")
+        print(f"  {'policy':<20} {'hit':>6} {'/ideal':>7} {'[min–max]':>13} {'p50':>7} {'mean':>7} {'p90':>7} {'p99':>7} {'max/mean':>8}")
+        for name, run in runs.items():
+            h = run.hit()
+            rel = Stat.of([r.hit_rate / ideal if ideal > 0 else 1.0 for r in run.results])
+            tt = {q: run.ttft(q) for q in ("p50", "mean", "p90", "p99")}
+            print(f"  {name:<20} {h.mean:6.3f} {rel.mean:7.3f} {f'[{rel.lo:.3f}–{rel.hi:.3f}]':>13} "
+                  + " ".join(f"{tt[q].mean:7.3f}" for q in tt) + f" {run.load():8.2f}")
+            rows.append({"trace": w.trace, "load": w.speed, "gpu_blocks": cfg.gpu_blocks, "policy": name,
+                         "hit": round(h.mean, 4), "hit_vs_ideal": rel.js(), **{q: tt[q].js() for q in tt}})
+            if grid and name == "kvfleet":
+                hit_stats.append((rel, label))
+        if grid:
+            kv = runs["kvfleet"]
+            for q in ("p50", "mean", "p90"):
+                # the best peer on seed-averaged values; the spread from the paired per-seed ratios against it
+                best = min(peer_runs, key=lambda r: r.ttft(q).mean)
+                ratio = kv.ttft(q).mean / best.ttft(q).mean
+                paired = Stat.of([a / b for a, b in zip(kv.per_seed(q, nseeds), best.per_seed(q, nseeds), strict=True)])
+                ttft_ratios.append((ratio, paired, f"{label} {q} vs {best.policy}"))
+        else:
+            best_p90 = min(r.ttft("p90").mean for r in peer_runs)
+            tiered_ratio = runs["kvfleet-tiered"].ttft("p90").mean / best_p90
+        sys.stdout.flush()
+    worst_hit, worst_hit_at = min(hit_stats, key=lambda x: x[0].mean)
+    worst_ttft, worst_paired, worst_ttft_at = max(ttft_ratios, key=lambda x: x[0])
     summary = {
         "bench": "routing",
         "quick": args.quick,
         "pods": args.pods,
-        "hit_vs_ideal": round(min(hit_ratios), 4),
-        "ttft_vs_best_peer": round(max(ttft_ratios), 4),
+        "hit_vs_ideal": round(worst_hit.mean, 4),
+        "hit_vs_ideal_spread": worst_hit.js(),
+        "hit_vs_ideal_at": worst_hit_at,
+        "ttft_vs_best_peer": round(worst_ttft, 4),
+        "ttft_vs_best_peer_spread": worst_paired.js(),
+        "ttft_vs_best_peer_at": worst_ttft_at,
         "tiered_ttft_p90_vs_best_peer": round(tiered_ratio, 4),
-        "configs": len(hit_ratios),
+        "configs": len(hit_stats),
+        "requests_per_config": {t: len(_requests(w)) for w, _, grid in configs if grid for t in [w.trace]},
         "offset": args.offset,
         "seeds": args.seeds,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
     print(f"\n{len(rows)} rows; wall {summary['seconds']} s")
-    print(json.dumps(summary))
+    print(json.dumps(summary, ensure_ascii=False))
     return 0
 
 

@@ -140,7 +140,8 @@ class Router:
         allowed = set(subset) if subset is not None else None
         groups = self._pools(model, shard, pools, allowed)
         home = {p.name: (pool, pods) for pool, pods in groups for p in pods}
-        serving = [p for pool, pods in groups for p in pods if not pool.disaggregated or p.role in ("both", "decode")]
+        serving = [p for pool, pods, disagg in ((g, ps, g.disaggregated) for g, ps in groups) for p in pods
+                   if not disagg or p.role in ("both", "decode")]
         with self._lock:
             cands = self._candidates(serving, keys, shard)
             if self.settings.shed_queue > 0 and all(waiting_of(c) >= self.settings.shed_queue for c in cands):
@@ -201,7 +202,7 @@ class Router:
                 ready.append((pool, pods))
         if not ready:
             raise NoEndpointError(f"no ready endpoint for model {model!r}")
-        if not self.settings.prefix_shard_pools:
+        if not self.settings.prefix_shard_pools or len(ready) == 1:  # one pool: nowhere to spill
             return ready
         for pool, pods in ready:
             if min(self._waiting(p) for p in pods) < self.settings.pool_saturation_queue:

@@ -192,6 +192,13 @@ class TestPools:
         spilled = r.route(InferenceRequest(model="m", prompt=PROMPT + "x")).pool
         assert spilled != first[0]
 
+    def test_single_pool_saturated_still_routes_by_score(self) -> None:
+        """One pool: nowhere to spill, so saturation does not change the pick (the queue scorer still spreads)."""
+        r = router(pools(2), pool_saturation_queue=1.0, plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker"}])
+        got = [r.route(InferenceRequest(model="m", prompt=PROMPT + f"{i}")) for i in range(6)]
+        assert {d.pool for d in got} == {"pool-0"}
+        assert sorted(d.pod for d in got) == ["p0-0"] * 3 + ["p0-1"] * 3
+
     def test_without_sharding_one_cycle_spans_every_pool(self) -> None:
         """``prefix_shard_pools: false`` (baselines): the same prompt is spread over every pool's serving pods,
         and a P/D pool still gets its prefill pod named for an uncached prompt."""

@@ -84,6 +84,24 @@ class Codec(ABC):
         return out
 
 
+
+class GroupedCodec(Codec):
+    """A quantizing codec over groups of ``group_size`` values, processed in chunks of whole groups."""
+
+    group_size: int
+    _chunk: int
+
+    def _set_groups(self, group_size: int, chunk_values: int) -> None:
+        """Use groups of ``group_size`` (checked by the caller) and chunks of about ``chunk_values`` values."""
+        self.group_size = group_size
+        self._chunk = max(group_size, (chunk_values // group_size) * group_size)
+
+    def _layout(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """``(values, groups, padded values)`` of a block of ``shape`` (the last group zero-padded)."""
+        n = num_values(shape)
+        ng = -(-n // self.group_size)
+        return n, ng, ng * self.group_size
+
 def as_payload(buf: Payload | bytes | memoryview | bytearray) -> Payload:
     """A read-only ``uint8`` view of ``buf`` (no copy)."""
     if isinstance(buf, np.ndarray):

@@ -35,13 +35,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfleet.agent.codecs.base import (
-    Codec,
     CodecInputError,
     CorruptPayloadError,
+    GroupedCodec,
     Payload,
     as_payload,
     check_float,
-    num_values,
 )
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -72,7 +71,7 @@ _FORMATS: dict[str, _Bits] = {
 }
 
 
-class Fp8E4M3Codec(Codec):
+class Fp8E4M3Codec(GroupedCodec):
     """FP8 e4m3 with per-group power-of-two scales (MXFP8-style); about half the bytes of fp16."""
 
     name: ClassVar[str] = "fp8_e4m3"
@@ -80,13 +79,7 @@ class Fp8E4M3Codec(Codec):
     def __init__(self, group_size: int = 128) -> None:
         if group_size <= 0:
             raise ValueError(f"group_size must be > 0, got {group_size}")
-        self.group_size = group_size
-        self._chunk = max(group_size, (_CHUNK_VALUES // group_size) * group_size)
-
-    def _layout(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
-        n = num_values(shape)
-        ng = -(-n // self.group_size)
-        return n, ng, ng * self.group_size
+        self._set_groups(group_size, _CHUNK_VALUES)
 
     def encoded_nbytes(self, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> int:
         _, ng, n_pad = self._layout(shape)

@@ -21,19 +21,18 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfleet.agent.codecs.base import (
-    Codec,
     CodecInputError,
     CorruptPayloadError,
+    GroupedCodec,
     Payload,
     as_payload,
     check_float,
-    num_values,
 )
 
 _CHUNK_VALUES = 1 << 15
 
 
-class _GroupIntCodec(Codec):
+class _GroupIntCodec(GroupedCodec):
     """Shared layout and chunked loop of the integer codecs."""
 
     bits: ClassVar[int]
@@ -42,13 +41,7 @@ class _GroupIntCodec(Codec):
     def __init__(self, group_size: int) -> None:
         if group_size <= 0 or group_size % 2:
             raise ValueError(f"group_size must be a positive even number, got {group_size}")
-        self.group_size = group_size
-        self._chunk = max(group_size, (_CHUNK_VALUES // group_size) * group_size)
-
-    def _layout(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
-        n = num_values(shape)
-        ng = -(-n // self.group_size)
-        return n, ng, ng * self.group_size
+        self._set_groups(group_size, _CHUNK_VALUES)
 
     def encoded_nbytes(self, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> int:
         _, ng, n_pad = self._layout(shape)

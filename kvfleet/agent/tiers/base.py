@@ -21,6 +21,7 @@ redis      :class:`~.remote.RedisStore`                remote
 from __future__ import annotations
 
 import importlib
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -30,8 +31,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvfleet.agent.codecs import Payload
-from kvfleet.agent.tiers.errors import UnknownBackendError
-from kvfleet.agent.tiers.record import BlockMeta
+from kvfleet.agent.tiers.errors import TierFullError, UnknownBackendError
+from kvfleet.agent.tiers.record import PREFIX_SIZE, BlockMeta
 from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.tiers import TierSpec
@@ -135,6 +136,90 @@ class TierStore(ABC):
         read_bps = nbytes / max(1e-9, (t5 - t4) - (t2 - t1))
         return read_bps, write_bps, latency
 
+
+
+class RecordStore(TierStore):
+    """A store that charges each block the size of its whole record (:mod:`~.record`).
+
+    Sizes are this store's own bookkeeping (``_sizes``, ``_used``), changed under
+    ``_lock`` with :meth:`_check_room`, :meth:`_account` and :meth:`_forget`.
+    """
+
+    def __init__(self, tier: Tier, spec: TierSpec) -> None:
+        super().__init__(tier, spec)
+        self._sizes: dict[BlockHash, int] = {}
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def charge(self, payload_nbytes: int) -> int:
+        return PREFIX_SIZE + 64 + payload_nbytes
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            return block_hash in self._sizes
+
+    def keys(self) -> Iterator[BlockHash]:
+        with self._lock:
+            return iter(list(self._sizes))
+
+    def _check_room(self, block_hash: BlockHash, size: int) -> int:
+        """The block's current size (0 if absent); TierFullError if ``size`` does not fit in its place (caller holds the lock)."""
+        old = self._sizes.get(block_hash, 0)
+        if self._used - old + size > self.capacity_bytes:
+            raise TierFullError(f"{self.tier}: {self._used} of {self.capacity_bytes} bytes used, block needs {size}")
+        return old
+
+    def _account(self, block_hash: BlockHash, size: int) -> None:
+        """Charge the block ``size`` bytes in place of its earlier size (caller holds the lock)."""
+        self._used += size - self._sizes.get(block_hash, 0)
+        self._sizes[block_hash] = size
+
+    def _forget(self, block_hash: BlockHash) -> None:
+        """Stop charging the block (no error if absent; caller holds the lock)."""
+        self._used -= self._sizes.pop(block_hash, 0)
+
+
+class SlotLeases:
+    """Lease counts of a store's fixed slots: a slot deleted while leased is reused only after its last lease.
+
+    It only counts; the store frees slots when told to, under its own lock (these methods take none).
+    """
+
+    def __init__(self) -> None:
+        #: slot → outstanding leases
+        self._counts: dict[int, int] = {}
+        #: deleted slots still leased, freed on the last release
+        self._deferred: set[int] = set()
+
+    def take(self, slot: int) -> None:
+        self._counts[slot] = self._counts.get(slot, 0) + 1
+
+    def defer(self, slot: int) -> bool:
+        """Whether ``slot`` (just deleted) is leased; if so :meth:`end` frees it later."""
+        if self._counts.get(slot):
+            self._deferred.add(slot)
+            return True
+        return False
+
+    def end(self, slot: int) -> bool:
+        """End one lease of ``slot``; whether it was the last one of a deleted slot, now to be freed."""
+        n = self._counts.get(slot, 0) - 1
+        if n > 0:
+            self._counts[slot] = n
+            return False
+        self._counts.pop(slot, None)
+        if slot in self._deferred:
+            self._deferred.discard(slot)
+            return True
+        return False
+
+    def clear(self) -> None:
+        self._counts.clear()
+        self._deferred.clear()
 
 #: backend name → (module, class), imported on first use.
 BACKENDS: dict[str, tuple[str, str]] = {

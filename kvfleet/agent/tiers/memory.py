@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from kvfleet.agent.codecs import Payload
-from kvfleet.agent.tiers.base import TierStore
+from kvfleet.agent.tiers.base import SlotLeases, TierStore
 from kvfleet.agent.tiers.errors import BlockNotFoundError, BlockTooLargeError, TierFullError
 from kvfleet.agent.tiers.record import BlockMeta
 from kvfleet.cache.hashing import BlockHash
@@ -47,9 +47,7 @@ class ArenaStore(TierStore):
         self._free: list[int] = []
         self._next_slot = 0
         self._index: dict[BlockHash, tuple[int, int, BlockMeta]] = {}
-        #: slot → outstanding leases; a deleted slot that is still leased is freed on the last release.
-        self._leases: dict[int, int] = {}
-        self._deferred: set[int] = set()
+        self._leases = SlotLeases()
         self._lock = threading.Lock()
         if self.stand_in:
             log.warning("gpu tier: host arena standing in for HBM (no CUDA device driven), capacity %d bytes", self.capacity_bytes)
@@ -75,6 +73,14 @@ class ArenaStore(TierStore):
         start = i * self.slot_bytes
         return self._slabs[slab][start : start + nbytes]
 
+    def _fit(self, nbytes: int) -> None:
+        """Size the slots by the first block; BlockTooLargeError if ``nbytes`` exceeds a slot (caller holds the lock)."""
+        if not self.slot_bytes:
+            self.slot_bytes = _round_up(nbytes)
+            self._slab_bytes = max(self._slab_bytes, self.slot_bytes)
+        if nbytes > self.slot_bytes:
+            raise BlockTooLargeError(f"{self.tier}: block of {nbytes} bytes exceeds the {self.slot_bytes}-byte slot")
+
     def _alloc(self) -> int:
         if self._free:
             return self._free.pop()
@@ -91,11 +97,7 @@ class ArenaStore(TierStore):
     def write(self, meta: BlockMeta, payload: Payload) -> int:
         nbytes = int(payload.nbytes)
         with self._lock:
-            if not self.slot_bytes:
-                self.slot_bytes = _round_up(nbytes)
-                self._slab_bytes = max(self._slab_bytes, self.slot_bytes)
-            if nbytes > self.slot_bytes:
-                raise BlockTooLargeError(f"{self.tier}: block of {nbytes} bytes exceeds the {self.slot_bytes}-byte slot")
+            self._fit(nbytes)
             old = self._index.pop(meta.hash, None)
             if old is not None:
                 self._release_slot(old[0])
@@ -107,11 +109,7 @@ class ArenaStore(TierStore):
     def reserve(self, nbytes: int) -> tuple[int, Payload]:
         """A free slot and a writable view of its first ``nbytes``; then :meth:`commit` or :meth:`abort`."""
         with self._lock:
-            if not self.slot_bytes:
-                self.slot_bytes = _round_up(nbytes)
-                self._slab_bytes = max(self._slab_bytes, self.slot_bytes)
-            if nbytes > self.slot_bytes:
-                raise BlockTooLargeError(f"{self.tier}: block of {nbytes} bytes exceeds the {self.slot_bytes}-byte slot")
+            self._fit(nbytes)
             slot = self._alloc()
             return slot, self._slot_view(slot, nbytes)
 
@@ -146,9 +144,7 @@ class ArenaStore(TierStore):
                 self._release_slot(old[0])
 
     def _release_slot(self, slot: int) -> None:
-        if self._leases.get(slot):
-            self._deferred.add(slot)
-        else:
+        if not self._leases.defer(slot):
             self._free.append(slot)
 
     def lease(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload, int]:
@@ -158,20 +154,14 @@ class ArenaStore(TierStore):
                 slot, nbytes, meta = self._index[block_hash]
             except KeyError:
                 raise BlockNotFoundError(block_hash) from None
-            self._leases[slot] = self._leases.get(slot, 0) + 1
+            self._leases.take(slot)
             view = self._slot_view(slot, nbytes).view()
         view.flags.writeable = False
         return meta, view, slot
 
     def release(self, slot: int) -> None:
         with self._lock:
-            n = self._leases.get(slot, 0) - 1
-            if n > 0:
-                self._leases[slot] = n
-                return
-            self._leases.pop(slot, None)
-            if slot in self._deferred:
-                self._deferred.discard(slot)
+            if self._leases.end(slot):
                 self._free.append(slot)
 
     def contains(self, block_hash: BlockHash) -> bool:
@@ -186,7 +176,6 @@ class ArenaStore(TierStore):
         with self._lock:
             self._index.clear()
             self._leases.clear()
-            self._deferred.clear()
             self._slabs.clear()
             self._free.clear()
             self._next_slot = 0

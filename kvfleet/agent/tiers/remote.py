@@ -15,18 +15,15 @@ others. Capacity is accounted by this agent for the keys it knows about
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import redis
 
 from kvfleet.agent.codecs import Payload, as_payload
-from kvfleet.agent.tiers.base import ScanReport, TierStore
+from kvfleet.agent.tiers.base import RecordStore, ScanReport
 from kvfleet.agent.tiers.errors import (
     BlockNotFoundError,
     CorruptBlockError,
-    TierFullError,
     TierUnavailableError,
 )
 from kvfleet.agent.tiers.record import (
@@ -47,7 +44,7 @@ _HEADER_PROBE = 4096
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
 
 
-class RedisStore(TierStore):
+class RedisStore(RecordStore):
     """Blocks as Redis strings in a pool/model namespace."""
 
     backend = "redis"
@@ -63,16 +60,6 @@ class RedisStore(TierStore):
             retry_on_timeout=False,
         )
         self.url = rspec.url
-        self._sizes: dict[BlockHash, int] = {}
-        self._used = 0
-        self._lock = threading.Lock()
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    def charge(self, payload_nbytes: int) -> int:
-        return PREFIX_SIZE + 64 + payload_nbytes
 
     def describe(self) -> str:
         return f"{self.tier} tier: redis {self.url} namespace {self.namespace!r}, capacity {self.capacity_bytes} bytes"
@@ -84,16 +71,13 @@ class RedisStore(TierStore):
         head, body = pack(meta, payload)
         size = len(head) + body.nbytes
         with self._lock:
-            old = self._sizes.get(meta.hash, 0)
-            if self._used - old + size > self.capacity_bytes:
-                raise TierFullError(f"{self.tier}: {self._used} of {self.capacity_bytes} bytes used, block needs {size}")
+            self._check_room(meta.hash, size)
         try:
             self._client.set(self.key(meta.hash), head + body.tobytes())
         except _REDIS_DOWN as exc:
             raise TierUnavailableError(f"{self.tier}: redis {self.url} unreachable: {exc}") from exc
         with self._lock:
-            self._used += size - self._sizes.get(meta.hash, 0)
-            self._sizes[meta.hash] = size
+            self._account(meta.hash, size)
         return size
 
     def read(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload]:
@@ -110,19 +94,11 @@ class RedisStore(TierStore):
 
     def delete(self, block_hash: BlockHash) -> None:
         with self._lock:
-            self._used -= self._sizes.pop(block_hash, 0)
+            self._forget(block_hash)
         try:
             self._client.delete(self.key(block_hash))
         except _REDIS_DOWN as exc:
             raise TierUnavailableError(f"{self.tier}: redis {self.url} unreachable: {exc}") from exc
-
-    def contains(self, block_hash: BlockHash) -> bool:
-        with self._lock:
-            return block_hash in self._sizes
-
-    def keys(self) -> Iterator[BlockHash]:
-        with self._lock:
-            return iter(list(self._sizes))
 
     def scan(self) -> ScanReport:
         report = ScanReport()
@@ -161,8 +137,7 @@ class RedisStore(TierStore):
                 bad.append(name)
                 continue
             with self._lock:
-                self._used += length - self._sizes.get(expected, 0)
-                self._sizes[expected] = length
+                self._account(expected, length)
             report.blocks.append(meta)
         if bad:
             try:

@@ -56,7 +56,7 @@ import numpy as np
 import xxhash
 
 from kvfleet.agent.codecs import Payload, as_payload
-from kvfleet.agent.tiers.base import ScanReport, TierStore
+from kvfleet.agent.tiers.base import ScanReport, SlotLeases, TierStore
 from kvfleet.agent.tiers.errors import (
     BlockNotFoundError,
     BlockTooLargeError,
@@ -120,8 +120,7 @@ class SlabStore(TierStore):
         self._next_slot = 0
         self._slots: dict[int, _Slot] = {}
         self._where: dict[BlockHash, int] = {}
-        self._leases: dict[int, int] = {}
-        self._deferred: set[int] = set()
+        self._leases = SlotLeases()
         self._lock = threading.Lock()
         self._partial = 0
         self._open_existing()
@@ -227,9 +226,7 @@ class SlabStore(TierStore):
     def _release_slot(self, slot: int) -> None:
         """Free a slot on disk and for reuse (caller holds the lock); a leased one once its reads end."""
         self._slots.pop(slot, None)
-        if self._leases.get(slot):
-            self._deferred.add(slot)
-        else:
+        if not self._leases.defer(slot):
             self._clear(slot)
             self._free.append(slot)
 
@@ -269,18 +266,12 @@ class SlabStore(TierStore):
             slot = self._where.get(block_hash)
             if slot is None:
                 raise BlockNotFoundError(block_hash)
-            self._leases[slot] = self._leases.get(slot, 0) + 1
+            self._leases.take(slot)
             return slot, self._slots[slot]
 
     def _unlease(self, slot: int) -> None:
         with self._lock:
-            n = self._leases.get(slot, 0) - 1
-            if n > 0:
-                self._leases[slot] = n
-                return
-            self._leases.pop(slot, None)
-            if slot in self._deferred:
-                self._deferred.discard(slot)
+            if self._leases.end(slot):
                 self._clear(slot)
                 self._free.append(slot)
 
@@ -510,11 +501,7 @@ def _pwrite_all(fd: int, parts: list[bytes | memoryview], offset: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "short write")
         offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        _advance(views, n)
 
 
 def _pread_all(fd: int, parts: list[bytearray | memoryview], offset: int) -> int:
@@ -527,12 +514,17 @@ def _pread_all(fd: int, parts: list[bytearray | memoryview], offset: int) -> int
             break
         total += n
         offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        _advance(views, n)
     return total
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (those a vectored read or write just moved)."""
+    while views and n >= views[0].nbytes:
+        n -= views[0].nbytes
+        views.pop(0)
+    if views and n:
+        views[0] = views[0][n:]
 
 
 def _remove(path: str) -> None:

@@ -20,19 +20,17 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
 from kvfleet.agent.codecs import Payload, as_payload
-from kvfleet.agent.tiers.base import ScanReport, TierStore
+from kvfleet.agent.tiers.base import RecordStore, ScanReport
 from kvfleet.agent.tiers.errors import (
     BlockNotFoundError,
     CorruptBlockError,
-    TierFullError,
     TierIOError,
     TruncatedBlockError,
 )
@@ -56,7 +54,7 @@ SUFFIX = ".kvb"
 TMP_SUFFIX = ".kvb.tmp"
 
 
-class FileStore(TierStore):
+class FileStore(RecordStore):
     """A file per block under ``spec.path``; capacity counts whole record files."""
 
     backend = "files"
@@ -66,16 +64,6 @@ class FileStore(TierStore):
         path = spec.path if isinstance(spec, SsdTierSpec) else SsdTierSpec().path
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._sizes: dict[BlockHash, int] = {}
-        self._used = 0
-        self._lock = threading.Lock()
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    def charge(self, payload_nbytes: int) -> int:
-        return PREFIX_SIZE + 64 + payload_nbytes
 
     def describe(self) -> str:
         return f"{self.tier} tier: files in {self.root}, capacity {self.capacity_bytes} bytes"
@@ -87,11 +75,8 @@ class FileStore(TierStore):
         head, body = pack(meta, payload)
         size = len(head) + body.nbytes
         with self._lock:
-            old = self._sizes.get(meta.hash, 0)
-            if self._used - old + size > self.capacity_bytes:
-                raise TierFullError(f"{self.tier}: {self._used} of {self.capacity_bytes} bytes used, block needs {size}")
-            self._sizes[meta.hash] = size
-            self._used += size - old
+            old = self._check_room(meta.hash, size)
+            self._account(meta.hash, size)
         final = self._path(meta.hash)
         tmp = final.with_name(final.name + ".tmp")
         try:
@@ -164,20 +149,11 @@ class FileStore(TierStore):
 
     def delete(self, block_hash: BlockHash) -> None:
         with self._lock:
-            size = self._sizes.pop(block_hash, 0)
-            self._used -= size
+            self._forget(block_hash)
         try:
             self._path(block_hash).unlink(missing_ok=True)
         except OSError as exc:
             log.warning("%s tier: cannot delete %s: %s", self.tier, key_name(block_hash), exc)
-
-    def contains(self, block_hash: BlockHash) -> bool:
-        with self._lock:
-            return block_hash in self._sizes
-
-    def keys(self) -> Iterator[BlockHash]:
-        with self._lock:
-            return iter(list(self._sizes))
 
     def scan(self) -> ScanReport:
         report = ScanReport()
@@ -209,8 +185,7 @@ class FileStore(TierStore):
                 continue
             size = entry.stat().st_size
             with self._lock:
-                self._used += size - self._sizes.get(expected, 0)
-                self._sizes[expected] = size
+                self._account(expected, size)
             report.blocks.append(meta)
         return report
 

@@ -50,7 +50,9 @@ class EppSettings:
     """Everything ``kvfleet epp`` needs; defaults are a working local configuration.
 
     ``datastore`` is ``static`` (pods and pools from ``pods_file``) or
-    ``kubernetes`` (watch Pods and InferencePools in ``namespace``).
+    ``kubernetes`` (watch Pods and InferencePools in ``namespace``; with
+    ``service_name`` set, only the InferencePools whose ``endpointPickerRef``
+    names that Service, as GIE has an EPP serve the pools that reference it).
     ``tokenizer`` is ``bytes`` or a path to a HF ``tokenizer.json``.
     ``speculative_ttl_s``: how long a pick counts as cached on its pod before KV
     events confirm it; with ``events_enabled: false`` the index is built from
@@ -67,6 +69,7 @@ class EppSettings:
     datastore: str = "static"
     pods_file: str = ""
     namespace: str = "default"
+    service_name: str = ""
     tokenizer: str = "bytes"
     max_body_bytes: int = 8 * 1024 * 1024
     events_enabled: bool = True

@@ -38,7 +38,7 @@ def make_datastore(settings: Settings) -> Datastore:
     if s.datastore == "kubernetes":
         from kvfleet.epp.kube import KubernetesDatastore
 
-        kube: Datastore = KubernetesDatastore(namespace=s.namespace)
+        kube: Datastore = KubernetesDatastore(namespace=s.namespace, epp_service=s.service_name)
         return kube
     return StaticDatastore(s.pods_file or None)
 

@@ -53,10 +53,18 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds if isinstance(c, Mapping))
 
 
-def pools_from_objects(inference_pools: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]) -> list[Pool]:
-    """InferencePool and Pod objects (as plain dicts) → pools with their selected pods."""
+def pools_from_objects(
+    inference_pools: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]], epp_service: str = ""
+) -> list[Pool]:
+    """InferencePool and Pod objects (as plain dicts) → pools with their selected pods.
+
+    With ``epp_service``, InferencePools whose ``endpointPickerRef`` names another
+    Service (another endpoint picker's pools) are left out.
+    """
     out: list[Pool] = []
     for ip in inference_pools:
+        if epp_service and _get(ip, "spec", "endpointPickerRef", "name") != epp_service:
+            continue
         name = str(_get(ip, "metadata", "name") or "")
         ns = _get(ip, "metadata", "namespace")
         labels: Mapping[str, str] = _get(ip, "spec", "selector", "matchLabels") or {}
@@ -99,7 +107,7 @@ def pools_from_objects(inference_pools: Sequence[Mapping[str, Any]], pods: Seque
 class KubernetesDatastore(_ListenerMixin):
     """Watches InferencePools and Pods in one namespace (in-cluster config, else the kubeconfig)."""
 
-    def __init__(self, namespace: str = "default", backoff_s: float = 2.0, api_client: Any = None) -> None:
+    def __init__(self, namespace: str = "default", backoff_s: float = 2.0, api_client: Any = None, epp_service: str = "") -> None:
         super().__init__()
         from kubernetes import client, config
 
@@ -110,6 +118,7 @@ class KubernetesDatastore(_ListenerMixin):
                 config.load_kube_config()  # type: ignore[no-untyped-call]
             api_client = client.ApiClient()
         self.namespace = namespace
+        self.epp_service = epp_service
         self.backoff_s = backoff_s
         self._api = api_client
         self._watches: dict[str, Any] = {}
@@ -162,7 +171,7 @@ class KubernetesDatastore(_ListenerMixin):
                 self._stop.wait(self.backoff_s)
 
     def _rebuild(self) -> None:
-        self._set_pools(pools_from_objects(list(self._objs["pools"].values()), list(self._objs["pods"].values())))
+        self._set_pools(pools_from_objects(list(self._objs["pools"].values()), list(self._objs["pods"].values()), self.epp_service))
 
     def stop(self) -> None:
         """Stop both watches now: flag them, then close the client's connections under the blocked reads."""

@@ -182,3 +182,5 @@ def test_chart_epp_watches_kubernetes(helm: str) -> None:
     assert configs
     epp = from_dict(Settings, yaml.safe_load(configs[0]["data"]["config.yaml"])).epp
     assert epp.datastore == "kubernetes" and epp.namespace == "ns1"
+    services = [d["metadata"]["name"] for d in docs if d.get("kind") == "Service"]
+    assert epp.service_name in services

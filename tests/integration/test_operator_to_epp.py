@@ -5,7 +5,8 @@ InferencePool and pod template the operator renders for a KVCachePool, turned
 into running Pods (an IP and a Ready condition added, as the kubelet would), must
 give the EPP a pool per shard that serves the pool's model, with every pod at the
 engine's serving port, its role (prefill / decode / both), its KV-event and replay
-endpoints and its metrics URL.
+endpoints and its metrics URL; an EPP told its Service name keeps only the pools
+whose endpointPickerRef names it.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ def test_epp_sees_the_operators_pools_and_pods() -> None:
     children = render_children(obj, spec, Settings())
     pools = [c for c in children if c["kind"] == "InferencePool"]
     assert pools
-    seen = pools_from_objects(pools, _running_pods(children))
+    base = Settings()
+    seen = pools_from_objects(pools, _running_pods(children), epp_service=base.operator.epp_service)
     assert len(seen) == len(pools)
+    assert pools_from_objects(pools, _running_pods(children), epp_service="another-picker") == []
     for pool in seen:
         assert pool.models == (spec.model.name,)
         roles = sorted(p.role for p in pool.pods)

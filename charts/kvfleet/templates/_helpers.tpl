@@ -43,6 +43,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $cfg.epp "namespace" .Release.Namespace -}}
 {{- /* in a cluster the EPP watches InferencePools and their Pods */ -}}
 {{- $_ := set $cfg.epp "datastore" "kubernetes" -}}
+{{- $_ := set $cfg.epp "service_name" (include "kvfleet.eppName" .) -}}
 {{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}

@@ -143,7 +143,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvfleet agent: {exc}", file=sys.stderr)
         return 2
     try:
-        start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
         agent = Agent(
             settings,
             secret,
@@ -153,9 +152,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             kv_events_replay_port=args.kv_events_replay_port or None,
             registry=REGISTRY,
         )
-        agent.start()
     except (PortInUseError, OSError) as exc:
         print(f"kvfleet agent: cannot start: {exc}", file=sys.stderr)
+        return 1
+    try:
+        # Every series is registered by now, so the first scrape already sees them all.
+        start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
+        agent.start()
+    except OSError as exc:
+        print(f"kvfleet agent: cannot start: {exc}", file=sys.stderr)
+        agent.stop()
         return 1
     done = threading.Event()
 

@@ -65,6 +65,7 @@ from kvfleet.agent.tiers.errors import (
     TierIOError,
     TruncatedBlockError,
 )
+from kvfleet.agent.tiers.fileio import advance_views, remove_file
 from kvfleet.agent.tiers.record import (
     PREFIX_SIZE,
     BlockMeta,
@@ -172,7 +173,7 @@ class SlabStore(TierStore):
                 # created but never initialised (a crash right after creating it): ours, and empty
                 log.warning("%s tier: removing uninitialised slab file %s", self.tier, path.name)
                 os.close(fd)
-                _remove(str(path))
+                remove_file(str(path))
                 self._partial += 1
                 break
             ok = len(head) == _FILE_HEADER.size
@@ -207,7 +208,7 @@ class SlabStore(TierStore):
             _pwrite_all(fd, [head], 0)
         except OSError:
             os.close(fd)
-            _remove(str(path))
+            remove_file(str(path))
             raise
         self._fds.append(fd)
 
@@ -383,7 +384,7 @@ class SlabStore(TierStore):
             raise _io_error(self.tier, "cannot probe", exc) from exc
         finally:
             os.close(fd)
-            _remove(str(path))
+            remove_file(str(path))
         (w_small, r_small), (w_big, r_big) = times
         latency = max(1e-7, min(w_small, r_small))
         return nbytes / max(1e-9, r_big - r_small), nbytes / max(1e-9, w_big - w_small), latency
@@ -407,7 +408,7 @@ class SlabStore(TierStore):
             if m and int(m.group(1)) < len(self._fds):
                 continue
             if name.endswith(_LEGACY_TMP) or name == PROBE_NAME:
-                _remove(entry.path)
+                remove_file(entry.path)
                 report.drop("partial")
             elif name.endswith(_LEGACY) and entry.is_file():
                 self._adopt(entry.path, name[: -len(_LEGACY)], report)
@@ -467,7 +468,7 @@ class SlabStore(TierStore):
                 raise CorruptBlockError(f"{os.path.basename(path)} holds block {meta.hash!r}", reason="mismatch")
         except CorruptBlockError as exc:
             log.warning("%s tier: dropping %s (%s: %s)", self.tier, os.path.basename(path), exc.reason, exc)
-            _remove(path)
+            remove_file(path)
             report.drop(exc.reason)
             return
         except OSError as exc:
@@ -482,7 +483,7 @@ class SlabStore(TierStore):
                 report.drop("io")
                 return
             report.blocks.append(meta)
-        _remove(path)
+        remove_file(path)
 
 
 def _slot_size(n: int) -> int:
@@ -501,7 +502,7 @@ def _pwrite_all(fd: int, parts: list[bytes | memoryview], offset: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "short write")
         offset += n
-        _advance(views, n)
+        advance_views(views, n)
 
 
 def _pread_all(fd: int, parts: list[bytearray | memoryview], offset: int) -> int:
@@ -514,21 +515,5 @@ def _pread_all(fd: int, parts: list[bytearray | memoryview], offset: int) -> int
             break
         total += n
         offset += n
-        _advance(views, n)
+        advance_views(views, n)
     return total
-
-
-def _advance(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes of ``views`` (those a vectored read or write just moved)."""
-    while views and n >= views[0].nbytes:
-        n -= views[0].nbytes
-        views.pop(0)
-    if views and n:
-        views[0] = views[0][n:]
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError as exc:
-        log.warning("cannot remove %s: %s", path, exc)

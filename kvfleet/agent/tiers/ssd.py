@@ -34,6 +34,7 @@ from kvfleet.agent.tiers.errors import (
     TierIOError,
     TruncatedBlockError,
 )
+from kvfleet.agent.tiers.fileio import advance_views, remove_file
 from kvfleet.agent.tiers.record import (
     PREFIX_SIZE,
     BlockMeta,
@@ -160,7 +161,7 @@ class FileStore(RecordStore):
         for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
             name = entry.name
             if name.endswith(TMP_SUFFIX):
-                _remove(entry.path)
+                remove_file(entry.path)
                 report.drop("partial")
                 continue
             if not name.endswith(SUFFIX) or not entry.is_file():
@@ -176,7 +177,7 @@ class FileStore(RecordStore):
                 continue
             except CorruptBlockError as exc:
                 log.warning("%s tier: dropping %s (%s: %s)", self.tier, name, exc.reason, exc)
-                _remove(entry.path)
+                remove_file(entry.path)
                 report.drop(exc.reason)
                 continue
             except (BlockNotFoundError, TierIOError) as exc:
@@ -194,15 +195,4 @@ def _write_all(fd: int, *parts: bytes | memoryview) -> None:
     views = [memoryview(p).cast("B") for p in parts]
     while views:
         n = os.writev(fd, views)
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError as exc:
-        log.warning("cannot remove %s: %s", path, exc)
+        advance_views(views, n)

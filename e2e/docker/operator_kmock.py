@@ -27,8 +27,9 @@ import kopf
 import yaml
 
 from kvfleet.operator.kube import ApiClient
+from tests.kmockapi import Emulator
 from tests.operator import samples
-from tests.operator.conftest import RESOURCES, Emulator, eventually
+from tests.operator.conftest import RESOURCES, eventually
 
 NS = "default"
 

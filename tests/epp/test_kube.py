@@ -1,14 +1,13 @@
 """The Kubernetes datastore against a Kubernetes API emulator (kmock): list, then watch Pods and InferencePools.
 
-kmock serves list/watch/create/delete; it assigns no resourceVersion, so a small
-subclass does (as the API server would). Label selectors are not needed: the
+kmock serves list/watch/create/delete; ``tests/kmockapi.py`` adds the
+resourceVersion it does not assign (as the API server would). Label selectors are not needed: the
 datastore filters pods by the pool's matchLabels itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -16,10 +15,9 @@ from typing import Any
 
 import kmock
 import pytest
-import yaml
-from kmock._internal import enums
 
 from kvfleet.epp.kube import KubernetesDatastore
+from tests.kmockapi import serve
 
 RESOURCES = {
     "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
@@ -29,33 +27,9 @@ RESOURCES = {
 }
 
 
-class Emulator(kmock.KubernetesEmulator):
-    _versions = itertools.count(1)
-
-    async def _handle(self, request: kmock.Request) -> Any:
-        if request.resource is not None and isinstance(request.data, dict) and request.action == enums.action.CREATE:
-            meta = request.data.setdefault("metadata", {})
-            meta["resourceVersion"] = str(next(self._versions))
-            if request.namespace:
-                meta.setdefault("namespace", request.namespace)
-        return await super()._handle(request)
-
-
 @pytest.fixture
 async def kubeconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Path]:
-    emulator = Emulator()
-    for key, info in RESOURCES.items():
-        emulator.resources[key] = info
-    async with emulator, kmock.Server(emulator, host="127.0.0.1") as server:
-        path = tmp_path / "kubeconfig"
-        path.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": str(server.url).rstrip("/")}}],
-            "users": [{"name": "kmock", "user": {"token": "test"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "ns"}}],
-        }))
-        monkeypatch.setenv("KUBECONFIG", str(path))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    async with serve(RESOURCES, tmp_path, monkeypatch, namespace="ns") as (_, path):
         yield path
 
 

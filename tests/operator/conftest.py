@@ -12,10 +12,7 @@ selectors.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import itertools
 import threading
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -23,13 +20,12 @@ from typing import Any
 import kmock
 import kopf
 import pytest
-import yaml
-from kmock._internal import enums
 
 from kvfleet.config import Settings
 from kvfleet.config.operator import OperatorSettings
 from kvfleet.operator.handlers import Runtime, build_registry
 from kvfleet.operator.kube import ApiClient
+from tests.kmockapi import Emulator, serve
 
 RESOURCES: dict[str, kmock.ResourceInfo] = {
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"get", "list", "watch", "create"}),
@@ -49,56 +45,17 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
 }
 
 
-class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator plus the metadata the real API server assigns."""
-
-    _versions = itertools.count(1)
-
-    async def _handle(self, request: kmock.Request) -> Any:
-        if request.resource is not None and isinstance(request.data, dict):
-            meta = request.data.setdefault("metadata", {})
-            if request.action == enums.action.CREATE:
-                meta.setdefault("uid", str(uuid.uuid4()))
-                if "name" not in meta and "generateName" in meta:
-                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-                meta.setdefault("generation", 1)
-                meta.setdefault("creationTimestamp", datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
-                if request.namespace and "namespace" not in meta:
-                    meta["namespace"] = request.namespace
-                meta["resourceVersion"] = str(next(self._versions))
-            elif request.action == enums.action.UPDATE and request.name is not None:
-                meta["resourceVersion"] = str(next(self._versions))
-                key = (request.resource, request.namespace, request.name)
-                if "spec" in request.data and request.subresource is None and key in self.objects and not self.objects[key].deleted:
-                    live = self.objects[key]
-                    meta["generation"] = int((live.get("metadata") or {}).get("generation") or 1) + 1
-        return await super()._handle(request)
-
-
 @pytest.fixture()
 async def k8s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Emulator]:
     """The API emulator on a free loopback port, with a kubeconfig pointing at it."""
-    emulator = Emulator()
-    for key, info in RESOURCES.items():
-        emulator.resources[key] = info
-    async with emulator, kmock.Server(emulator, host="127.0.0.1") as server:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": str(server.url).rstrip("/")}}],
-            "users": [{"name": "kmock", "user": {"token": "test"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
-        }))
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        emulator.api_url = str(server.url).rstrip("/")  # type: ignore[attr-defined]
+    async with serve(RESOURCES, tmp_path, monkeypatch) as (emulator, _):
         yield emulator
 
 
 @pytest.fixture()
 async def api(k8s: Emulator) -> AsyncIterator[ApiClient]:
     """A client for the test itself (same code as the operator's)."""
-    client = ApiClient(kopf.ConnectionInfo(server=k8s.api_url, token="test"))  # type: ignore[attr-defined]
+    client = ApiClient(kopf.ConnectionInfo(server=k8s.api_url, token="test"))
     yield client
     await client.close()
 

@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	@# torch (the torch-backed gpu tier) only when a wheel is at hand without a download.
+	@if $(PY) -m pip install --quiet --no-index --no-deps 'torch>=2.4' 2>/dev/null; then $(PY) -m pip install --quiet 'torch>=2.4'; else echo "torch: no local wheel, the torch-backed gpu tier tests will skip (pip install torch to run them)"; fi
 	@touch $(STAMP)
 
 venv: $(STAMP) ## Create or refresh the virtual environment in .venv with every dependency.

@@ -51,13 +51,36 @@ class TierSpec:
             raise ValueError("read_gbps/write_gbps must be >= 0 (0 = calibrate)")
 
 
+#: ``MemoryTierSpec.device`` values besides ``cuda:N``.
+MEMORY_DEVICES = ("auto", "cuda", "cpu", "host")
+
+
 @dataclass(frozen=True)
 class MemoryTierSpec(TierSpec):
-    """A host-memory tier (``cpu``, and ``gpu`` when it stands in for HBM): slabs of fixed slots."""
+    """A memory tier (``cpu``; ``gpu`` on a torch device or standing in for HBM): slabs of fixed slots."""
 
     #: bytes per slot; 0 = the encoded size of the first block stored (rounded up to 64 bytes).
     slot_bytes: int = 0
     slab_bytes: int = 64 * MiB
+    #: where the gpu tier's slots live (read for the gpu tier only; the cpu tier leaves it at auto or host).
+    #: "auto" = CUDA when torch is installed and torch.cuda.is_available(), else the host arena standing
+    #: in for HBM; "cuda" / "cuda:N" = that CUDA device through torch (start fails when there is none);
+    #: "cpu" = the torch code path on the torch cpu device (a stand-in, used by tests); "host" = the arena.
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.device not in MEMORY_DEVICES and not _is_cuda_index(self.device):
+            raise ValueError(f"device must be one of {', '.join(MEMORY_DEVICES)} or cuda:N, got {self.device!r}")
+        if self.backend == "torch" and self.device == "host":
+            raise ValueError("backend 'torch' needs a torch device (device auto, cuda, cuda:N or cpu), got device 'host'")
+        if self.backend not in ("", "torch") and self.device not in ("auto", "host"):
+            raise ValueError(f"device {self.device!r} needs backend 'torch' (or the default ''), got backend {self.backend!r}")
+
+
+def _is_cuda_index(device: str) -> bool:
+    prefix, sep, index = device.partition(":")
+    return prefix == "cuda" and bool(sep) and index.isascii() and index.isdigit()
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,9 @@ class SsdTierSpec(TierSpec):
 
     capacity_bytes: int = 16 * GiB
     path: str = "/var/lib/kvfleet/ssd"
+    #: slab backend: O_DIRECT slot I/O, so the page cache does not hold a second copy of what the
+    #: memory tiers cache (falls back to buffered I/O where the filesystem refuses it, e.g. tmpfs).
+    direct_io: bool = True
 
 
 @dataclass(frozen=True)
@@ -114,9 +140,14 @@ class TierSettings:
     migration_batch: int = 32
     #: bound of each migration queue (promotions, writes to slow tiers).
     queue_depth: int = 1024
+    #: threads moving blocks in each direction (promotion workers; demotion I/O threads): their reads
+    #: and writes overlap each other's checksums and copies, and keep several I/Os in flight on the disk.
+    migration_workers: int = 4
     #: emit BlockStored for blocks found in ssd/remote at start-up.
     announce_on_start: bool = True
 
     def __post_init__(self) -> None:
-        if self.migration_batch <= 0 or self.queue_depth <= 0:
-            raise ValueError("migration_batch and queue_depth must be > 0")
+        if self.migration_batch <= 0 or self.queue_depth <= 0 or self.migration_workers <= 0:
+            raise ValueError("migration_batch, queue_depth and migration_workers must be > 0")
+        if self.cpu.device not in ("auto", "host"):
+            raise ValueError(f"the cpu tier is host memory: device applies to the gpu tier only, got cpu device {self.cpu.device!r}")

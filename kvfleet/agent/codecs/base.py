@@ -14,13 +14,22 @@ again on decode.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from abc import ABC, abstractmethod
+from types import ModuleType
 from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
 Payload = npt.NDArray[np.uint8]
+
+log = logging.getLogger(__name__)
+
+#: ``numpy`` forces the numpy implementations even where the compiled kernels are available.
+KERNELS_ENV = "KVFLEET_CODEC_KERNELS"
 
 
 class CodecError(ValueError):
@@ -90,6 +99,13 @@ class GroupedCodec(Codec):
 
     group_size: int
     _chunk: int
+    #: the compiled kernels (:mod:`._kernels`), or ``None``: the numpy implementation.
+    _kern: ModuleType | None = None
+
+    @property
+    def kernels(self) -> bool:
+        """Whether this instance runs the compiled kernels (else the numpy implementation)."""
+        return self._kern is not None
 
     def _set_groups(self, group_size: int, chunk_values: int) -> None:
         """Use groups of ``group_size`` (checked by the caller) and chunks of about ``chunk_values`` values."""
@@ -101,6 +117,35 @@ class GroupedCodec(Codec):
         n = num_values(shape)
         ng = -(-n // self.group_size)
         return n, ng, ng * self.group_size
+
+
+_kernels_failed = False
+
+
+def load_kernels(kernels: bool | None = None) -> ModuleType | None:
+    """The compiled kernels module, or ``None`` for the numpy implementations.
+
+    ``kernels``: ``None`` picks the kernels when numba imports and ``KVFLEET_CODEC_KERNELS`` is not
+    ``numpy``; ``False`` always numpy; ``True`` the kernels or :class:`ImportError`.
+    """
+    global _kernels_failed
+    if kernels is False or (kernels is None and os.environ.get(KERNELS_ENV, "").strip().lower() == "numpy"):
+        return None
+    if sys.byteorder != "little":  # the kernels read and write group headers as little-endian bytes
+        if kernels:
+            raise ImportError("the codec kernels need a little-endian machine")
+        return None
+    try:
+        from kvfleet.agent.codecs import _kernels
+    except Exception as exc:  # numba missing, or unusable with this numpy/llvm
+        if kernels:
+            raise ImportError(f"codec kernels unavailable: {exc}") from exc
+        if not _kernels_failed:
+            _kernels_failed = True
+            log.warning("codec kernels unavailable (%s): using the numpy implementations", exc)
+        return None
+    return _kernels
+
 
 def as_payload(buf: Payload | bytes | memoryview | bytearray) -> Payload:
     """A read-only ``uint8`` view of ``buf`` (no copy)."""

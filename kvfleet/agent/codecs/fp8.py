@@ -6,8 +6,11 @@ largest magnitude lands in e4m3's top binades, and each value is rounded to
 3 mantissa bits. Because the scale is a power of two, scaling is an exponent
 shift, and the whole conversion runs on the integer bit patterns of the
 input (``float16``, ``bfloat16`` or ``float32``; ``float64`` goes through
-``float32``), in cache-sized chunks — no float arithmetic and no per-element
-Python. The code bytes are genuine ``float8_e4m3fn`` values: viewed with
+``float32``) — no float arithmetic. Two implementations give the same bytes:
+compiled kernels (:mod:`._kernels`, numba: two fused passes per chunk of groups,
+the GIL released), and numpy in cache-sized chunks, used when numba is missing or
+``KVFLEET_CODEC_KERNELS=numpy`` (the choice is made when the codec is built;
+``kernels=`` overrides it). The code bytes are genuine ``float8_e4m3fn`` values: viewed with
 :mod:`ml_dtypes` and multiplied by ``2**shift`` they give the decoded block
 (tested). The one exception: inputs that are subnormal in their own format
 (below 2**-14 for fp16) keep their truncated bit pattern instead, which
@@ -41,6 +44,7 @@ from kvfleet.agent.codecs.base import (
     Payload,
     as_payload,
     check_float,
+    load_kernels,
 )
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -76,10 +80,13 @@ class Fp8E4M3Codec(GroupedCodec):
 
     name: ClassVar[str] = "fp8_e4m3"
 
-    def __init__(self, group_size: int = 128) -> None:
+    def __init__(self, group_size: int = 128, *, kernels: bool | None = None) -> None:
+        """``kernels``: ``None`` (default) the compiled kernels when available, ``False`` numpy,
+        ``True`` the kernels or :class:`ImportError` (see :func:`~kvfleet.agent.codecs.base.load_kernels`)."""
         if group_size <= 0:
             raise ValueError(f"group_size must be > 0, got {group_size}")
         self._set_groups(group_size, _CHUNK_VALUES)
+        self._kern = load_kernels(kernels)
 
     def encoded_nbytes(self, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> int:
         _, ng, n_pad = self._layout(shape)
@@ -100,10 +107,16 @@ class Fp8E4M3Codec(GroupedCodec):
         return self._encode(block, dest)
 
     def _encode(self, block: npt.NDArray[Any], out: Payload) -> Payload:
-        src = block if block.dtype.name in _FORMATS else block.astype(np.float32)
+        src = block if block.dtype.isnative and block.dtype.name in _FORMATS else block.astype(_work_dtype(block.dtype))
         fmt = _FORMATS[src.dtype.name]
         n, ng, n_pad = self._layout(block.shape)
         bits = np.ascontiguousarray(src).reshape(-1).view(fmt.uint)
+        if self._kern is not None:
+            if self._kern.encode(self.name, src.dtype, bits, self.group_size, out) >= 0:
+                raise CodecInputError(f"codec {self.name!r} cannot encode inf/nan values")
+            return out
+        if n_pad == 0:
+            return out
         if n_pad != n:
             bits = np.concatenate([bits, np.zeros(n_pad - n, dtype=fmt.uint)])
         offsets = out[: 2 * ng].view(np.int16)
@@ -149,32 +162,44 @@ class Fp8E4M3Codec(GroupedCodec):
 
     def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> npt.NDArray[Any]:
         dt = np.dtype(dtype)
-        work = dt if dt.name in _FORMATS else np.dtype(np.float32)
+        work = _work_dtype(dt)
         fmt = _FORMATS[work.name]
         n, ng, n_pad = self._layout(shape)
         buf = as_payload(payload)
         if buf.size != 2 * ng + n_pad:
             raise CorruptPayloadError(f"fp8 payload of {buf.size} bytes cannot hold {shape} {dt}")
-        out = np.empty(n_pad, dtype=fmt.uint)
-        self._decode(buf, fmt, out)
+        if self._kern is not None:
+            out = np.empty(n, dtype=fmt.uint)
+            self._kern.decode(self.name, work, buf, self.group_size, out)
+        else:
+            out = np.empty(n_pad, dtype=fmt.uint)
+            self._decode(buf, fmt, out)
         block = out[:n].view(work).reshape(shape)
         return block if work == dt else block.astype(dt)
 
     def decode_into(self, payload: Payload | bytes | memoryview, out: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        """Decode straight into ``out`` when it is contiguous, of an input format, and unpadded."""
+        """Decode straight into ``out`` when it is contiguous and of an input format (and, for numpy,
+        unpadded)."""
         n, ng, n_pad = self._layout(out.shape)
         buf = as_payload(payload)
-        if out.dtype.name not in _FORMATS or n != n_pad or not out.flags.c_contiguous or not out.flags.writeable:
+        direct = out.dtype == _work_dtype(out.dtype) and out.flags.c_contiguous and out.flags.writeable
+        if not direct or (self._kern is None and n != n_pad):
             return super().decode_into(payload, out)
         if buf.size != 2 * ng + n_pad:
             raise CorruptPayloadError(f"fp8 payload of {buf.size} bytes cannot hold {out.shape} {out.dtype}")
         fmt = _FORMATS[out.dtype.name]
-        self._decode(buf, fmt, out.reshape(-1).view(fmt.uint))
+        bits = out.reshape(-1).view(fmt.uint)
+        if self._kern is not None:
+            self._kern.decode(self.name, out.dtype, buf, self.group_size, bits)
+        else:
+            self._decode(buf, fmt, bits)
         return out
 
     def _decode(self, buf: Payload, fmt: _Bits, out: npt.NDArray[Any]) -> None:
         """Decode ``buf`` (checked length) into the bit patterns ``out`` (``fmt.uint``, padded length)."""
         n_pad = out.size
+        if n_pad == 0:
+            return
         ng = n_pad // self.group_size
         offsets = buf[: 2 * ng].view(np.int16)
         codes = buf[2 * ng :].view(np.int8)
@@ -201,6 +226,12 @@ class Fp8E4M3Codec(GroupedCodec):
             mag = np.bitwise_and(q.view(np.uint8), 0x7F, out=mag_buf[:m])
             zero = np.equal(mag, 0, out=zero_buf[:m])
             np.bitwise_and(w, sign_only, out=w, where=zero)
+
+
+def _work_dtype(dt: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype whose bit patterns fp8 works on for blocks of ``dt``: ``dt`` in native byte order
+    when it is an input format, else float32."""
+    return dt.newbyteorder("=") if dt.name in _FORMATS else np.dtype(np.float32)
 
 
 def _signed(mask: int, fmt: _Bits) -> int:

@@ -1,7 +1,7 @@
 """Tiered KV-block storage of the node agent: gpu → cpu → ssd → remote.
 
 :class:`TierManager` (``manager.py``) is the entry point; stores
-(``memory.py``, ``slab.py``, ``ssd.py``, ``remote.py``) implement :class:`TierStore`
+(``memory.py``, ``device.py`` (torch: CUDA HBM), ``slab.py``, ``ssd.py``, ``remote.py``) implement :class:`TierStore`
 (``base.py``); ``cost.py`` holds the promotion rule, ``record.py`` the on-disk
 / on-wire record, ``metrics.py`` the Prometheus series. See docs/tiers.md.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kvfleet.agent.tiers.base import BACKENDS, ScanReport, TierStore, open_store
 from kvfleet.agent.tiers.cost import Action, CostModel, Decision, TierCost
+from kvfleet.agent.tiers.device import DeviceError
 from kvfleet.agent.tiers.errors import (
     BackpressureError,
     BlockNotFoundError,
@@ -37,6 +38,7 @@ __all__ = [
     "CorruptBlockError",
     "CostModel",
     "Decision",
+    "DeviceError",
     "LookupResult",
     "PinReceipt",
     "ScanReport",

@@ -8,14 +8,19 @@ are thread-safe.
 
 Backends (``TierSpec.backend``; empty = the tier's default):
 
-=========  ==========================================  =================
-name       class                                       default for
-=========  ==========================================  =================
-arena      :class:`~.memory.ArenaStore` (host slabs)   gpu (stand-in), cpu
-slab       :class:`~.slab.SlabStore` (slab files)      ssd
+=========  ==============================================  ==========================
+name       class                                           default for
+=========  ==============================================  ==========================
+arena      :class:`~.memory.ArenaStore` (host slabs)       gpu (stand-in), cpu
+torch      :class:`~.device.TorchDeviceStore` (tensors)    gpu when ``device`` is a torch device
+slab       :class:`~.slab.SlabStore` (slab files)          ssd
 files      :class:`~.ssd.FileStore` (file per block)
-redis      :class:`~.remote.RedisStore`                remote
-=========  ==========================================  =================
+redis      :class:`~.remote.RedisStore`                    remote
+=========  ==============================================  ==========================
+
+The gpu tier's default follows ``MemoryTierSpec.device`` (:func:`default_backend`):
+``torch`` when it resolves to a torch device (``auto`` with torch installed and
+CUDA available, ``cuda``, ``cuda:N``, ``cpu``), else ``arena``.
 """
 
 from __future__ import annotations
@@ -88,6 +93,10 @@ class TierStore(ABC):
     def delete(self, block_hash: BlockHash) -> None:
         """Forget a block (no error if absent)."""
 
+    def forget(self, block_hash: BlockHash) -> None:
+        """Drop a block that moved to another tier; persistent stores may keep its bytes until reused."""
+        self.delete(block_hash)
+
     def scan(self) -> ScanReport:
         """Blocks that survive from an earlier run (persistent stores); memory stores have none."""
         return ScanReport()
@@ -108,9 +117,9 @@ class TierStore(ABC):
     def probe(self, nbytes: int) -> tuple[float, float, float]:
         """Measure ``(read_Bps, write_Bps, latency_s)`` with a throw-away block of ``nbytes``.
 
-        The probe is capped at a quarter of the capacity. For a disk this measures
-        the page cache more than the device: configure ``read_gbps``/``write_gbps``
-        when the device's own figures matter.
+        The probe is capped at a quarter of the capacity. A disk store probes through its
+        own I/O path: buffered I/O measures the page cache more than the device (configure
+        ``read_gbps``/``write_gbps`` when the device's own figures matter).
         """
         nbytes = max(4096, min(nbytes, self.capacity_bytes // 4))
         small = np.zeros(64, dtype=np.uint8)
@@ -194,16 +203,30 @@ class SlotLeases:
         self._counts: dict[int, int] = {}
         #: deleted slots still leased, freed on the last release
         self._deferred: set[int] = set()
+        #: deferred slots whose content is to be kept (not cleared) when freed
+        self._keep: set[int] = set()
 
     def take(self, slot: int) -> None:
         self._counts[slot] = self._counts.get(slot, 0) + 1
 
-    def defer(self, slot: int) -> bool:
-        """Whether ``slot`` (just deleted) is leased; if so :meth:`end` frees it later."""
+    def defer(self, slot: int, clear: bool = True) -> bool:
+        """Whether ``slot`` (just deleted) is leased; if so :meth:`end` frees it later.
+
+        ``clear=False`` records that the slot's content may stay when it is freed (:meth:`pop_clear`).
+        """
         if self._counts.get(slot):
             self._deferred.add(slot)
+            if not clear:
+                self._keep.add(slot)
             return True
         return False
+
+    def pop_clear(self, slot: int) -> bool:
+        """Whether a slot that :meth:`end` just freed is to be cleared (``defer(..., clear=True)``)."""
+        if slot in self._keep:
+            self._keep.discard(slot)
+            return False
+        return True
 
     def end(self, slot: int) -> bool:
         """End one lease of ``slot``; whether it was the last one of a deleted slot, now to be freed."""
@@ -220,6 +243,7 @@ class SlotLeases:
     def clear(self) -> None:
         self._counts.clear()
         self._deferred.clear()
+        self._keep.clear()
 
 #: backend name → (module, class), imported on first use.
 BACKENDS: dict[str, tuple[str, str]] = {
@@ -227,14 +251,31 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "files": ("kvfleet.agent.tiers.ssd", "FileStore"),
     "slab": ("kvfleet.agent.tiers.slab", "SlabStore"),
     "redis": ("kvfleet.agent.tiers.remote", "RedisStore"),
+    "torch": ("kvfleet.agent.tiers.device", "TorchDeviceStore"),
 }
 
 DEFAULT_BACKEND: dict[Tier, str] = {Tier.GPU: "arena", Tier.CPU: "arena", Tier.SSD: "slab", Tier.REMOTE: "redis"}
 
 
+def default_backend(tier: Tier, spec: TierSpec) -> str:
+    """The backend used when ``spec.backend`` is empty: for gpu, ``torch`` when ``spec.device`` is a torch device.
+
+    Device ``auto`` imports torch (when installed and a GPU driver is present) to ask whether CUDA is
+    available; ``host`` imports nothing.
+    Raises ``DeviceError`` (:mod:`~.device`) for ``cuda``/``cpu`` devices this machine cannot serve.
+    """
+    device = getattr(spec, "device", "host")
+    if tier is Tier.GPU and device != "host":
+        from kvfleet.agent.tiers.device import resolve_device  # imports torch only when needed
+
+        if resolve_device(device) is not None:
+            return "torch"
+    return DEFAULT_BACKEND[tier]
+
+
 def open_store(tier: Tier, spec: TierSpec) -> TierStore:
     """Instantiate the backend ``spec.backend`` (or the tier's default) for ``tier``."""
-    name = spec.backend or DEFAULT_BACKEND[tier]
+    name = spec.backend or default_backend(tier, spec)
     try:
         module, cls = BACKENDS[name]
     except KeyError:

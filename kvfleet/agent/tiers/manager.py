@@ -61,6 +61,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +69,7 @@ import numpy as np
 import numpy.typing as npt
 from prometheus_client import CollectorRegistry
 
-from kvfleet.agent.codecs import Codec, Payload, get_codec
+from kvfleet.agent.codecs import Codec, Payload, get_codec, warm_up
 from kvfleet.agent.tiers.base import TierStore, open_store
 from kvfleet.agent.tiers.cost import Action, CostModel, Decision, TierCost, tier_cost
 from kvfleet.agent.tiers.errors import (
@@ -80,7 +81,7 @@ from kvfleet.agent.tiers.errors import (
     TierFullError,
     TierIOError,
 )
-from kvfleet.agent.tiers.memory import ArenaStore
+from kvfleet.agent.tiers.memory import SlotStore
 from kvfleet.agent.tiers.metrics import TierMetrics
 from kvfleet.agent.tiers.record import BlockMeta, meta_for
 from kvfleet.agent.tiers.slab import SlabStore
@@ -93,9 +94,6 @@ from kvfleet.config.tiers import TierSettings, TierSpec
 log = logging.getLogger(__name__)
 
 _ORDER = (Tier.GPU, Tier.CPU, Tier.SSD, Tier.REMOTE)
-#: threads running promotions: reads (preadv) release the GIL, so two overlap on two cores;
-#: demotion and writes spilled by put() have a thread each.
-JOB_WORKERS = 2
 #: bytes of copy buffers for writes queued by put(), carved from one slab and recycled.
 STAGING_BYTES = 64 << 20
 #: nice increment of the background threads (demotion, spilled writes); promotions keep the engine's priority.
@@ -186,6 +184,9 @@ class TierManager:
             log.info("%s, codec %s", store.describe(), codec.name)
         if not self.stores:
             raise TierError("no tier is enabled")
+        lossy = sorted({c.name for c in self.codecs.values() if not c.lossless})
+        if lossy:  # compile the codec kernels now, not in a migration thread mid-serving
+            warm_up(lossy)
         self.order: tuple[Tier, ...] = tuple(t for t in _ORDER if t in self.stores)
         self.cost = CostModel(self.settings.model, self._costs())
         self._wake = threading.Condition(self._lock)
@@ -201,14 +202,22 @@ class TierManager:
         self._m(self.metrics.queue_depth, "jobs").set(0)
         for tier in self.order:
             self._rescan(tier)
-        self._threads = [
-            threading.Thread(target=self._demote_loop, name="kvfleet-tier-demote", daemon=True),
-            threading.Thread(target=self._job_loop, args=(self._writes, 1, BACKGROUND_NICE), name="kvfleet-tier-write", daemon=True),
+        workers = self.settings.migration_workers
+        self._threads = [threading.Thread(target=self._demote_loop, name="kvfleet-tier-demote", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._job_loop, args=(self._writes, workers, BACKGROUND_NICE), name=f"kvfleet-tier-write-{i}" if i else "kvfleet-tier-write", daemon=True)
+            for i in range(workers)
         ]
         self._threads += [
-            threading.Thread(target=self._job_loop, args=(self._jobs, JOB_WORKERS, 0), name=f"kvfleet-tier-promote-{i}" if i else "kvfleet-tier-promote", daemon=True)
-            for i in range(JOB_WORKERS)
+            threading.Thread(target=self._job_loop, args=(self._jobs, workers, 0), name=f"kvfleet-tier-promote-{i}" if i else "kvfleet-tier-promote", daemon=True)
+            for i in range(workers)
         ]
+        # Demotion picks victims on its own thread and moves a batch through these (I/O overlaps).
+        self._demote_pool = (
+            ThreadPoolExecutor(workers, thread_name_prefix="kvfleet-tier-demote-io", initializer=_lower_priority, initargs=(BACKGROUND_NICE,))
+            if workers > 1
+            else None
+        )
         for t in self._threads:
             t.start()
 
@@ -397,7 +406,7 @@ class TierManager:
         codec = self.codecs[tier]
         meta = meta_for(h, block, codec.name, parent, toks)
         store = self.stores[tier]
-        if isinstance(store, ArenaStore) and not codec.lossless:
+        if isinstance(store, SlotStore) and not codec.lossless:
             # A quantizing codec encodes straight into the slot: no temporary payload, no copy.
             nbytes = codec.encoded_nbytes(block.dtype, block.shape)
             slot, view = store.reserve(nbytes)
@@ -598,6 +607,8 @@ class TierManager:
             self._wake.notify_all()
         for t in self._threads:
             t.join(timeout=5)
+        if self._demote_pool is not None:
+            self._demote_pool.shutdown(wait=True)
         if flush:
             self._flush_memory()
         for store in self.stores.values():
@@ -708,9 +719,11 @@ class TierManager:
             # Memory tiers never drop because of a failure downstream: they keep what they hold.
             if not below or (not lower and tier not in _MEMORY):
                 moved = self._evict(tier, victims)
-            else:
+            elif self._demote_pool is None or len(victims) == 1:
                 for h in victims:
                     moved += self._move_down(tier, h, lower)
+            else:
+                moved = sum(self._demote_pool.map(lambda h: self._move_down(tier, h, lower), victims))
         finally:
             with self._lock:
                 for h in victims:
@@ -744,7 +757,7 @@ class TierManager:
         if not lower:
             return 0
         store = self.stores[src]
-        if isinstance(store, ArenaStore):
+        if isinstance(store, SlotStore):
             # Write straight from the slot: the lease keeps it from being reused meanwhile.
             try:
                 meta, view, slot = store.lease(h)
@@ -815,7 +828,7 @@ class TierManager:
         """Point the index at ``dst`` and drop the ``src`` copy (caller holds the lock)."""
         self._relocate(h, e, dst, meta, charge)
         try:
-            self.stores[src].delete(h)
+            self.stores[src].forget(h)
         except TierIOError as exc:
             self._io_failed(src, exc)
         self._emit_stored(meta, dst)
@@ -833,7 +846,7 @@ class TierManager:
         ``None`` when not applicable (other stores or codecs), else like :meth:`_write_moved`.
         """
         src_store, dst_store = self.stores[src], self.stores[dst]
-        if not isinstance(src_store, (FileStore, SlabStore)) or not isinstance(dst_store, ArenaStore):
+        if not isinstance(src_store, (FileStore, SlabStore)) or not isinstance(dst_store, SlotStore):
             return None
         with self._lock:
             e = self._entries.get(h)

@@ -1,8 +1,14 @@
-"""Host-memory tiers: slabs of fixed-size slots; reads are zero-copy views into a slot.
+"""Memory tiers: slabs of fixed-size slots. :class:`ArenaStore` keeps them in host memory (reads are zero-copy views).
 
-Used for ``cpu``, and for ``gpu`` when no CUDA device is driven (always, in
-this version): the store then reports itself as a *stand-in* for HBM (log
-line at start, ``stand_in="true"`` on the ``kvfleet_tier_info`` metric).
+:class:`SlotStore` is the slot scheme shared with the torch-device store
+(:mod:`~.device`): slot arithmetic, slabs allocated on first need, the index,
+slot leases and the locking; subclasses only say where slabs live and how bytes
+get into and out of a slot.
+
+The arena serves ``cpu``, and ``gpu`` when no torch device is driven (device
+``host``, or ``auto`` without torch or CUDA): it then reports itself as a
+*stand-in* for HBM (log line at start, ``stand_in="true"`` on the
+``kvfleet_tier_info`` metric).
 
 Slots have one size per store: ``slot_bytes`` from the spec, or (0) the
 encoded size of the first block written, rounded up to 64 bytes. Capacity is
@@ -15,7 +21,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from abc import abstractmethod
 from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -31,26 +40,59 @@ log = logging.getLogger(__name__)
 
 _ALIGN = 64
 
+#: the type of one slab (a numpy array for the arena, a torch tensor on a device).
+SlabT = TypeVar("SlabT")
 
-class ArenaStore(TierStore):
-    """Preallocated host slabs with fixed block slots."""
 
-    backend = "arena"
+def memory_spec(spec: TierSpec) -> MemoryTierSpec:
+    """``spec`` as a :class:`MemoryTierSpec` (a plain spec gets the memory defaults)."""
+    return spec if isinstance(spec, MemoryTierSpec) else MemoryTierSpec(capacity_bytes=spec.capacity_bytes)
+
+
+class SlotStore(TierStore, Generic[SlabT]):
+    """Fixed-size block slots carved from slabs allocated when first needed.
+
+    The hooks (:meth:`_new_slab`, :meth:`_put`, :meth:`_get`, :meth:`_buffer`,
+    :meth:`_land`, :meth:`_unbuffer`) are called with ``_lock`` held.
+    """
 
     def __init__(self, tier: Tier, spec: TierSpec) -> None:
         super().__init__(tier, spec)
-        mspec = spec if isinstance(spec, MemoryTierSpec) else MemoryTierSpec(capacity_bytes=spec.capacity_bytes)
-        self.stand_in = tier is Tier.GPU
+        mspec = memory_spec(spec)
         self._slab_bytes = max(_ALIGN, mspec.slab_bytes)
         self.slot_bytes = _round_up(mspec.slot_bytes) if mspec.slot_bytes else 0
-        self._slabs: list[np.ndarray] = []
+        self._slabs: list[SlabT] = []
         self._free: list[int] = []
         self._next_slot = 0
         self._index: dict[BlockHash, tuple[int, int, BlockMeta]] = {}
         self._leases = SlotLeases()
         self._lock = threading.Lock()
-        if self.stand_in:
-            log.warning("gpu tier: host arena standing in for HBM (no CUDA device driven), capacity %d bytes", self.capacity_bytes)
+
+    # ------------------------------------------------------------ hooks
+
+    @abstractmethod
+    def _new_slab(self, nbytes: int) -> SlabT:
+        """A new slab of ``nbytes`` (TierFullError when the medium has no room)."""
+
+    @abstractmethod
+    def _put(self, slot: int, data: Payload) -> None:
+        """Copy ``data`` (flat uint8) into the start of ``slot``."""
+
+    @abstractmethod
+    def _get(self, slot: int, nbytes: int) -> Payload:
+        """What :meth:`read` and :meth:`lease` return for the first ``nbytes`` of ``slot``."""
+
+    @abstractmethod
+    def _buffer(self, slot: int, nbytes: int) -> Payload:
+        """The writable buffer :meth:`reserve` hands out for ``slot``."""
+
+    def _land(self, slot: int, nbytes: int) -> None:
+        """Move what the caller wrote into the reserved buffer into ``slot`` (at :meth:`commit`)."""
+
+    def _unbuffer(self, slot: int) -> None:
+        """Forget the reserved buffer of ``slot`` (at :meth:`abort`)."""
+
+    # ------------------------------------------------------------ slots
 
     @property
     def num_slots(self) -> int:
@@ -63,15 +105,11 @@ class ArenaStore(TierStore):
     def charge(self, payload_nbytes: int) -> int:
         return self.slot_bytes or _round_up(payload_nbytes)
 
-    def describe(self) -> str:
-        what = "host arena standing in for HBM" if self.stand_in else "host slabs"
-        return f"{self.tier} tier: {what}, capacity {self.capacity_bytes} bytes, slot {self.slot_bytes or 'auto'}"
-
-    def _slot_view(self, slot: int, nbytes: int) -> np.ndarray:
+    def _place(self, slot: int) -> tuple[SlabT, int]:
+        """The slab holding ``slot`` and the slot's byte offset in it."""
         per_slab = self._slab_bytes // self.slot_bytes
         slab, i = divmod(slot, per_slab)
-        start = i * self.slot_bytes
-        return self._slabs[slab][start : start + nbytes]
+        return self._slabs[slab], i * self.slot_bytes
 
     def _fit(self, nbytes: int) -> None:
         """Size the slots by the first block; BlockTooLargeError if ``nbytes`` exceeds a slot (caller holds the lock)."""
@@ -90,9 +128,28 @@ class ArenaStore(TierStore):
         per_slab = self._slab_bytes // self.slot_bytes
         if slot // per_slab >= len(self._slabs):
             remaining = (self.num_slots - len(self._slabs) * per_slab) * self.slot_bytes
-            self._slabs.append(np.empty(min(self._slab_bytes // self.slot_bytes * self.slot_bytes, remaining), dtype=np.uint8))
+            self._slabs.append(self._new_slab(min(per_slab * self.slot_bytes, remaining)))
         self._next_slot += 1
         return slot
+
+    def _index_slot(self, slot: int, meta: BlockMeta, nbytes: int) -> None:
+        """Index ``slot`` under ``meta.hash``, freeing the slot of an earlier copy (caller holds the lock)."""
+        old = self._index.pop(meta.hash, None)
+        if old is not None:
+            self._release_slot(old[0])
+        self._index[meta.hash] = (slot, nbytes, meta)
+
+    def _lookup(self, block_hash: BlockHash) -> tuple[int, int, BlockMeta]:
+        try:
+            return self._index[block_hash]
+        except KeyError:
+            raise BlockNotFoundError(block_hash) from None
+
+    def _release_slot(self, slot: int) -> None:
+        if not self._leases.defer(slot):
+            self._free.append(slot)
+
+    # ------------------------------------------------------------ store API
 
     def write(self, meta: BlockMeta, payload: Payload) -> int:
         nbytes = int(payload.nbytes)
@@ -102,40 +159,37 @@ class ArenaStore(TierStore):
             if old is not None:
                 self._release_slot(old[0])
             slot = self._alloc()
-            self._slot_view(slot, nbytes)[:] = payload.reshape(-1).view(np.uint8)
+            self._put(slot, payload.reshape(-1).view(np.uint8))
             self._index[meta.hash] = (slot, nbytes, meta)
         return self.slot_bytes
 
     def reserve(self, nbytes: int) -> tuple[int, Payload]:
-        """A free slot and a writable view of its first ``nbytes``; then :meth:`commit` or :meth:`abort`."""
+        """A free slot and a writable buffer of ``nbytes`` for it; then :meth:`commit` or :meth:`abort`."""
         with self._lock:
             self._fit(nbytes)
             slot = self._alloc()
-            return slot, self._slot_view(slot, nbytes)
+            try:
+                return slot, self._buffer(slot, nbytes)
+            except BaseException:
+                self._free.append(slot)
+                raise
 
     def commit(self, slot: int, meta: BlockMeta, nbytes: int) -> int:
-        """Index a reserved slot (filled by the caller) under ``meta.hash``; returns its charge."""
+        """Index a reserved slot (its buffer filled by the caller) under ``meta.hash``; returns its charge."""
         with self._lock:
-            old = self._index.pop(meta.hash, None)
-            if old is not None:
-                self._release_slot(old[0])
-            self._index[meta.hash] = (slot, nbytes, meta)
+            self._land(slot, nbytes)
+            self._index_slot(slot, meta, nbytes)
         return self.slot_bytes
 
     def abort(self, slot: int) -> None:
         with self._lock:
+            self._unbuffer(slot)
             self._free.append(slot)
 
     def read(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload]:
         with self._lock:
-            try:
-                slot, nbytes, meta = self._index[block_hash]
-            except KeyError:
-                raise BlockNotFoundError(block_hash) from None
-            view = self._slot_view(slot, nbytes)
-        view = view.view()
-        view.flags.writeable = False
-        return meta, view
+            slot, nbytes, meta = self._lookup(block_hash)
+            return meta, self._get(slot, nbytes)
 
     def delete(self, block_hash: BlockHash) -> None:
         with self._lock:
@@ -143,21 +197,13 @@ class ArenaStore(TierStore):
             if old is not None:
                 self._release_slot(old[0])
 
-    def _release_slot(self, slot: int) -> None:
-        if not self._leases.defer(slot):
-            self._free.append(slot)
-
     def lease(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload, int]:
         """Like :meth:`read`, but the slot is not reused until :meth:`release` (even if deleted)."""
         with self._lock:
-            try:
-                slot, nbytes, meta = self._index[block_hash]
-            except KeyError:
-                raise BlockNotFoundError(block_hash) from None
+            slot, nbytes, meta = self._lookup(block_hash)
+            out = self._get(slot, nbytes)
             self._leases.take(slot)
-            view = self._slot_view(slot, nbytes).view()
-        view.flags.writeable = False
-        return meta, view, slot
+        return meta, out, slot
 
     def release(self, slot: int) -> None:
         with self._lock:
@@ -180,10 +226,43 @@ class ArenaStore(TierStore):
             self._free.clear()
             self._next_slot = 0
 
+
+class ArenaStore(SlotStore[np.ndarray]):
+    """Preallocated host slabs with fixed block slots; reads are read-only views of a slot."""
+
+    backend = "arena"
+
+    def __init__(self, tier: Tier, spec: TierSpec) -> None:
+        super().__init__(tier, spec)
+        self.stand_in = tier is Tier.GPU
+        if self.stand_in:
+            log.warning("gpu tier: host arena standing in for HBM (no CUDA device driven), capacity %d bytes", self.capacity_bytes)
+
+    def describe(self) -> str:
+        what = "host arena standing in for HBM" if self.stand_in else "host slabs"
+        return f"{self.tier} tier: {what}, capacity {self.capacity_bytes} bytes, slot {self.slot_bytes or 'auto'}"
+
+    def _new_slab(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def _slot_view(self, slot: int, nbytes: int) -> Payload:
+        slab, start = self._place(slot)
+        view: Payload = slab[start : start + nbytes]
+        return view
+
+    def _put(self, slot: int, data: Payload) -> None:
+        self._slot_view(slot, data.nbytes)[:] = data
+
+    def _get(self, slot: int, nbytes: int) -> Payload:
+        view = self._slot_view(slot, nbytes).view()
+        view.flags.writeable = False
+        return view
+
+    def _buffer(self, slot: int, nbytes: int) -> Payload:
+        return self._slot_view(slot, nbytes)
+
     def probe(self, nbytes: int) -> tuple[float, float, float]:
         """A memory copy of ``nbytes`` stands for both directions (no slot is used)."""
-        import time
-
         src = np.ones(nbytes, dtype=np.uint8)
         dst = np.empty_like(src)
         np.copyto(dst, src)

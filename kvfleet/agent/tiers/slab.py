@@ -15,7 +15,19 @@ that is already open and preallocated (``posix_fallocate``), and a read one
 write or read of its bytes costs. Files are ``slab_bytes`` (256 MiB) each,
 created when first needed and kept; freed slots are reused (a free-slot
 list). Delete clears the slot's magic (one 4-byte write), so a deleted block
-does not come back after a restart.
+does not come back after a restart; :meth:`SlabStore.forget` (a block moved
+to a faster tier) frees the slot but leaves its record, which stays valid
+until the slot is reused (blocks are content-addressed), so a restart can
+still find it.
+
+Direct I/O (``direct_io``, the default): slots are written and read with
+``O_DIRECT`` through a page-aligned bounce buffer per thread (record copied
+in, padded to 4 KiB; read back whole, checked, payload copied out), so the
+page cache does not keep a second copy of what the memory tiers above
+already cache, and a move costs what the device costs. A filesystem that
+refuses ``O_DIRECT`` (tmpfs) gets buffered I/O and one log line. Clearing a
+slot's magic stays a buffered 4-byte write (the kernel writes it back before
+the next direct I/O on that range).
 
 Slot size: the first record's size plus :data:`HEADER_ROOM` for larger
 headers (more token ids), rounded up to 4 KiB; after a restart, the slot size
@@ -44,6 +56,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import re
 import struct
@@ -67,6 +80,7 @@ from kvfleet.agent.tiers.errors import (
 )
 from kvfleet.agent.tiers.fileio import advance_views, remove_file
 from kvfleet.agent.tiers.record import (
+    MAGIC,
     PREFIX_SIZE,
     BlockMeta,
     decode_header,
@@ -111,12 +125,17 @@ class SlabStore(TierStore):
 
     def __init__(self, tier: Tier, spec: TierSpec) -> None:
         super().__init__(tier, spec)
-        path = spec.path if isinstance(spec, SsdTierSpec) else SsdTierSpec().path
-        self.root = Path(path)
+        sspec = spec if isinstance(spec, SsdTierSpec) else SsdTierSpec()
+        self.root = Path(sspec.path)
         self.root.mkdir(parents=True, exist_ok=True)
+        #: whether slots are written and read with O_DIRECT (off when the filesystem refuses it)
+        self.direct = sspec.direct_io
         self.slot_bytes = 0
         self._per_file = 0
+        #: per slab file: a buffered fd (file header, slot clears) and the fd for slot I/O (O_DIRECT or the same)
         self._fds: list[int] = []
+        self._io_fds: list[int] = []
+        self._bounce = _Bounce()
         self._free: list[int] = []
         self._next_slot = 0
         self._slots: dict[int, _Slot] = {}
@@ -140,14 +159,35 @@ class SlabStore(TierStore):
         return self.slot_bytes or _slot_size(PREFIX_SIZE + 64 + payload_nbytes)
 
     def describe(self) -> str:
-        return f"{self.tier} tier: slab files in {self.root}, capacity {self.capacity_bytes} bytes, slot {self.slot_bytes or 'auto'}"
+        io = "direct I/O" if self.direct else "buffered I/O"
+        return f"{self.tier} tier: slab files in {self.root} ({io}), capacity {self.capacity_bytes} bytes, slot {self.slot_bytes or 'auto'}"
 
     def _file_path(self, i: int) -> Path:
         return self.root / f"slab-{i:05d}.kvs"
 
     def _locate(self, slot: int) -> tuple[int, int]:
+        """The buffered fd of the slot's file and the slot's offset."""
         f, i = divmod(slot, self._per_file)
         return self._fds[f], FILE_HEADER_SIZE + i * self.slot_bytes
+
+    def _locate_io(self, slot: int) -> tuple[int, int]:
+        """The fd for slot I/O (O_DIRECT when on) of the slot's file and the slot's offset."""
+        f, i = divmod(slot, self._per_file)
+        return self._io_fds[f], FILE_HEADER_SIZE + i * self.slot_bytes
+
+    def _add_file(self, fd: int, path: Path) -> None:
+        """Track an open slab file; with direct I/O also open it with O_DIRECT (falls back once if refused)."""
+        io_fd = fd
+        if self.direct:
+            try:
+                io_fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.warning("%s tier: %s refuses O_DIRECT (%s); using buffered I/O", self.tier, self.root, exc)
+                self.direct = False
+        self._fds.append(fd)
+        self._io_fds.append(io_fd)
 
     def _set_slot_bytes(self, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
@@ -188,7 +228,12 @@ class SlabStore(TierStore):
                 log.warning("%s tier: %s holds %d slots, expected %d; it and later ones are ignored", self.tier, path.name, slots, self._per_file)
                 os.close(fd)
                 break
-            self._fds.append(fd)
+            try:
+                self._add_file(fd, path)
+            except OSError as exc:
+                log.warning("%s tier: cannot open %s: %s", self.tier, path.name, exc)
+                os.close(fd)
+                break
         self._next_slot = len(self._fds) * self._per_file
 
     def _new_file(self) -> None:
@@ -206,11 +251,11 @@ class SlabStore(TierStore):
                 log.warning("%s tier: cannot preallocate %s (%s); writing it sparse", self.tier, path.name, exc)
             head = _FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, 0, self.slot_bytes, self._per_file)
             _pwrite_all(fd, [head], 0)
+            self._add_file(fd, path)
         except OSError:
             os.close(fd)
             remove_file(str(path))
             raise
-        self._fds.append(fd)
 
     def _alloc(self) -> int:
         """A free slot (caller holds the lock); new slab files are made as needed."""
@@ -245,9 +290,18 @@ class SlabStore(TierStore):
                 slot = self._alloc()
             except OSError as exc:
                 raise _io_error(self.tier, "cannot create a slab file", exc) from exc
-            fd, offset = self._locate(slot)
+            fd, offset = self._locate_io(slot)
+            direct = self.direct
         try:
-            _pwrite_all(fd, [head, body], offset)
+            if direct:
+                # O_DIRECT wants aligned memory and lengths: the record goes through a bounce buffer.
+                buf = self._bounce.get(self.slot_bytes)
+                n = len(head)
+                buf[:n] = np.frombuffer(head, dtype=np.uint8)
+                buf[n:size] = np.frombuffer(body, dtype=np.uint8)
+                _pwrite_all(fd, [memoryview(buf.data)[: _slot_size(size)]], offset)
+            else:
+                _pwrite_all(fd, [head, body], offset)
         except OSError as exc:
             with self._lock:
                 self._clear(slot)  # a partial record would only fail its checks, but leave none
@@ -273,7 +327,8 @@ class SlabStore(TierStore):
     def _unlease(self, slot: int) -> None:
         with self._lock:
             if self._leases.end(slot):
-                self._clear(slot)
+                if self._leases.pop_clear(slot):
+                    self._clear(slot)
                 self._free.append(slot)
 
     def read(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload]:
@@ -287,20 +342,37 @@ class SlabStore(TierStore):
         return meta, as_payload(box[0])
 
     def read_into(self, block_hash: BlockHash, alloc: Callable[[BlockMeta, int], Payload]) -> BlockMeta:
-        """Read a record's payload straight into ``alloc(meta, payload_len)``: one ``preadv``, then checked."""
+        """Read a record's payload into ``alloc(meta, payload_len)``, checked.
+
+        Buffered I/O: one ``preadv`` of the record head and straight into the payload's destination.
+        Direct I/O: one aligned ``preadv`` of the whole record into the thread's bounce buffer, checked
+        there, then the payload copied out (``alloc`` is called only for a record that checked out).
+        """
         slot, info = self._lease(block_hash)
+        total = PREFIX_SIZE + info.header_len + info.payload_len
         try:
-            fd, offset = self._locate(slot)
-            head = bytearray(PREFIX_SIZE + info.header_len)
-            dest = alloc(info.meta, info.payload_len)
-            view = memoryview(dest.data).cast("B")[: info.payload_len]
-            try:
-                got = _pread_all(fd, [head, view], offset)
-            except OSError as exc:
-                raise TierIOError(f"{self.tier}: cannot read slot {slot}: {exc}") from exc
+            fd, offset = self._locate_io(slot)
+            if self.direct:
+                buf = self._bounce.get(self.slot_bytes)
+                whole = memoryview(buf.data)
+                try:
+                    got = _pread_all(fd, [whole[: _slot_size(total)]], offset)
+                except OSError as exc:
+                    raise TierIOError(f"{self.tier}: cannot read slot {slot}: {exc}") from exc
+                head: bytearray | memoryview = whole[: PREFIX_SIZE + info.header_len]
+                view = whole[PREFIX_SIZE + info.header_len : total]
+                dest = None
+            else:
+                head = bytearray(PREFIX_SIZE + info.header_len)
+                dest = alloc(info.meta, info.payload_len)
+                view = memoryview(dest.data).cast("B")[: info.payload_len]
+                try:
+                    got = _pread_all(fd, [head, view], offset)
+                except OSError as exc:
+                    raise TierIOError(f"{self.tier}: cannot read slot {slot}: {exc}") from exc
         finally:
             self._unlease(slot)
-        if got < len(head) + info.payload_len:
+        if got < total:
             raise TruncatedBlockError(f"slot {slot} of {block_hash!r} ended early")
         header_len, payload_len, checksum = read_prefix(head)
         if header_len != info.header_len or payload_len != info.payload_len or checksum != info.checksum:
@@ -312,6 +384,9 @@ class SlabStore(TierStore):
         meta = decode_header(memoryview(head)[PREFIX_SIZE:])
         if meta.hash != block_hash:
             raise CorruptBlockError(f"slot {slot} holds block {meta.hash!r}", reason="mismatch")
+        if dest is None:
+            out = alloc(meta, payload_len)
+            np.copyto(as_payload(out)[:payload_len], np.frombuffer(view, dtype=np.uint8))
         return meta
 
     def _clear(self, slot: int) -> None:
@@ -329,6 +404,16 @@ class SlabStore(TierStore):
                 return
             self._release_slot(slot)
 
+    def forget(self, block_hash: BlockHash) -> None:
+        """Free the block's slot but leave its record on disk (valid until the slot is reused)."""
+        with self._lock:
+            slot = self._where.pop(block_hash, None)
+            if slot is None:
+                return
+            self._slots.pop(slot, None)
+            if not self._leases.defer(slot, clear=False):
+                self._free.append(slot)
+
     def contains(self, block_hash: BlockHash) -> bool:
         with self._lock:
             return block_hash in self._where
@@ -339,12 +424,13 @@ class SlabStore(TierStore):
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds:
+            for fd in {*self._fds, *self._io_fds}:
                 try:
                     os.close(fd)
                 except OSError as exc:
                     log.warning("%s tier: close failed: %s", self.tier, exc)
             self._fds.clear()
+            self._io_fds.clear()
             self._where.clear()
             self._slots.clear()
             self._free.clear()
@@ -363,8 +449,9 @@ class SlabStore(TierStore):
         big = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
         small = big[:64]
         path = self.root / PROBE_NAME
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct else 0)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, flags, 0o644)
         except OSError as exc:
             raise _io_error(self.tier, "cannot probe", exc) from exc
         try:
@@ -374,9 +461,19 @@ class SlabStore(TierStore):
                 dest = np.empty(data.nbytes, dtype=np.uint8)
                 t0 = time.perf_counter()
                 xxhash.xxh3_64_intdigest(memoryview(data.data))
-                _pwrite_all(fd, [head, memoryview(data.data)], 0)
-                t1 = time.perf_counter()
-                _pread_all(fd, [bytearray(len(head)), memoryview(dest.data)], 0)
+                if self.direct:  # as write() and read_into() do it: through an aligned buffer
+                    buf = self._bounce.get(len(head) + data.nbytes)
+                    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+                    buf[len(head) : len(head) + data.nbytes] = data
+                    n = _slot_size(len(head) + data.nbytes)
+                    _pwrite_all(fd, [memoryview(buf.data)[:n]], 0)
+                    t1 = time.perf_counter()
+                    _pread_all(fd, [memoryview(buf.data)[:n]], 0)
+                    np.copyto(dest, buf[len(head) : len(head) + data.nbytes])
+                else:
+                    _pwrite_all(fd, [head, memoryview(data.data)], 0)
+                    t1 = time.perf_counter()
+                    _pread_all(fd, [bytearray(len(head)), memoryview(dest.data)], 0)
                 xxhash.xxh3_64_intdigest(memoryview(dest.data))
                 t2 = time.perf_counter()
                 times.append((t1 - t0, t2 - t1))
@@ -396,7 +493,7 @@ class SlabStore(TierStore):
         for _ in range(self._partial):
             report.drop("partial")
         self._partial = 0
-        buf = np.empty(self.slot_bytes, dtype=np.uint8) if self.slot_bytes else None
+        buf = _aligned(self.slot_bytes) if self.slot_bytes else None
         for slot in range(len(self._fds) * self._per_file):
             assert buf is not None
             self._scan_slot(slot, buf, report)
@@ -418,15 +515,24 @@ class SlabStore(TierStore):
         return report
 
     def _scan_slot(self, slot: int, buf: Payload, report: ScanReport) -> None:
-        fd, offset = self._locate(slot)
+        """Check one slot: its first 4 KiB, then (if it holds a record) the rest of the record."""
+        fd, offset = self._locate_io(slot)
+        whole = memoryview(buf.data)
         try:
-            got = _pread_all(fd, [memoryview(buf.data)], offset)
+            got = _pread_all(fd, [whole[:SLOT_ALIGN]], offset)
+            if got == SLOT_ALIGN and bytes(whole[:4]) != _ZERO4 and bytes(whole[:4]) == MAGIC:
+                header_len, payload_len, _ = read_prefix(whole)
+                end = min(self.slot_bytes, _slot_size(PREFIX_SIZE + header_len + payload_len))
+                if end > SLOT_ALIGN:
+                    got += _pread_all(fd, [whole[SLOT_ALIGN:end]], offset + SLOT_ALIGN)
+        except CorruptBlockError:
+            pass  # judged below, on what was read
         except OSError as exc:
             log.warning("%s tier: cannot read slot %d: %s", self.tier, slot, exc)
             report.drop("io")
             self._free.append(slot)
             return
-        view = memoryview(buf.data)[:got]
+        view = whole[:got]
         if got < 4 or bytes(view[:4]) == _ZERO4:  # free, or beyond the end of a file cut short
             self._free.append(slot)
             return
@@ -484,6 +590,22 @@ class SlabStore(TierStore):
                 return
             report.blocks.append(meta)
         remove_file(path)
+
+
+class _Bounce(threading.local):
+    """A page-aligned buffer per thread for O_DIRECT slot I/O, grown on demand."""
+
+    buf: Payload | None = None
+
+    def get(self, nbytes: int) -> Payload:
+        if self.buf is None or self.buf.nbytes < nbytes:
+            self.buf = _aligned(nbytes)
+        return self.buf
+
+
+def _aligned(nbytes: int) -> Payload:
+    """``nbytes`` of page-aligned memory (an anonymous mapping) as a uint8 array."""
+    return np.frombuffer(mmap.mmap(-1, _slot_size(nbytes)), dtype=np.uint8)
 
 
 def _slot_size(n: int) -> int:

@@ -194,3 +194,27 @@ def test_fp8_decodes_any_code_like_the_reference() -> None:
         np.testing.assert_array_equal(got[normal], ref[normal])
         zero = (codes & 0x7F) == 0
         assert np.all(got[zero] == 0) and np.signbit(got[zero]).tolist() == [False, True]
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy"])
+@pytest.mark.parametrize(("name", "qmax"), [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_integer_tiny_groups_stay_in_bound(name: str, qmax: int, dtype: Any, kernels: bool) -> None:
+    """A group whose amax/qmax is below float32's smallest normal (1/scale would overflow) codes with
+    that smallest normal as its step: zeros stay zero, signs stay, |err| <= max(scale/2, tiny/2)."""
+    from kvfleet.agent.codecs.integer import Int4Codec, Int8Codec
+
+    codec = (Int8Codec if name == "int8" else Int4Codec)(kernels=kernels)
+    tiny = float(np.finfo(np.float32).tiny)
+    g = codec.group_size
+    rng = np.random.default_rng(7)
+    x = np.concatenate([rng.uniform(-1, 1, g) * tiny * 2.0 ** -k for k in (0, 3, 6, 9)] + [np.zeros(g), rng.standard_normal(g)])
+    x = x.astype(dtype)
+    x[1] = 0.0
+    y = codec.decode(codec.encode(x), x.dtype, x.shape)
+    xf, yf = x.astype(np.float64), y.astype(np.float64)
+    assert np.all(np.isfinite(yf))
+    assert yf[1] == 0.0 and np.all(yf[4 * g : 5 * g] == 0.0)
+    amax = _group_amax(xf, g)
+    bound = np.maximum(amax / (2 * qmax), tiny / 2) * (1 + 1e-6) + _ulp(dtype, xf) + _ulp(dtype, amax)
+    assert np.all(np.abs(yf - xf) <= bound)

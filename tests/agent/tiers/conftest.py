@@ -50,7 +50,7 @@ def small_settings(
     """Tiers sized in blocks, calibrated off (nominal costs) unless overridden; ssd backend: the default (slab) or ``files``."""
     record = SSD_SLOT_BYTES if ssd_backend in ("", "slab") else BLOCK_NBYTES + 200
     kw: dict[str, Any] = {
-        "gpu": MemoryTierSpec(capacity_bytes=gpu_blocks * BLOCK_NBYTES, high_watermark=0.9, low_watermark=0.5),
+        "gpu": MemoryTierSpec(capacity_bytes=gpu_blocks * BLOCK_NBYTES, high_watermark=0.9, low_watermark=0.5, device="host"),
         "cpu": MemoryTierSpec(capacity_bytes=cpu_blocks * BLOCK_NBYTES, high_watermark=0.9, low_watermark=0.5),
         "ssd": SsdTierSpec(capacity_bytes=ssd_blocks * record, path=str(ssd_path), high_watermark=0.9, low_watermark=0.5, backend=ssd_backend),
         "remote": RemoteTierSpec(enabled=False),

@@ -3,12 +3,15 @@ block, free-slot reuse, deletes that stay deleted across a restart, and the rest
 verifies every slot — a corrupt slot, a slab file cut short, a foreign file, a leftover partial
 write and a record file of the ``files`` backend (adopted into a slot) — plus a slot corrupted while
 indexed, a corrupted slot met by a prefetch, a full disk (injected ENOSPC, see the test), a delete
-during a read, and a calibration probe that must not fix the slot size."""
+during a read, and a calibration probe that must not fix the slot size. Every test runs twice: with
+O_DIRECT slot I/O (the default) and buffered (test_slab_io.py has the I/O mode's own tests)."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +36,19 @@ from kvfleet.cache.tiers import Tier
 from kvfleet.config.tiers import SsdTierSpec
 
 from .conftest import BLOCK_NBYTES, SSD_SLOT_BYTES, Factory, make_block, small_settings
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["direct", "buffered"])
+def io_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+    """Run the test with every slab store of it set to direct (O_DIRECT) or buffered slot I/O."""
+    direct: bool = request.param
+    init = SlabStore.__init__
+
+    def patched(self: SlabStore, tier: Tier, spec: SsdTierSpec) -> None:
+        init(self, tier, dataclasses.replace(spec, direct_io=direct) if isinstance(spec, SsdTierSpec) else spec)
+
+    monkeypatch.setattr(SlabStore, "__init__", patched)
+    yield direct
 
 
 def _meta(h: int) -> BlockMeta:
@@ -257,3 +273,4 @@ def test_delete_while_read_frees_the_slot_after_the_read(tmp_path: Path) -> None
         f.seek(offset)
         assert f.read(4) == bytes(4)
     store.close()
+

@@ -76,7 +76,7 @@ def test_arena_slots_and_zero_copy_views() -> None:
 
 
 def test_gpu_arena_reports_stand_in() -> None:
-    store = open_store(Tier.GPU, MemoryTierSpec(capacity_bytes=BLOCK_NBYTES))
+    store = open_store(Tier.GPU, MemoryTierSpec(capacity_bytes=BLOCK_NBYTES, device="host"))
     assert store.stand_in
     assert "standing in for HBM" in store.describe()
     assert not open_store(Tier.CPU, MemoryTierSpec(capacity_bytes=BLOCK_NBYTES)).stand_in

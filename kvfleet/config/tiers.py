@@ -140,14 +140,17 @@ class TierSettings:
     migration_batch: int = 32
     #: bound of each migration queue (promotions, writes to slow tiers).
     queue_depth: int = 1024
-    #: threads moving blocks in each direction (promotion workers; demotion I/O threads): their reads
-    #: and writes overlap each other's checksums and copies, and keep several I/Os in flight on the disk.
-    migration_workers: int = 4
+    #: promotion threads: their reads overlap each other's checksums and copies and keep several
+    #: reads in flight on the disk (a promotion is on a request's path).
+    promotion_workers: int = 4
+    #: threads writing demoted and spilled blocks to ssd/remote (background work: few, so that they
+    #: leave the CPU and the GIL to the engine's step loop; memory-to-memory moves stay on one thread).
+    demotion_workers: int = 2
     #: emit BlockStored for blocks found in ssd/remote at start-up.
     announce_on_start: bool = True
 
     def __post_init__(self) -> None:
-        if self.migration_batch <= 0 or self.queue_depth <= 0 or self.migration_workers <= 0:
-            raise ValueError("migration_batch, queue_depth and migration_workers must be > 0")
+        if min(self.migration_batch, self.queue_depth, self.promotion_workers, self.demotion_workers) <= 0:
+            raise ValueError("migration_batch, queue_depth, promotion_workers and demotion_workers must be > 0")
         if self.cpu.device not in ("auto", "host"):
             raise ValueError(f"the cpu tier is host memory: device applies to the gpu tier only, got cpu device {self.cpu.device!r}")

@@ -202,20 +202,20 @@ class TierManager:
         self._m(self.metrics.queue_depth, "jobs").set(0)
         for tier in self.order:
             self._rescan(tier)
-        workers = self.settings.migration_workers
+        writers, readers = self.settings.demotion_workers, self.settings.promotion_workers
         self._threads = [threading.Thread(target=self._demote_loop, name="kvfleet-tier-demote", daemon=True)]
         self._threads += [
-            threading.Thread(target=self._job_loop, args=(self._writes, workers, BACKGROUND_NICE), name=f"kvfleet-tier-write-{i}" if i else "kvfleet-tier-write", daemon=True)
-            for i in range(workers)
+            threading.Thread(target=self._job_loop, args=(self._writes, writers, BACKGROUND_NICE), name=f"kvfleet-tier-write-{i}" if i else "kvfleet-tier-write", daemon=True)
+            for i in range(writers)
         ]
         self._threads += [
-            threading.Thread(target=self._job_loop, args=(self._jobs, workers, 0), name=f"kvfleet-tier-promote-{i}" if i else "kvfleet-tier-promote", daemon=True)
-            for i in range(workers)
+            threading.Thread(target=self._job_loop, args=(self._jobs, readers, 0), name=f"kvfleet-tier-promote-{i}" if i else "kvfleet-tier-promote", daemon=True)
+            for i in range(readers)
         ]
-        # Demotion picks victims on its own thread and moves a batch through these (I/O overlaps).
+        # Demotion picks victims on its own thread; a batch bound for ssd/remote goes through these.
         self._demote_pool = (
-            ThreadPoolExecutor(workers, thread_name_prefix="kvfleet-tier-demote-io", initializer=_lower_priority, initargs=(BACKGROUND_NICE,))
-            if workers > 1
+            ThreadPoolExecutor(writers, thread_name_prefix="kvfleet-tier-demote-io", initializer=_lower_priority, initargs=(BACKGROUND_NICE,))
+            if writers > 1
             else None
         )
         for t in self._threads:
@@ -354,6 +354,15 @@ class TierManager:
                 break
             try:
                 return self._store_now(h, block, t, parent, toks)
+            except BlockTooLargeError:
+                continue
+            except TierFullError:
+                # The newest block belongs in the fastest tier: move that tier's LRU block one memory
+                # tier down (a memory copy) to make room, rather than send the new block down.
+                if t is not tier or not self._displace(t):
+                    continue
+            try:
+                return self._store_now(h, block, t, parent, toks)
             except (TierFullError, BlockTooLargeError):
                 continue
         dst = next((t for t in candidates if t not in _MEMORY), None)
@@ -367,6 +376,35 @@ class TierManager:
             self._unstage(staged)
             raise
         return dst
+
+    def _displace(self, tier: Tier) -> bool:
+        """Move ``tier``'s least recently used movable block to the next memory tier, if it has a free slot.
+
+        Runs on the caller's thread (a slot-to-slot copy, no disk I/O); ``False`` when there is no
+        such block or no room below.
+        """
+        below = [t for t in self.order if t.rank > tier.rank and t in _MEMORY and self._available(t)]
+        store = self.stores[tier]
+        if not below or not isinstance(store, SlotStore):
+            return False
+        with self._lock:
+            victim = next((h for h in self._lru[tier] if not self._entries[h].pins and not self._entries[h].moving), None)
+            if victim is None:
+                return False
+            self._entries[victim].moving = True
+        try:
+            meta, view, slot = store.lease(victim)
+            try:
+                return self._write_moved(victim, (meta, view), tier, below[0], kind="demote")
+            finally:
+                store.release(slot)
+        except BlockNotFoundError:
+            return False
+        finally:
+            with self._lock:
+                e = self._entries.get(victim)
+                if e is not None:
+                    e.moving = False
 
     def _stage(self, block: npt.NDArray[Any]) -> npt.NDArray[Any]:
         """A private copy of ``block`` for a queued write, in a recycled buffer when one is free.
@@ -719,7 +757,7 @@ class TierManager:
             # Memory tiers never drop because of a failure downstream: they keep what they hold.
             if not below or (not lower and tier not in _MEMORY):
                 moved = self._evict(tier, victims)
-            elif self._demote_pool is None or len(victims) == 1:
+            elif self._demote_pool is None or len(victims) == 1 or lower[0] in _MEMORY:
                 for h in victims:
                     moved += self._move_down(tier, h, lower)
             else:

@@ -145,8 +145,10 @@ def test_put_rejects_non_arrays(tmp_path: Path, manager_factory: Factory) -> Non
     assert m.locate(1) is None
 
 
-def test_full_memory_goes_to_ssd(tmp_path: Path, manager_factory: Factory) -> None:
-    """When gpu and cpu have no free slot, put() queues the block to the ssd tier."""
+def test_full_memory_goes_to_ssd(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
+    """A put into a full gpu tier moves the gpu's LRU block to a free cpu slot (on the caller's thread)
+    and keeps the new block in the gpu; when neither memory tier has a free slot, put() queues the
+    new block to the ssd tier."""
     s = small_settings(
         tmp_path,
         gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0),
@@ -154,7 +156,28 @@ def test_full_memory_goes_to_ssd(tmp_path: Path, manager_factory: Factory) -> No
     )
     m = manager_factory(s)
     tiers = [m.put(h, make_block(h)) for h in range(6)]
-    assert tiers == [Tier.GPU, Tier.GPU, Tier.CPU, Tier.CPU, Tier.SSD, Tier.SSD]
+    assert tiers == [Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU, Tier.SSD, Tier.SSD]
     assert m.drain(10)
-    assert m.locate(5) is Tier.SSD
-    np.testing.assert_array_equal(m.get(5), make_block(5))
+    assert [m.locate(h) for h in range(6)] == [Tier.CPU, Tier.CPU, Tier.GPU, Tier.GPU, Tier.SSD, Tier.SSD]
+    for h in range(6):
+        np.testing.assert_array_equal(m.get(h), make_block(h))
+    moves = [e for e in _events(events) if e[1] in (0, 1)]
+    assert moves[:6] == [("BlockStored", 0, "GPU"), ("BlockStored", 1, "GPU"),
+                         ("BlockStored", 0, "CPU"), ("BlockRemoved", 0, "GPU"),
+                         ("BlockStored", 1, "CPU"), ("BlockRemoved", 1, "GPU")]
+
+
+def test_full_gpu_keeps_pinned_blocks(tmp_path: Path, manager_factory: Factory) -> None:
+    """Making room in a full gpu tier never moves a pinned block: with every gpu block pinned the new
+    block goes to the cpu tier instead."""
+    s = small_settings(
+        tmp_path,
+        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0),
+        cpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0),
+    )
+    m = manager_factory(s)
+    m.put(0, make_block(0))
+    m.put(1, make_block(1))
+    with m.pin([0, 1]):
+        assert m.put(2, make_block(2)) is Tier.CPU
+    assert m.locate(0) is Tier.GPU and m.locate(1) is Tier.GPU

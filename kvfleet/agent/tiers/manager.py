@@ -377,34 +377,86 @@ class TierManager:
             raise
         return dst
 
-    def _displace(self, tier: Tier) -> bool:
-        """Move ``tier``'s least recently used movable block to the next memory tier, if it has a free slot.
+    def _victim(self, tier: Tier) -> BlockHash | None:
+        """``tier``'s least recently used block that is neither pinned nor moving, marked moving (caller holds the lock)."""
+        victim = next((h for h in self._lru[tier] if not self._entries[h].pins and not self._entries[h].moving), None)
+        if victim is not None:
+            self._entries[victim].moving = True
+        return victim
 
-        Runs on the caller's thread (a slot-to-slot copy, no disk I/O); ``False`` when there is no
-        such block or no room below.
+    def _unmark(self, h: BlockHash) -> None:
+        with self._lock:
+            e = self._entries.get(h)
+            if e is not None:
+                e.moving = False
+
+    def _displace(self, tier: Tier) -> bool:
+        """Make a free slot in the memory tier ``tier`` on the caller's thread, without disk I/O.
+
+        Its least recently used movable block moves to the next memory tier; when that one is full
+        too, its own LRU block is first queued to the ssd/remote writers (:meth:`_spill_lru`).
+        ``False`` when no block can move.
         """
         below = [t for t in self.order if t.rank > tier.rank and t in _MEMORY and self._available(t)]
         store = self.stores[tier]
         if not below or not isinstance(store, SlotStore):
             return False
         with self._lock:
-            victim = next((h for h in self._lru[tier] if not self._entries[h].pins and not self._entries[h].moving), None)
-            if victim is None:
-                return False
-            self._entries[victim].moving = True
+            victim = self._victim(tier)
+        if victim is None:
+            return False
         try:
             meta, view, slot = store.lease(victim)
             try:
-                return self._write_moved(victim, (meta, view), tier, below[0], kind="demote")
+                if self._write_moved(victim, (meta, view), tier, below[0], kind="demote"):
+                    return True
+                return self._spill_lru(below[0]) and self._write_moved(victim, (meta, view), tier, below[0], kind="demote")
             finally:
                 store.release(slot)
         except BlockNotFoundError:
             return False
         finally:
+            self._unmark(victim)
+
+    def _spill_lru(self, tier: Tier) -> bool:
+        """Free a slot of the memory tier ``tier``: its LRU movable block is copied to a staging buffer,
+        dropped from the tier, and queued to the ssd/remote writers (like a spilled ``put``; it is a
+        miss until written). ``False`` when there is no such block, no slow tier, or no queue room."""
+        dst = next((t for t in self.order if t not in _MEMORY and self._available(t)), None)
+        store = self.stores[tier]
+        if dst is None or not isinstance(store, SlotStore) or self._writes.full():
+            return False
+        with self._lock:
+            victim = self._victim(tier)
+        if victim is None:
+            return False
+        staged: npt.NDArray[Any] | None = None
+        try:
+            meta, view, slot = store.lease(victim)
+            try:
+                staged = self._stage(get_codec(meta.codec).decode(view, meta.dtype, meta.shape))
+            finally:
+                store.release(slot)
             with self._lock:
                 e = self._entries.get(victim)
-                if e is not None:
-                    e.moving = False
+                if e is None or e.tier != tier or e.pins:
+                    return False
+                self._remove(victim)
+                store.delete(victim)
+                self._emit_removed(victim, tier)
+            self._enqueue(_Job("write", victim, staged, meta, dst))
+            staged = None
+            return True
+        except BlockNotFoundError:
+            return False
+        except BackpressureError:
+            log.warning("block %r not cached: the slow-tier write queue filled meanwhile", victim)
+            self._m(self.metrics.errors, dst.value, "write_dropped").inc()
+            return False
+        finally:
+            if staged is not None:
+                self._unstage(staged)
+            self._unmark(victim)
 
     def _stage(self, block: npt.NDArray[Any]) -> npt.NDArray[Any]:
         """A private copy of ``block`` for a queued write, in a recycled buffer when one is free.

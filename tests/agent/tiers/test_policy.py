@@ -145,26 +145,41 @@ def test_put_rejects_non_arrays(tmp_path: Path, manager_factory: Factory) -> Non
     assert m.locate(1) is None
 
 
-def test_full_memory_goes_to_ssd(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
-    """A put into a full gpu tier moves the gpu's LRU block to a free cpu slot (on the caller's thread)
-    and keeps the new block in the gpu; when neither memory tier has a free slot, put() queues the
-    new block to the ssd tier."""
+def test_full_memory_pushes_lru_blocks_down(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
+    """A put into a full gpu tier keeps the new block in the gpu: the gpu's LRU block moves to a free
+    cpu slot (on the caller's thread); when the cpu is full too, the cpu's LRU block is first queued
+    to the ssd writers (a miss until written). Background demotion is off (watermarks 1.0)."""
     s = small_settings(
         tmp_path,
-        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0),
+        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0, device="host"),
         cpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0),
     )
     m = manager_factory(s)
     tiers = [m.put(h, make_block(h)) for h in range(6)]
-    assert tiers == [Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU, Tier.SSD, Tier.SSD]
+    assert tiers == [Tier.GPU] * 6
     assert m.drain(10)
-    assert [m.locate(h) for h in range(6)] == [Tier.CPU, Tier.CPU, Tier.GPU, Tier.GPU, Tier.SSD, Tier.SSD]
+    assert [m.locate(h) for h in range(6)] == [Tier.SSD, Tier.SSD, Tier.CPU, Tier.CPU, Tier.GPU, Tier.GPU]
     for h in range(6):
         np.testing.assert_array_equal(m.get(h), make_block(h))
-    moves = [e for e in _events(events) if e[1] in (0, 1)]
-    assert moves[:6] == [("BlockStored", 0, "GPU"), ("BlockStored", 1, "GPU"),
-                         ("BlockStored", 0, "CPU"), ("BlockRemoved", 0, "GPU"),
-                         ("BlockStored", 1, "CPU"), ("BlockRemoved", 1, "GPU")]
+    ev = [e for e in _events(events) if e[1] == 0]
+    assert ev[:5] == [("BlockStored", 0, "GPU"), ("BlockStored", 0, "CPU"), ("BlockRemoved", 0, "GPU"),
+                      ("BlockRemoved", 0, "CPU"), ("BlockStored", 0, "SSD")]
+
+
+def test_full_memory_goes_to_ssd_when_nothing_can_move(tmp_path: Path, manager_factory: Factory) -> None:
+    """When every memory block is pinned, put() queues the new block itself to the ssd tier."""
+    s = small_settings(
+        tmp_path,
+        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0, device="host"),
+        cpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0),
+    )
+    m = manager_factory(s)
+    assert [m.put(h, make_block(h)) for h in range(4)] == [Tier.GPU] * 4
+    with m.pin(range(4)):
+        assert m.put(9, make_block(9)) is Tier.SSD
+        assert m.drain(10)
+    assert [m.locate(h) for h in (0, 1, 2, 3, 9)] == [Tier.CPU, Tier.CPU, Tier.GPU, Tier.GPU, Tier.SSD]
+    np.testing.assert_array_equal(m.get(9), make_block(9))
 
 
 def test_full_gpu_keeps_pinned_blocks(tmp_path: Path, manager_factory: Factory) -> None:
@@ -172,7 +187,7 @@ def test_full_gpu_keeps_pinned_blocks(tmp_path: Path, manager_factory: Factory) 
     block goes to the cpu tier instead."""
     s = small_settings(
         tmp_path,
-        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0),
+        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0, device="host"),
         cpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0),
     )
     m = manager_factory(s)

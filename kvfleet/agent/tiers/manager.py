@@ -81,10 +81,10 @@ from kvfleet.agent.tiers.errors import (
     TierFullError,
     TierIOError,
 )
-from kvfleet.agent.tiers.memory import SlotStore
+from kvfleet.agent.tiers.memory import PAGE, SlotStore, page_aligned
 from kvfleet.agent.tiers.metrics import TierMetrics
 from kvfleet.agent.tiers.record import BlockMeta, meta_for
-from kvfleet.agent.tiers.slab import SlabStore
+from kvfleet.agent.tiers.slab import ZERO_COPY_MIN, SlabStore
 from kvfleet.agent.tiers.ssd import FileStore
 from kvfleet.cache.events import EventSink, null_sink, removed, stored
 from kvfleet.cache.hashing import BlockHash
@@ -474,8 +474,10 @@ class TierManager:
                 # Carved from one big slab: the kernel backs it with huge pages (numpy advises it
                 # for large arrays), so a first write faults once per 2 MiB, not once per 4 KiB.
                 if self._staging_slab is None:
-                    self._staging_slab = np.empty(STAGING_BYTES, dtype=np.uint8)
-                start = -(-self._staging_used // 64) * 64
+                    self._staging_slab = page_aligned(STAGING_BYTES)
+                # large blocks start on a page, so the ssd tier's direct I/O writes them where they are
+                align = PAGE if nbytes >= ZERO_COPY_MIN else 64
+                start = -(-self._staging_used // align) * align
                 if start + nbytes <= STAGING_BYTES:
                     raw = self._staging_slab[start : start + nbytes]
                     buf = raw.view(block.dtype).reshape(block.shape)

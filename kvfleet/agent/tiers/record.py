@@ -3,8 +3,13 @@
 Layout (little-endian)::
 
     prefix  28 bytes  magic "KVFB" | version u16 | flags u16 | header_len u32 | payload_len u64 | checksum u64
-    header            msgpack [hash, codec, dtype, shape, raw_nbytes, parent, token_ids]
+    header            msgpack [hash, codec, dtype, shape, raw_nbytes, parent, token_ids, pad]
     payload           the codec's bytes
+
+``pad`` (zero bytes, may be absent) makes prefix + header a multiple of an
+I/O alignment when the writer asks for it (``pack(..., align=4096)``: the slab
+store's direct I/O then writes and reads the payload straight from and into
+page-aligned memory, with no bounce copy). Readers ignore it.
 
 ``checksum`` is xxh3-64 over header and payload, so a torn write, a flipped
 bit or a foreign file is detected when the record is read or rescanned;
@@ -55,6 +60,7 @@ class _Header(msgspec.Struct, array_like=True):
     raw_nbytes: int
     parent: int | bytes | None
     token_ids: list[int]
+    pad: bytes = b""
 
 
 _ENC = msgspec.msgpack.Encoder()
@@ -77,24 +83,41 @@ def hash_from_key(name: str) -> BlockHash:
     raise ValueError(f"not a block key: {name!r}")
 
 
-def pack(meta: BlockMeta, payload: Payload) -> tuple[bytes, memoryview]:
-    """``(prefix + header, payload)``: write them back to back."""
-    header = _ENC.encode(
-        _Header(
-            hash=meta.hash,
-            codec=meta.codec,
-            dtype=meta.dtype,
-            shape=list(meta.shape),
-            raw_nbytes=meta.raw_nbytes,
-            parent=meta.parent,
-            token_ids=list(meta.token_ids),
-        )
+def pack(meta: BlockMeta, payload: Payload, align: int = 0) -> tuple[bytes, memoryview]:
+    """``(prefix + header, payload)``: write them back to back.
+
+    ``align`` > 0: the header is padded so that prefix + header is a multiple of ``align``.
+    """
+    fields = _Header(
+        hash=meta.hash,
+        codec=meta.codec,
+        dtype=meta.dtype,
+        shape=list(meta.shape),
+        raw_nbytes=meta.raw_nbytes,
+        parent=meta.parent,
+        token_ids=list(meta.token_ids),
     )
+    header = _ENC.encode(fields)
+    if align:
+        header = _pad_header(fields, header, align)
     body = memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8).data)
     h = xxhash.xxh3_64(header)
     h.update(body)
     prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header), body.nbytes, h.intdigest())
     return prefix + header, body
+
+
+def _pad_header(fields: _Header, header: bytes, align: int) -> bytes:
+    """``header`` re-encoded with a ``pad`` that brings prefix + header to a multiple of ``align``."""
+    extra = -(PREFIX_SIZE + len(header)) % align
+    if not extra:
+        return header
+    # an empty pad encodes in 2 bytes (bin8); n pad bytes take 2 + n up to 255, then 3 + n (bin16)
+    n = extra if extra <= 255 else extra - 1
+    if n == 255 and extra == 256:
+        n = extra + align - 1
+    padded = _ENC.encode(msgspec.structs.replace(fields, pad=bytes(n)))
+    return padded if (PREFIX_SIZE + len(padded)) % align == 0 else header
 
 
 def packed_size(meta_header_len: int, payload_len: int) -> int:

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import re
 import struct
@@ -79,6 +78,7 @@ from kvfleet.agent.tiers.errors import (
     TruncatedBlockError,
 )
 from kvfleet.agent.tiers.fileio import advance_views, remove_file
+from kvfleet.agent.tiers.memory import page_aligned
 from kvfleet.agent.tiers.record import (
     MAGIC,
     PREFIX_SIZE,
@@ -103,6 +103,8 @@ FILE_HEADER_SIZE = 4096
 HEADER_ROOM = 1024
 SLOT_ALIGN = 4096
 SLAB_BYTES = 256 << 20
+#: payloads from this size on are read and written without a bounce copy under direct I/O (when aligned).
+ZERO_COPY_MIN = 64 << 10
 _NAME = re.compile(r"^slab-(\d{5})\.kvs$")
 _LEGACY, _LEGACY_TMP = ".kvb", ".kvb.tmp"
 _ZERO4 = bytes(4)
@@ -136,6 +138,7 @@ class SlabStore(TierStore):
         self._fds: list[int] = []
         self._io_fds: list[int] = []
         self._bounce = _Bounce()
+        self._heads = _Bounce()
         self._free: list[int] = []
         self._next_slot = 0
         self._slots: dict[int, _Slot] = {}
@@ -279,7 +282,10 @@ class SlabStore(TierStore):
     # ----------------------------------------------------------- TierStore
 
     def write(self, meta: BlockMeta, payload: Payload) -> int:
-        head, body = pack(meta, payload)
+        # Large payloads under direct I/O get a header padded to a page, so that a payload in page-aligned
+        # memory is written and read where it is; small ones go through the bounce buffer unpadded.
+        big = self.direct and payload.nbytes >= ZERO_COPY_MIN
+        head, body = pack(meta, payload, align=SLOT_ALIGN if big else 0)
         size = len(head) + body.nbytes
         with self._lock:
             if not self.slot_bytes:
@@ -293,7 +299,12 @@ class SlabStore(TierStore):
             fd, offset = self._locate_io(slot)
             direct = self.direct
         try:
-            if direct:
+            if direct and _dio_ready(len(head), body):
+                # head padded to a page, payload in page-aligned memory: written from where it is
+                hbuf = self._heads.get(len(head))
+                hbuf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+                _pwrite_all(fd, [memoryview(hbuf.data)[: len(head)], body], offset)
+            elif direct:
                 # O_DIRECT wants aligned memory and lengths: the record goes through a bounce buffer.
                 buf = self._bounce.get(self.slot_bytes)
                 n = len(head)
@@ -350,26 +361,32 @@ class SlabStore(TierStore):
         """
         slot, info = self._lease(block_hash)
         total = PREFIX_SIZE + info.header_len + info.payload_len
+        dest: Payload | None = None
+        copy_from: memoryview | None = None  # bounce-buffer reads: the payload, copied out once checked
         try:
             fd, offset = self._locate_io(slot)
-            if self.direct:
-                buf = self._bounce.get(self.slot_bytes)
-                whole = memoryview(buf.data)
-                try:
-                    got = _pread_all(fd, [whole[: _slot_size(total)]], offset)
-                except OSError as exc:
-                    raise TierIOError(f"{self.tier}: cannot read slot {slot}: {exc}") from exc
-                head: bytearray | memoryview = whole[: PREFIX_SIZE + info.header_len]
-                view = whole[PREFIX_SIZE + info.header_len : total]
-                dest = None
-            else:
-                head = bytearray(PREFIX_SIZE + info.header_len)
-                dest = alloc(info.meta, info.payload_len)
-                view = memoryview(dest.data).cast("B")[: info.payload_len]
-                try:
+            try:
+                if self.direct and (PREFIX_SIZE + info.header_len) % SLOT_ALIGN == 0 and info.payload_len % SLOT_ALIGN == 0:
+                    dest = as_payload(alloc(info.meta, info.payload_len))[: info.payload_len]
+                direct_into = dest is not None and dest.ctypes.data % SLOT_ALIGN == 0
+                if direct_into:
+                    # padded head into a small aligned buffer, the payload straight into ``dest``
+                    assert dest is not None
+                    head: bytearray | memoryview = memoryview(self._heads.get(PREFIX_SIZE + info.header_len).data)[: PREFIX_SIZE + info.header_len]
+                    view = memoryview(dest.data).cast("B")
                     got = _pread_all(fd, [head, view], offset)
-                except OSError as exc:
-                    raise TierIOError(f"{self.tier}: cannot read slot {slot}: {exc}") from exc
+                elif self.direct:
+                    whole = memoryview(self._bounce.get(self.slot_bytes).data)
+                    got = _pread_all(fd, [whole[: _slot_size(total)]], offset)
+                    head = whole[: PREFIX_SIZE + info.header_len]
+                    view = copy_from = whole[PREFIX_SIZE + info.header_len : total]
+                else:
+                    head = bytearray(PREFIX_SIZE + info.header_len)
+                    dest = alloc(info.meta, info.payload_len)
+                    view = memoryview(dest.data).cast("B")[: info.payload_len]
+                    got = _pread_all(fd, [head, view], offset)
+            except OSError as exc:
+                raise TierIOError(f"{self.tier}: cannot read slot {slot}: {exc}") from exc
         finally:
             self._unlease(slot)
         if got < total:
@@ -384,9 +401,9 @@ class SlabStore(TierStore):
         meta = decode_header(memoryview(head)[PREFIX_SIZE:])
         if meta.hash != block_hash:
             raise CorruptBlockError(f"slot {slot} holds block {meta.hash!r}", reason="mismatch")
-        if dest is None:
-            out = alloc(meta, payload_len)
-            np.copyto(as_payload(out)[:payload_len], np.frombuffer(view, dtype=np.uint8))
+        if copy_from is not None:
+            out = dest if dest is not None else as_payload(alloc(meta, payload_len))[:payload_len]
+            np.copyto(out, np.frombuffer(copy_from, dtype=np.uint8))
         return meta
 
     def _clear(self, slot: int) -> None:
@@ -604,8 +621,15 @@ class _Bounce(threading.local):
 
 
 def _aligned(nbytes: int) -> Payload:
-    """``nbytes`` of page-aligned memory (an anonymous mapping) as a uint8 array."""
-    return np.frombuffer(mmap.mmap(-1, _slot_size(nbytes)), dtype=np.uint8)
+    """``nbytes`` of page-aligned memory (rounded up to a page) as a uint8 array."""
+    return page_aligned(_slot_size(nbytes))
+
+
+def _dio_ready(head_len: int, body: memoryview) -> bool:
+    """Whether a record can go to an O_DIRECT fd as it is: page-sized head, page-aligned payload."""
+    if head_len % SLOT_ALIGN or body.nbytes % SLOT_ALIGN:
+        return False
+    return np.frombuffer(body, dtype=np.uint8).ctypes.data % SLOT_ALIGN == 0
 
 
 def _slot_size(n: int) -> int:

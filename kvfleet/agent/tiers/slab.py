@@ -21,10 +21,13 @@ until the slot is reused (blocks are content-addressed), so a restart can
 still find it.
 
 Direct I/O (``direct_io``, the default): slots are written and read with
-``O_DIRECT`` through a page-aligned bounce buffer per thread (record copied
-in, padded to 4 KiB; read back whole, checked, payload copied out), so the
-page cache does not keep a second copy of what the memory tiers above
-already cache, and a move costs what the device costs. A filesystem that
+``O_DIRECT``, so the page cache does not keep a second copy of what the
+memory tiers above already cache, and a move costs what the device costs. A
+payload of :data:`ZERO_COPY_MIN` or more gets a header padded to a page; when
+it sits in page-aligned memory it is written and read in place (head page +
+payload in one vectored call). Other records go through a page-aligned bounce
+buffer per thread (record copied in, padded to 4 KiB; read back whole,
+checked, payload copied out). A filesystem that
 refuses ``O_DIRECT`` (tmpfs) gets buffered I/O and one log line. Clearing a
 slot's magic stays a buffered 4-byte write (the kernel writes it back before
 the next direct I/O on that range).

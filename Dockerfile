@@ -19,8 +19,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvfleet ./kvfleet
 # pip and setuptools leave the environment once kvfleet is in: nothing imports them at run time.
-RUN /opt/kvfleet/bin/pip wheel --wheel-dir /wheels . \
- && /opt/kvfleet/bin/pip install --no-index --find-links /wheels kvfleet \
+RUN /opt/kvfleet/bin/pip wheel --wheel-dir /wheels '.[kernels]' \
+ && /opt/kvfleet/bin/pip install --no-index --find-links /wheels 'kvfleet[kernels]' \
  && /opt/kvfleet/bin/pip uninstall --yes pip setuptools \
  && /opt/kvfleet/bin/kvfleet --version
 

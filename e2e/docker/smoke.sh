@@ -7,7 +7,7 @@
 # python:3.11-slim, or a Debian bookworm root filesystem made with debootstrap
 # and `docker import` (see docs/operator.md, "Image"). TAG defaults to kvfleet:dev.
 # Checks: `kvfleet --version`, `kvfleet operator --help`, the image's user is
-# 10001 (non-root); `kvfleet epp` (static pods file) answers gRPC health SERVING;
+# 10001 (non-root); the codec kernels (numba) compile and run on the read-only root; `kvfleet epp` (static pods file) answers gRPC health SERVING;
 # `kvfleet engine` answers GET /health; `kvfleet agent` with
 # KVFLEET_TRANSFER_SECRET serves /metrics and accepts TCP on its transfer port,
 # and without the secret exits non-zero; `kvfleet operator` against the kmock
@@ -114,6 +114,17 @@ ok "kvfleet epp|agent|engine --help"
 [[ $(docker image inspect -f '{{.Config.User}}' "$tag") == 10001:10001 ]] || fail "image USER is not 10001:10001"
 [[ $(docker run --rm --entrypoint id "$tag" -u) == 10001 ]] || fail "container does not run as uid 10001"
 ok "runs as uid 10001 ($(docker run --rm --entrypoint id "$tag"))"
+kernel_check='from kvfleet.agent.codecs import get_codec, warm_up
+import numpy as np
+assert warm_up(["fp8_e4m3", "int8", "int4"]), "numba kernels did not load"
+x = np.random.default_rng(0).standard_normal(4096).astype(np.float16)
+for name in ("fp8_e4m3", "int8", "int4"):
+    c = get_codec(name)
+    assert c.kernels and c.decode(c.encode(x), x.dtype, x.shape).shape == x.shape
+print("ok")'
+[[ $(docker run --rm "${hardened[@]}" --entrypoint /opt/kvfleet/bin/python "$tag" -c "$kernel_check") == ok ]] \
+    || fail "codec kernels do not compile on the read-only root"
+ok "codec kernels (numba) compile and run on the read-only root"
 
 echo "== epp"
 mkdir -p "$work/epp"

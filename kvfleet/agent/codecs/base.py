@@ -142,7 +142,7 @@ def load_kernels(kernels: bool | None = None) -> ModuleType | None:
             raise ImportError(f"codec kernels unavailable: {exc}") from exc
         if not _kernels_failed:
             _kernels_failed = True
-            log.warning("codec kernels unavailable (%s): using the numpy implementations", exc)
+            log.warning("codec kernels unavailable (%s): using the numpy implementations (pip install 'kvfleet[kernels]')", exc)
         return None
     return _kernels
 

@@ -482,8 +482,8 @@ class TierManager:
                     raw = self._staging_slab[start : start + nbytes]
                     buf = raw.view(block.dtype).reshape(block.shape)
                     self._staging_used = start + nbytes
-        if buf is None:
-            buf = np.empty(block.shape, dtype=block.dtype)
+        if buf is None:  # staging slab used up: a one-off buffer (page-aligned when large, like the slab's)
+            buf = page_aligned(nbytes).view(block.dtype).reshape(block.shape) if nbytes >= ZERO_COPY_MIN else np.empty(block.shape, dtype=block.dtype)
         np.copyto(buf, block)
         return buf
 

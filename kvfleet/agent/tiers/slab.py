@@ -302,20 +302,7 @@ class SlabStore(TierStore):
             fd, offset = self._locate_io(slot)
             direct = self.direct
         try:
-            if direct and _dio_ready(len(head), body):
-                # head padded to a page, payload in page-aligned memory: written from where it is
-                hbuf = self._heads.get(len(head))
-                hbuf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-                _pwrite_all(fd, [memoryview(hbuf.data)[: len(head)], body], offset)
-            elif direct:
-                # O_DIRECT wants aligned memory and lengths: the record goes through a bounce buffer.
-                buf = self._bounce.get(self.slot_bytes)
-                n = len(head)
-                buf[:n] = np.frombuffer(head, dtype=np.uint8)
-                buf[n:size] = np.frombuffer(body, dtype=np.uint8)
-                _pwrite_all(fd, [memoryview(buf.data)[: _slot_size(size)]], offset)
-            else:
-                _pwrite_all(fd, [head, body], offset)
+            self._put_record(fd, offset, head, body, direct)
         except OSError as exc:
             with self._lock:
                 self._clear(slot)  # a partial record would only fail its checks, but leave none
@@ -329,6 +316,22 @@ class SlabStore(TierStore):
             self._where[meta.hash] = slot
             self._slots[slot] = _Slot(meta, len(head) - PREFIX_SIZE, body.nbytes, checksum)
         return self.slot_bytes
+
+    def _put_record(self, fd: int, offset: int, head: bytes, body: memoryview, direct: bool) -> None:
+        """Write a record at ``offset``: as it is (buffered), in place (direct, page-sized head and
+        page-aligned payload), or through the thread's bounce buffer padded to 4 KiB (other direct)."""
+        if not direct:
+            _pwrite_all(fd, [head, body], offset)
+        elif _dio_ready(len(head), body):
+            hbuf = self._heads.get(len(head))
+            hbuf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+            _pwrite_all(fd, [memoryview(hbuf.data)[: len(head)], body], offset)
+        else:
+            n, size = len(head), len(head) + body.nbytes
+            buf = self._bounce.get(size)
+            buf[:n] = np.frombuffer(head, dtype=np.uint8)
+            buf[n:size] = np.frombuffer(body, dtype=np.uint8)
+            _pwrite_all(fd, [memoryview(buf.data)[: _slot_size(size)]], offset)
 
     def _lease(self, block_hash: BlockHash) -> tuple[int, _Slot]:
         with self._lock:
@@ -358,9 +361,10 @@ class SlabStore(TierStore):
     def read_into(self, block_hash: BlockHash, alloc: Callable[[BlockMeta, int], Payload]) -> BlockMeta:
         """Read a record's payload into ``alloc(meta, payload_len)``, checked.
 
-        Buffered I/O: one ``preadv`` of the record head and straight into the payload's destination.
-        Direct I/O: one aligned ``preadv`` of the whole record into the thread's bounce buffer, checked
-        there, then the payload copied out (``alloc`` is called only for a record that checked out).
+        Buffered I/O, or direct I/O of a page-sized head and payload into a page-aligned destination:
+        one ``preadv`` of the head and straight into the destination, then checked there. Other direct
+        I/O: one aligned ``preadv`` of the whole record into the thread's bounce buffer, checked there,
+        then the payload copied out.
         """
         slot, info = self._lease(block_hash)
         total = PREFIX_SIZE + info.header_len + info.payload_len
@@ -481,18 +485,14 @@ class SlabStore(TierStore):
                 dest = np.empty(data.nbytes, dtype=np.uint8)
                 t0 = time.perf_counter()
                 xxhash.xxh3_64_intdigest(memoryview(data.data))
-                if self.direct:  # as write() and read_into() do it: through an aligned buffer
-                    buf = self._bounce.get(len(head) + data.nbytes)
-                    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-                    buf[len(head) : len(head) + data.nbytes] = data
+                self._put_record(fd, 0, head, memoryview(data.data), self.direct)
+                t1 = time.perf_counter()
+                if self.direct:  # read back whole through the aligned buffer, as read_into() does
                     n = _slot_size(len(head) + data.nbytes)
-                    _pwrite_all(fd, [memoryview(buf.data)[:n]], 0)
-                    t1 = time.perf_counter()
+                    buf = self._bounce.get(n)
                     _pread_all(fd, [memoryview(buf.data)[:n]], 0)
                     np.copyto(dest, buf[len(head) : len(head) + data.nbytes])
                 else:
-                    _pwrite_all(fd, [head, memoryview(data.data)], 0)
-                    t1 = time.perf_counter()
                     _pread_all(fd, [bytearray(len(head)), memoryview(dest.data)], 0)
                 xxhash.xxh3_64_intdigest(memoryview(dest.data))
                 t2 = time.perf_counter()
@@ -540,7 +540,7 @@ class SlabStore(TierStore):
         whole = memoryview(buf.data)
         try:
             got = _pread_all(fd, [whole[:SLOT_ALIGN]], offset)
-            if got == SLOT_ALIGN and bytes(whole[:4]) != _ZERO4 and bytes(whole[:4]) == MAGIC:
+            if got == SLOT_ALIGN and bytes(whole[:4]) == MAGIC:
                 header_len, payload_len, _ = read_prefix(whole)
                 end = min(self.slot_bytes, _slot_size(PREFIX_SIZE + header_len + payload_len))
                 if end > SLOT_ALIGN:

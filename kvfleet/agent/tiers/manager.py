@@ -471,8 +471,8 @@ class TierManager:
             if pool:
                 buf = pool.pop()
             elif 0 < nbytes and self._staging_used + nbytes <= STAGING_BYTES:
-                # Carved from one big slab: the kernel backs it with huge pages (numpy advises it
-                # for large arrays), so a first write faults once per 2 MiB, not once per 4 KiB.
+                # Carved from one big slab mapped with huge pages (page_aligned advises them), so a
+                # first write faults once per 2 MiB, not once per 4 KiB.
                 if self._staging_slab is None:
                     self._staging_slab = page_aligned(STAGING_BYTES)
                 # large blocks start on a page, so the ssd tier's direct I/O writes them where they are

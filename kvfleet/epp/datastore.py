@@ -11,6 +11,7 @@ The file format (``pods_file``)::
             address: 127.0.0.1
             port: 8000
             role: both           # both | prefill | decode
+            shard: "0"           # prefix shard inside the pool (label kvfleet.io/shard); optional
             events: tcp://127.0.0.1:5557     # KV-event PUB endpoint (optional)
             replay: tcp://127.0.0.1:5558     # replay ROUTER endpoint (optional)
             metrics: http://127.0.0.1:8000/metrics  (optional)
@@ -43,6 +44,8 @@ class Pod:
     port: int = 0
     pool: str = ""
     role: str = "both"
+    #: the prefix shard (a pod subset of the pool, label ``kvfleet.io/shard``) level 1 routes to; "" = one shard
+    shard: str = ""
     events: str | None = None
     replay: str | None = None
     metrics: str | None = None
@@ -125,7 +128,7 @@ def pools_from_dict(data: Any, source: str = "<config>") -> list[Pool]:
             pw = f"{where}.pods[{j}]"
             if not isinstance(rp, dict):
                 raise DatastoreError(f"{pw}: must be a mapping")
-            unknown = set(rp) - {"name", "address", "port", "role", "events", "replay", "metrics", "ready"}
+            unknown = set(rp) - {"name", "address", "port", "role", "shard", "events", "replay", "metrics", "ready"}
             if unknown:
                 raise DatastoreError(f"{pw}: unknown key(s) {sorted(unknown)}")
             try:
@@ -135,6 +138,7 @@ def pools_from_dict(data: Any, source: str = "<config>") -> list[Pool]:
                     port=int(rp["port"]),
                     pool=raw["name"],
                     role=str(rp.get("role", "both")),
+                    shard=str(rp.get("shard", "")),
                     events=rp.get("events"),
                     replay=rp.get("replay"),
                     metrics=rp.get("metrics"),

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 ROLES: dict[str, tuple[str, str]] = {
     "operator": ("kvfleet.operator.main", "run the kopf operator (KVCachePool, InferencePool)"),
     "epp": ("kvfleet.epp.main", "run the Envoy ext_proc endpoint picker"),
+    "gateway-config": ("kvfleet.epp.envoy", "write the Envoy gateway configuration in front of the EPP"),
     "agent": ("kvfleet.agent.main", "run the node agent (tiers, transfer engine, KV events)"),
     "engine": ("kvfleet.engine.main", "run the CPU-fallback engine simulator (OpenAI API)"),
     "demo": ("kvfleet.demo.main", "run the one-machine stack and replay a workload"),

@@ -54,6 +54,8 @@ class EppSettings:
     ``service_name`` set, only the InferencePools whose ``endpointPickerRef``
     names that Service, as GIE has an EPP serve the pools that reference it).
     ``tokenizer`` is ``bytes`` or a path to a HF ``tokenizer.json``.
+    ``tls_cert_file``/``tls_key_file``: serve ext_proc over TLS (PEM files; the chart
+    mounts them from a Secret); both empty = plaintext h2c. Health stays plaintext.
     ``speculative_ttl_s``: how long a pick counts as cached on its pod before KV
     events confirm it; with ``events_enabled: false`` the index is built from
     picks only (approximate mode) and ``approximate_ttl_s`` applies.
@@ -71,6 +73,8 @@ class EppSettings:
     namespace: str = "default"
     service_name: str = ""
     tokenizer: str = "bytes"
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
     max_body_bytes: int = 8 * 1024 * 1024
     events_enabled: bool = True
     speculative_ttl_s: float = 10.0

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import start_http_server
 
 from kvfleet.cache.hashing import BlockHasher
@@ -26,11 +27,21 @@ from kvfleet.epp.ingest import PodEventApplier
 from kvfleet.epp.metrics import EppMetrics
 from kvfleet.epp.podmetrics import MetricsScraper, MetricsStore
 from kvfleet.epp.router import Router
-from kvfleet.epp.server import ExtProcServicer, health_handler
+from kvfleet.epp.server import ExtProcServicer, HealthServicer
 from kvfleet.epp.subscriber import EventSubscriber
 from kvfleet.epp.tokenize import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials | None:
+    """TLS for the ext_proc port when both files are set (a Secret mounted by the chart); else ``None``."""
+    if not cert_file and not key_file:
+        return None
+    if not (cert_file and key_file):
+        raise ValueError("epp.tls_cert_file and epp.tls_key_file must be set together")
+    with open(cert_file, "rb") as c, open(key_file, "rb") as k:
+        return grpc.ssl_server_credentials([(k.read(), c.read())])
 
 
 def make_datastore(settings: Settings) -> Datastore:
@@ -112,13 +123,20 @@ class Epp:
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
-        self._grpc.add_generic_rpc_handlers((health_handler(lambda: self.serving),))
-        self.grpc_port = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
-        self._health = grpc.aio.server()
-        self._health.add_generic_rpc_handlers((health_handler(lambda: self.serving),))
+        health = HealthServicer(alive=lambda: not self._stop.is_set(), ready=self.ready)
+        health_pb2_grpc.add_HealthServicer_to_server(health, self._grpc)
+        creds = server_credentials(s.tls_cert_file, s.tls_key_file)
+        target = f"{s.host}:{s.grpc_port}"
+        self.grpc_port = self._grpc.add_insecure_port(target) if creds is None else self._grpc.add_secure_port(target, creds)
+        self._health = grpc.aio.server()  # plaintext: kubelet's gRPC probes do not speak TLS
+        health_pb2_grpc.add_HealthServicer_to_server(health, self._health)
         self.health_port = self._health.add_insecure_port(f"{s.host}:{s.health_port}")
         await self._grpc.start()
         await self._health.start()
+
+    def ready(self) -> bool:
+        """Readiness (GIE): serving, and the datastore has its first full view of pools and pods."""
+        return self.serving and self.datastore.has_synced()
 
     async def _stop_grpc(self) -> None:
         for srv in (self._grpc, self._health):

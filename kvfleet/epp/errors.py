@@ -22,6 +22,20 @@ class BadRequestError(EppError):
     kind = "invalid_request_error"
 
 
+class ForbiddenPathError(EppError):
+    """A path the gateway never forwards (the engines' internal ``/kvfleet/`` API)."""
+
+    status = 404
+    kind = "not_found_error"
+
+
+class MethodNotAllowedError(EppError):
+    """An HTTP method the path does not take (inference is POST, model listing GET)."""
+
+    status = 405
+    kind = "method_not_allowed"
+
+
 class BodyTooLargeError(BadRequestError):
     """The body exceeds ``max_body_bytes``."""
 

@@ -110,6 +110,26 @@ class InflightTracker:
                 if self._prefix[key] <= 0:
                     del self._prefix[key]
 
+    def move(self, t: Ticket, old: str, new: str) -> None:
+        """The request of ``t`` is served by ``new`` instead of ``old`` (the gateway used a fallback)."""
+        with self._lock:
+            if old not in t.pods or new in t.pods:
+                return
+            t.pods = tuple(new if p == old else p for p in t.pods)
+            src, dst = self._loads[old], self._loads[new]
+            if t.open:
+                src.inflight = max(0, src.inflight - 1)
+                dst.inflight += 1
+                self._prefix[(old, t.prefix)] -= 1
+                if self._prefix[(old, t.prefix)] <= 0:
+                    del self._prefix[(old, t.prefix)]
+                self._prefix[(new, t.prefix)] += 1
+            if t.pending:
+                src.pending_tokens = max(0.0, src.pending_tokens - t.tokens)
+                src.pending_requests = max(0, src.pending_requests - 1)
+                dst.pending_tokens += t.tokens
+                dst.pending_requests += 1
+
     def reap(self) -> int:
         cutoff = self.clock() - self.max_age_s
         old = [t for t in list(self._tickets.values()) if t.started < cutoff]

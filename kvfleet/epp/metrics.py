@@ -101,6 +101,11 @@ class EppMetrics:
         self.engine_cached = Counter(
             "kvfleet_epp_engine_cached_tokens", "Cached tokens reported by engines (usage.prompt_tokens_details)", registry=r
         )
+        self.served_by_fallback = Counter(
+            "kvfleet_epp_served_by_fallback",
+            "Requests the gateway reported served by a fallback endpoint instead of the pick",
+            registry=r,
+        )
         self.misprediction = Counter(
             "kvfleet_epp_misprediction_tokens", "|predicted - reported| cached tokens", ["direction"], registry=r
         )

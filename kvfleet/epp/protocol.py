@@ -9,12 +9,26 @@ Gateway API Inference Extension endpoint-picker protocol:
   as dynamic metadata ``envoy.lb`` → ``x-gateway-destination-endpoint`` (same value,
   an ordered ``ip:port,ip:port`` list: the first is the pick, the rest fallbacks);
 * P/D pools add ``x-prefiller-host-port`` naming the prefill pod;
-* errors become an ImmediateResponse with a JSON body and the error's status.
+* errors become an ImmediateResponse with a JSON body and the error's status;
+* the endpoint that really served a request comes back in the response's
+  ``metadata_context`` (``envoy.lb`` → ``x-gateway-destination-endpoint-served``,
+  protocol v1.0) or, from kvfleet's own Envoy configuration, as the ext_proc
+  attribute ``upstream.address``: :func:`served_endpoint`.
+
+Client input never chooses a route, a prefill pod or cache contents: the
+gateway strips :data:`CLIENT_STRIPPED_HEADERS` before the picker sees the
+request, and :func:`parse_request` refuses the P/D control fields of
+:data:`CONTROL_FIELDS` in a client body (400): they are set between pods, never
+by clients. ``GET /v1/models`` (and ``/v1/models/{id}``) is answered by the
+picker itself from the models its pools serve (:func:`models_body`); other
+non-inference paths go to one member of a pool (:func:`classify_path`), except
+the engines' internal ``/kvfleet/`` paths, which the gateway never forwards.
 """
 
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,11 +47,29 @@ DEST_METADATA_NS = "envoy.lb"
 SUBSET_NS = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 PREFILLER_HEADER = "x-prefiller-host-port"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+#: ext_proc attribute (CEL) with the upstream host that served the request (kvfleet's Envoy config asks for it)
+UPSTREAM_ATTRIBUTE = "upstream.address"
+EXT_PROC_ATTRIBUTES_NS = "envoy.filters.http.ext_proc"
+#: request headers a client may not send: the gateway removes them before ext_proc and routing
+CLIENT_STRIPPED_HEADERS = (
+    DEST_HEADER,
+    SUBSET_KEY,
+    SERVED_KEY,
+    PREFILLER_HEADER,
+    "x-kvfleet-peer-timestamp",
+    "x-kvfleet-peer-signature",
+)
+#: body fields that steer prefill/decode disaggregation between pods (vLLM's and SGLang's): never from clients
+CONTROL_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_endpoints")
+#: engine-internal paths (KV release, reset) the gateway refuses to forward
+INTERNAL_PREFIX = "/kvfleet/"
 #: Largest chunk of a streamed body mutation (Envoy's gRPC message limit is larger; GIE uses 62 kB).
 BODY_CHUNK = 62_000
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+MODELS = "/v1/models"
 API_PATHS = (COMPLETIONS, CHAT)
 _JSON = msgspec.json.Decoder()
 
@@ -70,6 +102,11 @@ def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceReque
         raise BadRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise BadRequestError("request body must be a JSON object")
+    control = [f for f in CONTROL_FIELDS if f in data]
+    if control:
+        raise BadRequestError(
+            f"{', '.join(repr(f) for f in control)} may not be set by clients: the gateway sets up prefill/decode itself"
+        )
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequestError("'model' must be a non-empty string")
@@ -91,6 +128,50 @@ def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceReque
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt):
         return InferenceRequest(api=api, model=model, prompt_token_ids=tuple(prompt), cache_salt=salt, stream=stream)
     raise BadRequestError("'prompt' must be a string or a non-empty list of token ids")
+
+
+def model_of(body: bytes) -> str | None:
+    """The ``model`` of a JSON body that has one (non-inference paths: used to find the pool only).
+
+    Raises BadRequestError when the body carries a P/D control field (:data:`CONTROL_FIELDS`)."""
+    if not body:
+        return None
+    try:
+        data = _JSON.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    control = [f for f in CONTROL_FIELDS if f in data]
+    if control:
+        raise BadRequestError(f"{', '.join(repr(f) for f in control)} may not be set by clients")
+    model = data.get("model")
+    return model if isinstance(model, str) and model else None
+
+
+def classify_path(path: str) -> tuple[str, str]:
+    """``(kind, argument)`` of a request path: ``("inference", api)``, ``("models", "")``,
+    ``("model", id)``, ``("internal", path)`` or ``("other", path)``."""
+    api = path.split("?", 1)[0]
+    norm = api.rstrip("/") or "/"
+    if norm in API_PATHS:
+        return "inference", norm
+    if norm == MODELS:
+        return "models", ""
+    if norm.startswith(MODELS + "/"):
+        return "model", urllib.parse.unquote(norm[len(MODELS) + 1 :])
+    if api.startswith(INTERNAL_PREFIX) or urllib.parse.unquote(api).startswith(INTERNAL_PREFIX):
+        return "internal", norm
+    return "other", norm
+
+
+def model_card(model: str, created: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "kvfleet"}
+
+
+def models_body(models: Sequence[str], created: int) -> bytes:
+    """OpenAI's ``GET /v1/models`` answer: ``{"object": "list", "data": [model cards]}``."""
+    return json.dumps({"object": "list", "data": [model_card(m, created) for m in models]}).encode()
 
 
 def cached_tokens_of(body: bytes) -> int | None:
@@ -195,6 +276,33 @@ def immediate_response(error: EppError) -> pb.ProcessingResponse:
             details=error.kind,
         )
     )
+
+
+def json_response(status: int, body: bytes) -> pb.ProcessingResponse:
+    """An ImmediateResponse that answers the request from the picker itself (e.g. ``GET /v1/models``)."""
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+            body=body,
+        )
+    )
+
+
+def served_endpoint(msg: Any) -> str | None:
+    """The endpoint that served a request, from a response-phase ``ProcessingRequest``: GIE's
+    ``metadata_context`` entry first, else the ``upstream.address`` attribute."""
+    fm: Mapping[str, Any] = msg.metadata_context.filter_metadata
+    if DEST_METADATA_NS in fm:
+        v = fm[DEST_METADATA_NS].fields.get(SERVED_KEY)
+        if v is not None and v.WhichOneof("kind") == "string_value" and v.string_value:
+            return str(v.string_value)
+    attrs: Mapping[str, Any] = msg.attributes
+    if EXT_PROC_ATTRIBUTES_NS in attrs:
+        v = attrs[EXT_PROC_ATTRIBUTES_NS].fields.get(UPSTREAM_ATTRIBUTE)
+        if v is not None and v.WhichOneof("kind") == "string_value" and v.string_value:
+            return str(v.string_value)
+    return None
 
 
 def header_map(headers: Any) -> dict[str, str]:

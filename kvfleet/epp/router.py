@@ -3,9 +3,14 @@
 1. tokenize (byte-level or HF) and key the prompt's full blocks with the core's
    chained hash (``cache_salt`` → the extra key ``(salt,)`` of block 0, exactly
    as vLLM and the engine simulator key it: :func:`~kvfleet.cache.tokens.salt_extra_keys`);
-2. level 1: rank the pools serving the model by weighted rendezvous hashing of
-   the first ``prefix_shard_blocks`` keys; spill to the next pool while the
-   ranked one is saturated (every ready pod waits ≥ ``pool_saturation_queue``);
+2. the invoked pool: the one InferencePool serving the model (or, with a
+   subset hint, the pool holding those endpoints; several pools serving one model
+   are ranked by rendezvous hashing of the shard key). Every endpoint returned,
+   pick and fallbacks, belongs to that one pool (GIE v1.6);
+   level 1: rank the pool's prefix shards (pod subsets, label ``kvfleet.io/shard``)
+   by weighted rendezvous hashing of the first ``prefix_shard_blocks`` keys; spill
+   to the next shard while the ranked one is saturated (every ready pod waits
+   ≥ ``pool_saturation_queue``);
 3. level 2: look the keys up in the global index, build one candidate per pod
    and run the scheduling profile; P/D pools pick a decode pod, and a prefill
    pod only when the uncached part is at least ``pd_min_uncached_tokens``; with
@@ -13,13 +18,15 @@
    and the engine reports its ``cached_tokens``), else the serving pod's;
 4. record the pick: a speculative index entry on the chosen pod(s) (until the
    pod's events confirm it, or ``speculative_ttl_s`` after its first token) and
-   an in-flight ticket (load, hot-spot decay, pending prefill work).
+   an in-flight ticket (load, hot-spot decay, pending prefill work);
+5. when the gateway reports that another endpoint of the list served the request
+   (a fallback), :meth:`Decision.served` moves the ticket and the speculative entry there.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,6 +74,16 @@ class Decision:
     #: stale, the picker's pending requests) at the pick: the decision log's evidence
     hits: tuple[tuple[str, int, int, float, int], ...] = ()
     ticket: Ticket | None = field(default=None, compare=False)
+    #: the prefix shard (pod subset of ``pool``) level 1 chose; "" when the pool has one
+    shard: str = ""
+    on_served: Callable[[str], bool] | None = field(default=None, compare=False)
+
+    def served(self, endpoint: str) -> bool:
+        """The gateway says ``endpoint`` served the request; ``True`` if that moved the accounting
+        off the pick (a fallback served it)."""
+        if self.on_served is None or not self.endpoints or endpoint == self.endpoints[0]:
+            return False
+        return self.on_served(endpoint)
 
 
 class Router:
@@ -102,13 +119,31 @@ class Router:
     def keys_of(self, tokens: np.ndarray, cache_salt: str | None) -> list[int]:
         return hashes_as_ints(self.hasher.hash_tokens(tokens, extra_keys=salt_extra_keys(cache_salt)))
 
+    def serving_pools(self, model: str) -> list[Pool]:
+        """The pools serving ``model`` (a pool without models serves every model)."""
+        return [p for p in self.datastore.pools() if model in p.models or "*" in p.models]
+
     def route(self, req: InferenceRequest, subset: Sequence[str] | None = None) -> Decision:
-        pools = [p for p in self.datastore.pools() if req.model in p.models or "*" in p.models]
+        pools = self.serving_pools(req.model)
         if not pools:
             raise UnknownModelError(f"no pool serves model {req.model!r}")
         tokens = self.tokens_of(req)
         keys = self.keys_of(tokens, req.cache_salt)
         return self.route_keys(req.model, keys, len(tokens), pools, subset, tail=tokens)
+
+    def route_any(self, model: str | None, subset: Sequence[str] | None = None) -> Decision:
+        """A request that is not an inference (``/tokenize``, ``/health``...): the least-loaded ready pod
+        of the invoked pool (of ``model``'s pool when the body names one). Counted in flight, no cache state."""
+        pools = self.serving_pools(model) if model else sorted(self.datastore.pools(), key=lambda p: p.name)
+        if not pools:
+            raise UnknownModelError(f"no pool serves model {model!r}")
+        pool = self._invoked_pool(model or "", 0, pools, None if subset is None else set(subset))
+        pods = [p for p in pool.pods if p.ready and (subset is None or p.endpoint in subset)]
+        if not pods:
+            raise NoEndpointError(f"no ready endpoint in pool {pool.name!r}")
+        best = min(pods, key=lambda p: (self._waiting(p), self.tracker.load(p.name)[0], p.name))
+        ticket = self.tracker.open((best.name,), 0, 0.0)
+        return Decision(endpoints=(best.endpoint,), pod=best.name, pool=pool.name, shard=best.shard, ticket=ticket)
 
     def route_keys(
         self,
@@ -125,7 +160,7 @@ class Router:
         than one block. The routing simulation (``bench.routing``) drives this with trace block ids.
         """
         if pools is None:
-            pools = [p for p in self.datastore.pools() if model in p.models or "*" in p.models]
+            pools = self.serving_pools(model)
             if not pools:
                 raise UnknownModelError(f"no pool serves model {model!r}")
         k = min(self.settings.prefix_shard_blocks, len(keys))
@@ -138,20 +173,20 @@ class Router:
             shard=shard,
         )
         allowed = set(subset) if subset is not None else None
-        groups = self._pools(model, shard, pools, allowed)
-        home = {p.name: (pool, pods) for pool, pods in groups for p in pods}
-        serving = [p for pool, pods, disagg in ((g, ps, g.disaggregated) for g, ps in groups) for p in pods
-                   if not disagg or p.role in ("both", "decode")]
+        invoked = self._invoked_pool(model, shard, pools, allowed)
+        groups = self._shards(model, shard, invoked, allowed)
+        home = {p.name: (g, pods) for g, pods in groups for p in pods}
+        serving = [p for g, pods in groups for p in pods if not g.disaggregated or p.role in ("both", "decode")]
         with self._lock:
             cands = self._candidates(serving, keys, shard)
             if self.settings.shed_queue > 0 and all(waiting_of(c) >= self.settings.shed_queue for c in cands):
-                raise SheddingError(f"every pod of pool {groups[0][0].name!r} is above the shedding threshold")
+                raise SheddingError(f"every pod of pool {invoked.name!r} is above the shedding threshold")
             ranked = self.profile.run(sreq, cands)
             if not ranked.pods:
-                raise NoEndpointError(f"no endpoint of pool {groups[0][0].name!r} passed the filters")
+                raise NoEndpointError(f"no endpoint of pool {invoked.name!r} passed the filters")
             best = ranked.pods[0]
-            pool, pods = home[best.name]
-            disagg = pool.disaggregated
+            group, pods = home[best.name]
+            disagg = group.disaggregated
             hit_tokens = min(num_tokens, best.hit_blocks * self.hasher.block_size)
             uncached = num_tokens - hit_tokens
             prefiller: Pod | None = None
@@ -168,17 +203,29 @@ class Router:
             picked = (best.name,) if prefiller is None else (best.name, prefiller.name)
             ttl = self.settings.speculative_ttl_s if self.settings.events_enabled else self.settings.approximate_ttl_s
 
-            leases = [self.index.add_speculative(name, keys, self.tracker.max_age_s) for name in picked]
+            leases = {name: self.index.add_speculative(name, keys, self.tracker.max_age_s) for name in picked}
 
             def refresh() -> None:  # the TTL counts from the first token: a long queue must not expire the entry
-                for lease in leases:
+                for lease in leases.values():
                     self.index.extend(lease, ttl)
 
             ticket = self.tracker.open(picked, shard, float(uncached), on_first_byte=refresh)
+        by_endpoint = {c.pod.endpoint: c.pod for c in ranked.pods}
+
+        def served(endpoint: str) -> bool:
+            """A fallback served the request: its pod, not the pick, holds the prefix and carries the load."""
+            pod = by_endpoint.get(endpoint)
+            if pod is None or pod.name in leases:
+                return False
+            leases[best.name].expiry = 0.0
+            leases[pod.name] = self.index.add_speculative(pod.name, keys, self.tracker.max_age_s)
+            self.tracker.move(ticket, best.name, pod.name)
+            return True
+
         return Decision(
             endpoints=tuple(c.pod.endpoint for c in ranked.pods),
             pod=best.name,
-            pool=pool.name,
+            pool=invoked.name,
             prefiller=None if prefiller is None else prefiller.endpoint,
             num_tokens=num_tokens,
             predicted_hit_tokens=hit_tokens,
@@ -188,25 +235,47 @@ class Router:
                 for c in cands
             ),
             ticket=ticket,
+            shard=best.pod.shard,
+            on_served=served,
         )
 
-    def _pools(
-        self, model: str, shard: int, pools: Sequence[Pool], allowed: set[str] | None
-    ) -> list[tuple[Pool, list[Pod]]]:
-        """Level 1: the one pool the prefix shard picks (spilling past saturated pools), or, with
-        ``prefix_shard_pools: false``, every pool with a ready pod (one flat scheduling cycle)."""
+    def _invoked_pool(self, model: str, shard: int, pools: Sequence[Pool], allowed: set[str] | None) -> Pool:
+        """The one pool this request is routed in: with a subset hint, the pool holding the hinted
+        endpoints; else the only pool serving the model, or (several) the first of the rendezvous
+        ranking that has a ready pod. Endpoints of two pools are never mixed in one answer."""
+        if allowed is not None:
+            pools = [p for p in pools if any(pod.endpoint in allowed for pod in p.pods)]
+            if not pools:
+                raise NoEndpointError("no endpoint of the subset hint belongs to a pool serving the model")
+        if len(pools) == 1:
+            return pools[0]
+        ranked = rendezvous_rank(shard, pools)
+        for pool in ranked:
+            if any(p.ready and (allowed is None or p.endpoint in allowed) for p in pool.pods):
+                return pool
+        raise NoEndpointError(f"no ready endpoint for model {model!r}")
+
+    def _shards(self, model: str, shard: int, pool: Pool, allowed: set[str] | None) -> list[tuple[Pool, list[Pod]]]:
+        """Level 1 inside the invoked pool: the prefix shard (pod subset) the shard key picks, spilling
+        past saturated shards, or, with ``prefix_shard_pools: false``, every shard with a ready pod (one
+        flat scheduling cycle: what a plain load balancer does, the baselines)."""
+        by_shard: dict[str, list[Pod]] = {}
+        for p in pool.pods:
+            by_shard.setdefault(p.shard, []).append(p)
+        groups = [Pool(name=f"{pool.name}/{k}" if k else pool.name, models=pool.models, pods=tuple(v))
+                  for k, v in sorted(by_shard.items())]
         ready: list[tuple[Pool, list[Pod]]] = []
-        for pool in rendezvous_rank(shard, pools) if self.settings.prefix_shard_pools else pools:
-            pods = [p for p in pool.pods if p.ready and (allowed is None or p.endpoint in allowed)]
+        for g in rendezvous_rank(shard, groups) if self.settings.prefix_shard_pools else groups:
+            pods = [p for p in g.pods if p.ready and (allowed is None or p.endpoint in allowed)]
             if pods:
-                ready.append((pool, pods))
+                ready.append((g, pods))
         if not ready:
-            raise NoEndpointError(f"no ready endpoint for model {model!r}")
-        if not self.settings.prefix_shard_pools or len(ready) == 1:  # one pool: nowhere to spill
+            raise NoEndpointError(f"no ready endpoint in pool {pool.name!r} for model {model!r}")
+        if not self.settings.prefix_shard_pools or len(ready) == 1:  # one shard: nowhere to spill
             return ready
-        for pool, pods in ready:
+        for g, pods in ready:
             if min(self._waiting(p) for p in pods) < self.settings.pool_saturation_queue:
-                return [(pool, pods)]
+                return [(g, pods)]
         return [ready[0]]
 
     def _waiting(self, pod: Pod) -> float:

@@ -13,8 +13,17 @@ listeners configured either way:
   the body is complete, then send the HeadersResponse with the pick and hand
   the body back in streamed chunks.
 
-Response headers mark the prefill as done (pending work off the pod); a
-response body is passed through and its ``usage.prompt_tokens_details.cached_tokens``
+Request paths (:func:`~kvfleet.epp.protocol.classify_path`): completions and chat
+are routed by prefix and load; ``GET /v1/models`` and ``/v1/models/{id}`` are
+answered by the picker from the models its pools serve; any other path goes to
+the least-loaded ready pod of the invoked pool; the engines' internal
+``/kvfleet/`` paths get a 404 and never reach a pod; a wrong method gets a 405.
+
+Response headers carry the endpoint that served the request (GIE protocol v1.0:
+``envoy.lb`` → ``x-gateway-destination-endpoint-served``, or the ext_proc
+attribute ``upstream.address``): when a fallback served it, the in-flight
+ticket and the speculative entry move to that pod. They also mark the prefill
+as done (pending work off the pod); a response body is passed through and its ``usage.prompt_tokens_details.cached_tokens``
 is compared with the predicted hit (misprediction metrics). With the environment
 variable ``KVFLEET_EPP_DECISION_LOG`` set to a path, every answered request appends
 one JSON line there: the pick, each candidate's index hit (and its speculative
@@ -25,6 +34,7 @@ in an ImmediateResponse with a JSON body; the stream always ends.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -36,9 +46,16 @@ import grpc
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvfleet.epp import protocol
-from kvfleet.epp.errors import BadRequestError, BodyTooLargeError, EppError
+from kvfleet.epp.errors import (
+    BodyTooLargeError,
+    EppError,
+    ForbiddenPathError,
+    MethodNotAllowedError,
+    UnknownModelError,
+)
 from kvfleet.epp.metrics import EppMetrics
 from kvfleet.epp.router import Decision, Router
 
@@ -68,6 +85,8 @@ class _Stream:
         self.request_mode = request_mode
         self.response_mode = _Mode.NONE
         self.path = ""
+        self.kind = "inference"
+        self.bodiless = False
         self.body = bytearray()
         self.decision: Decision | None = None
         self.model = ""
@@ -78,6 +97,7 @@ class _Stream:
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, router: Router, metrics: EppMetrics, max_body_bytes: int, default_mode: str = "FULL_DUPLEX_STREAMED") -> None:
+        self.created = int(time.time())
         self.router = router
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
@@ -120,8 +140,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     return out
                 return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
             if kind == "response_headers":
-                if st.decision is not None and st.decision.ticket is not None:
-                    st.decision.ticket.first_byte()
+                if st.decision is not None:
+                    served = protocol.served_endpoint(msg)
+                    if served is not None and st.decision.served(served):
+                        self.metrics.served_by_fallback.inc()
+                    if st.decision.ticket is not None:
+                        st.decision.ticket.first_byte()
                 return [protocol.empty_response_headers_response()]
             if kind == "response_body":
                 return self._response_body(st, msg.response_body)
@@ -137,17 +161,34 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def _request_headers(self, st: _Stream, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
         hm = protocol.header_map(headers.headers)
         st.path = hm.get(":path", "")
-        api = st.path.split("?", 1)[0].rstrip("/")
-        if api not in protocol.API_PATHS:
-            raise BadRequestError(f"unknown API path {api!r}; known: {', '.join(protocol.API_PATHS)}")
+        method = hm.get(":method", "POST").upper()
+        st.kind, arg = protocol.classify_path(st.path)
+        if st.kind == "internal":
+            raise ForbiddenPathError(f"{arg!r} is not served through the gateway")
+        if st.kind in ("models", "model"):
+            if method not in ("GET", "HEAD"):
+                raise MethodNotAllowedError(f"{method} is not allowed on {protocol.MODELS}; use GET")
+            return [self._models(arg if st.kind == "model" else None)]
+        if st.kind == "inference" and method != "POST":
+            raise MethodNotAllowedError(f"{method} is not allowed on {arg}; use POST")
         cl = hm.get("content-length", "")
         if cl.isdigit() and int(cl) > self.max_body_bytes:
             raise BodyTooLargeError(f"request body of {cl} bytes exceeds the limit of {self.max_body_bytes}")
         if headers.end_of_stream:
+            st.bodiless = True
             return self._route(st)
         if st.request_mode == _Mode.FULL_DUPLEX_STREAMED:
             return []
         return [protocol.empty_request_headers_response()]
+
+    def _models(self, model: str | None) -> pb.ProcessingResponse:
+        """``GET /v1/models`` (every model the pools serve) or ``/v1/models/{id}`` (404 when none serves it)."""
+        served = sorted({m for p in self.router.datastore.pools() for m in p.models if m != "*"})
+        if model is None:
+            return protocol.json_response(200, protocol.models_body(served, self.created))
+        if model not in served and not any("*" in p.models for p in self.router.datastore.pools()):
+            raise UnknownModelError(f"The model `{model}` does not exist.")
+        return protocol.json_response(200, json.dumps(protocol.model_card(model, self.created)).encode())
 
     def _request_body(self, st: _Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         st.body += body.body
@@ -163,6 +204,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         st.routed = True
         t0 = time.perf_counter()
         body = bytes(st.body)
+        if st.kind != "inference":
+            return self._route_other(st, body)
         req = protocol.parse_request(st.path, body, self.max_body_bytes)
         st.model = req.model
         self.metrics.requests.labels(req.model).inc()
@@ -172,6 +215,18 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.metrics.prompt_tokens.inc(d.num_tokens)
         self.metrics.predicted_hit.inc(d.predicted_hit_tokens)
         headers = protocol.routing_headers(d.endpoints, d.prefiller)
+        if st.request_mode == _Mode.FULL_DUPLEX_STREAMED:
+            return [protocol.pick_headers_response(headers), *protocol.streamed_body_responses(body)]
+        return [protocol.pick_headers_response(headers, as_body=True)]
+
+    def _route_other(self, st: _Stream, body: bytes) -> list[pb.ProcessingResponse]:
+        """A non-inference path: the least-loaded pod of the pool of the body's ``model`` (if any)."""
+        model = protocol.model_of(body)
+        st.model = model or ""
+        st.decision = self.router.route_any(model, st.subset)
+        headers = protocol.routing_headers(st.decision.endpoints)
+        if st.bodiless:
+            return [protocol.pick_headers_response(headers)]
         if st.request_mode == _Mode.FULL_DUPLEX_STREAMED:
             return [protocol.pick_headers_response(headers), *protocol.streamed_body_responses(body)]
         return [protocol.pick_headers_response(headers, as_body=True)]
@@ -194,25 +249,57 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return protocol.immediate_response(exc)
 
 
-# --- gRPC health (grpc.health.v1), encoded by hand: one string field in, one enum out ----------
-_SERVING, _NOT_SERVING = b"\x08\x01", b"\x08\x02"
+# --- gRPC health (grpc.health.v1, GIE's service names) -----------------------------------------------
+LIVENESS, READINESS = "liveness", "readiness"
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
-def health_handler(is_serving: Callable[[], bool]) -> grpc.GenericRpcHandler:
-    async def check(request: bytes, context: Any) -> bytes:
-        return _SERVING if is_serving() else _NOT_SERVING
+class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+    """``grpc.health.v1.Health`` as GIE's EPP protocol defines it.
 
-    return grpc.method_handlers_generic_handler(
-        "grpc.health.v1.Health",
-        {"Check": grpc.unary_unary_rpc_method_handler(check, request_deserializer=None, response_serializer=None)},
-    )
+    ``liveness``: SERVING while the process answers; ``readiness``, the ext_proc service name and
+    ``""`` (the whole server): SERVING only once the picker serves *and* its datastore has synced
+    (Kubernetes: the first list of InferencePools and Pods). Any other name: NOT_FOUND.
+    """
+
+    def __init__(self, alive: Callable[[], bool], ready: Callable[[], bool]) -> None:
+        self.alive, self.ready = alive, ready
+
+    def status(self, service: str) -> int | None:
+        if service == LIVENESS:
+            ok = self.alive()
+        elif service in (READINESS, EXT_PROC_SERVICE, ""):
+            ok = self.ready()
+        else:
+            return None
+        return int(health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:
+        status = self.status(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        last: int | None = -1
+        while True:
+            status = self.status(request.service)
+            if status != last:
+                last = status
+                yield health_pb2.HealthCheckResponse(
+                    status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status is None else status
+                )
+            await asyncio.sleep(0.5)
 
 
-def health_check(target: str, timeout_s: float = 1.0) -> bool:
-    """Client side of :func:`health_handler` (used by tests and ``kvfleet epp --check``)."""
-    with grpc.insecure_channel(target) as ch:
-        call = ch.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
+def health_check(
+    target: str, timeout_s: float = 1.0, service: str = READINESS, credentials: grpc.ChannelCredentials | None = None
+) -> bool:
+    """Client side of :class:`HealthServicer` (used by tests and ``kvfleet epp --check``): SERVING?"""
+    with (grpc.secure_channel(target, credentials) if credentials is not None else grpc.insecure_channel(target)) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
         try:
-            return bool(call(b"", timeout=timeout_s) == _SERVING)
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError:
             return False
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)

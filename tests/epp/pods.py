@@ -89,6 +89,7 @@ class FakePod:
         self.blocks: set[int] = set()
         self.delay_s = delay_s
         self.requests: list[dict[str, Any]] = []
+        self.other: list[tuple[str, str]] = []
         self.running = 0
         self.publisher = KVEventPublisher()
         self.port = 0
@@ -146,10 +147,16 @@ class FakePod:
             )
             return web.Response(text=text, content_type="text/plain")
 
+        async def other(request: web.Request) -> web.Response:
+            self.other.append((request.method, request.path))
+            return web.json_response({"error": {"code": 404, "message": f"no {request.path}"}}, status=404,
+                                     headers={"x-pod": self.name})
+
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/completions", completions)
         app.router.add_post("/v1/chat/completions", completions)
         app.router.add_get("/metrics", metrics)
+        app.router.add_route("*", "/{tail:.*}", other)
         return app
 
 
@@ -206,11 +213,18 @@ class PodFleet:
 
 def post(url: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
     """A plain HTTP POST (urllib); returns (status, headers, body) for any status."""
+    return request(url, body, "POST", headers, timeout)
+
+
+def request(
+    url: str, body: Any, method: str = "POST", headers: dict[str, str] | None = None, timeout: float = 10.0
+) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP request (urllib; ``body`` None = none, bytes as they are, else JSON); (status, headers, body)."""
     import urllib.error
     import urllib.request
 
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="POST", headers={"content-type": "application/json", **(headers or {})})
+    data = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()

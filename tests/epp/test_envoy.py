@@ -19,7 +19,7 @@ import pytest
 from kvfleet.epp.app import Epp
 from kvfleet.epp.envoy import EnvoyProcess, free_port
 from tests.epp.conftest import wait_for
-from tests.epp.pods import PodFleet, post
+from tests.epp.pods import PodFleet, post, request
 
 pytestmark = pytest.mark.e2e
 PROMPT = "You are a careful assistant. Answer in one line. " * 20
@@ -120,33 +120,56 @@ def test_failure_mode_when_the_picker_is_down(fleet: PodFleet, envoy_factory: En
 
 @pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
 def test_bad_requests_get_json_errors_through_envoy(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, body_mode: str) -> None:
-    """Malformed → 400, oversized → 400, unknown path → 400, unknown model → 404; never a hang or a stack trace."""
+    """Malformed → 400, oversized → 400, unknown model → 404, P/D control fields from a client → 400,
+    the engines' internal API → 404, a wrong method → 405; never a hang or a stack trace, and no pod sees any."""
     epp = epp_factory(max_body_bytes=4096)
     env = envoy_factory(epp_port=epp.grpc_port, body_mode=body_mode)
-    cases = [
-        (url(env), b"{not json", 400),
-        (url(env), json.dumps({"model": "m", "prompt": "x" * 10_000}).encode(), 400),
-        (url(env, "/v1/embeddings"), json.dumps({"model": "m", "input": "x"}).encode(), 400),
-        (url(env), json.dumps({"model": "nope", "prompt": "x"}).encode(), 404),
-        (url(env), json.dumps({"prompt": "x"}).encode(), 400),
+    cases: list[tuple[str, bytes | None, str, int]] = [
+        (url(env), b"{not json", "POST", 400),
+        (url(env), json.dumps({"model": "m", "prompt": "x" * 10_000}).encode(), "POST", 400),
+        (url(env), json.dumps({"model": "nope", "prompt": "x"}).encode(), "POST", 404),
+        (url(env), json.dumps({"prompt": "x"}).encode(), "POST", 400),
+        (url(env), json.dumps({"model": "m", "prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}).encode(), "POST", 400),
+        (url(env, "/v1/chat/completions"), json.dumps({"model": "m", "messages": [], "bootstrap_host": "10.0.0.9"}).encode(), "POST", 400),
+        (url(env, "/kvfleet/v1/reset"), b"{}", "POST", 404),
+        (url(env, "/kvfleet/v1/kv/cmpl-1"), None, "DELETE", 404),
+        (url(env, "/%6bvfleet/v1/reset"), b"{}", "POST", 404),
+        (url(env), None, "GET", 405),
+        (url(env, "/v1/models"), b"{}", "POST", 405),
+        (url(env, "/v1/models/nope"), None, "GET", 404),
     ]
-    for u, payload, want in cases:
-        status, _, body = post(u, payload, timeout=10)
-        assert status == want, (u, payload[:40], body)
+    for u, payload, method, want in cases:
+        status, _, body = request(u, payload, method)
+        assert status == want, (u, method, (payload or b"")[:40], body)
         err = json.loads(body)["error"]
         assert err["code"] == want and "Traceback" not in err["message"]
-    assert sum(len(p.requests) for p in fleet.pods) == 0
+    assert sum(len(p.requests) + len(p.other) for p in fleet.pods) == 0
+
+
+def test_other_paths_reach_one_pool_member(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF) -> None:
+    """A path that is not an inference (``/tokenize``, ``/v1/embeddings``) goes to one ready pod of the pool."""
+    epp = epp_factory()
+    env = envoy_factory(epp_port=epp.grpc_port)
+    status, headers, _ = post(url(env, "/tokenize"), {"model": "m", "prompt": "hi"})
+    assert status == 404 and headers["x-pod"] in {p.name for p in fleet.pods}  # the fake pods serve no /tokenize
+    assert [o for p in fleet.pods for o in p.other] == [("POST", "/tokenize")]
+    status, headers, _ = request(url(env, "/health"), None, "GET")
+    assert status == 404 and headers["x-pod"] in {p.name for p in fleet.pods}
 
 
 def test_subset_hint_is_honoured(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF) -> None:
-    """envoy.lb.subset_hint restricts the pick even when another pod holds the prefix."""
+    """envoy.lb.subset_hint (set by the gateway's configuration) restricts the pick even when another pod
+    holds the prefix; the same list sent by a client as a header changes nothing."""
     epp = epp_factory(speculative_ttl_s=0.001)
-    env = envoy_factory(epp_port=epp.grpc_port, subset_header=True)
+    open_env = envoy_factory(epp_port=epp.grpc_port)
     warm(fleet, epp, 1, PROMPT)
-    status, headers, _ = post(url(env), {"model": "m", "prompt": PROMPT + "y"})
+    status, headers, _ = post(url(open_env), {"model": "m", "prompt": PROMPT + "y"})
     assert status == 200 and headers["x-pod"] == "pod-1"
     only = f"127.0.0.1:{fleet.pods[2].port}"
-    status, headers, _ = post(url(env), {"model": "m", "prompt": PROMPT + "x"}, headers={"x-gateway-destination-endpoint-subset": only})
+    status, headers, _ = post(url(open_env), {"model": "m", "prompt": PROMPT + "x"}, headers={"x-gateway-destination-endpoint-subset": only})
+    assert status == 200 and headers["x-pod"] == "pod-1"
+    hinted = envoy_factory(epp_port=epp.grpc_port, subset_hint=[only])
+    status, headers, _ = post(url(hinted), {"model": "m", "prompt": PROMPT + "x"})
     assert status == 200 and headers["x-pod"] == "pod-2"
 
 

@@ -61,6 +61,7 @@ from kvfleet.epp.protocol import (
 )
 
 _T = "type.googleapis.com/"
+_JSON_503 = '{"error": {"code": 503, "type": "no_ready_endpoint", "message": "no endpoint was picked for this request"}}'
 _JSON_404 = '{"error": {"code": 404, "type": "not_found_error", "message": "not served through the gateway"}}'
 
 
@@ -218,6 +219,8 @@ def bootstrap(
         fallback = [split_endpoint(fallback_service)]
     if fallback:
         routes.append({"match": {"prefix": "/"}, "route": {"cluster": "kvfleet-fallback", "timeout": timeout}})
+    else:
+        routes.append({"match": {"prefix": "/"}, "direct_response": {"status": 503, "body": {"inline_string": _JSON_503}}})
     if routing == "header":
         odst: dict[str, Any] = {"use_http_header": True, "http_header_name": DEST_HEADER}
     else:

@@ -101,9 +101,10 @@ class EppMetrics:
         self.engine_cached = Counter(
             "kvfleet_epp_engine_cached_tokens", "Cached tokens reported by engines (usage.prompt_tokens_details)", registry=r
         )
-        self.served_by_fallback = Counter(
-            "kvfleet_epp_served_by_fallback",
-            "Requests the gateway reported served by a fallback endpoint instead of the pick",
+        self.served = Counter(
+            "kvfleet_epp_served",
+            "Responses whose serving endpoint the gateway reported: by the pick, or by a fallback",
+            ["by"],
             registry=r,
         )
         self.misprediction = Counter(

@@ -142,8 +142,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if kind == "response_headers":
                 if st.decision is not None:
                     served = protocol.served_endpoint(msg)
-                    if served is not None and st.decision.served(served):
-                        self.metrics.served_by_fallback.inc()
+                    if served is not None:
+                        st.decision.served(served)
+                        self.metrics.served.labels("pick" if served == st.decision.endpoints[0] else "fallback").inc()
                     if st.decision.ticket is not None:
                         st.decision.ticket.first_byte()
                 return [protocol.empty_response_headers_response()]

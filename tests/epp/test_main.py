@@ -36,6 +36,7 @@ GOLDEN_METRICS = sorted([
     "kvfleet_epp_pod_pending_tokens",
     "kvfleet_epp_predicted_hit_tokens",
     "kvfleet_epp_prompt_tokens",
+    "kvfleet_epp_served",
 ])
 
 

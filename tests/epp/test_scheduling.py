@@ -18,10 +18,13 @@ from kvfleet.epp.scheduling import REGISTRY, Candidate, Profile, SchedulingReque
 from kvfleet.epp.tokenize import load_tokenizer
 
 
-def pools(n: int = 3, roles: list[str] | None = None, npools: int = 1) -> dict[str, Any]:
+def pools(n: int = 3, roles: list[str] | None = None, npools: int = 1, shards: int = 1) -> dict[str, Any]:
+    """``npools`` pools of ``n`` pods each; with ``shards`` > 1 the pods of a pool are split round-robin
+    into that many prefix shards (labels "0", "1", ...)."""
     out = []
     for p in range(npools):
-        pods = [{"name": f"p{p}-{i}", "address": "10.0.0.1", "port": 8000 + 10 * p + i, "role": (roles or ["both"] * n)[i]} for i in range(n)]
+        pods = [{"name": f"p{p}-{i}", "address": "10.0.0.1", "port": 8000 + 10 * p + i, "role": (roles or ["both"] * n)[i],
+                 **({"shard": str(i % shards)} if shards > 1 else {})} for i in range(n)]
         out.append({"name": f"pool-{p}", "models": ["m"], "pods": pods})
     return {"pools": out}
 
@@ -185,12 +188,47 @@ class TestPools:
         assert firsts == [rendezvous_rank(k * 7919 + 1, ps)[0].name for k in range(4000)]
         assert 0.68 < firsts.count("b") / len(firsts) < 0.82
 
-    def test_same_prefix_same_pool_and_spill(self) -> None:
-        r = router(pools(2, npools=3), pool_saturation_queue=2.0, plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker"}])
-        first = [r.route(InferenceRequest(model="m", prompt=PROMPT + f"{i}")).pool for i in range(4)]
+    def test_same_prefix_same_shard_and_spill(self) -> None:
+        """Level 1 inside one pool: a prefix keeps to its shard (a pod subset) until that shard saturates."""
+        r = router(pools(6, shards=3), pool_saturation_queue=2.0, plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker"}])
+        first = [r.route(InferenceRequest(model="m", prompt=PROMPT + f"{i}")).shard for i in range(4)]
         assert len(set(first)) == 1  # 2 pods × 2 pending each = saturated after 4
-        spilled = r.route(InferenceRequest(model="m", prompt=PROMPT + "x")).pool
-        assert spilled != first[0]
+        spilled = r.route(InferenceRequest(model="m", prompt=PROMPT + "x"))
+        assert spilled.shard != first[0] and spilled.pool == "pool-0"
+
+    def test_every_endpoint_is_in_the_invoked_pool(self) -> None:
+        """Two pools serve one model: each answer (pick and fallbacks) names endpoints of one pool only,
+        the same prompt always lands in the same pool, and a subset hint picks the pool that holds it."""
+        data = pools(3, npools=2, shards=2)
+        members = {p["name"]: {f"{q['address']}:{q['port']}" for q in p["pods"]} for p in data["pools"]}
+        r = router(data, plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker", "params": {"fallbacks": 5}}])
+        seen, widest = set(), 0
+        for i in range(40):
+            d = r.route(InferenceRequest(model="m", prompt=f"{i} {PROMPT}"))
+            assert set(d.endpoints) <= members[d.pool], d
+            widest = max(widest, len(d.endpoints))
+            assert r.route(InferenceRequest(model="m", prompt=f"{i} {PROMPT}")).pool == d.pool
+            seen.add(d.pool)
+        assert seen == {"pool-0", "pool-1"} and widest == 2  # fallbacks: the other pod of the pick's shard
+        d = r.route(InferenceRequest(model="m", prompt=PROMPT), subset=["10.0.0.1:8011"])
+        assert d.pool == "pool-1" and d.endpoints == ("10.0.0.1:8011",)
+
+    def test_fallback_served_moves_the_accounting(self) -> None:
+        """The gateway reports a fallback served: in-flight load and the speculative prefix move to it."""
+        r = router(pools(3), plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker", "params": {"fallbacks": 2}}])
+        d = r.route(InferenceRequest(model="m", prompt=PROMPT))
+        other = next(e for e in d.endpoints[1:])
+        name = {f"10.0.0.1:{8000 + i}": f"p0-{i}" for i in range(3)}[other]
+        assert r.tracker.load(d.pod)[0] == 1 and r.tracker.load(name)[0] == 0
+        assert not d.served(d.endpoints[0])
+        assert d.served(other)
+        assert r.tracker.load(d.pod)[0] == 0 and r.tracker.load(name)[0] == 1
+        keys = r.keys_of(r.tokenizer.encode(PROMPT), None)
+        hits = r.index.match(keys, [d.pod, name])
+        assert d.pod not in hits and hits[name].blocks == len(keys)
+        assert d.ticket is not None
+        d.ticket.close()
+        assert r.tracker.load(name)[0] == 0 and not d.served("10.9.9.9:1")
 
     def test_single_pool_saturated_still_routes_by_score(self) -> None:
         """One pool: nowhere to spill, so saturation does not change the pick (the queue scorer still spreads)."""
@@ -199,18 +237,21 @@ class TestPools:
         assert {d.pool for d in got} == {"pool-0"}
         assert sorted(d.pod for d in got) == ["p0-0"] * 3 + ["p0-1"] * 3
 
-    def test_without_sharding_one_cycle_spans_every_pool(self) -> None:
-        """``prefix_shard_pools: false`` (baselines): the same prompt is spread over every pool's serving pods,
-        and a P/D pool still gets its prefill pod named for an uncached prompt."""
-        data = {"pools": [pools(2)["pools"][0], {**pools(2, roles=["prefill", "decode"], npools=2)["pools"][1]}]}
+    def test_without_sharding_one_cycle_spans_every_shard(self) -> None:
+        """``prefix_shard_pools: false`` (baselines): the same prompt is spread over every shard's serving pods,
+        and a P/D shard still gets its prefill pod named for an uncached prompt."""
+        data = pools(4, roles=["both", "both", "prefill", "decode"])
+        for i, pod in enumerate(data["pools"][0]["pods"]):
+            pod["shard"] = "a" if i < 2 else "b"
         rr = [{"type": "round-robin-picker", "params": {"fallbacks": 0}}]
         r = router(data, prefix_shard_pools=False, plugins=rr, pd_min_uncached_tokens=256)
         got = [r.route(InferenceRequest(model="m", prompt=f"{i} {PROMPT}")) for i in range(6)]
         # the prefill pod is not a serving pod, and its own cycle does not skew the serving pods' turns
-        assert sorted(d.pod for d in got) == ["p0-0", "p0-0", "p0-1", "p0-1", "p1-1", "p1-1"]
-        assert {d.prefiller for d in got if d.pool == "pool-1"} == {"10.0.0.1:8010"}
+        assert sorted(d.pod for d in got) == ["p0-0", "p0-0", "p0-1", "p0-1", "p0-3", "p0-3"]
+        assert {d.prefiller for d in got if d.pod == "p0-3"} == {"10.0.0.1:8002"}
+        assert {d.prefiller for d in got if d.pod != "p0-3"} == {None}
         sharded = router(data, plugins=rr)
-        assert len({sharded.route(InferenceRequest(model="m", prompt=PROMPT)).pool for _ in range(6)}) == 1
+        assert len({sharded.route(InferenceRequest(model="m", prompt=PROMPT)).shard for _ in range(6)}) == 1
 
 
 class TestDisaggregated:

@@ -310,12 +310,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EnvoyProcess:
     """Runs Envoy with a generated bootstrap; :meth:`start` waits until the listener accepts."""
 
-    def __init__(self, **bootstrap_kwargs: Any) -> None:
+    def __init__(self, config: dict[str, Any] | None = None, **bootstrap_kwargs: Any) -> None:
+        """Runs :func:`bootstrap` of ``bootstrap_kwargs``, or a ready ``config`` (then ``listen_port`` and
+        ``admin_port`` must name its ports)."""
         self.listen_port: int = bootstrap_kwargs.setdefault("listen_port", free_port())
         self.admin_port: int = bootstrap_kwargs.setdefault("admin_port", free_port())
         self.kwargs = bootstrap_kwargs
         self._dir = tempfile.mkdtemp(prefix="kvfleet-envoy-")
-        self.config_path = write_bootstrap(os.path.join(self._dir, "envoy.yaml"), **bootstrap_kwargs)
+        if config is None:
+            self.config_path = write_bootstrap(os.path.join(self._dir, "envoy.yaml"), **bootstrap_kwargs)
+        else:
+            self.config_path = Path(self._dir) / "envoy.yaml"
+            self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = os.path.join(self._dir, "envoy.log")
 

@@ -1,4 +1,4 @@
-"""``kvfleet epp --config FILE [--grpc-port N] [--health-port N] [--metrics-port N] [--pods FILE]``.
+"""``kvfleet epp --config FILE [--grpc-port N] [--health-port N] [--metrics-port N] [--pods FILE] [--tls-cert-file F --tls-key-file F]``.
 
 The config file is a kvfleet settings YAML (``epp:`` and ``cache:`` sections);
 flags override its ports and pods file. Runs until SIGTERM/SIGINT.
@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (default 9090)")
     p.add_argument("--host", help="bind address (default 0.0.0.0)")
+    p.add_argument("--tls-cert-file", help="serve ext_proc over TLS with this PEM certificate (with --tls-key-file)")
+    p.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
     p.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
                    help="assumed request body mode when Envoy does not say (it does from 1.33 on)")
     p.add_argument("--log-level", default="INFO")
@@ -37,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     over: dict[str, Any] = {}
     for flag, key in (("grpc_port", "grpc_port"), ("health_port", "health_port"), ("metrics_port", "metrics_port"),
-                      ("host", "host"), ("pods", "pods_file")):
+                      ("host", "host"), ("pods", "pods_file"), ("tls_cert_file", "tls_cert_file"),
+                      ("tls_key_file", "tls_key_file")):
         if getattr(args, flag) is not None:
             over[key] = getattr(args, flag)
     try:

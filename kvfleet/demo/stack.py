@@ -4,12 +4,19 @@ Every child runs in its own session (process group) with its output in a log
 file; :class:`ProcessStack` remembers them and :meth:`ProcessStack.stop_all`
 sends SIGTERM to each group, waits, then SIGKILLs what is left, so no process
 outlives the stack (also on Ctrl-C, via ``with ProcessStack() as stack``).
+
+Each stack has its own transfer secret (``transfer_secret``, fresh per run),
+given to its engines as ``KVFLEET_TRANSFER_SECRET`` (:func:`engine_env`): it
+authenticates their KV transfers and signs their requests to each other and
+the stack's own resets (:func:`reset_engine`). :func:`prefill_peers` lists the
+prefill pods an engine may name in ``x-prefiller-host-port``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -23,6 +30,8 @@ from types import TracebackType
 from typing import Any
 
 import yaml
+
+from kvfleet.engine.peer import sign_request
 
 
 class StackError(RuntimeError):
@@ -81,6 +90,7 @@ class ProcessStack:
 
     workdir: Path
     children: list[Child] = field(default_factory=list)
+    transfer_secret: str = field(default_factory=lambda: secrets.token_hex(16))
 
     def __enter__(self) -> ProcessStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -202,23 +212,46 @@ def plan_pods(num_pods: int = 4, num_pools: int = 2, pd_pools: int = 1) -> list[
 
 
 def pods_file(pods: Sequence[PodSpec], model: str) -> dict[str, Any]:
-    """The EPP's static pods/pools file (``kvfleet.epp.datastore`` format)."""
-    pools: dict[str, list[dict[str, Any]]] = {}
-    for p in pods:
-        pools.setdefault(p.pool, []).append(
-            {
-                "name": p.name,
-                "address": "127.0.0.1",
-                "port": p.port,
-                "role": p.role,
-                "events": f"tcp://127.0.0.1:{p.events_port}",
-                "replay": f"tcp://127.0.0.1:{p.replay_port}",
-                "metrics": f"http://127.0.0.1:{p.port}/metrics",
-            }
-        )
-    return {"pools": [{"name": name, "models": [model], "pods": members} for name, members in pools.items()]}
+    """The EPP's static pods/pools file (``kvfleet.epp.datastore`` format): one InferencePool ``pool``
+    whose prefix shards are the planned pod groups (``shard: pool-a``, ``pool-b``, ...), as the
+    operator renders a KVCachePool."""
+    members = [
+        {
+            "name": p.name,
+            "address": "127.0.0.1",
+            "port": p.port,
+            "role": p.role,
+            "shard": p.pool,
+            "events": f"tcp://127.0.0.1:{p.events_port}",
+            "replay": f"tcp://127.0.0.1:{p.replay_port}",
+            "metrics": f"http://127.0.0.1:{p.port}/metrics",
+        }
+        for p in pods
+    ]
+    return {"pools": [{"name": "pool", "models": [model], "pods": members}]}
 
 
 def write_yaml(path: Path, data: Any) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def prefill_peers(pods: Sequence[PodSpec], pod: PodSpec) -> list[str]:
+    """``engine.prefill_peers`` of ``pod``: the prefill pods of its pool (none for a prefill pod or a unified pool)."""
+    if pod.role == "prefill":
+        return []
+    return [q.endpoint for q in pods if q.pool == pod.pool and q.role == "prefill"]
+
+
+def engine_env(secret: str) -> dict[str, str]:
+    """The environment that gives an engine the stack's transfer secret."""
+    return {"KVFLEET_TRANSFER_SECRET": secret}
+
+
+def reset_engine(port: int, secret: str, timeout_s: float = 10.0) -> None:
+    """Empty one engine's cache (``POST /kvfleet/v1/reset``, signed with the stack's transfer secret)."""
+    path = "/kvfleet/v1/reset"
+    headers = sign_request(secret.encode(), "POST", path, b"")
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST", data=b"", headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        r.read()

@@ -3,16 +3,21 @@
 Covers: valid KVCachePools admitted with the documented defaults; every invalid
 sample rejected with its message, by the CRD (schema + CEL) and by the
 operator's own parser alike; CRD defaults equal to kvfleet Settings; the
-InferencePool CRD matching the upstream v1 shape and its CEL rules; the
-chart's CRD copies byte-identical to crds/.
+InferencePool CRD being GIE v1.6.0's (bundle version, endpointPickerRef
+optional) with its CEL rules; every InferencePool of GIE v1.6.0's own examples
+(tests/operator/data/gie-v1.6.0, see its SOURCES.md) admitted, with and
+without endpointPickerRef, and broken variants of them rejected; the chart's
+CRD copies byte-identical to crds/.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvfleet.config import CacheSettings
 from kvfleet.operator.spec import InvalidSpecError, PoolSpec, parse_spec
@@ -90,13 +95,18 @@ def test_long_names_are_invalid_for_the_operator() -> None:
         parse_spec(samples.MINIMAL["spec"], "x" * 51)
 
 
+GIE_BUNDLE = "v1.6.0"
+GIE_EXAMPLES = Path(__file__).parent / "data" / f"gie-{GIE_BUNDLE}"
+
+
 def test_inferencepool_crd_has_upstream_v1_shape() -> None:
-    """Group/version/kind, required fields and the endpointPickerRef fields of upstream v1."""
+    """Group/version/kind, bundle version, required fields and the endpointPickerRef fields of upstream v1 (GIE v1.6)."""
     assert KVCP["spec"]["scope"] == INFP["spec"]["scope"] == "Namespaced"
     assert INFP["metadata"]["name"] == "inferencepools.inference.networking.k8s.io"
+    assert INFP["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == GIE_BUNDLE
     assert [v["name"] for v in INFP["spec"]["versions"]] == ["v1"]
     spec = crd_schema(INFP)["properties"]["spec"]
-    assert sorted(spec["required"]) == ["endpointPickerRef", "selector", "targetPorts"]
+    assert sorted(spec["required"]) == ["selector", "targetPorts"]  # endpointPickerRef optional since v1.6
     assert set(spec["properties"]["endpointPickerRef"]["properties"]) == {"failureMode", "group", "kind", "name", "port"}
     assert spec["properties"]["appProtocol"]["enum"] == ["http", "kubernetes.io/h2c"]
     status = crd_schema(INFP)["properties"]["status"]["properties"]["parents"]["items"]["properties"]
@@ -125,6 +135,87 @@ def test_inferencepool_invalid_objects(change: dict[str, Any], message: str) -> 
     """The upstream CEL rules and schema constraints reject bad InferencePools."""
     _, errors = admit(INFP, samples.inferencepool(**change))
     assert any(message in e for e in errors), errors
+
+
+def _gie_examples() -> dict[str, dict[str, Any]]:
+    """Every InferencePool in the upstream example files, by ``file:name``."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted(GIE_EXAMPLES.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and doc.get("kind") == "InferencePool":
+                out[f"{path.relative_to(GIE_EXAMPLES)}:{doc['metadata']['name']}"] = doc
+    return out
+
+
+GIE_POOLS = _gie_examples()
+
+
+def test_gie_examples_cover_both_shapes() -> None:
+    """The upstream examples include pools with and without endpointPickerRef (and several options)."""
+    with_ref = [k for k, v in GIE_POOLS.items() if "endpointPickerRef" in v["spec"]]
+    without = [k for k, v in GIE_POOLS.items() if "endpointPickerRef" not in v["spec"]]
+    assert len(with_ref) >= 5 and len(without) >= 1, sorted(GIE_POOLS)
+    assert {v["spec"].get("appProtocol") for v in GIE_POOLS.values()} >= {None, "http", "kubernetes.io/h2c"}
+    assert any(len(v["spec"]["targetPorts"]) > 1 for v in GIE_POOLS.values())
+
+
+@pytest.mark.parametrize("name", sorted(GIE_POOLS))
+def test_gie_examples_are_admitted(name: str) -> None:
+    """Each upstream v1.6 example InferencePool passes the shipped CRD's schema and CEL rules."""
+    obj, errors = admit(INFP, GIE_POOLS[name])
+    assert errors == []
+    assert obj["spec"]["appProtocol"] in ("http", "kubernetes.io/h2c")
+    if "endpointPickerRef" in GIE_POOLS[name]["spec"]:
+        assert obj["spec"]["endpointPickerRef"]["kind"] == "Service"
+    else:
+        assert "endpointPickerRef" not in obj["spec"]  # nothing defaults it in
+
+
+def test_pool_without_endpoint_picker_was_invalid_before_v1_6() -> None:
+    """The same object fails a schema that still requires endpointPickerRef (the v1.5 CRD): what the upgrade fixes."""
+    (name,) = [k for k, v in GIE_POOLS.items() if "endpointPickerRef" not in v["spec"]]
+    old = copy.deepcopy(INFP)
+    crd_schema(old)["properties"]["spec"]["required"].append("endpointPickerRef")
+    _, errors = admit(old, GIE_POOLS[name])
+    assert any("endpointPickerRef" in e for e in errors), errors
+
+
+def _broken(name: str, change: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(GIE_POOLS[name])
+    change(obj["spec"])
+    return obj
+
+
+_BASE = "conformance/resources/base.yaml:primary-inference-pool"
+_NO_REF = "conformance/tests/inferencepool_missing_epp_ref.yaml:pool-with-missing-epp-ref"
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        (_BASE, lambda s: s["endpointPickerRef"].pop("port"), "port is required"),
+        (_BASE, lambda s: s["endpointPickerRef"].pop("name"), "spec.endpointPickerRef: 'name'"),
+        (_BASE, lambda s: s["endpointPickerRef"].update(failureMode="Sometimes"), "spec.endpointPickerRef.failureMode: 'Sometimes'"),
+        (_BASE, lambda s: s.update(targetPorts=[{"number": 3000}, {"number": 3000}]), "port number must be unique"),
+        (_BASE, lambda s: s.update(targetPorts=[{"number": 3000 + i} for i in range(9)]), "spec.targetPorts: ["),
+        (_NO_REF, lambda s: s.pop("selector"), "spec: 'selector'"),
+        (_NO_REF, lambda s: s.pop("targetPorts"), "spec: 'targetPorts'"),
+        (_NO_REF, lambda s: s.update(targetPorts=[{"number": 70000}]), "spec.targetPorts.0.number: 70000"),
+        (_NO_REF, lambda s: s.update(selector={"matchLabels": {}}), "spec.selector.matchLabels: {}"),
+        (_NO_REF, lambda s: s.update(selector={"matchLabels": {"app": "-bad-"}}), "spec.selector.matchLabels.app: '-bad-'"),
+        (_NO_REF, lambda s: s.update(appProtocol="grpc"), "spec.appProtocol: 'grpc'"),
+    ],
+)
+def test_broken_gie_examples_are_rejected(name: str, change: Any, message: str) -> None:
+    """Variants of the upstream examples that break a schema constraint or CEL rule are refused, with the reason."""
+    _, errors = admit(INFP, _broken(name, change))
+    assert any(message in e for e in errors), errors
+
+
+def test_non_service_endpoint_picker_needs_no_port() -> None:
+    """The CEL rule asks for a port only when the picker is a Service."""
+    obj = _broken(_BASE, lambda s: s["endpointPickerRef"].pop("port") and s["endpointPickerRef"].update(kind="Backend", group="x.example.com"))
+    assert admit(INFP, obj)[1] == []
 
 
 @pytest.mark.parametrize("name", ["kvcachepool.yaml", "inferencepool.yaml"])

@@ -3,13 +3,23 @@
 :func:`pools_from_objects` is the pure mapping (tested on plain objects):
 
 * an InferencePool's ``spec.selector.matchLabels`` selects Pods in its namespace;
-  ``spec.targetPorts[0].number`` is the serving port;
+  ``spec.targetPorts[0].number`` is the serving port (further target ports,
+  data-parallel ranks in GIE, are not used); every pod of a pool stays in that
+  pool, so whatever the picker returns lies inside the InferencePool the route
+  invoked (GIE v1.6);
+* ``spec.endpointPickerRef`` is optional (GIE v1.6): with ``epp_service`` set,
+  only pools whose ref is a core-group ``Service`` of that name are ours, so a
+  pool without one (or naming another picker) is skipped; without
+  ``epp_service`` every pool is taken, with or without a ref;
 * models: the pool's annotation ``kvfleet.io/models`` (comma-separated; absent
   means every model, ``*``); capacity weight: ``kvfleet.io/weight`` (default 1);
 * a Pod is ready when it has an IP, is not being deleted and its ``Ready``
   condition is ``True``; its role comes from label ``kvfleet.io/role``
-  (``both`` by default); KV events from annotation ``kvfleet.io/kv-events-port``
-  (default 5557) and ``kvfleet.io/kv-replay-port`` (optional); metrics from
+  (``both`` by default), its prefix shard inside the pool from label
+  ``kvfleet.io/shard`` (the operator renders one InferencePool per KVCachePool
+  whose shards are pod subsets; absent: ``""``, the pool is one shard); KV
+  events from annotation ``kvfleet.io/kv-events-port`` (default 5557) and
+  ``kvfleet.io/kv-replay-port`` (optional); metrics from
   ``kvfleet.io/metrics-port`` (default: the serving port) at ``/metrics``.
 
 :class:`KubernetesDatastore` keeps both lists current with two watch threads
@@ -34,7 +44,7 @@ log = logging.getLogger(__name__)
 GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 ANN_MODELS, ANN_WEIGHT = "kvfleet.io/models", "kvfleet.io/weight"
 ANN_EVENTS, ANN_REPLAY, ANN_METRICS = "kvfleet.io/kv-events-port", "kvfleet.io/kv-replay-port", "kvfleet.io/metrics-port"
-LABEL_ROLE = "kvfleet.io/role"
+LABEL_ROLE, LABEL_SHARD = "kvfleet.io/role", "kvfleet.io/shard"
 
 
 def _get(obj: Mapping[str, Any], *path: str) -> Any:
@@ -53,23 +63,39 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds if isinstance(c, Mapping))
 
 
+def names_picker(ip: Mapping[str, Any], epp_service: str) -> bool:
+    """Whether the InferencePool's ``endpointPickerRef`` is the core-group Service ``epp_service`` (absent ref: no)."""
+    ref = _get(ip, "spec", "endpointPickerRef")
+    if not isinstance(ref, Mapping):
+        return False
+    return bool(ref.get("name") == epp_service and (ref.get("kind") or "Service") == "Service" and not ref.get("group"))
+
+
+def _port(ip: Mapping[str, Any]) -> int:
+    ports = _get(ip, "spec", "targetPorts") or []
+    first = ports[0] if isinstance(ports, Sequence) and ports else None
+    try:
+        return int(first.get("number", 8000)) if isinstance(first, Mapping) else 8000
+    except (TypeError, ValueError):
+        return 8000
+
+
 def pools_from_objects(
     inference_pools: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]], epp_service: str = ""
 ) -> list[Pool]:
     """InferencePool and Pod objects (as plain dicts) → pools with their selected pods.
 
     With ``epp_service``, InferencePools whose ``endpointPickerRef`` names another
-    Service (another endpoint picker's pools) are left out.
+    Service (another endpoint picker's pools) or that have none are left out.
     """
     out: list[Pool] = []
     for ip in inference_pools:
-        if epp_service and _get(ip, "spec", "endpointPickerRef", "name") != epp_service:
+        if epp_service and not names_picker(ip, epp_service):
             continue
         name = str(_get(ip, "metadata", "name") or "")
         ns = _get(ip, "metadata", "namespace")
         labels: Mapping[str, str] = _get(ip, "spec", "selector", "matchLabels") or {}
-        ports = _get(ip, "spec", "targetPorts") or []
-        port = int(ports[0].get("number", 8000)) if ports and isinstance(ports[0], Mapping) else 8000
+        port = _port(ip)
         ann: Mapping[str, str] = _get(ip, "metadata", "annotations") or {}
         models = tuple(m.strip() for m in ann.get(ANN_MODELS, "*").split(",") if m.strip()) or ("*",)
         try:
@@ -95,6 +121,7 @@ def pools_from_objects(
                 port=port,
                 pool=name,
                 role=role if role in ROLES else "both",
+                shard=str(plabels.get(LABEL_SHARD, "")),
                 events=f"tcp://{ip_addr}:{events_port}" if ip_addr and events_port else None,
                 replay=f"tcp://{ip_addr}:{replay_port}" if ip_addr and replay_port else None,
                 metrics=f"http://{ip_addr}:{metrics_port}/metrics" if ip_addr else None,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from kvfleet.operator.manifests import (
     IP_VERSION,
     PLURAL,
     VERSION,
+    inferencepool_name,
     render_children,
     shard_name,
 )
@@ -87,8 +88,16 @@ async def _deployments(rt: Runtime, namespace: str, name: str, spec: PoolSpec) -
     return out
 
 
-async def _delete_stale(rt: Runtime, body: Mapping[str, Any], spec: PoolSpec, desired: set[tuple[str, str]], old_pools: int) -> list[str]:
-    """Delete owned children that the current spec no longer renders (fewer pools, other roles)."""
+async def _delete_stale(
+    rt: Runtime, body: Mapping[str, Any], spec: PoolSpec, desired: set[tuple[str, str]], old_pools: int,
+    old_inference_pools: Sequence[str] = (),
+) -> list[str]:
+    """Delete owned children that the current spec no longer renders (fewer pools, other roles).
+
+    Also the per-shard InferencePools ``<pool>-p<i>`` of the layout before one
+    InferencePool per KVCachePool (and any other name the old status listed),
+    so an upgrade leaves exactly one.
+    """
     meta = body["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid")
     candidates: list[tuple[str, str]] = []
@@ -96,6 +105,7 @@ async def _delete_stale(rt: Runtime, body: Mapping[str, Any], spec: PoolSpec, de
         shard = shard_name(name, i)
         candidates += [("Deployment", f"{shard}-{role}") for role in ROLES]
         candidates += [("ConfigMap", shard), ("Service", shard), ("InferencePool", shard)]
+    candidates += [("InferencePool", str(n)) for n in old_inference_pools if ("InferencePool", str(n)) not in candidates]
     deleted = []
     for kind, cname in candidates:
         if (kind, cname) in desired:
@@ -132,7 +142,8 @@ async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | loggi
     try:
         for child in children:
             results[await apply(rt.api, child)] += 1
-        deleted = await _delete_stale(rt, body, spec, {(c["kind"], c["metadata"]["name"]) for c in children}, int(status.get("pools") or spec.pools))
+        deleted = await _delete_stale(rt, body, spec, {(c["kind"], c["metadata"]["name"]) for c in children},
+                                      int(status.get("pools") or spec.pools), list(status.get("inferencePools") or []))
         deployments = await _deployments(rt, namespace, name, spec)
     except Transient as exc:
         raise _temporary(exc, backoff) from exc
@@ -146,7 +157,7 @@ async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | loggi
     new_status = {
         "observedGeneration": generation,
         "pools": spec.pools,
-        "inferencePools": [shard_name(name, i) for i in range(spec.pools)],
+        "inferencePools": [inferencepool_name(name)],
         "roles": role_counts(name, spec, deployments),
         "conditions": healthy_conditions(conditions, name, spec, deployments, generation),
     }
@@ -260,8 +271,9 @@ def build_registry(rt: Runtime, *, login: bool = True) -> kopf.OperatorRegistry:
     @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
     async def kvcachepool_delete(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
         meta, status = body["metadata"], body.get("status") or {}
+        owned = dict.fromkeys([*(status.get("inferencePools") or []), inferencepool_name(meta["name"])])
         try:
-            for pool in status.get("inferencePools") or []:
+            for pool in owned:
                 await _registry_write(rt, poolreg.registry_key(meta["namespace"], pool), None)
         except Transient as exc:
             raise _temporary(exc, op.retry_backoff_s) from exc

@@ -1,6 +1,14 @@
 """KVCachePool → the Kubernetes objects that realise it, as pure functions.
 
-For each of ``spec.pools`` prefix shards ``i`` (named ``<pool>-p<i>``):
+One InferencePool ``<pool>`` (named like the KVCachePool) selects every pod of
+the pool (labels ``kvfleet.io/pool`` and ``kvfleet.io/agent``); its
+``endpointPickerRef`` names the kvfleet EPP Service with the chosen failure
+mode, and its annotation ``kvfleet.io/routing`` carries the routing weights,
+block size, hash and the shard count. The ``spec.pools`` prefix shards are pod
+subsets of that one InferencePool, labelled ``kvfleet.io/shard: "<i>"``: the
+EPP picks a shard by the prompt's first blocks, then a pod in it, and never
+leaves the InferencePool the route invoked (what GIE v1.6 requires). For each
+shard ``i`` (named ``<pool>-p<i>``):
 
 * a ConfigMap ``<pool>-p<i>`` with ``config.yaml`` (the kvfleet Settings every
   container in the shard reads, with the KVCachePool's fields written in) and
@@ -10,9 +18,8 @@ For each of ``spec.pools`` prefix shards ``i`` (named ``<pool>-p<i>``):
   at /dev/shm (the cpu tier and same-node transfer), the ssd tier's volume, GPU
   resources in GPU mode, and a ``kvfleet.io/config-hash`` annotation so that a
   change of tiers, scale-independent config or images rolls the pods;
-* a headless Service ``<pool>-p<i>`` over the shard's pods (HTTP, KV events, transfer);
-* an InferencePool ``<pool>-p<i>`` selecting the shard's pods, whose
-  ``endpointPickerRef`` names the kvfleet EPP Service with the chosen failure mode.
+* a headless Service ``<pool>-p<i>`` over the shard's pods (HTTP, KV events,
+  transfer); simulated P/D engines find their prefill peers by its DNS name.
 
 Every object carries an owner reference to the KVCachePool (controller=true),
 so deleting the KVCachePool deletes them all (Kubernetes garbage collection).
@@ -64,7 +71,13 @@ ENGINE_ROLE = {"unified": "both", "prefill": "prefill", "decode": "decode"}
 
 
 def shard_name(pool_name: str, shard: int) -> str:
+    """Name of shard ``shard``'s ConfigMap and headless Service (its Deployments add ``-<role>``)."""
     return f"{pool_name}-p{shard}"
+
+
+def inferencepool_name(pool_name: str) -> str:
+    """The one InferencePool of a KVCachePool is named like it."""
+    return pool_name
 
 
 def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -80,6 +93,11 @@ def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def pool_selector(pool_name: str) -> dict[str, str]:
+    """The InferencePool's selector: every pod of the KVCachePool carrying the agent sidecar (all shards)."""
+    return {LABEL_POOL: pool_name, LABEL_AGENT: "true"}
+
+
 def selector_labels(pool_name: str, shard: int, role: str | None = None) -> dict[str, str]:
     labels = {LABEL_POOL: pool_name, LABEL_SHARD: str(shard)}
     if role is not None:
@@ -87,12 +105,13 @@ def selector_labels(pool_name: str, shard: int, role: str | None = None) -> dict
     return labels
 
 
-def _labels(pool_name: str, shard: int, role: str | None, component: str) -> dict[str, str]:
+def _labels(pool_name: str, shard: int | None, role: str | None, component: str) -> dict[str, str]:
+    """Common labels; ``shard`` None for pool-wide objects (the InferencePool)."""
     return {
         "app.kubernetes.io/name": "kvfleet",
         "app.kubernetes.io/component": component,
         "app.kubernetes.io/managed-by": MANAGED_BY,
-        **selector_labels(pool_name, shard, role),
+        **(selector_labels(pool_name, shard, role) if shard is not None else {LABEL_POOL: pool_name}),
     }
 
 
@@ -126,7 +145,27 @@ def settings_paths(cls: type = Settings, prefix: str = "") -> set[str]:
     return out
 
 
-def pool_settings(spec: PoolSpec, pool_name: str, shard: int, role: str, base: Settings) -> tuple[dict[str, Any], list[str]]:
+def shard_service_host(pool_name: str, shard: int, namespace: str) -> str:
+    """DNS name of shard ``shard``'s headless Service: resolves to every ready pod of the shard."""
+    return f"{shard_name(pool_name, shard)}.{namespace}.svc"
+
+
+def prefill_peers(spec: PoolSpec, pool_name: str, shard: int, namespace: str, op: OperatorSettings) -> list[str]:
+    """``engine.prefill_peers`` of a simulated engine: the shard's headless Service at the engine port in a P/D pool, else none.
+
+    A name counts for every address it resolves to, so every ready pod of the
+    shard (the Service selects the whole shard, prefill and decode pods alike)
+    is admitted as a prefiller, and pods of other shards or pools are not.
+    Unified pools and other engines get none (an empty list refuses every prefiller).
+    """
+    if spec.engine.kind != "sim" or not spec.disaggregated:
+        return []
+    return [f"{shard_service_host(pool_name, shard, namespace)}:{op.engine_port}"]
+
+
+def pool_settings(
+    spec: PoolSpec, pool_name: str, shard: int, role: str, base: Settings, namespace: str = "default",
+) -> tuple[dict[str, Any], list[str]]:
     """``config.yaml`` for one role of one shard: ``base`` with the KVCachePool's fields written in.
 
     Only paths that :class:`Settings` knows are written (so the file always loads);
@@ -145,6 +184,7 @@ def pool_settings(spec: PoolSpec, pool_name: str, shard: int, role: str, base: S
         "engine.kv_events_replay_port": op.kv_events_replay_port,
         "engine.pool": shard_name(pool_name, shard),
         "engine.role": ENGINE_ROLE[role],
+        "engine.prefill_peers": prefill_peers(spec, pool_name, shard, namespace, op),
         "tiers.model.name": spec.model.name,
         "tiers.model.kv_bytes_per_token": spec.model.profile.kv_bytes_per_token,
         "tiers.model.prefill_tokens_per_s": float(spec.model.profile.prefill_tokens_per_second),
@@ -209,7 +249,7 @@ def render_configmap(obj: Mapping[str, Any], spec: PoolSpec, shard: int, base: S
     name = obj["metadata"]["name"]
     data = {"pool.yaml": yaml.safe_dump(pool_descriptor(spec, name, shard), sort_keys=False)}
     for role in spec.roles:
-        cfg, _ = pool_settings(spec, name, shard, role.name, base)
+        cfg, _ = pool_settings(spec, name, shard, role.name, base, obj["metadata"]["namespace"])
         data[f"{role.name}.yaml"] = yaml.safe_dump(cfg, sort_keys=False)
     return {
         "apiVersion": "v1",
@@ -368,19 +408,25 @@ def render_service(obj: Mapping[str, Any], spec: PoolSpec, shard: int, base: Set
     }
 
 
-def render_inferencepool(obj: Mapping[str, Any], spec: PoolSpec, shard: int, base: Settings) -> dict[str, Any]:
+def routing_annotation(spec: PoolSpec) -> str:
+    """``kvfleet.io/routing``: weights, failure mode, block size, hash, shard count, P/D."""
+    routing = {**dataclasses.asdict(spec.routing), "blockSize": spec.block_size, "hashAlgo": spec.hash_algo,
+               "shards": spec.pools, "disaggregated": spec.disaggregated}
+    return json.dumps(routing, sort_keys=True)
+
+
+def render_inferencepool(obj: Mapping[str, Any], spec: PoolSpec, base: Settings) -> dict[str, Any]:
+    """The KVCachePool's one InferencePool: all its pods, every shard; the kvfleet EPP picks among them."""
     op = base.operator
     name = obj["metadata"]["name"]
-    routing = {**dataclasses.asdict(spec.routing), "blockSize": spec.block_size, "hashAlgo": spec.hash_algo,
-               "shard": shard, "shards": spec.pools, "disaggregated": spec.disaggregated}
     return {
         "apiVersion": f"{IP_GROUP}/{IP_VERSION}",
         "kind": "InferencePool",
-        "metadata": _meta(obj, shard_name(name, shard), _labels(name, shard, None, "inferencepool"),
+        "metadata": _meta(obj, inferencepool_name(name), _labels(name, None, None, "inferencepool"),
                           {ANN_MODEL: spec.model.name, ANN_MODELS: spec.model.name,
-                           ANN_ROUTING: json.dumps(routing, sort_keys=True)}),
+                           ANN_ROUTING: routing_annotation(spec)}),
         "spec": {
-            "selector": {"matchLabels": {**selector_labels(name, shard), LABEL_AGENT: "true"}},
+            "selector": {"matchLabels": pool_selector(name)},
             "targetPorts": [{"number": op.engine_port}],
             "appProtocol": "http",
             "endpointPickerRef": {
@@ -404,12 +450,13 @@ def config_hash(spec: PoolSpec, base: Settings) -> str:
 
 
 def render_children(obj: Mapping[str, Any], spec: PoolSpec, base: Settings) -> list[dict[str, Any]]:
-    """Every object a KVCachePool owns, in apply order (config, workloads, services, pools)."""
+    """Every object a KVCachePool owns, in apply order: per shard config, workloads and
+    Service, then the one InferencePool over all shards."""
     digest = config_hash(spec, base)
     out: list[dict[str, Any]] = []
     for shard in range(spec.pools):
         out.append(render_configmap(obj, spec, shard, base))
         out += [render_deployment(obj, spec, shard, r.name, base, digest) for r in spec.roles]
         out.append(render_service(obj, spec, shard, base))
-        out.append(render_inferencepool(obj, spec, shard, base))
+    out.append(render_inferencepool(obj, spec, base))
     return out

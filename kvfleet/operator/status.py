@@ -6,7 +6,7 @@ Conditions follow metav1.Condition: ``type``, ``status`` ("True"/"False"/"Unknow
 
 * ``InvalidSpec`` — True when the spec cannot be realised (reason ``InvalidSpec``,
   message names the field); nothing else is attempted for that generation.
-* ``Ready`` — every role of every pool has all its replicas ready.
+* ``Ready`` — every role of every prefix shard has all its replicas ready.
 * ``Progressing`` — children are being created or rolled (ready < desired).
 * ``Degraded`` — a child is missing or the API rejected one (reason says which).
 """
@@ -66,7 +66,7 @@ def deployment_names(pool_name: str, spec: PoolSpec) -> list[str]:
 
 
 def role_counts(pool_name: str, spec: PoolSpec, deployments: Mapping[str, Mapping[str, Any] | None]) -> dict[str, dict[str, int]]:
-    """Desired and ready pods per role, summed over pools (a missing Deployment counts 0 ready)."""
+    """Desired and ready pods per role, summed over prefix shards (a missing Deployment counts 0 ready)."""
     counts: dict[str, dict[str, int]] = {r.name: {"desired": 0, "ready": 0} for r in spec.roles}
     for i in range(spec.pools):
         for r in spec.roles:

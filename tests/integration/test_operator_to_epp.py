@@ -3,10 +3,11 @@
 Covers the seam between two roles that never import each other: the
 InferencePool and pod template the operator renders for a KVCachePool, turned
 into running Pods (an IP and a Ready condition added, as the kubelet would), must
-give the EPP a pool per shard that serves the pool's model, with every pod at the
-engine's serving port, its role (prefill / decode / both), its KV-event and replay
-endpoints and its metrics URL; an EPP told its Service name keeps only the pools
-whose endpointPickerRef names it.
+give the EPP one pool per KVCachePool that serves the pool's model and holds the
+pods of every prefix shard, each pod with its shard, at the engine's serving
+port, with its role (prefill / decode / both), its KV-event and replay endpoints
+and its metrics URL; an EPP told its Service name keeps only the pools whose
+endpointPickerRef names it.
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ def test_epp_sees_the_operators_pools_and_pods() -> None:
     assert pools
     base = Settings()
     seen = pools_from_objects(pools, _running_pods(children), epp_service=base.operator.epp_service)
-    assert len(seen) == len(pools)
+    assert len(seen) == len(pools) == 1
     assert pools_from_objects(pools, _running_pods(children), epp_service="another-picker") == []
     for pool in seen:
+        assert pool.name == obj["metadata"]["name"]
         assert pool.models == (spec.model.name,)
         roles = sorted(p.role for p in pool.pods)
         assert roles == ["decode", "prefill"], roles
         for pod in pool.pods:
+            assert pod.shard == "0" and pod.pool == pool.name
             assert pod.ready and pod.address.startswith("10.0.0.")
             engine = _engine_settings(children, pod.role)
             assert pod.port == engine.engine.port
@@ -83,3 +86,18 @@ def test_unified_pods_serve_both_roles() -> None:
     children = render_children(obj, spec, Settings())
     seen = pools_from_objects([c for c in children if c["kind"] == "InferencePool"], _running_pods(children))
     assert seen and all(p.role == "both" for pool in seen for p in pool.pods)
+
+
+def test_every_shard_is_a_pod_subset_of_the_one_pool() -> None:
+    """pools: 3 → one EPP pool holding every shard's pods, each pod carrying the shard of the Deployment it came from."""
+    obj = samples.kvcachepool(name="sharded", pools=3, roles={"unified": {"replicas": 2}})
+    obj["metadata"]["uid"] = "uid-3"
+    spec = parse_spec(obj["spec"], obj["metadata"]["name"])
+    children = render_children(obj, spec, Settings())
+    (pool,) = pools_from_objects([c for c in children if c["kind"] == "InferencePool"], _running_pods(children),
+                                 epp_service=Settings().operator.epp_service)
+    assert pool.name == "sharded" and len(pool.pods) == 6
+    for pod in pool.pods:
+        deployment = pod.name.rsplit("-", 1)[0]  # <pool>-p<i>-<role>-<n> → <pool>-p<i>-<role>
+        assert deployment == f"sharded-p{pod.shard}-unified"
+    assert sorted({p.shard for p in pool.pods}) == ["0", "1", "2"]

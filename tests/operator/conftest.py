@@ -12,6 +12,7 @@ selectors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -65,9 +66,9 @@ def settings() -> Settings:
     return Settings(operator=OperatorSettings(status_interval_s=0.3, retry_backoff_s=0.5))
 
 
-@pytest.fixture()
-async def operator(k8s: Emulator, settings: Settings) -> AsyncIterator[Runtime]:
-    """The real kopf runtime running kvfleet's registry until the test ends; fails loudly if it dies.
+@contextlib.asynccontextmanager
+async def running_operator(settings: Settings) -> AsyncIterator[Runtime]:
+    """The real kopf runtime running kvfleet's registry for the body of the ``async with``; fails loudly if it dies.
 
     kopf runs in its own thread and event loop (as ``kvfleet operator`` runs in
     its own process): on stop it cancels every task of its loop that it did not
@@ -91,14 +92,23 @@ async def operator(k8s: Emulator, settings: Settings) -> AsyncIterator[Runtime]:
     if not await asyncio.to_thread(ready.wait, 20):
         stop.set()
         pytest.fail(f"kopf did not become ready: {errors!r}")
-    yield rt
-    alive_during_test = thread.is_alive()
-    stop.set()
-    await asyncio.to_thread(thread.join, 15)
+    try:
+        yield rt
+    finally:
+        alive_during_test = thread.is_alive()
+        stop.set()
+        await asyncio.to_thread(thread.join, 15)
     if thread.is_alive():
         pytest.fail("kopf did not stop within 15 s")
     if not alive_during_test or errors:
         pytest.fail(f"kopf died during the test: {errors!r}")
+
+
+@pytest.fixture()
+async def operator(k8s: Emulator, settings: Settings) -> AsyncIterator[Runtime]:
+    """The operator running against the emulator for the whole test (see :func:`running_operator`)."""
+    async with running_operator(settings) as rt:
+        yield rt
 
 
 async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0, interval: float = 0.1) -> Any:

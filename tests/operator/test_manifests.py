@@ -2,7 +2,8 @@
 
 Covers: the set and names of children per pool and role; owner references on
 every object; every built-in object valid for Kubernetes 1.33 (kubernetes-validate,
-strict); rendered InferencePools valid against our InferencePool CRD; pods carry
+strict); the one rendered InferencePool valid against the GIE v1.6 CRD and
+selecting every shard's pods (shards are pod subsets by label); pods carry
 the agent sidecar, the shared in-memory emptyDir, the ssd volume and GPU limits
 in GPU mode; the per-role config.yaml loads as kvfleet Settings with the pool's
 fields; the config hash changes with tiers but not with replicas; idempotent
@@ -12,6 +13,7 @@ apply decisions (contains / merge_patch).
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -22,11 +24,15 @@ from kvfleet.operator.apply import ForeignOwnerError, contains, merge_patch
 from kvfleet.operator.manifests import (
     AGENT_CONTAINER,
     ANN_CONFIG_HASH,
+    ANN_ROUTING,
     LABEL_AGENT,
+    LABEL_POOL,
+    LABEL_SHARD,
     config_hash,
     pool_settings,
     render_children,
 )
+from kvfleet.operator.registry import selected_pods
 from kvfleet.operator.spec import parse_spec
 from tests.operator import samples
 from tests.operator.k8s import admit, load_crd, validate_builtin
@@ -47,26 +53,43 @@ def test_rendered_builtin_objects_are_valid_kubernetes(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(samples.VALID))
-def test_rendered_inferencepools_are_valid_custom_objects(name: str) -> None:
-    """InferencePools pass our CRD's schema and CEL rules and name the kvfleet EPP."""
-    pools = [c for c in _render(samples.VALID[name]) if c["kind"] == "InferencePool"]
-    assert pools
-    for pool in pools:
-        _, errors = admit(INFP, pool)
-        assert errors == []
-        assert pool["spec"]["endpointPickerRef"]["name"] == Settings().operator.epp_service
-        assert pool["spec"]["selector"]["matchLabels"][LABEL_AGENT] == "true"
+def test_rendered_inferencepool_is_a_valid_custom_object(name: str) -> None:
+    """One InferencePool per KVCachePool, named like it, passing the CRD's schema and CEL rules and naming the kvfleet EPP."""
+    obj = samples.VALID[name]
+    (pool,) = [c for c in _render(obj) if c["kind"] == "InferencePool"]
+    _, errors = admit(INFP, pool)
+    assert errors == []
+    assert pool["metadata"]["name"] == obj["metadata"]["name"]
+    assert pool["spec"]["endpointPickerRef"]["name"] == Settings().operator.epp_service
+    assert pool["spec"]["selector"]["matchLabels"] == {LABEL_POOL: obj["metadata"]["name"], LABEL_AGENT: "true"}
+
+
+def test_inferencepool_selects_every_shard_and_shards_are_pod_subsets() -> None:
+    """The InferencePool selects the pods of all shards (no shard label); each Deployment's pods carry their shard."""
+    children = _render(samples.FULL_GPU)
+    (pool,) = [c for c in children if c["kind"] == "InferencePool"]
+    assert LABEL_SHARD not in pool["spec"]["selector"]["matchLabels"] and LABEL_SHARD not in pool["metadata"]["labels"]
+    routing = json.loads(pool["metadata"]["annotations"][ANN_ROUTING])
+    assert routing["shards"] == 2 and "shard" not in routing and routing["blockSize"] == 16
+    templates = [{"metadata": {"name": c["metadata"]["name"], **c["spec"]["template"]["metadata"]}, "spec": c["spec"]["template"]["spec"]}
+                 for c in children if c["kind"] == "Deployment"]
+    assert len(selected_pods(pool, templates)) == len(templates) == 4
+    assert sorted(t["metadata"]["labels"][LABEL_SHARD] for t in templates) == ["0", "0", "1", "1"]
+    for c in children:
+        if c["kind"] in ("Deployment", "Service"):
+            shard = c["metadata"]["name"].removeprefix("llama-p").split("-")[0]
+            selector = c["spec"]["selector"]["matchLabels"] if c["kind"] == "Deployment" else c["spec"]["selector"]
+            assert selector[LABEL_SHARD] == shard
 
 
 def test_children_names_and_owner_references() -> None:
-    """2 pools × P/D → per pool: ConfigMap, prefill and decode Deployments, Service, InferencePool; all owned."""
+    """2 shards × P/D → per shard: ConfigMap, prefill and decode Deployments, Service; then one InferencePool; all owned."""
     children = _render(samples.FULL_GPU)
     names = [(c["kind"], c["metadata"]["name"]) for c in children]
     assert names == [
-        ("ConfigMap", "llama-p0"), ("Deployment", "llama-p0-prefill"), ("Deployment", "llama-p0-decode"),
-        ("Service", "llama-p0"), ("InferencePool", "llama-p0"),
-        ("ConfigMap", "llama-p1"), ("Deployment", "llama-p1-prefill"), ("Deployment", "llama-p1-decode"),
-        ("Service", "llama-p1"), ("InferencePool", "llama-p1"),
+        ("ConfigMap", "llama-p0"), ("Deployment", "llama-p0-prefill"), ("Deployment", "llama-p0-decode"), ("Service", "llama-p0"),
+        ("ConfigMap", "llama-p1"), ("Deployment", "llama-p1-prefill"), ("Deployment", "llama-p1-decode"), ("Service", "llama-p1"),
+        ("InferencePool", "llama"),
     ]
     for c in children:
         (ref,) = c["metadata"]["ownerReferences"]
@@ -116,6 +139,26 @@ def test_role_config_loads_as_settings(role: str) -> None:
     assert [t["name"] for t in pool["tiers"]] == ["gpu", "cpu", "ssd"]
     assert pool["tiers"][1] == {"name": "cpu", "gpu_share": None, "capacity_bytes": 2 * 1024**3, "codec": "fp8_e4m3",
                                 "watermarks": {"high": 0.9, "low": 0.7}, "path": None, "url_env": None}
+
+
+def test_sim_pd_engines_know_their_prefill_peers() -> None:
+    """Simulated P/D engines admit their shard's headless Service (DNS name, engine port) as prefill peers; unified and vLLM pools none."""
+    obj = samples.kvcachepool(name="sim-pd", namespace="serving", pools=2, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    children = _render(obj)
+    port = Settings().operator.engine_port
+    services = {c["metadata"]["name"] for c in children if c["kind"] == "Service"}
+    for shard in range(2):
+        cm = next(c for c in children if c["kind"] == "ConfigMap" and c["metadata"]["name"] == f"sim-pd-p{shard}")
+        for role in ("prefill", "decode"):
+            loaded = from_dict(Settings, yaml.safe_load(cm["data"][f"{role}.yaml"]))
+            assert loaded.engine.prefill_peers == (f"sim-pd-p{shard}.serving.svc:{port}",)
+            host = loaded.engine.prefill_peers[0].split(".")[0]
+            assert host in services
+    for sample in (samples.MINIMAL, samples.FULL_GPU):
+        for cm in (c for c in _render(sample) if c["kind"] == "ConfigMap"):
+            for key, text in cm["data"].items():
+                if key != "pool.yaml":
+                    assert from_dict(Settings, yaml.safe_load(text)).engine.prefill_peers == ()
 
 
 def test_every_spec_path_has_a_home_in_settings() -> None:

@@ -13,9 +13,86 @@ times faster than the modelled GPU), so a demo fits in minutes.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass, field
 
 ROLES = ("both", "prefill", "decode")
+
+#: Longest ``host:port`` accepted (a DNS name is at most 253 characters).
+MAX_HOST_PORT_LEN = 261
+_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+@dataclass(frozen=True)
+class HostPort:
+    """One ``host:port``: ``host`` is a normalised IP literal (``ip`` set) or a lower-case DNS name."""
+
+    host: str
+    port: int
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None
+
+    @property
+    def url_host(self) -> str:
+        """The host as it goes into a URL (IPv6 in brackets)."""
+        return f"[{self.host}]" if isinstance(self.ip, ipaddress.IPv6Address) else self.host
+
+    def __str__(self) -> str:
+        return f"{self.url_host}:{self.port}"
+
+
+def parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An IP literal (an IPv4-mapped IPv6 address becomes its IPv4 address), else ``None``."""
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.scope_id is not None:
+            return None
+        if ip.ipv4_mapped is not None:
+            return ip.ipv4_mapped
+    return ip
+
+
+def parse_host_port(value: str) -> HostPort:
+    """Parse exactly one ``host:port`` strictly; raises ValueError saying what is wrong.
+
+    ``host`` is an IPv4 literal, a bracketed IPv6 literal (``[::1]:8000``) or a
+    DNS name (RFC 1123 labels, at most 253 characters); ``port`` is 1–65535 in
+    plain digits. Lists, whitespace, userinfo, paths and zone ids are refused.
+    """
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected HOST:PORT, got an empty value")
+    if len(value) > MAX_HOST_PORT_LEN:
+        raise ValueError(f"expected one HOST:PORT, got {len(value)} characters")
+    if not value.isascii() or not value.isprintable() or any(c in value for c in " \t,;/@?#%"):
+        raise ValueError("expected one HOST:PORT without spaces, lists, paths or zone ids")
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0 or value[end + 1 : end + 2] != ":":
+            raise ValueError("expected [IPV6]:PORT")
+        host_text, port_text = value[1:end], value[end + 2 :]
+        ip = parse_ip(host_text)
+        if not isinstance(ip, ipaddress.IPv6Address) and not (ip is not None and ":" in host_text):
+            raise ValueError(f"{host_text!r} is not an IPv6 address")
+    else:
+        host_text, sep, port_text = value.rpartition(":")
+        if not sep or not host_text:
+            raise ValueError("expected HOST:PORT")
+        if ":" in host_text:
+            raise ValueError("an IPv6 address must be in brackets: [ADDRESS]:PORT")
+        ip = parse_ip(host_text)
+    if not _PORT.fullmatch(port_text) or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"port must be an integer in 1..65535, got {port_text[:16]!r}")
+    if ip is not None:
+        return HostPort(str(ip), int(port_text), ip)
+    name = host_text.lower().removesuffix(".")
+    labels = name.split(".")
+    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels) or labels[-1].isdigit():
+        raise ValueError(f"{host_text[:64]!r} is neither an IP address nor a DNS name")
+    return HostPort(name, int(port_text))
 
 
 @dataclass(frozen=True)
@@ -54,6 +131,15 @@ class EngineSettings:
     the KV blocks from it. ``sim_kv_values_per_token`` is the size of the tiny
     deterministic KV stand-in (fp16 values per token), so blocks can be checked
     byte-for-byte after a transfer or a tier round trip.
+
+    ``prefill_peers``: the engines this one may ask to prefill, each
+    ``HOST:PORT`` (IP literal or DNS name; a name counts for every address it
+    resolves to, so a headless Service name admits each pod of the prefill
+    pool). An ``x-prefiller-host-port`` naming anything else is refused with
+    403 before any connection is made; empty refuses every prefiller. P/D also
+    needs the pool's transfer secret (``transfer.secret_file`` or
+    ``KVFLEET_TRANSFER_SECRET``): it signs the engines' requests to each other
+    and authenticates the KV transfer.
     """
 
     model: str = "llama-3-8b"
@@ -75,6 +161,7 @@ class EngineSettings:
     max_output_tokens: int = 4096
     sim_kv_values_per_token: int = 8
     replay_buffer_steps: int = 10000
+    prefill_peers: tuple[str, ...] = ()
     tiers: EngineTierSettings = field(default_factory=EngineTierSettings)
 
     def __post_init__(self) -> None:
@@ -88,3 +175,8 @@ class EngineSettings:
             raise ValueError("decode times must be >= 0 and max_model_len > 0")
         if self.sim_kv_values_per_token <= 0:
             raise ValueError("sim_kv_values_per_token must be > 0")
+        for peer in self.prefill_peers:
+            try:
+                parse_host_port(peer)
+            except ValueError as exc:
+                raise ValueError(f"prefill_peers: {peer!r}: {exc}") from None

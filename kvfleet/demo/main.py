@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import importlib.util
 import os
-import secrets
 import signal
 import sys
 import tempfile
@@ -36,9 +35,12 @@ from kvfleet.demo.stack import (
     ProcessStack,
     StackError,
     check_port_free,
+    engine_env,
     free_port,
     plan_pods,
     pods_file,
+    prefill_peers,
+    reset_engine,
     write_yaml,
 )
 from kvfleet.demo.workload import WorkItem, WorkloadError, default_trace, load_trace, synthetic
@@ -119,7 +121,7 @@ class Demo:
         self.block_size = load().cache.block_size
         self.gateway_port = args.port or free_port()
         self.epp_ports = (free_port(), free_port(), free_port())
-        self.secret = secrets.token_hex(16)
+        self.secret = stack.transfer_secret
 
     def log(self, msg: str) -> None:
         if not self.args.quiet:
@@ -134,12 +136,12 @@ class Demo:
                     "model": MODEL, "host": "127.0.0.1", "port": p.port, "kv_events_port": p.events_port,
                     "kv_events_replay_port": p.replay_port, "pod_name": p.name, "pool": p.pool, "role": p.role,
                     "time_factor": self.args.time_factor, "num_gpu_blocks": self.args.gpu_blocks,
-                    "tiers": {"cpu_blocks": self.args.cpu_blocks},
+                    "tiers": {"cpu_blocks": self.args.cpu_blocks}, "prefill_peers": prefill_peers(self.pods, p),
                 },
                 "tiers": {"model": H100},
             }
             path = write_yaml(self.cfg_dir / f"{p.name}.yaml", cfg)
-            env = {"KVFLEET_TRANSFER_SECRET": self.secret}
+            env = engine_env(self.secret)
             children.append(self.stack.spawn_kvfleet(p.name, ["engine", "--config", str(path), "--log-level", "WARNING"], env))
         for child, p in zip(children, self.pods, strict=True):
             self.stack.wait_http(child, f"http://127.0.0.1:{p.port}/health", timeout_s=60)
@@ -179,9 +181,7 @@ class Demo:
 
     def reset_engines(self) -> None:
         for p in self.pods:
-            req = urllib.request.Request(f"http://127.0.0.1:{p.port}/kvfleet/v1/reset", method="POST", data=b"")
-            with urllib.request.urlopen(req, timeout=10) as r:
-                r.read()
+            reset_engine(p.port, self.secret)
 
     def scrape(self, url: str) -> str | None:
         try:

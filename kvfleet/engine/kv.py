@@ -17,6 +17,9 @@ Layers (each only uses the one below):
   what the GPU holds, demotion of reclaimed GPU blocks into the slower tiers,
   promotion of slow-tier hits when the cost model says it pays, and the
   digest of a sequence's KV from which the simulated model derives its output.
+  A block received from another engine is used only if its bytes equal this
+  engine's own projection of it; otherwise it is dropped and counted
+  (``mismatched_blocks``) and the engine keeps the bytes it computed itself.
 
 Every store/remove on every tier is emitted as a KV event (``medium`` = tier).
 """
@@ -372,7 +375,8 @@ class EngineKV:
         self.gpu_data: dict[BlockHash, SlowBlock] = {}
         self.tiers: SlowTiers = tiers if tiers is not None else self._default_tiers()
         self.blocks = BlockManager(settings.num_gpu_blocks, cache.block_size, self.hasher, sink=self._on_gpu_event)
-        self._incoming: dict[BlockHash, bytes] = {}
+        self._incoming: dict[BlockHash, bytes] = {}  # promoted from a slower tier, during one admission
+        self._received: dict[BlockHash, bytes] = {}  # transferred before their sequence was admitted
         self.tier_hits: dict[str, int] = {t.value: 0 for t in Tier}
         self.queries_tokens = 0
         self.hit_tokens = 0
@@ -394,6 +398,12 @@ class EngineKV:
             for i, h in enumerate(hashes):
                 toks = tuple(event.token_ids[i * bs : (i + 1) * bs])
                 data = self._incoming.pop(h, None)
+                got = self._received.pop(h, None)
+                if got is not None:
+                    if got == fresh[i]:
+                        data = got
+                    else:
+                        self.mismatched_blocks += 1
                 self.gpu_data[h] = SlowBlock(h, parents[i], toks, fresh[i] if data is None else data)
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
@@ -453,9 +463,9 @@ class EngineKV:
             for h in staged:
                 self._incoming.pop(h, None)
         for h in alloc.block_hashes:
-            data = self._incoming.pop(h, None)
-            if data is not None:  # arrived before admission, content already cached here
-                self.install(h, data)
+            got = self._received.pop(h, None)
+            if got is not None:  # arrived before admission, content already cached here
+                self.install(h, got)
         gpu_cached = alloc.num_cached_tokens
         n_promoted = sum(promoted.values())
         cached = min(gpu_cached + n_promoted * self.block_size, len(token_ids))
@@ -483,25 +493,36 @@ class EngineKV:
         """A block held on the GPU (for a transfer to a decode engine)."""
         return self.gpu_data.get(block_hash)
 
-    def receive(self, block_hash: BlockHash, data: bytes) -> None:
-        """A block transferred from a prefill engine: install it, or stage it for when the sequence is admitted."""
+    def expected_blocks(self, token_ids: npt.NDArray[np.uint32], extra_keys: ExtraKeys = None) -> dict[BlockHash, bytes]:
+        """This engine's own bytes of every full block of a prompt (what a transferred block must equal)."""
+        hashes: list[BlockHash] = self.hasher.hash_tokens(token_ids, extra_keys=extra_keys).tolist()
+        data = project_blocks(token_ids, [None, *hashes[:-1]], self.block_size, self.values_per_token)
+        return dict(zip(hashes, data, strict=True))
+
+    def receive(self, block_hash: BlockHash, data: bytes) -> bool:
+        """A block transferred from another engine: install it, or stage it until its sequence is admitted.
+
+        Returns ``False`` when it was refused at once (its bytes differ from ours, counted).
+        """
         if block_hash in self.gpu_data:
-            self.install(block_hash, data)
-        else:
-            if len(self._incoming) > 4 * self.settings.num_gpu_blocks:
-                self._incoming.clear()  # never grow without bound on stray blocks
-            self._incoming[block_hash] = data
+            return self.install(block_hash, data)
+        if len(self._received) > 4 * self.settings.num_gpu_blocks:
+            self._received.clear()  # never grow without bound on stray blocks
+        self._received[block_hash] = data
+        return True
 
     def install(self, block_hash: BlockHash, data: bytes) -> bool:
-        """Overwrite a GPU block's bytes with received ones; ``False`` (and counted) if they differ from ours."""
+        """Take received bytes for a GPU block only if they equal our own projection; else drop and count them."""
         held = self.gpu_data.get(block_hash)
         if held is None:
             return False
-        same = held.data == data
-        if not same:
+        own = project_blocks(held.token_ids, [held.parent], self.block_size, self.values_per_token)
+        if not own or own[0] != data:
             self.mismatched_blocks += 1
-        self.gpu_data[block_hash] = SlowBlock(held.block_hash, held.parent, held.token_ids, data)
-        return same
+            return False
+        if held.data != data:  # e.g. a lossy slow-tier copy: the exact bytes replace it
+            self.gpu_data[block_hash] = SlowBlock(held.block_hash, held.parent, held.token_ids, data)
+        return True
 
     def digest(self, token_ids: npt.NDArray[np.uint32], block_hashes: Sequence[BlockHash]) -> int:
         """xxh3 over the KV bytes of the full blocks (as held on the GPU) and the tail tokens."""
@@ -522,6 +543,7 @@ class EngineKV:
         self.blocks.reset()
         self.tiers.clear()
         self._incoming.clear()
+        self._received.clear()
         self.tier_hits = {t.value: 0 for t in Tier}
         self.queries_tokens = self.hit_tokens = self.mismatched_blocks = 0
 

@@ -20,7 +20,7 @@ vllm:cache_config_info                    gauge 1  labels: block_size, num_gpu_b
 vllm:time_to_first_token_seconds          hist.    arrival → first token (wall seconds)
 vllm:e2e_request_latency_seconds          hist.    arrival → last token
 kvfleet_engine_tier_hit_blocks_total      counter  blocks served from cache, label ``tier``
-kvfleet_engine_kv_mismatched_blocks_total counter  received blocks whose bytes differed
+kvfleet_engine_kv_mismatched_blocks_total counter  received blocks refused (bytes differed)
 ========================================  =======  ===========================================
 """
 
@@ -83,7 +83,7 @@ class _EngineCollector(Collector):
             tiers.add_metric([m, tier], n)
         yield tiers
         yield counter(
-            "kvfleet_engine_kv_mismatched_blocks", "Received KV blocks whose bytes differed from a recomputation.", self.kv.mismatched_blocks
+            "kvfleet_engine_kv_mismatched_blocks", "Received KV blocks refused because their bytes differed from this engine's own (recomputed instead).", self.kv.mismatched_blocks
         )
 
 

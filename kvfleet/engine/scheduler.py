@@ -12,7 +12,9 @@ and decodes one token for every sequence past its prefill. A step lasts::
 (modelled seconds), slept as ``step · time_factor`` wall seconds. Only the
 uncached suffix is prefilled; a fully cached prompt still computes its last
 token, as vLLM does. A P/D decode sequence waits (without a step) until its
-first transferred block lands, then prefills only its partial tail.
+first transferred block lands, then prefills only its partial tail — plus
+every transferred block that was refused (its bytes differed from this
+engine's own), which it recomputes before its first token.
 
 The loop never blocks on I/O: callers get tokens through an asyncio queue per
 request, and KV events are drained once per step into ``on_step``.
@@ -75,12 +77,15 @@ class RemoteKV:
     """P/D decode: the prompt's KV arrives from a prefill engine.
 
     ``first`` is set when the first block lands, ``done`` when all have (or
-    the transfer failed, with ``error`` set).
+    the transfer failed, with ``error`` set). ``rejected`` counts blocks whose
+    bytes did not verify (recomputed here, ``recomputed`` of them charged so far).
     """
 
     first: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: Exception | None = None
+    rejected: int = 0
+    recomputed: int = 0
 
 
 @dataclass
@@ -122,6 +127,7 @@ class StepStats:
 
     steps: int = 0
     prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed here (uncached suffix, refused transferred blocks)
     generation_tokens: int = 0
     finished: int = 0
     failed: int = 0
@@ -264,12 +270,19 @@ class Scheduler:
             prefill_tokens += take
             if r.prefilled >= r.to_prefill:
                 completing.append(r)
-        # A P/D sequence emits its first token only once every block has landed.
+        # A P/D sequence emits its first token only once every block has landed (and the refused ones are recomputed).
         completing_ready = []
         for r in completing:
-            if r.remote is not None and not r.remote.done.is_set():
-                r.prefilled = r.to_prefill - 1  # retry the last token next step
-                continue
+            if r.remote is not None:
+                if r.remote.error is not None:
+                    continue  # failed just below
+                if not r.remote.done.is_set():
+                    r.prefilled = r.to_prefill - 1  # retry the last token next step
+                    continue
+                if r.remote.rejected > r.remote.recomputed:
+                    r.to_prefill += (r.remote.rejected - r.remote.recomputed) * self.kv.block_size
+                    r.remote.recomputed = r.remote.rejected
+                    continue
             completing_ready.append(r)
         for r in list(self.running):
             if r.remote is not None and r.remote.error is not None:
@@ -290,6 +303,7 @@ class Scheduler:
             await asyncio.sleep(0)
         now = time.monotonic()
         for r in completing_ready:
+            self.stats.prefill_tokens += r.to_prefill
             r.digest = self.kv.digest(r.token_ids, r.block_hashes)
             r.first_token_at = now
             self.stats.ttft.append(now - r.arrival)

@@ -2,8 +2,19 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
 ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM
-names, :mod:`kvfleet.engine.metrics`), and for P/D ``GET /kvfleet/v1/kv/{id}``
-(the KV blocks a prefill-only request kept, streamed as they are read).
+names, :mod:`kvfleet.engine.metrics`), and the internal ``DELETE
+/kvfleet/v1/kv/{id}`` (free the blocks a prefill-only request kept) and
+``POST /kvfleet/v1/reset`` (empty every tier).
+
+Trust. Internal requests — a body with ``kv_transfer_params``, the two
+internal endpoints — must be signed with the pool's transfer secret
+(:mod:`kvfleet.engine.peer`); without a valid signature they are refused with
+403 before anything is scheduled or freed, and only signed callers ever see
+``kv_transfer_params`` (request ids, the transfer port). A decode engine acts
+on ``x-prefiller-host-port`` only for a member of ``engine.prefill_peers``
+(else 403, no connection made), and uses a transferred block only if its bytes
+equal its own (else the block is recomputed and counted as mismatched). Blocks
+held for remote decode are capped at half the GPU blocks (503 above that).
 
 Prompts are token ids (``prompt`` as a list of ints) or text, tokenized with
 the byte-level tokenizer shared with the EPP (:mod:`kvfleet.cache.tokens`);
@@ -13,8 +24,9 @@ block keys equal the engine's. Every response carries
 ``x-kvfleet-pod`` (which pod served it).
 
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``:
-400 malformed JSON / bad fields / over the context limit, 404 unknown model,
-503 when the engine cannot take the request.
+400 malformed JSON / bad fields / over the context limit / a malformed
+``x-prefiller-host-port``, 403 an unsigned internal request or a prefiller
+outside the pool, 404 unknown model, 503 when the engine cannot take the request.
 """
 
 from __future__ import annotations
@@ -40,18 +52,18 @@ from kvfleet.cache.events import EventBuffer
 from kvfleet.cache.hashing import ExtraKeys
 from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat, salt_extra_keys
 from kvfleet.config import Settings
+from kvfleet.config.engine import HostPort, parse_host_port
 from kvfleet.engine.kv import EngineKV
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.pd import (
     PREFILLER_HEADER,
     GpuBlockSource,
-    HttpKVPuller,
     KVPuller,
     TransferKVPuller,
-    encode_block_frame,
     hash_to_json,
     request_remote_prefill,
 )
+from kvfleet.engine.peer import NotAPeerError, PeerAuthError, PeerUnresolvedError, PeerVerifier, PrefillPeers
 from kvfleet.engine.scheduler import (
     CapacityError,
     FailEvent,
@@ -68,6 +80,8 @@ log = logging.getLogger(__name__)
 
 POD_HEADER = "x-kvfleet-pod"
 HOLD_SECONDS = 60.0
+#: At most this share of the GPU blocks may be held for remote decode at once.
+MAX_HELD_FRACTION = 0.5
 
 
 class ApiError(Exception):
@@ -79,6 +93,11 @@ class ApiError(Exception):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ForbiddenApiError(ApiError):
+    status = 403
+    kind = "permission_error"
 
 
 class NotFoundApiError(ApiError):
@@ -99,6 +118,15 @@ class UnavailableApiError(ApiError):
 def error_response(exc: ApiError) -> web.Response:
     body = {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": exc.status}}
     return web.json_response(body, status=exc.status)
+
+
+@dataclass
+class Hold:
+    """A prefill-only request whose blocks this engine keeps for a decode engine, until released or ``deadline``."""
+
+    req: Request
+    blocks: int
+    deadline: float
 
 
 @dataclass(frozen=True)
@@ -130,8 +158,11 @@ class EngineServer:
         self.tokenizer = ByteTokenizer()
         self.publisher: ZmqPublisher | None = None
         self.transfer_server: TransferServer | None = None
-        self.puller: KVPuller = puller or self._default_puller()
-        self._hold_deadline: dict[str, float] = {}
+        self.secret = self._secret()
+        self.verifier = PeerVerifier(self.secret)
+        self.prefill_peers = PrefillPeers(self.es.prefill_peers)
+        self.puller: KVPuller | None = puller or self._default_puller()
+        self.holds: dict[str, Hold] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.created = int(time.time())
 
@@ -142,12 +173,11 @@ class EngineServer:
         except (AuthError, OSError):
             return None
 
-    def _default_puller(self) -> KVPuller:
-        secret = self._secret()
-        if secret is None:
-            log.info("no transfer secret configured: P/D KV moves over HTTP instead of the transfer engine")
-            return HttpKVPuller()
-        return TransferKVPuller(TransferClient(secret, settings=self.settings.transfer))
+    def _default_puller(self) -> KVPuller | None:
+        if self.secret is None:
+            log.info("no transfer secret configured: prefill/decode and the internal endpoints are refused")
+            return None
+        return TransferKVPuller(TransferClient(self.secret, settings=self.settings.transfer), self.secret)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -157,7 +187,6 @@ class EngineServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/kvfleet/v1/kv/{request_id}", self.kv_blocks)
         app.router.add_delete("/kvfleet/v1/kv/{request_id}", self.kv_release)
         app.router.add_post("/kvfleet/v1/reset", self.reset)
         app.on_startup.append(self._on_startup)
@@ -177,10 +206,9 @@ class EngineServer:
         self.flush_events()
 
     async def _on_startup(self, app: web.Application) -> None:
-        secret = self._secret()
-        if secret is not None and self.es.role != "decode":
+        if self.secret is not None and self.es.role != "decode":
             self.transfer_server = TransferServer(
-                GpuBlockSource(self.kv), secret, host=self.es.host, settings=self.settings.transfer
+                GpuBlockSource(self.kv), self.secret, host=self.es.host, settings=self.settings.transfer
             )
             self.transfer_server.start()
         self.sched.start()
@@ -190,7 +218,8 @@ class EngineServer:
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self.sched.close()
-        await self.puller.close()
+        if self.puller is not None:
+            await self.puller.close()
         if self.transfer_server is not None:
             self.transfer_server.stop()
         if self.agent_tiers is not None:
@@ -208,23 +237,82 @@ class EngineServer:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            for rid, deadline in list(self._hold_deadline.items()):
-                if deadline < now:
-                    self._hold_deadline.pop(rid, None)
+            for rid, hold in list(self.holds.items()):
+                if hold.deadline < now and hold.req.finished:
+                    self.holds.pop(rid, None)
                     if self.sched.release(rid):
                         log.warning("released KV of %s: no decode engine pulled it within %.0fs", rid, HOLD_SECONDS)
 
-    # -- parsing ------------------------------------------------------------------------------
-    async def _json(self, request: web.Request) -> dict[str, Any]:
+    @property
+    def held_blocks(self) -> int:
+        """Blocks pinned for remote decode (held, or reserved by a prefill-only request still running)."""
+        return sum(h.blocks for h in self.holds.values())
+
+    def unhold(self, request_id: str) -> bool:
+        """Free a held request's blocks; ``False`` if none are held (yet) for it."""
+        if not self.sched.release(request_id):
+            return False
+        self.holds.pop(request_id, None)
+        return True
+
+    def _hold_cap(self) -> int:
+        return max(1, int(self.es.num_gpu_blocks * MAX_HELD_FRACTION))
+
+    # -- trust --------------------------------------------------------------------------------
+    def _authenticate(self, request: web.Request, body: bytes, what: str) -> None:
+        """403 unless the request carries a valid peer signature (pool transfer secret)."""
         try:
-            data = await request.json(loads=json.loads)
+            self.verifier.verify(request.method, request.raw_path, request.headers, body)
+        except PeerAuthError as exc:
+            raise ForbiddenApiError(
+                f"{what} is reserved for engines of this pool (requests signed with the pool's transfer secret): {exc}"
+            ) from None
+
+    async def _prefiller(self, request: web.Request) -> tuple[HostPort, HostPort] | None:
+        """The ``x-prefiller-host-port`` as named and the checked member address to connect to; ``None`` if absent."""
+        values = request.headers.getall(PREFILLER_HEADER, [])
+        if not values:
+            return None
+        if len(values) != 1:
+            raise ApiError(f"{PREFILLER_HEADER} must be given once", param=PREFILLER_HEADER)
+        try:
+            target = parse_host_port(values[0])
+        except ValueError as exc:
+            raise ApiError(f"{PREFILLER_HEADER}: {exc}", param=PREFILLER_HEADER) from None
+        if not self.prefill_peers:
+            raise ForbiddenApiError(
+                f"prefiller {target} refused: this engine has no prefill peers; list the prefill pool's members "
+                "as engine.prefill_peers (HOST:PORT each; a DNS name admits every address it resolves to)",
+                param=PREFILLER_HEADER,
+            )
+        if self.secret is None or self.puller is None:
+            raise ForbiddenApiError(
+                "prefill/decode refused: this engine has no transfer secret (set transfer.secret_file or "
+                "KVFLEET_TRANSFER_SECRET); KV moves between engines only over the authenticated transfer path",
+                param=PREFILLER_HEADER,
+            )
+        try:
+            return target, await self.prefill_peers.admit(target)
+        except NotAPeerError:
+            raise ForbiddenApiError(
+                f"prefiller {target} is not a member of this engine's prefill pool (engine.prefill_peers)",
+                param=PREFILLER_HEADER,
+            ) from None
+        except PeerUnresolvedError:
+            raise UnavailableApiError(f"prefill peer {target} resolves to no address", param=PREFILLER_HEADER) from None
+
+    # -- parsing ------------------------------------------------------------------------------
+    @staticmethod
+    def _json(raw: bytes) -> dict[str, Any]:
+        try:
+            data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(f"request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ApiError("request body must be a JSON object")
         return data
 
-    def _parse(self, data: Mapping[str, Any], chat: bool) -> ParsedRequest:
+    def _parse(self, data: Mapping[str, Any], chat: bool, remote_decode: bool = False) -> ParsedRequest:
         model = data.get("model", self.es.model)
         if model != self.es.model:
             raise NotFoundApiError(f"The model `{model}` does not exist.", param="model")
@@ -255,8 +343,8 @@ class EngineServer:
         salt = data.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ApiError("cache_salt must be a string", param="cache_salt")
-        ktp = data.get("kv_transfer_params")
-        remote_decode = isinstance(ktp, dict) and bool(ktp.get("do_remote_decode"))
+        if remote_decode:
+            stream = False  # the decode engine reads one JSON answer
         return ParsedRequest(chat, ids, max_tokens, stream, include_usage, salt_extra_keys(salt), remote_decode)
 
     def _prompt_ids(self, prompt: Any) -> npt.NDArray[np.uint32]:
@@ -302,25 +390,47 @@ class EngineServer:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        pull: asyncio.Task[None] | None = None
         try:
-            parsed = self._parse(await self._json(request), chat)
-            prefiller = request.headers.get(PREFILLER_HEADER, "").strip()
+            raw = await request.read()
+            data = self._json(raw)
+            remote_decode = False
+            if "kv_transfer_params" in data:
+                self._authenticate(request, raw, "kv_transfer_params")
+                ktp = data["kv_transfer_params"]
+                if ktp is not None and not isinstance(ktp, dict):
+                    raise ApiError("kv_transfer_params must be an object", param="kv_transfer_params")
+                remote_decode = bool(ktp and ktp.get("do_remote_decode"))
+            parsed = self._parse(data, chat, remote_decode)
+            prefiller = None
+            if not remote_decode and self.es.role != "prefill":
+                prefiller = await self._prefiller(request)
             req = Request(
                 request_id=self.sched.new_id("chatcmpl" if chat else "cmpl"),
                 token_ids=parsed.token_ids,
-                max_tokens=1 if parsed.remote_decode else parsed.max_tokens,
+                max_tokens=1 if remote_decode else parsed.max_tokens,
                 extra_keys=parsed.extra_keys,
-                hold_blocks=parsed.remote_decode,
+                hold_blocks=remote_decode,
             )
-            pull: asyncio.Task[None] | None = None
-            if prefiller and not parsed.remote_decode and self.es.role != "prefill":
-                pull = await self._start_remote_prefill(req, prefiller, parsed, request)
+            blocks = 0
+            if remote_decode:
+                blocks = self._check_hold(req)
+            if prefiller is not None:
+                pull = await self._start_remote_prefill(req, *prefiller, parsed)
             self.sched.submit(req)
+            if remote_decode:
+                self.holds[req.request_id] = Hold(req, blocks, time.monotonic() + HOLD_SECONDS)
         except ApiError as exc:
+            if pull is not None:
+                pull.cancel()
             return error_response(exc)
         except CapacityError as exc:
+            if pull is not None:
+                pull.cancel()
             return error_response(ApiError(str(exc), param="prompt"))
         except SchedulerClosedError as exc:
+            if pull is not None:
+                pull.cancel()
             return error_response(UnavailableApiError(str(exc)))
         try:
             if parsed.stream:
@@ -330,29 +440,62 @@ class EngineServer:
             if pull is not None and not pull.done():
                 pull.cancel()
 
+    def _check_hold(self, req: Request) -> int:
+        """Blocks a prefill-only request will pin; 503 if this engine cannot serve them or is at its cap."""
+        if self.transfer_server is None:
+            raise UnavailableApiError("this engine serves no KV transfer port (role decode): it cannot prefill for others")
+        need = -(-(len(req.token_ids) + 1) // self.kv.block_size)
+        cap = self._hold_cap()
+        if self.held_blocks + need > cap:
+            raise UnavailableApiError(
+                f"too much KV held for remote decode: {self.held_blocks} blocks held, this request needs {need}, "
+                f"the cap is {cap} (half the GPU blocks); retry later"
+            )
+        return need
+
     async def _start_remote_prefill(
-        self, req: Request, prefiller: str, parsed: ParsedRequest, request: web.Request
+        self, req: Request, target: HostPort, prefiller: HostPort, parsed: ParsedRequest
     ) -> asyncio.Task[None]:
-        """P/D: have ``prefiller`` prefill the prompt, then pull its KV blocks while we wait to decode."""
+        """P/D: have the member ``prefiller`` prefill the prompt, then pull its KV blocks while we wait to decode.
+
+        Every landed block is compared with this engine's own bytes; one that
+        differs is dropped (counted in ``mismatched_blocks``) and recomputed here.
+        """
+        assert self.secret is not None and self.puller is not None
+        puller = self.puller
         try:
-            params = await request_remote_prefill(prefiller, self.es.model, parsed.token_ids, parsed.extra_keys)
+            grant = await request_remote_prefill(prefiller, self.secret, self.es.model, parsed.token_ids, parsed.extra_keys)
         except OSError as exc:
-            raise UnavailableApiError(f"prefill engine {prefiller} failed: {exc}") from None
+            log.warning("prefill request to %s (%s) failed: %s %s", target, prefiller, exc, exc.__cause__ or "")
+            raise UnavailableApiError(f"prefill engine {target} failed: {exc}") from None
+        expected = self.kv.expected_blocks(parsed.token_ids, parsed.extra_keys)
+        hashes = list(expected)
+        index = {h: i for i, h in enumerate(hashes)}
+        bs = self.kv.block_size
         remote = RemoteKV()
         req.remote = remote
-        req.remote_cached_tokens = int(params.get("prefill_cached_tokens", 0))
+        req.remote_cached_tokens = min(grant.prefill_cached_tokens, len(parsed.token_ids))
 
         def on_block(block_hash: Any, data: bytes) -> None:
-            self.kv.receive(block_hash, data)
+            i = index.get(block_hash)
+            if i is None or data != expected[block_hash]:
+                self.kv.mismatched_blocks += 1
+                if i is not None:
+                    remote.rejected += 1
+                    req.remote_cached_tokens = min(req.remote_cached_tokens or 0, i * bs)
+                if remote.rejected <= 1:
+                    log.warning("KV block from %s does not match this engine's own bytes: dropped, recomputed here", target)
+            else:
+                self.kv.receive(block_hash, data)
             if not remote.first.is_set():
                 remote.first.set()
 
         async def run() -> None:
             try:
-                await self.puller.pull(prefiller, params, on_block)
+                await puller.pull(prefiller, grant, hashes, on_block)
             except Exception as exc:  # any transfer failure fails this request, clearly
-                remote.error = UnavailableApiError(f"KV transfer from {prefiller} failed: {exc}")
-                log.warning("KV transfer from %s failed: %s", prefiller, exc)
+                remote.error = UnavailableApiError(f"KV transfer from prefill engine {target} failed ({type(exc).__name__})")
+                log.warning("KV transfer from %s (%s) failed: %s", target, prefiller, exc)
             finally:
                 remote.first.set()
                 remote.done.set()
@@ -389,8 +532,10 @@ class EngineServer:
         try:
             reason = await self._collect(req)
         except ApiError as exc:
+            self.holds.pop(req.request_id, None)
             return error_response(exc)
         except (CapacityError, SchedulerClosedError, RuntimeError) as exc:
+            self.holds.pop(req.request_id, None)
             return error_response(UnavailableApiError(str(exc)))
         self._observe(req)
         text = self.tokenizer.decode(req.generated)
@@ -406,21 +551,17 @@ class EngineServer:
                 {"index": 0, "text": text, "token_ids": list(req.generated), "finish_reason": reason, "logprobs": None}
             ]
         body["usage"] = self._usage(req)
-        if parsed.remote_decode:
-            self._hold_deadline[req.request_id] = time.monotonic() + HOLD_SECONDS
+        if parsed.remote_decode:  # only ever for a signed peer request (see _serve)
+            hold = self.holds.get(req.request_id)
+            if hold is not None:
+                hold.deadline = time.monotonic() + HOLD_SECONDS
             body["kv_transfer_params"] = {
                 "remote_engine_id": self.es.pod_name,
                 "remote_request_id": req.request_id,
-                "remote_host": self.es.host,
-                "remote_port": self.es.port,
                 "num_blocks": len(req.block_hashes),
+                "transfer_port": self.transfer_server.port if self.transfer_server is not None else None,
+                "block_hashes": [hash_to_json(h) for h in req.block_hashes],
             }
-            if self.transfer_server is not None:
-                body["kv_transfer_params"].update(
-                    transfer_host=self.es.host,
-                    transfer_port=self.transfer_server.port,
-                    block_hashes=[hash_to_json(h) for h in req.block_hashes],
-                )
         return web.json_response(body, headers=self._headers(req))
 
     async def _stream(self, request: web.Request, req: Request, parsed: ParsedRequest) -> web.StreamResponse:
@@ -475,41 +616,28 @@ class EngineServer:
         await resp.write_eof()
         return resp
 
-    async def kv_blocks(self, request: web.Request) -> web.StreamResponse:
-        """Stream the full blocks a prefill-only request holds, in order, then release them."""
-        rid = request.match_info["request_id"]
-        held = self.sched.held.get(rid)
-        if held is None:
-            return error_response(NotFoundApiError(f"no KV held for request {rid!r}", param="request_id"))
-        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/octet-stream"})
-        await resp.prepare(request)
-        try:
-            for h in held.block_hashes:
-                block = self.kv.block(h)
-                if block is None:
-                    break
-                await resp.write(encode_block_frame(h, block.data))
-        finally:
-            self._hold_deadline.pop(rid, None)
-            self.sched.release(rid)
-        await resp.write_eof()
-        return resp
-
     async def kv_release(self, request: web.Request) -> web.Response:
-        """A decode engine finished pulling (through the transfer engine): free the held blocks."""
+        """A decode engine finished pulling (through the transfer engine): free the held blocks (signed only)."""
+        try:
+            self._authenticate(request, await request.read(), "releasing held KV")
+        except ApiError as exc:
+            return error_response(exc)
         rid = request.match_info["request_id"]
-        self._hold_deadline.pop(rid, None)
-        if not self.sched.release(rid):
-            return error_response(NotFoundApiError(f"no KV held for request {rid!r}", param="request_id"))
+        if not self.unhold(rid):
+            return error_response(NotFoundApiError(f"no KV held for request {rid[:128]!r}", param="request_id"))
         return web.json_response({"released": rid})
 
     async def reset(self, request: web.Request) -> web.Response:
-        """Empty every cache tier (``AllBlocksCleared`` + tier removals); 409 while requests run."""
+        """Empty every cache tier (``AllBlocksCleared`` + tier removals); signed only; 409 while requests run."""
+        try:
+            self._authenticate(request, await request.read(), "reset")
+        except ApiError as exc:
+            return error_response(exc)
         if self.sched.num_running or self.sched.num_waiting:
             return error_response(ConflictApiError("requests are running; reset refused"))
         for rid in list(self.sched.held):
             self.sched.release(rid)
-        self._hold_deadline.clear()
+        self.holds.clear()
         try:
             self.kv.reset()
         except LockedError as exc:

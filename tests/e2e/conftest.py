@@ -3,6 +3,8 @@
 The ``fleet`` fixture (one per module) starts 4 engines in 2 pools (``pool-a``:
 two unified pods; ``pool-b``: a prefill and a decode pod), the EPP with a
 static pods file, and Envoy with the EPP as ext_proc (failure mode: closed).
+The engines share the stack's transfer secret; each decode pod lists its
+pool's prefill pods as ``engine.prefill_peers``.
 Every process runs in its own process group and is stopped by PID at
 teardown; tests fail loudly if one dies.
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +22,17 @@ from typing import Any
 
 import pytest
 
-from kvfleet.demo.stack import Child, PodSpec, ProcessStack, free_port, plan_pods, pods_file, write_yaml
+from kvfleet.demo.stack import (
+    Child,
+    PodSpec,
+    ProcessStack,
+    engine_env,
+    free_port,
+    plan_pods,
+    pods_file,
+    prefill_peers,
+    write_yaml,
+)
 
 MODEL = "llama-3-8b"
 
@@ -82,11 +93,11 @@ class Fleet:
             "engine": {
                 "model": MODEL, "host": "127.0.0.1", "port": p.port, "kv_events_port": p.events_port,
                 "kv_events_replay_port": p.replay_port, "pod_name": p.name, "pool": p.pool, "role": p.role,
-                "time_factor": 0.01, "num_gpu_blocks": 2048, **extra,
+                "time_factor": 0.01, "num_gpu_blocks": 2048, "prefill_peers": prefill_peers(self.pods, p), **extra,
             }
         }
         path = write_yaml(self.workdir / f"{p.name}.yaml", cfg)
-        child = self.stack.spawn_kvfleet(p.name, ["engine", "--config", str(path)], {"KVFLEET_TRANSFER_SECRET": self.secret})
+        child = self.stack.spawn_kvfleet(p.name, ["engine", "--config", str(path)], engine_env(self.secret))
         self.stack.wait_http(child, f"http://127.0.0.1:{p.port}/health", timeout_s=60)
         self.engines[p.name] = child
         return child
@@ -106,8 +117,11 @@ class Fleet:
     def epp_metrics(self) -> str:
         return scrape(f"http://127.0.0.1:{self.epp_ports[2]}/metrics")
 
-    def complete(self, prompt: list[int], max_tokens: int = 4, **kw: Any) -> tuple[int, Any, dict[str, str]]:
-        return http_json(self.gateway + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **kw})
+    def complete(
+        self, prompt: list[int], max_tokens: int = 4, headers: dict[str, str] | None = None, **kw: Any
+    ) -> tuple[int, Any, dict[str, str]]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **kw}
+        return http_json(self.gateway + "/v1/completions", body, headers=headers)
 
     def check_alive(self) -> None:
         for child in self.stack.children:
@@ -119,7 +133,7 @@ def start_fleet(workdir: Path) -> Iterator[Fleet]:
     from kvfleet.epp.envoy import envoy_binary, write_bootstrap
 
     with ProcessStack(workdir) as stack:
-        fleet = Fleet(stack, plan_pods(4, 2, 1), workdir, secret=secrets.token_hex(8))
+        fleet = Fleet(stack, plan_pods(4, 2, 1), workdir, secret=stack.transfer_secret)
         fleet.epp_ports = (free_port(), free_port(), free_port())
         for p in fleet.pods:
             fleet.start_engine(p)

@@ -5,6 +5,9 @@ Covers, on one running stack (module fixture):
   (``usage.prompt_tokens_details.cached_tokens``);
 - a request the EPP sends to the P/D pool (decode pod + ``x-prefiller-host-port``) returns
   the same tokens as a unified engine given the same prompt;
+- a client that names its own prefiller (``x-prefiller-host-port`` to a host outside the
+  pool) or sends ``kv_transfer_params`` gets no connection made to that host, no
+  ``kv_transfer_params`` and no internal address back; unsigned resets are refused;
 - with the EPP killed, Envoy fails closed (5xx, as configured); after a restart the EPP
   rebuilds its index from the engines' KV events (replay) and routing is prefix-aware
   again within a bounded time, which is measured and printed.
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import itertools
 import signal
+import socket
+import threading
 import time
 from typing import Any
 
@@ -94,6 +99,47 @@ def test_pd_returns_the_same_tokens_as_a_unified_engine(fleet: Fleet) -> None:
         assert mism == 0
         return
     pytest.fail("no prompt was routed to the P/D pool in 40 tries")
+
+
+def test_client_supplied_pd_controls_are_refused(fleet: Fleet) -> None:
+    accepted: list[object] = []
+    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock.settimeout(0.2)
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = lsock.accept()
+            except OSError:
+                continue
+            accepted.append(conn)
+            conn.close()
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    attacker = f"127.0.0.1:{lsock.getsockname()[1]}"
+    try:
+        for _ in range(6):  # over several prompts, so both pools see it
+            st, body, _ = fleet.complete(fresh_prompt(300), headers={"x-prefiller-host-port": attacker})
+            assert st in (200, 400, 403), body  # the EPP or the engine refuses it, or the EPP picks the prefiller
+            st, body, _ = fleet.complete(fresh_prompt(300), kv_transfer_params={"do_remote_decode": True})
+            assert st in (200, 400, 403), body
+            text = str(body)
+            assert "kv_transfer_params" not in (body or {}) and "remote_request_id" not in text and "transfer_port" not in text
+        for p in fleet.pods:
+            st, body, _ = http_json(f"http://127.0.0.1:{p.port}/kvfleet/v1/reset", {})
+            assert st == 403, body
+            st, body, _ = http_json(f"http://127.0.0.1:{p.port}/v1/completions", {"model": MODEL, "prompt": fresh_prompt(40),
+                                    "max_tokens": 1}, headers={"x-prefiller-host-port": attacker})
+            assert st == 403 if p.role != "prefill" else st == 200, body
+        time.sleep(0.3)
+        assert accepted == [], "an engine connected to a prefiller outside its pool"
+    finally:
+        stop.set()
+        t.join(2)
+        lsock.close()
+    fleet.check_alive()
 
 
 def test_epp_down_fails_closed_then_restart_rebuilds_the_index(fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:

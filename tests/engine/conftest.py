@@ -1,9 +1,15 @@
-"""Fixtures: in-process simulated engines served over real loopback HTTP and ZMQ on free ports."""
+"""Fixtures: in-process simulated engines served over real loopback HTTP and ZMQ on free ports.
+
+``pool_secret`` gives the engines started after it the pool's transfer secret
+(``KVFLEET_TRANSFER_SECRET``); ``RunningEngine.call(..., signed=True)`` signs a
+request with it as a pool peer would.
+"""
 
 from __future__ import annotations
 
+import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +18,10 @@ import pytest
 from aiohttp import web
 
 from kvfleet.config import load
+from kvfleet.engine.peer import sign_request
 from kvfleet.engine.server import EngineServer
+
+SECRET = b"test-pool-secret"
 
 
 def free_port() -> int:
@@ -34,8 +43,32 @@ class RunningEngine:
             data = await r.json(content_type=None)
             return r.status, data, dict(r.headers)
 
+    async def call(
+        self, method: str, path: str, body: Any = None, headers: Any = None, *, signed: bool = False, secret: bytes = SECRET
+    ) -> tuple[int, Any, str]:
+        """One request with a JSON body (or none); ``signed`` adds the peer signature. Returns status, JSON, raw text."""
+        raw = b"" if body is None else json.dumps(body).encode()
+        hdrs: Any = headers if headers is not None else {}
+        if signed:
+            hdrs = {**hdrs, **sign_request(secret, method, path, raw)}
+        if body is not None and isinstance(hdrs, dict):
+            hdrs = {"Content-Type": "application/json", **hdrs}
+        async with aiohttp.ClientSession() as s, s.request(method, self.url + path, data=raw, headers=hdrs) as r:
+            text = await r.text()
+            try:
+                data = json.loads(text)
+            except ValueError:
+                data = None
+            return r.status, data, text
+
 
 EngineFactory = Callable[..., Awaitable[RunningEngine]]
+
+
+@pytest.fixture
+def pool_secret(monkeypatch: pytest.MonkeyPatch) -> Iterator[bytes]:
+    monkeypatch.setenv("KVFLEET_TRANSFER_SECRET", SECRET.decode())
+    yield SECRET
 
 
 @pytest.fixture

@@ -4,7 +4,9 @@ Covers: ``project_block`` is a pure function of (tokens, parent); reclaimed GPU
 blocks are demoted (BlockRemoved GPU, BlockStored CPU, then SSD) with the same
 bytes; a later request is served from the slower tier and reports it as cached;
 a new ``LocalTiers`` over the same directory re-indexes valid block files,
-re-announces them, and drops a corrupt one.
+re-announces them, and drops a corrupt one; a received block is used only if
+its bytes equal the engine's own (else dropped and counted), whether it lands
+before or after its sequence is admitted.
 """
 
 from __future__ import annotations
@@ -76,3 +78,19 @@ def test_ssd_tier_survives_a_restart_and_drops_corrupt_files(tmp_path: Path) -> 
     for h in announced:
         got = again.get(h)
         assert got is not None and got.data == next(b.data for b in blocks if b.block_hash == h)
+
+
+def test_received_blocks_are_used_only_if_they_equal_our_own(tmp_path: Path) -> None:
+    """A transferred block whose bytes differ from this engine's projection is dropped and counted, before or after admission."""
+    kv = make_kv(tmp_path, [])
+    toks = np.arange(500, 564, dtype=np.uint32)  # 4 blocks
+    own = kv.expected_blocks(toks)
+    hashes = list(own)
+    forged = bytes(len(own[hashes[0]]))
+    # Two arrive before the sequence is admitted (one forged, one good), two after (the same).
+    assert kv.receive(hashes[0], forged) and kv.receive(hashes[1], own[hashes[1]])
+    kv.admit("a", toks)
+    assert kv.mismatched_blocks == 1
+    assert not kv.receive(hashes[2], forged) and kv.receive(hashes[3], own[hashes[3]])
+    assert kv.mismatched_blocks == 2
+    assert [kv.block(h).data for h in hashes] == [own[h] for h in hashes]  # type: ignore[union-attr]

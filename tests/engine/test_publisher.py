@@ -64,7 +64,7 @@ async def test_events_are_published_and_replayed(make_engine: EngineFactory) -> 
         dealer.close(0)
 
 
-async def test_reset_drops_older_history_from_replay(make_engine: EngineFactory) -> None:
+async def test_reset_drops_older_history_from_replay(make_engine: EngineFactory, pool_secret: bytes) -> None:
     """After a cache reset, replay starts at the reset (its AllBlocksCleared), not at the stale blocks before it."""
     from kvfleet.cache.events import AllBlocksCleared
 
@@ -72,7 +72,7 @@ async def test_reset_drops_older_history_from_replay(make_engine: EngineFactory)
     es = eng.server.es
     for base in (0, 1000):
         await eng.post("/v1/completions", {"model": es.model, "prompt": list(range(base, base + 48)), "max_tokens": 1})
-    st, _, _ = await eng.post("/kvfleet/v1/reset", {})
+    st, _, _ = await eng.call("POST", "/kvfleet/v1/reset", signed=True)
     assert st == 200
     ctx = zmq.asyncio.Context.instance()
     dealer = ctx.socket(zmq.DEALER)

@@ -3,7 +3,7 @@
 Covers: concurrent requests share steps (fewer steps than run one by one) and all
 finish with their own tokens; ``max_num_seqs`` bounds the running batch; only the
 uncached suffix is charged as prefill; a request that must wait for KV blocks is
-admitted once another finishes; ``reset`` empties every tier and is refused while
+admitted once another finishes; ``reset`` (signed with the pool secret) empties every tier and is refused while
 requests run.
 """
 
@@ -87,11 +87,11 @@ async def test_a_request_waits_for_blocks_then_runs() -> None:
     assert [len(o) for o in outs] == [4, 4]
 
 
-async def test_reset_endpoint_empties_the_cache(make_engine: EngineFactory) -> None:
+async def test_reset_endpoint_empties_the_cache(make_engine: EngineFactory, pool_secret: bytes) -> None:
     eng = await make_engine()
     body = {"model": "llama-3-8b", "prompt": list(range(64)), "max_tokens": 1}
     await eng.post("/v1/completions", body)
-    st, _, _ = await eng.post("/kvfleet/v1/reset", {})
+    st, _, _ = await eng.call("POST", "/kvfleet/v1/reset", signed=True)
     assert st == 200
     _, again, _ = await eng.post("/v1/completions", body)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -88,7 +88,7 @@ async def run(tag: str) -> int:
 
                 async def children() -> bool:
                     for kind, child in (("ConfigMap", "llama-p0"), ("Deployment", "llama-p0-unified"),
-                                        ("Service", "llama-p0"), ("InferencePool", "llama-p0")):
+                                        ("Service", "llama-p0"), ("InferencePool", "llama")):
                         obj = await api.get_or_none(kind, NS, child)
                         assert obj is not None, f"{kind}/{child} missing"
                         assert obj["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]

@@ -152,6 +152,7 @@ class KubernetesDatastore(_ListenerMixin):
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self._objs: dict[str, dict[str, Mapping[str, Any]]] = {"pools": {}, "pods": {}}
+        self._listed: set[str] = set()
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._watch, args=("pods", self._list_pods), daemon=True, name="watch-pods"),
@@ -174,7 +175,10 @@ class KubernetesDatastore(_ListenerMixin):
                 listing = lister()
                 items = listing.get("items", []) if isinstance(listing, dict) else []
                 self._objs[kind] = {str(_get(o, "metadata", "name")): o for o in items}
+                self._listed.add(kind)
                 self._rebuild()
+                if self._listed == {"pods", "pools"}:
+                    self._synced.set()  # both first lists are in: the picker may report ready
                 rv = _get(listing, "metadata", "resourceVersion")
                 w = watch.Watch()  # type: ignore[no-untyped-call]
                 self._watches[kind] = w

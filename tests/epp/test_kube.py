@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -76,11 +77,29 @@ async def test_pools_follow_the_api(kubeconfig: Path) -> None:
     ds = await asyncio.to_thread(KubernetesDatastore, "ns", 0.2, api)
     try:
         await eventually(lambda: bool(ds.pools()) and [p.name for p in ds.pools()[0].pods] == ["a"])
+        await eventually(ds.has_synced)
         assert ds.pools()[0].models == ("m",) and ds.pools()[0].pods[0].endpoint == "10.0.0.1:8000"
         await asyncio.to_thread(core.create_namespaced_pod, "ns", pod("b", "10.0.0.2"))  # type: ignore[arg-type]
         await eventually(lambda: [p.name for p in ds.pools()[0].pods] == ["a", "b"])
         await asyncio.to_thread(core.delete_namespaced_pod, "a", "ns")
         await eventually(lambda: [p.name for p in ds.pools()[0].pods] == ["b"])
+    finally:
+        ds.stop()
+
+
+async def test_not_synced_until_both_lists_are_in() -> None:
+    """With the API server unreachable the datastore never reports synced (the picker stays NOT_SERVING)."""
+    from kubernetes import client
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    cfg = client.Configuration(host=f"http://127.0.0.1:{dead}")
+    cfg.retries = 0
+    ds = await asyncio.to_thread(KubernetesDatastore, "ns", 0.1, client.ApiClient(cfg))
+    try:
+        await asyncio.sleep(1.0)
+        assert not ds.has_synced() and ds.pools() == ()
     finally:
         ds.stop()
 

@@ -4,10 +4,13 @@
 and the tests run it, and the Helm chart's gateway runs exactly this too (its
 init container calls ``kvfleet gateway-config``, :func:`main`). What it does:
 
-* a ``header_mutation`` filter first removes every routing header a client may
-  have sent (:data:`~kvfleet.epp.protocol.CLIENT_STRIPPED_HEADERS`:
-  ``x-gateway-destination-endpoint*``, ``x-prefiller-host-port``, the engines'
-  peer-signature headers): only the picker sets them;
+* a request carrying a header that steers prefill/decode
+  (:data:`~kvfleet.epp.protocol.CLIENT_REFUSED_HEADERS`: ``x-prefiller-host-port``,
+  the engines' peer-signature headers) matches a route that answers 400 JSON with
+  ext_proc disabled: the picker never sees it, in every failure mode;
+* a ``header_mutation`` filter first removes every routing header a client may have
+  sent (:data:`~kvfleet.epp.protocol.CLIENT_STRIPPED_HEADERS`:
+  ``x-gateway-destination-endpoint``, ``-subset``, ``-served``): only the picker sets them;
 * the ext_proc filter sends headers and body to the picker (``body_mode``:
   ``FULL_DUPLEX_STREAMED``, GIE's reference, or ``BUFFERED``) and the response
   phase too (first token, cached tokens, misprediction), asking Envoy for the
@@ -21,7 +24,7 @@ init container calls ``kvfleet gateway-config``, :func:`main`). What it does:
   ``fallback_service`` (a DNS name such as a pool's headless Service, resolved to
   all its pods); never to an address a client names. Without either, FailOpen
   answers 503;
-* ``/kvfleet/`` (the engines' internal API) is answered 404 by Envoy itself;
+* ``/kvfleet/`` (the engines' internal API) is answered 404 by Envoy itself (ext_proc disabled there too);
 * the admin API listens on 127.0.0.1 only; ``health_port`` opens a listener whose
   ``/ready`` is proxied to the admin's ``/ready`` (for kubelet probes) and nothing else;
 * ``epp_tls_ca``: TLS to the picker, verified against that CA file, with
@@ -51,6 +54,7 @@ from typing import Any
 import yaml
 
 from kvfleet.epp.protocol import (
+    CLIENT_REFUSED_HEADERS,
     CLIENT_STRIPPED_HEADERS,
     DEST_HEADER,
     DEST_METADATA_NS,
@@ -62,6 +66,10 @@ from kvfleet.epp.protocol import (
 
 _T = "type.googleapis.com/"
 _JSON_503 = '{"error": {"code": 503, "type": "no_ready_endpoint", "message": "no endpoint was picked for this request"}}'
+_JSON_REFUSED = (
+    '{"error": {"code": 400, "type": "invalid_request_error", "message": "the request sets a header that only the '
+    'gateway and the engines may set (' + ", ".join(CLIENT_REFUSED_HEADERS) + ')"}}'
+)
 _JSON_404 = '{"error": {"code": 404, "type": "not_found_error", "message": "not served through the gateway"}}'
 
 
@@ -206,11 +214,22 @@ def bootstrap(
         filters.append(ext_proc)
     filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}})
     timeout = f"{upstream_timeout_s}s"
+    no_ext_proc = {"envoy.filters.http.ext_proc": {
+        "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}}
+    picked = {"filter": DEST_METADATA_NS, "path": [{"key": DEST_HEADER}], "value": {"present_match": True}}
+    # A refused header with no pick: the client sent it (the picker sets x-prefiller-host-port with its pick).
     routes: list[dict[str, Any]] = [
-        {"match": {"prefix": INTERNAL_PREFIX}, "direct_response": {"status": 404, "body": {"inline_string": _JSON_404}}},
+        {"match": {"prefix": "/", "headers": [{"name": h, "present_match": True}],
+                   "dynamic_metadata": [{**picked, "invert": True}]},
+         "direct_response": {"status": 400, "body": {"inline_string": _JSON_REFUSED}},
+         "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
+         "typed_per_filter_config": no_ext_proc}
+        for h in CLIENT_REFUSED_HEADERS
     ]
+    routes.append({"match": {"prefix": INTERNAL_PREFIX}, "direct_response": {"status": 404, "body": {"inline_string": _JSON_404}},
+                   "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
+                   "typed_per_filter_config": no_ext_proc})
     if use_epp:
-        picked = {"filter": DEST_METADATA_NS, "path": [{"key": DEST_HEADER}], "value": {"present_match": True}}
         routes.append(
             {"match": {"prefix": "/", "dynamic_metadata": [picked]}, "route": {"cluster": "kvfleet-pods", "timeout": timeout}}
         )

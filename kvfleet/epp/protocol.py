@@ -17,7 +17,7 @@ Gateway API Inference Extension endpoint-picker protocol:
 
 Client input never chooses a route, a prefill pod or cache contents: the
 gateway strips :data:`CLIENT_STRIPPED_HEADERS` before the picker sees the
-request, and :func:`parse_request` refuses the P/D control fields of
+request and refuses requests with :data:`CLIENT_REFUSED_HEADERS` (400), and :func:`parse_request` refuses the P/D control fields of
 :data:`CONTROL_FIELDS` in a client body (400): they are set between pods, never
 by clients. ``GET /v1/models`` (and ``/v1/models/{id}``) is answered by the
 picker itself from the models its pools serve (:func:`models_body`); other
@@ -51,15 +51,11 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 #: ext_proc attribute (CEL) with the upstream host that served the request (kvfleet's Envoy config asks for it)
 UPSTREAM_ATTRIBUTE = "upstream.address"
 EXT_PROC_ATTRIBUTES_NS = "envoy.filters.http.ext_proc"
-#: request headers a client may not send: the gateway removes them before ext_proc and routing
-CLIENT_STRIPPED_HEADERS = (
-    DEST_HEADER,
-    SUBSET_KEY,
-    SERVED_KEY,
-    PREFILLER_HEADER,
-    "x-kvfleet-peer-timestamp",
-    "x-kvfleet-peer-signature",
-)
+#: routing headers a client may not send: the gateway removes them before ext_proc and routing
+CLIENT_STRIPPED_HEADERS = (DEST_HEADER, SUBSET_KEY, SERVED_KEY)
+#: headers that steer prefill/decode between engines (the prefill pod, the engines' peer signature): a
+#: client request carrying one is refused by the gateway with a 400, before ext_proc and in every failure mode
+CLIENT_REFUSED_HEADERS = (PREFILLER_HEADER, "x-kvfleet-peer-timestamp", "x-kvfleet-peer-nonce", "x-kvfleet-peer-signature")
 #: body fields that steer prefill/decode disaggregation between pods (vLLM's and SGLang's): never from clients
 CONTROL_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_endpoints")
 #: engine-internal paths (KV release, reset) the gateway refuses to forward

@@ -27,6 +27,7 @@ from kvfleet.config import load
 from kvfleet.epp.app import Epp
 from kvfleet.epp.datastore import StaticDatastore
 from kvfleet.epp.envoy import EnvoyProcess, free_port
+from kvfleet.epp.protocol import CLIENT_REFUSED_HEADERS, CLIENT_STRIPPED_HEADERS
 from kvfleet.epp.server import EXT_PROC_SERVICE, LIVENESS, READINESS, health_check
 from tests.epp.conftest import make_epp, wait_for
 from tests.epp.pods import PodFleet, post
@@ -78,12 +79,8 @@ def url(env: EnvoyProcess, path: str = "/v1/completions") -> str:
 
 
 def hostile_headers(target: str) -> dict[str, str]:
-    return {
-        "x-gateway-destination-endpoint": target,
-        "x-gateway-destination-endpoint-subset": target,
-        "x-gateway-destination-endpoint-served": target,
-        "x-prefiller-host-port": target,
-    }
+    """Every routing header a client could try (stripped by the gateway)."""
+    return {h: target for h in CLIENT_STRIPPED_HEADERS}
 
 
 @pytest.mark.parametrize("routing", ["header", "metadata"])
@@ -103,18 +100,30 @@ def test_client_routing_headers_change_nothing(
         assert status == 200, body
         assert headers["x-pod"] == "pod-1"
         assert headers["x-seen-destination"] == f"127.0.0.1:{pod.port}"
-        assert headers["x-seen-prefiller"] == ""
     assert trap.accepted == 0
 
 
-def test_prefill_pod_is_the_pickers_not_the_clients(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, trap: Trap) -> None:
-    """A P/D pool: the decode pod gets the picker's prefill pod, whatever prefiller the client names."""
+@pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
+def test_p_d_headers_from_clients_are_refused(
+    fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, trap: Trap, body_mode: str
+) -> None:
+    """``x-prefiller-host-port`` (the cache-poisoning / SSRF vector) and the engines' peer-signature headers
+    from a client: a clear 400 JSON from the gateway, before the picker (no pick, no speculative entry)
+    and also while the picker is down under FailOpen; no pod and no trap sees anything."""
     epp = epp_factory(roles=["prefill", "decode", "decode"], pd_min_uncached_tokens=64)
-    env = envoy_factory(epp_port=epp.grpc_port)
-    status, headers, _ = post(url(env), {"model": "m", "prompt": PROMPT}, headers=hostile_headers(trap.endpoint))
-    assert status == 200 and headers["x-pod"] in ("pod-1", "pod-2")
-    assert headers["x-seen-prefiller"] == f"127.0.0.1:{fleet.pods[0].port}"
-    assert trap.accepted == 0
+    gateways = [envoy_factory(epp_port=epp.grpc_port, body_mode=body_mode),
+                envoy_factory(epp_port=free_port(), failure_mode_allow=True, body_mode=body_mode,
+                              fallback_endpoints=[f"127.0.0.1:{p.port}" for p in fleet.pods])]
+    for env in gateways:
+        for header in CLIENT_REFUSED_HEADERS:
+            status, _, body = post(url(env), {"model": "m", "prompt": PROMPT}, headers={header: trap.endpoint})
+            assert status == 400, (header, body)
+            err = json.loads(body)["error"]
+            assert err["code"] == 400 and header in err["message"]
+    assert sum(len(p.requests) + len(p.other) for p in fleet.pods) == 0
+    assert trap.accepted == 0 and epp.index.num_keys == 0 and epp.tracker.load("pod-0") == (0, 0.0, 0)
+    status, headers, _ = post(url(gateways[0]), {"model": "m", "prompt": PROMPT})  # the P/D pick itself still works
+    assert status == 200 and headers["x-seen-prefiller"] == f"127.0.0.1:{fleet.pods[0].port}"
 
 
 @pytest.mark.parametrize("routing", ["header", "metadata"])

@@ -23,6 +23,10 @@ member of its prefill pool (``engine.prefill_peers``, checked by
 3. tells the prefill engine to free the blocks (signed
    ``DELETE /kvfleet/v1/kv/{id}``; they are freed after a timeout anyway).
 
+A prefill engine that answers 503 (busy: at its cap of blocks held for remote
+decode, or shutting down) leaves the prompt to the decode engine, which
+prefills it itself; any other failure fails the request with a 503.
+
 There is no other KV path between engines: without a transfer secret P/D is refused.
 """
 
@@ -51,7 +55,14 @@ OnBlock = Callable[[BlockHash, bytes], None]
 
 
 class RemotePrefillError(OSError):
-    """The prefill engine refused or failed the prefill request, or the KV transfer failed."""
+    """The prefill engine refused or failed the prefill request, or the KV transfer failed.
+
+    ``status`` is the prefill engine's HTTP status when it answered (503: busy, e.g. at its hold cap).
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,7 @@ async def request_remote_prefill(
             if r.status != 200:
                 err = data.get("error") if isinstance(data, dict) else None
                 msg = err.get("message") if isinstance(err, dict) else None
-                raise RemotePrefillError(f"HTTP {r.status}: {str(msg)[:300] if msg else 'no error message'}")
+                raise RemotePrefillError(f"HTTP {r.status}: {str(msg)[:300] if msg else 'no error message'}", r.status)
     except aiohttp.ClientConnectionError as exc:
         raise RemotePrefillError(f"cannot reach it ({type(exc).__name__})") from exc
     except TimeoutError as exc:

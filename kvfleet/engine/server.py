@@ -14,7 +14,7 @@ internal endpoints — must be signed with the pool's transfer secret
 on ``x-prefiller-host-port`` only for a member of ``engine.prefill_peers``
 (else 403, no connection made), and uses a transferred block only if its bytes
 equal its own (else the block is recomputed and counted as mismatched). Blocks
-held for remote decode are capped at half the GPU blocks (503 above that).
+kept for decode engines to pull are capped at half the GPU blocks (503 above that).
 
 Prompts are token ids (``prompt`` as a list of ints) or text, tokenized with
 the byte-level tokenizer shared with the EPP (:mod:`kvfleet.cache.tokens`);
@@ -59,6 +59,7 @@ from kvfleet.engine.pd import (
     PREFILLER_HEADER,
     GpuBlockSource,
     KVPuller,
+    RemotePrefillError,
     TransferKVPuller,
     hash_to_json,
     request_remote_prefill,
@@ -245,8 +246,8 @@ class EngineServer:
 
     @property
     def held_blocks(self) -> int:
-        """Blocks pinned for remote decode (held, or reserved by a prefill-only request still running)."""
-        return sum(h.blocks for h in self.holds.values())
+        """Blocks of finished prefill-only requests kept for a decode engine to pull."""
+        return sum(h.blocks for rid, h in self.holds.items() if rid in self.sched.held)
 
     def unhold(self, request_id: str) -> bool:
         """Free a held request's blocks; ``False`` if none are held (yet) for it."""
@@ -445,27 +446,33 @@ class EngineServer:
         if self.transfer_server is None:
             raise UnavailableApiError("this engine serves no KV transfer port (role decode): it cannot prefill for others")
         need = -(-(len(req.token_ids) + 1) // self.kv.block_size)
-        cap = self._hold_cap()
-        if self.held_blocks + need > cap:
-            raise UnavailableApiError(
-                f"too much KV held for remote decode: {self.held_blocks} blocks held, this request needs {need}, "
-                f"the cap is {cap} (half the GPU blocks); retry later"
-            )
+        if self.held_blocks + need > self._hold_cap():
+            raise self._over_cap(self.held_blocks, need)
         return need
+
+    def _over_cap(self, held: int, need: int) -> UnavailableApiError:
+        return UnavailableApiError(
+            f"too much KV held for remote decode: {held} blocks held, this request needs {need}, "
+            f"the cap is {self._hold_cap()} (half the GPU blocks); retry later"
+        )
 
     async def _start_remote_prefill(
         self, req: Request, target: HostPort, prefiller: HostPort, parsed: ParsedRequest
-    ) -> asyncio.Task[None]:
+    ) -> asyncio.Task[None] | None:
         """P/D: have the member ``prefiller`` prefill the prompt, then pull its KV blocks while we wait to decode.
 
         Every landed block is compared with this engine's own bytes; one that
         differs is dropped (counted in ``mismatched_blocks``) and recomputed here.
+        ``None`` when the prefill engine is busy (503): the prompt is then prefilled here.
         """
         assert self.secret is not None and self.puller is not None
         puller = self.puller
         try:
             grant = await request_remote_prefill(prefiller, self.secret, self.es.model, parsed.token_ids, parsed.extra_keys)
-        except OSError as exc:
+        except RemotePrefillError as exc:
+            if exc.status == 503:
+                log.info("prefill engine %s busy (%s): prefilling %s here", target, exc, req.request_id)
+                return None
             log.warning("prefill request to %s (%s) failed: %s %s", target, prefiller, exc, exc.__cause__ or "")
             raise UnavailableApiError(f"prefill engine {target} failed: {exc}") from None
         expected = self.kv.expected_blocks(parsed.token_ids, parsed.extra_keys)
@@ -537,6 +544,12 @@ class EngineServer:
         except (CapacityError, SchedulerClosedError, RuntimeError) as exc:
             self.holds.pop(req.request_id, None)
             return error_response(UnavailableApiError(str(exc)))
+        hold = self.holds.get(req.request_id) if parsed.remote_decode else None
+        if hold is not None and self.held_blocks > self._hold_cap():
+            # Admitted while others were still running; holding it now would pass the cap.
+            self.unhold(req.request_id)
+            self.holds.pop(req.request_id, None)
+            return error_response(self._over_cap(self.held_blocks, hold.blocks))
         self._observe(req)
         text = self.tokenizer.decode(req.generated)
         body: dict[str, Any] = {"id": req.request_id, "created": int(time.time()), "model": self.es.model}
@@ -552,7 +565,6 @@ class EngineServer:
             ]
         body["usage"] = self._usage(req)
         if parsed.remote_decode:  # only ever for a signed peer request (see _serve)
-            hold = self.holds.get(req.request_id)
             if hold is not None:
                 hold.deadline = time.monotonic() + HOLD_SECONDS
             body["kv_transfer_params"] = {

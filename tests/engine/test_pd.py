@@ -13,7 +13,8 @@ accept); without a transfer secret P/D is refused; hostile header values are a
 400 with no connection; a block whose bytes were forged on the prefill engine is
 dropped, counted, and recomputed, so the output and ``cached_tokens`` are those
 of a local computation and the forged bytes never reach the decode engine's
-cache; an unreachable member is a clear 503.
+cache; a busy member (503 at its hold cap) leaves the prompt to the decode
+engine; an unreachable member is a clear 503.
 """
 
 from __future__ import annotations
@@ -215,6 +216,20 @@ async def test_a_forged_block_is_dropped_and_recomputed(make_engine: EngineFacto
     assert st == 200
     assert again["choices"][0]["text"] == ref["choices"][0]["text"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+
+
+async def test_a_busy_prefiller_leaves_the_prompt_to_the_decode_engine(make_engine: EngineFactory, pool_secret: bytes) -> None:
+    """A member at its hold cap answers 503; the decode engine then prefills the prompt itself."""
+    single = await make_engine()
+    prefill = await make_engine(role="prefill", num_gpu_blocks=64)  # cap: 32 blocks
+    decode = await make_engine(role="decode", prefill_peers=[prefill.host_port])
+    prompt = list(range(9000, 9000 + 600))  # 38 blocks: over the prefill engine's cap
+    _, ref, _ = await single.post("/v1/completions", body(prompt))
+    st, out, _ = await decode.post("/v1/completions", body(prompt), headers={PREFILLER_HEADER: prefill.host_port})
+    assert st == 200, out
+    assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert prefill.server.sched.stats.prompt_tokens == 0 and prefill.server.holds == {}
+    assert decode.server.sched.stats.prefill_tokens == 600
 
 
 async def test_unreachable_member_is_a_clear_503(make_engine: EngineFactory, pool_secret: bytes) -> None:

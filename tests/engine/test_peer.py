@@ -8,13 +8,14 @@ or port; a signed one is served and its blocks are held; ``DELETE
 /kvfleet/v1/kv/{id}`` and ``POST /kvfleet/v1/reset`` unsigned are 403 and change
 nothing, signed they work; an engine without a transfer secret refuses them
 all; blocks held for remote decode stop at half the GPU blocks (503, then
-accepted again after a release). Directly: the signature covers method, path,
+accepted again after a release), also for requests admitted together. Directly: the signature covers method, path,
 timestamp, nonce and body, within ±30 s; ``PrefillPeers`` matches IP literals,
 resolved names and configured names only, and caches lookups.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -161,6 +162,16 @@ async def test_blocks_held_for_remote_decode_are_capped(make_engine: EngineFacto
     assert st == 200 and eng.server.held_blocks == 0
     st, _, _ = await eng.call("POST", "/v1/completions", prefill_body(320, start=5000), signed=True)
     assert st == 200
+
+
+async def test_the_cap_holds_for_concurrent_prefills(make_engine: EngineFactory, pool_secret: bytes) -> None:
+    """Two prefill-only requests admitted together: the one whose hold would pass the cap is a 503 and freed."""
+    eng = await make_engine(role="prefill", num_gpu_blocks=64)  # cap: 32 blocks
+    calls = [eng.call("POST", "/v1/completions", prefill_body(320, start=s), signed=True) for s in (0, 5000)]
+    results = await asyncio.gather(*calls)
+    assert sorted(st for st, _, _ in results) == [200, 503], results
+    assert len(eng.server.sched.held) == 1 and eng.server.held_blocks == 21
+    assert len(eng.server.holds) == 1
 
 
 async def test_a_decode_engine_does_not_prefill_for_others(make_engine: EngineFactory, pool_secret: bytes) -> None:

@@ -26,7 +26,7 @@ kvfleet_engine_kv_mismatched_blocks_total counter  received blocks refused (byte
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,10 +40,11 @@ _BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, sched: Scheduler, kv: EngineKV, cache: CacheSettings) -> None:
+    def __init__(self, sched: Scheduler, kv: EngineKV, cache: CacheSettings, held: Callable[[], int]) -> None:
         self.sched = sched
         self.kv = kv
         self.cache = cache
+        self.held = held
         self.model = sched.settings.model
 
     def collect(self) -> Iterator[Metric]:
@@ -82,6 +83,7 @@ class _EngineCollector(Collector):
         for tier, n in self.kv.tier_hits.items():
             tiers.add_metric([m, tier], n)
         yield tiers
+        yield gauge("kvfleet_engine_held_blocks", "GPU blocks held for a decode engine to pull (P/D).", self.held())
         yield counter(
             "kvfleet_engine_kv_mismatched_blocks", "Received KV blocks refused because their bytes differed from this engine's own (recomputed instead).", self.kv.mismatched_blocks
         )
@@ -90,9 +92,9 @@ class _EngineCollector(Collector):
 class EngineMetrics:
     """A private registry (one per engine) with the collector and the per-request histograms."""
 
-    def __init__(self, sched: Scheduler, kv: EngineKV, cache: CacheSettings) -> None:
+    def __init__(self, sched: Scheduler, kv: EngineKV, cache: CacheSettings, held: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(sched, kv, cache))
+        self.registry.register(_EngineCollector(sched, kv, cache, held))
         model = sched.settings.model
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",

@@ -155,7 +155,7 @@ class EngineServer:
             self.agent_tiers = AgentTiers(settings.tiers, sink=self.events)
         self.kv = EngineKV(self.es, settings.cache, sink=self.events, tiers=self.agent_tiers, model=settings.tiers.model)
         self.sched = Scheduler(self.kv, on_step=self.flush_events)
-        self.metrics = EngineMetrics(self.sched, self.kv, settings.cache)
+        self.metrics = EngineMetrics(self.sched, self.kv, settings.cache, held=lambda: self.held_blocks)
         self.tokenizer = ByteTokenizer()
         self.publisher: ZmqPublisher | None = None
         self.transfer_server: TransferServer | None = None

@@ -120,13 +120,17 @@ def test_client_supplied_pd_controls_are_refused(fleet: Fleet) -> None:
     t.start()
     attacker = f"127.0.0.1:{lsock.getsockname()[1]}"
     try:
-        for _ in range(6):  # over several prompts, so both pools see it
+        for _ in range(6):  # over several prompts, so both shards would see it
             st, body, _ = fleet.complete(fresh_prompt(300), headers={"x-prefiller-host-port": attacker})
-            assert st in (200, 400, 403), body  # the EPP or the engine refuses it, or the EPP picks the prefiller
+            assert st == 400, body  # the gateway refuses it before the picker
             st, body, _ = fleet.complete(fresh_prompt(300), kv_transfer_params={"do_remote_decode": True})
-            assert st in (200, 400, 403), body
+            assert st == 400, body  # the picker refuses it before any engine
             text = str(body)
             assert "kv_transfer_params" not in (body or {}) and "remote_request_id" not in text and "transfer_port" not in text
+        for p in fleet.pods:  # no cache state changed: nothing is held for a pull on any engine
+            held = [s for f in text_string_to_metric_families(scrape(f"http://127.0.0.1:{p.port}/metrics"))
+                    if f.name == "kvfleet_engine_held_blocks" for s in f.samples]
+            assert held and all(s.value == 0 for s in held), (p.name, held)
         for p in fleet.pods:
             st, body, _ = http_json(f"http://127.0.0.1:{p.port}/kvfleet/v1/reset", {})
             assert st == 403, body

@@ -18,7 +18,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import start_http_server
 
-from kvfleet.cache.hashing import BlockHasher
 from kvfleet.config import Settings
 from kvfleet.epp.datastore import Datastore, Pod, StaticDatastore
 from kvfleet.epp.index import BlockIndex
@@ -66,9 +65,7 @@ class Epp:
         self.store = MetricsStore(staleness_s=s.metrics_staleness_s)
         self.scraper = MetricsScraper(self.store, s.scrape_interval_s)
         self.subscriber = EventSubscriber()
-        c = self.settings.cache
-        self.hasher = BlockHasher(c.block_size, c.hash_algo, c.hash_seed)
-        self.router = Router(s, c, self.datastore, self.index, self.store, load_tokenizer(s.tokenizer), self.tracker)
+        self.router = Router(s, self.settings.cache, self.datastore, self.index, self.store, load_tokenizer(s.tokenizer), self.tracker)
         self.metrics = EppMetrics()
         self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools, lambda: dict(self.subscriber.stats))
         self.servicer = ExtProcServicer(self.router, self.metrics, s.max_body_bytes, body_mode)
@@ -93,10 +90,12 @@ class Epp:
             self.index.clear_pod(pod.name)
             self.tracker.forget(pod.name)
             self.appliers.pop(pod.name, None)
+        pools = {p.name: p for p in self.datastore.pools()}
         for pod in changed:
             self.scraper.set_target(pod.name, pod.metrics)
             if s.events_enabled and pod.events:
-                applier = PodEventApplier(pod.name, self.index, self.hasher, s.recompute_keys)
+                hasher = self.router.hasher_for(pools.get(pod.pool))  # the pool's block size and hashing
+                applier = PodEventApplier(pod.name, self.index, hasher, s.recompute_keys)
                 self.appliers[pod.name] = applier
                 self.subscriber.add_pod(pod.name, pod.events, pod.replay, applier)
 

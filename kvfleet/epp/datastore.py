@@ -5,7 +5,11 @@ The file format (``pods_file``)::
     pools:
       - name: pool-a
         models: [llama]          # models this pool serves
-        weight: 1.0              # capacity weight for level-1 rendezvous hashing
+        weight: 1.0              # capacity weight when several pools serve one model
+        block_size: 16           # the pool's KV block size and hashing (default: the picker's cache settings)
+        hash_algo: xxh3_64       # xxh3_64 | sha256_cbor
+        hash_seed: vllm-none-hash
+        weights: {prefix: 1.0, load: 1.0, hotspotDecay: 0.1}   # routing weights (KVCachePool spec.routing.weights)
         pods:
           - name: pod-0
             address: 127.0.0.1
@@ -23,13 +27,14 @@ came and went, so the event subscriber and metrics scraper follow.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
 
+from kvfleet.cache.hashing import ALGORITHMS
 from kvfleet.epp.errors import DatastoreError
 
 ROLES = ("both", "prefill", "decode")
@@ -57,6 +62,35 @@ class Pod:
 
 
 @dataclass(frozen=True)
+class PoolCache:
+    """How a pool's engines key their KV blocks and how the picker weighs its scorers for that pool.
+
+    ``None`` = the picker's own setting (``cache.block_size``, ``cache.hash_algo``, ``cache.hash_seed``,
+    ``epp.hotspot_beta``). ``prefix_weight`` multiplies the prefix scorers' weights of the scheduling
+    profile, ``load_weight`` the load scorers' (queue, KV utilisation, in-flight); ``hotspot_decay`` is the
+    hot-spot decay β of the prefix scorer. The operator writes them in the InferencePool's
+    ``kvfleet.io/routing`` annotation from the KVCachePool's ``blockSize``, ``hashAlgo`` and ``routing.weights``.
+    """
+
+    block_size: int | None = None
+    hash_algo: str | None = None
+    hash_seed: str | None = None
+    prefix_weight: float = 1.0
+    load_weight: float = 1.0
+    hotspot_decay: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        if self.hash_algo is not None and self.hash_algo not in ALGORITHMS:
+            raise ValueError(f"hash_algo must be one of {', '.join(sorted(ALGORITHMS))}, got {self.hash_algo!r}")
+        if self.prefix_weight < 0 or self.load_weight < 0:
+            raise ValueError("routing weights must be >= 0")
+        if self.hotspot_decay is not None and self.hotspot_decay < 0:
+            raise ValueError("hotspotDecay must be >= 0")
+
+
+@dataclass(frozen=True)
 class Pool:
     """A set of pods serving the same models (an InferencePool)."""
 
@@ -64,6 +98,7 @@ class Pool:
     models: tuple[str, ...] = ()
     weight: float = 1.0
     pods: tuple[Pod, ...] = field(default_factory=tuple)
+    cache: PoolCache = field(default_factory=PoolCache)
 
     @property
     def disaggregated(self) -> bool:
@@ -118,6 +153,34 @@ class _ListenerMixin:
                 listener(changed, gone)
 
 
+def pool_cache(raw: Mapping[str, Any], where: str) -> PoolCache:
+    """A pool's :class:`PoolCache` from ``block_size``/``hash_algo``/``hash_seed``/``weights`` (camelCase
+    ``blockSize``/``hashAlgo``/``hashSeed`` too, as the operator writes them); raises DatastoreError."""
+    weights = raw.get("weights") or {}
+    if not isinstance(weights, Mapping):
+        raise DatastoreError(f"{where}.weights must be a mapping")
+    unknown = set(weights) - {"prefix", "load", "hotspotDecay"}
+    if unknown:
+        raise DatastoreError(f"{where}.weights: unknown key(s) {sorted(unknown)}; known: prefix, load, hotspotDecay")
+
+    def opt(*names: str) -> Any:
+        return next((raw[n] for n in names if raw.get(n) is not None), None)
+
+    try:
+        bs, algo, seed = opt("block_size", "blockSize"), opt("hash_algo", "hashAlgo"), opt("hash_seed", "hashSeed")
+        decay = weights.get("hotspotDecay")
+        return PoolCache(
+            block_size=None if bs is None else int(bs),
+            hash_algo=None if algo is None else str(algo),
+            hash_seed=None if seed is None else str(seed),
+            prefix_weight=float(weights.get("prefix", 1.0)),
+            load_weight=float(weights.get("load", 1.0)),
+            hotspot_decay=None if decay is None else float(decay),
+        )
+    except (TypeError, ValueError) as exc:
+        raise DatastoreError(f"{where}: {exc}") from None
+
+
 def pools_from_dict(data: Any, source: str = "<config>") -> list[Pool]:
     """Validate and build pools; raises :class:`DatastoreError` naming the bad entry."""
     if not isinstance(data, dict) or not isinstance(data.get("pools"), list):
@@ -128,6 +191,10 @@ def pools_from_dict(data: Any, source: str = "<config>") -> list[Pool]:
         where = f"{source}: pools[{i}]"
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
             raise DatastoreError(f"{where}: needs a 'name'")
+        unknown_keys = set(raw) - {"name", "models", "weight", "pods", "block_size", "blockSize", "hash_algo", "hashAlgo",
+                                   "hash_seed", "hashSeed", "weights"}
+        if unknown_keys:
+            raise DatastoreError(f"{where}: unknown key(s) {sorted(unknown_keys)}")
         models = raw.get("models", [])
         if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
             raise DatastoreError(f"{where}.models must be a list of strings")
@@ -166,7 +233,8 @@ def pools_from_dict(data: Any, source: str = "<config>") -> list[Pool]:
             raise DatastoreError(f"{where}.weight must be a number") from None
         if weight <= 0:
             raise DatastoreError(f"{where}.weight must be > 0")
-        pools.append(Pool(name=raw["name"], models=tuple(models), weight=weight, pods=tuple(pods)))
+        cache = pool_cache(raw, where)
+        pools.append(Pool(name=raw["name"], models=tuple(models), weight=weight, pods=tuple(pods), cache=cache))
     return pools
 
 

@@ -13,6 +13,8 @@
   ``epp_service`` every pool is taken, with or without a ref;
 * models: the pool's annotation ``kvfleet.io/models`` (comma-separated; absent
   means every model, ``*``); capacity weight: ``kvfleet.io/weight`` (default 1);
+  block size, hash algorithm and routing weights: ``kvfleet.io/routing`` (JSON, written by
+  the operator; :func:`routing_cache`);
 * a Pod is ready when it has an IP, is not being deleted and its ``Ready``
   condition is ``True``; its role comes from label ``kvfleet.io/role``
   (``both`` by default), its prefix shard inside the pool from label
@@ -32,17 +34,19 @@ The watch loop is tested against kmock's Kubernetes API emulator
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvfleet.epp.datastore import ROLES, Pod, Pool, _ListenerMixin
+from kvfleet.epp.datastore import ROLES, Pod, Pool, PoolCache, _ListenerMixin, pool_cache
+from kvfleet.epp.errors import DatastoreError
 
 log = logging.getLogger(__name__)
 
 GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
-ANN_MODELS, ANN_WEIGHT = "kvfleet.io/models", "kvfleet.io/weight"
+ANN_MODELS, ANN_WEIGHT, ANN_ROUTING = "kvfleet.io/models", "kvfleet.io/weight", "kvfleet.io/routing"
 ANN_EVENTS, ANN_REPLAY, ANN_METRICS = "kvfleet.io/kv-events-port", "kvfleet.io/kv-replay-port", "kvfleet.io/metrics-port"
 LABEL_ROLE, LABEL_SHARD = "kvfleet.io/role", "kvfleet.io/shard"
 
@@ -127,8 +131,28 @@ def pools_from_objects(
                 metrics=f"http://{ip_addr}:{metrics_port}/metrics" if ip_addr else None,
                 ready=_pod_ready(p),
             ))
-        out.append(Pool(name=name, models=models, weight=weight if weight > 0 else 1.0, pods=tuple(sorted(members, key=lambda x: x.name))))
+        out.append(Pool(name=name, models=models, weight=weight if weight > 0 else 1.0,
+                        pods=tuple(sorted(members, key=lambda x: x.name)), cache=routing_cache(name, ann.get(ANN_ROUTING))))
     return out
+
+
+def routing_cache(pool: str, annotation: str | None) -> PoolCache:
+    """The pool's :class:`PoolCache` from the operator's ``kvfleet.io/routing`` JSON (``blockSize``,
+    ``hashAlgo``, ``hashSeed``, ``prefix_weight``, ``load_weight``, ``hotspot_decay``); absent or
+    invalid: the picker's defaults (an invalid one is logged)."""
+    if not annotation:
+        return PoolCache()
+    try:
+        data = json.loads(annotation)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        weights = {k: data[f] for k, f in (("prefix", "prefix_weight"), ("load", "load_weight"),
+                                            ("hotspotDecay", "hotspot_decay")) if data.get(f) is not None}
+        raw = {k: data[k] for k in ("blockSize", "hashAlgo", "hashSeed") if data.get(k) is not None}
+        return pool_cache({**raw, "weights": weights}, f"InferencePool {pool} annotation {ANN_ROUTING}")
+    except (ValueError, DatastoreError) as exc:
+        log.warning("InferencePool %s: %s ignored: %s", pool, ANN_ROUTING, exc)
+        return PoolCache()
 
 
 class KubernetesDatastore(_ListenerMixin):

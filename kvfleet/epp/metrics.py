@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -100,6 +100,13 @@ class EppMetrics:
         self.predicted_hit = Counter("kvfleet_epp_predicted_hit_tokens", "Prompt tokens predicted cached", registry=r)
         self.engine_cached = Counter(
             "kvfleet_epp_engine_cached_tokens", "Cached tokens reported by engines (usage.prompt_tokens_details)", registry=r
+        )
+        self.key_mismatch = Gauge(
+            "kvfleet_epp_pool_key_mismatch",
+            "1 while a pool's engines report cached tokens the index never predicted (they key blocks differently "
+            "from the pool's declared block size / hash algorithm / seed)",
+            ["pool"],
+            registry=r,
         )
         self.served = Counter(
             "kvfleet_epp_served",

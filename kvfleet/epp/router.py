@@ -36,8 +36,8 @@ from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
 from kvfleet.cache.tiers import Tier
 from kvfleet.cache.tokens import salt_extra_keys
 from kvfleet.config.cache import CacheSettings
-from kvfleet.config.epp import CostModelSettings, EppSettings
-from kvfleet.epp.datastore import Datastore, Pod, Pool
+from kvfleet.config.epp import CostModelSettings, EppSettings, PluginSpec
+from kvfleet.epp.datastore import Datastore, Pod, Pool, PoolCache
 from kvfleet.epp.errors import NoEndpointError, SheddingError, UnknownModelError
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker, Ticket
@@ -46,6 +46,10 @@ from kvfleet.epp.protocol import InferenceRequest
 from kvfleet.epp.scheduling import Candidate, Profile, SchedulingRequest, rendezvous_rank
 from kvfleet.epp.scheduling.plugins import waiting_of
 from kvfleet.epp.tokenize import Tokenizer
+
+#: scorers whose weight a pool's ``routing.weights.prefix`` scales, and those ``load`` scales
+PREFIX_SCORERS = frozenset({"prefix-cache-scorer", "prefix-affinity-scorer"})
+LOAD_SCORERS = frozenset({"queue-scorer", "kv-cache-utilization-scorer", "least-inflight-scorer"})
 
 
 def tier_weights(cost: CostModelSettings) -> list[float]:
@@ -76,6 +80,8 @@ class Decision:
     ticket: Ticket | None = field(default=None, compare=False)
     #: the prefix shard (pod subset of ``pool``) level 1 chose; "" when the pool has one
     shard: str = ""
+    #: the pool's block size (tokens), which ``predicted_hit_tokens`` counts in
+    block_size: int = 16
     on_served: Callable[[str], bool] | None = field(default=None, compare=False)
 
     def served(self, endpoint: str) -> bool:
@@ -107,6 +113,10 @@ class Router:
         self.tokenizer = tokenizer
         self.tracker = tracker or InflightTracker()
         self.profile = Profile(settings.plugins)
+        self._cache = cache
+        self._hashers: dict[tuple[int, str, str], BlockHasher] = {
+            (cache.block_size, cache.hash_algo, cache.hash_seed): self.hasher}
+        self._profiles: dict[tuple[float, float], Profile] = {(1.0, 1.0): self.profile}
         self.tier_weights = tier_weights(settings.cost)
         self.prefill_s_per_token = 1.0 / settings.cost.prefill_tokens_per_s
         self._lock = threading.Lock()
@@ -116,8 +126,32 @@ class Router:
             return np.asarray(req.prompt_token_ids, dtype=np.uint32)
         return self.tokenizer.encode(req.prompt or "")
 
-    def keys_of(self, tokens: np.ndarray, cache_salt: str | None) -> list[int]:
-        return hashes_as_ints(self.hasher.hash_tokens(tokens, extra_keys=salt_extra_keys(cache_salt)))
+    def hasher_for(self, pool: Pool | None) -> BlockHasher:
+        """The block hasher of ``pool``'s engines: its block size, algorithm and seed, else the picker's."""
+        if pool is None:
+            return self.hasher
+        c, d = pool.cache, self._cache
+        key = (c.block_size or d.block_size, c.hash_algo or d.hash_algo, c.hash_seed or d.hash_seed)
+        h = self._hashers.get(key)
+        if h is None:
+            h = self._hashers[key] = BlockHasher(*key)
+        return h
+
+    def profile_for(self, cache: PoolCache) -> Profile:
+        """The scheduling profile with the pool's routing weights applied (prefix and load scorers scaled)."""
+        key = (cache.prefix_weight, cache.load_weight)
+        prof = self._profiles.get(key)
+        if prof is None:
+            scaled = []
+            for p in self.settings.plugins:
+                factor = cache.prefix_weight if p.type in PREFIX_SCORERS else cache.load_weight if p.type in LOAD_SCORERS else 1.0
+                scaled.append(PluginSpec(type=p.type, weight=p.weight * factor, params=dict(p.params)))
+            prof = self._profiles[key] = Profile(tuple(scaled))
+        return prof
+
+    def keys_of(self, tokens: np.ndarray, cache_salt: str | None, pool: Pool | None = None) -> list[int]:
+        hasher = self.hasher_for(pool)
+        return hashes_as_ints(hasher.hash_tokens(tokens, extra_keys=salt_extra_keys(cache_salt)))
 
     def serving_pools(self, model: str) -> list[Pool]:
         """The pools serving ``model`` (a pool without models serves every model)."""
@@ -128,8 +162,13 @@ class Router:
         if not pools:
             raise UnknownModelError(f"no pool serves model {req.model!r}")
         tokens = self.tokens_of(req)
-        keys = self.keys_of(tokens, req.cache_salt)
-        return self.route_keys(req.model, keys, len(tokens), pools, subset, tail=tokens)
+        pool = pools[0]
+        if len(pools) > 1 or subset is not None:  # the pool first: its engines decide how blocks are keyed
+            head = tokens[: self.settings.prefix_shard_blocks * self.hasher.block_size]
+            allowed = None if subset is None else set(subset)
+            pool = self._invoked_pool(req.model, xxhash.xxh3_64_intdigest(head.tobytes()), pools, allowed)
+        keys = self.keys_of(tokens, req.cache_salt, pool)
+        return self.route_keys(req.model, keys, len(tokens), [pool], subset, tail=tokens)
 
     def route_any(self, model: str | None, subset: Sequence[str] | None = None) -> Decision:
         """A request that is not an inference (``/tokenize``, ``/health``...): the least-loaded ready pod
@@ -165,15 +204,18 @@ class Router:
                 raise UnknownModelError(f"no pool serves model {model!r}")
         k = min(self.settings.prefix_shard_blocks, len(keys))
         shard = keys[k - 1] if k else xxhash.xxh3_64_intdigest(b"" if tail is None else tail.tobytes())
-        sreq = SchedulingRequest(
-            num_tokens=num_tokens,
-            block_size=self.hasher.block_size,
-            prefill_s_per_token=self.prefill_s_per_token,
-            hotspot_beta=self.settings.hotspot_beta,
-            shard=shard,
-        )
         allowed = set(subset) if subset is not None else None
         invoked = self._invoked_pool(model, shard, pools, allowed)
+        block_size = self.hasher_for(invoked).block_size
+        beta = invoked.cache.hotspot_decay
+        sreq = SchedulingRequest(
+            num_tokens=num_tokens,
+            block_size=block_size,
+            prefill_s_per_token=self.prefill_s_per_token,
+            hotspot_beta=self.settings.hotspot_beta if beta is None else beta,
+            shard=shard,
+        )
+        profile = self.profile_for(invoked.cache)
         groups = self._shards(model, shard, invoked, allowed)
         home = {p.name: (g, pods) for g, pods in groups for p in pods}
         serving = [p for g, pods in groups for p in pods if not g.disaggregated or p.role in ("both", "decode")]
@@ -181,24 +223,24 @@ class Router:
             cands = self._candidates(serving, keys, shard)
             if self.settings.shed_queue > 0 and all(waiting_of(c) >= self.settings.shed_queue for c in cands):
                 raise SheddingError(f"every pod of pool {invoked.name!r} is above the shedding threshold")
-            ranked = self.profile.run(sreq, cands)
+            ranked = profile.run(sreq, cands)
             if not ranked.pods:
                 raise NoEndpointError(f"no endpoint of pool {invoked.name!r} passed the filters")
             best = ranked.pods[0]
             group, pods = home[best.name]
             disagg = group.disaggregated
-            hit_tokens = min(num_tokens, best.hit_blocks * self.hasher.block_size)
+            hit_tokens = min(num_tokens, best.hit_blocks * block_size)
             uncached = num_tokens - hit_tokens
             prefiller: Pod | None = None
             if disagg and uncached >= self.settings.pd_min_uncached_tokens:
                 pre = [p for p in pods if p.role in ("both", "prefill") and p.name != best.name]
                 if pre:
-                    pranked = self.profile.run(sreq, self._candidates(pre, keys, shard))
+                    pranked = profile.run(sreq, self._candidates(pre, keys, shard))
                     if pranked.pods:
                         prefiller = pranked.pods[0].pod
                         # The prefill pod computes the prompt and its cache is what the engine reports as
                         # cached_tokens: predict (and account pending work) from it, like with like.
-                        hit_tokens = min(num_tokens, pranked.pods[0].hit_blocks * self.hasher.block_size)
+                        hit_tokens = min(num_tokens, pranked.pods[0].hit_blocks * block_size)
                         uncached = num_tokens - hit_tokens
             picked = (best.name,) if prefiller is None else (best.name, prefiller.name)
             ttl = self.settings.speculative_ttl_s if self.settings.events_enabled else self.settings.approximate_ttl_s
@@ -236,6 +278,7 @@ class Router:
             ),
             ticket=ticket,
             shard=best.pod.shard,
+            block_size=block_size,
             on_served=served,
         )
 

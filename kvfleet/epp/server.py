@@ -56,6 +56,7 @@ from kvfleet.epp.errors import (
     MethodNotAllowedError,
     UnknownModelError,
 )
+from kvfleet.epp.keycheck import KeyCheck
 from kvfleet.epp.metrics import EppMetrics
 from kvfleet.epp.router import Decision, Router
 
@@ -98,6 +99,7 @@ class _Stream:
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, router: Router, metrics: EppMetrics, max_body_bytes: int, default_mode: str = "FULL_DUPLEX_STREAMED") -> None:
         self.created = int(time.time())
+        self.keycheck = KeyCheck(on_change=lambda pool, bad: metrics.key_mismatch.labels(pool).set(1.0 if bad else 0.0))
         self.router = router
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
@@ -238,7 +240,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if body.end_of_stream and st.decision is not None:
             reported = protocol.cached_tokens_of(bytes(st.response))
             if reported is not None:
-                self.metrics.observe_cached(st.decision.predicted_hit_tokens, reported)
+                d = st.decision
+                self.metrics.observe_cached(d.predicted_hit_tokens, reported)
+                if d.pool and d.num_tokens:
+                    self.keycheck.observe(d.pool, d.predicted_hit_tokens, reported, d.block_size)
             if _DECISION_LOG:
                 log_decision(_DECISION_LOG, st.decision, reported)
         if st.response_mode == _Mode.FULL_DUPLEX_STREAMED:

@@ -104,7 +104,7 @@ class TransferSpec:
 class RoutingSpec:
     prefix_weight: float = 1.0
     load_weight: float = 1.0
-    hotspot_decay: float = 0.5
+    hotspot_decay: float = 0.1
     failure_mode: str = "FailClose"
 
 
@@ -301,7 +301,7 @@ def parse_spec(spec: Mapping[str, Any] | None, name: str = "") -> PoolSpec:
         routing=RoutingSpec(
             prefix_weight=_num(weights, "prefix", 1.0, "routing.weights.", 0.0, 1e9),
             load_weight=_num(weights, "load", 1.0, "routing.weights.", 0.0, 1e9),
-            hotspot_decay=_num(weights, "hotspotDecay", 0.5, "routing.weights.", 0.0, 1.0),
+            hotspot_decay=_num(weights, "hotspotDecay", 0.1, "routing.weights.", 0.0, 1.0),
             failure_mode=_enum(routing, "failureMode", "FailClose", "routing.", FAILURE_MODES),
         ),
     )

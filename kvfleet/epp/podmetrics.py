@@ -9,6 +9,14 @@ Staleness: :meth:`MetricsStore.get` returns ``None`` for a pod whose last good
 scrape is older than ``staleness_s``; the scorers then fall back to the
 picker's own in-flight accounting, so a pod that stopped answering neither
 looks idle nor saturated forever.
+
+Liveness: the scrape doubles as an active health check. A pod whose metrics
+endpoint refuses or resets the connection ``down_after`` times in a row
+(default 2: with the 0.5 s interval, a dead pod is out within about a second)
+is :meth:`MetricsStore.down` and the router stops picking it until a scrape
+succeeds again. A slow answer (timeout) is not death: a busy engine keeps its
+traffic. This is what protects installs without Kubernetes readiness (the
+static pods file); on Kubernetes the pod's Ready condition applies as well.
 """
 
 from __future__ import annotations
@@ -60,14 +68,28 @@ def parse_metrics(text: str, now: float) -> PodMetrics:
 class MetricsStore:
     """Latest metrics per pod, with a staleness threshold."""
 
-    def __init__(self, staleness_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, staleness_s: float = 5.0, clock: Callable[[], float] = time.monotonic, down_after: int = 2) -> None:
         self.staleness_s = staleness_s
         self.clock = clock
+        self.down_after = down_after
         self._data: dict[str, PodMetrics] = {}
+        self._refused: dict[str, int] = {}
         self.errors: dict[str, int] = {}
 
     def put(self, pod: str, m: PodMetrics) -> None:
         self._data[pod] = m
+        if self._refused.pop(pod, 0) >= self.down_after:
+            log.info("pod %s answers again: back in rotation", pod)
+
+    def refused(self, pod: str) -> None:
+        """A scrape found nothing listening (connection refused or reset)."""
+        n = self._refused.get(pod, 0) + 1
+        self._refused[pod] = n
+        if n == self.down_after:
+            log.warning("pod %s refuses connections: out of rotation until it answers", pod)
+
+    def down(self, pod: str) -> bool:
+        return self._refused.get(pod, 0) >= self.down_after
 
     def get(self, pod: str) -> PodMetrics | None:
         m = self._data.get(pod)
@@ -77,6 +99,7 @@ class MetricsStore:
 
     def forget(self, pod: str) -> None:
         self._data.pop(pod, None)
+        self._refused.pop(pod, None)
 
 
 class MetricsScraper:
@@ -116,8 +139,11 @@ class MetricsScraper:
             with urllib.request.urlopen(url, timeout=max(self.interval_s, 0.2)) as resp:
                 text = resp.read().decode("utf-8", errors="replace")
             self.store.put(pod, parse_metrics(text, started))
-        except Exception as exc:  # any failure only makes the data go stale
+        except Exception as exc:  # any failure makes the data go stale; nothing listening takes the pod out
             self.store.errors[pod] = self.store.errors.get(pod, 0) + 1
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, ConnectionRefusedError | ConnectionResetError):
+                self.store.refused(pod)
             log.debug("scrape of %s (%s) failed: %s", pod, url, exc)
 
     def _run(self) -> None:

@@ -177,7 +177,7 @@ class Router:
         if not pools:
             raise UnknownModelError(f"no pool serves model {model!r}")
         pool = self._invoked_pool(model or "", 0, pools, None if subset is None else set(subset))
-        pods = [p for p in pool.pods if p.ready and (subset is None or p.endpoint in subset)]
+        pods = [p for p in pool.pods if self._up(p) and (subset is None or p.endpoint in subset)]
         if not pods:
             raise NoEndpointError(f"no ready endpoint in pool {pool.name!r}")
         best = min(pods, key=lambda p: (self._waiting(p), self.tracker.load(p.name)[0], p.name))
@@ -294,7 +294,7 @@ class Router:
             return pools[0]
         ranked = rendezvous_rank(shard, pools)
         for pool in ranked:
-            if any(p.ready and (allowed is None or p.endpoint in allowed) for p in pool.pods):
+            if any(self._up(p) and (allowed is None or p.endpoint in allowed) for p in pool.pods):
                 return pool
         raise NoEndpointError(f"no ready endpoint for model {model!r}")
 
@@ -309,7 +309,7 @@ class Router:
                   for k, v in sorted(by_shard.items())]
         ready: list[tuple[Pool, list[Pod]]] = []
         for g in rendezvous_rank(shard, groups) if self.settings.prefix_shard_pools else groups:
-            pods = [p for p in g.pods if p.ready and (allowed is None or p.endpoint in allowed)]
+            pods = [p for p in g.pods if self._up(p) and (allowed is None or p.endpoint in allowed)]
             if pods:
                 ready.append((g, pods))
         if not ready:
@@ -320,6 +320,10 @@ class Router:
             if min(self._waiting(p) for p in pods) < self.settings.pool_saturation_queue:
                 return [(g, pods)]
         return [ready[0]]
+
+    def _up(self, pod: Pod) -> bool:
+        """Ready in the datastore and not refusing connections (the metrics scrape's health check)."""
+        return pod.ready and not self.metrics.down(pod.name)
 
     def _waiting(self, pod: Pod) -> float:
         m = self.metrics.get(pod.name)

@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 _Mode = processing_mode_pb2.ProcessingMode
 _MAX_RESPONSE_CAPTURE = 1 << 20
 _DECISION_LOG = os.environ.get("KVFLEET_EPP_DECISION_LOG", "")
+#: the ``model_name`` label of requests for a model no pool serves
+UNKNOWN_MODEL = "unknown"
 
 
 def log_decision(path: str, d: Decision, reported: int | None) -> None:
@@ -211,7 +213,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return self._route_other(st, body)
         req = protocol.parse_request(st.path, body, self.max_body_bytes)
         st.model = req.model
-        self.metrics.requests.labels(req.model).inc()
+        self.metrics.requests.labels(self._model_label(req.model)).inc()
         d = self.router.route(req, st.subset)
         st.decision = d
         self.metrics.pick_seconds.observe(time.perf_counter() - t0)
@@ -250,8 +252,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return [protocol.passthrough_body_response(body.body, body.end_of_stream, request=False)]
         return [protocol.buffered_body_ack(request=False)]
 
+    def _model_label(self, model: str) -> str:
+        """A model a pool names, else ``unknown``: a client cannot grow the label sets (metric cardinality)."""
+        if not model:
+            return ""
+        return model if any(model in p.models for p in self.router.datastore.pools()) else UNKNOWN_MODEL
+
     def _error(self, st: _Stream, exc: EppError) -> pb.ProcessingResponse:
-        self.metrics.errors.labels(st.model or "", str(exc.status)).inc()
+        self.metrics.errors.labels(self._model_label(st.model), str(exc.status)).inc()
         return protocol.immediate_response(exc)
 
 

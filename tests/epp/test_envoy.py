@@ -188,7 +188,8 @@ def test_metrics_and_misprediction(fleet: PodFleet, epp_factory: EppF, envoy_fac
     env = envoy_factory(epp_port=epp.grpc_port)
     for i in range(3):
         assert post(url(env), {"model": "m", "prompt": PROMPT + str(i)})[0] == 200
-    post(url(env), {"model": "nope", "prompt": "x"})
+    for i in range(40):  # unknown model names share one label set: a client cannot grow /metrics
+        post(url(env), {"model": f"nope-{i}", "prompt": "x"})
 
     def scrape() -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{epp.metrics_port}/metrics", timeout=2) as r:
@@ -204,7 +205,8 @@ def test_metrics_and_misprediction(fleet: PodFleet, epp_factory: EppF, envoy_fac
         "kvfleet_epp_pod_inflight", "kvfleet_epp_kv_event_batches_total",
     ):
         assert name in text, name
-    assert 'inference_model_request_error_total{error_code="404",model_name="nope"} 1.0' in text
+    assert 'inference_model_request_error_total{error_code="404",model_name="unknown"} 40.0' in text
+    assert "nope-" not in text
     assert _value(text, "kvfleet_epp_predicted_hit_tokens_total") > 0
 
 

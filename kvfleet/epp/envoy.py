@@ -25,6 +25,9 @@ init container calls ``kvfleet gateway-config``, :func:`main`). What it does:
   all its pods); never to an address a client names. Without either, FailOpen
   answers 503;
 * ``/kvfleet/`` (the engines' internal API) is answered 404 by Envoy itself (ext_proc disabled there too);
+* Envoy's own errors are OpenAI-style JSON (``local_reply_config``): the picker unreachable under
+  FailClose → 503 ``endpoint_picker_unavailable``; the picked pod refusing, resetting or timing out →
+  ``upstream_unavailable`` with Envoy's status;
 * the admin API listens on 127.0.0.1 only; ``health_port`` opens a listener whose
   ``/ready`` is proxied to the admin's ``/ready`` (for kubelet probes) and nothing else;
 * ``epp_tls_ca``: TLS to the picker, verified against that CA file, with
@@ -126,6 +129,29 @@ def _strip_filter() -> dict[str, Any]:
             "mutations": {"request_mutations": [{"remove": h} for h in CLIENT_STRIPPED_HEADERS]},
         },
     }
+
+
+def _local_replies() -> dict[str, Any]:
+    """Envoy's own error answers as OpenAI-style JSON: the picker unreachable (FailClose) → 503, an upstream
+    that refuses, resets or times out → its status; the picker's own ImmediateResponses keep their bodies."""
+    def body(kind: str, message: str) -> dict[str, Any]:
+        return {"json_format": {"error": {"code": "%RESPONSE_CODE%", "type": kind, "message": message}},
+                "content_type": "application/json"}
+
+    cel = "envoy.access_loggers.extension_filters.cel"
+    return {"mappers": [
+        {
+            "filter": {"extension_filter": {"name": cel, "typed_config": {
+                "@type": _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                "expression": "response.code_details.startsWith('ext_proc_error')"}}},
+            "status_code": 503,
+            "body_format_override": body("endpoint_picker_unavailable", "the endpoint picker did not answer; retry"),
+        },
+        {
+            "filter": {"response_flag_filter": {"flags": ["UH", "UF", "UO", "URX", "NR", "UC", "UT", "DC"]}},
+            "body_format_override": body("upstream_unavailable", "%RESPONSE_CODE_DETAILS%"),
+        },
+    ]}
 
 
 def _subset_filter(endpoints: Sequence[str]) -> dict[str, Any]:
@@ -283,6 +309,7 @@ def bootstrap(
         "stream_idle_timeout": timeout,
         "route_config": {"name": "kvfleet", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": filters,
+        "local_reply_config": _local_replies(),
     }
     listeners.append(
         {

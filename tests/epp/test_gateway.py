@@ -271,3 +271,27 @@ def test_models_of_every_pool_are_listed(fleet: PodFleet, envoy_factory: EnvoyF)
     finally:
         epp.stop()
 
+
+
+def test_gateway_errors_are_json(fleet: PodFleet, envoy_factory: EnvoyF) -> None:
+    """Envoy's own answers are OpenAI-style JSON: the picker unreachable under FailClose → 503
+    ``endpoint_picker_unavailable``; the picked pod dead → 503 ``upstream_unavailable``; the picker's own
+    errors keep their bodies."""
+    down = envoy_factory(epp_port=free_port())
+    for body_mode_env in (down, envoy_factory(epp_port=free_port(), body_mode="BUFFERED")):
+        status, headers, body = post(url(body_mode_env), {"model": "m", "prompt": "x"})
+        assert status == 503 and headers["content-type"] == "application/json", body
+        assert json.loads(body)["error"] == {"code": 503, "type": "endpoint_picker_unavailable",
+                                             "message": "the endpoint picker did not answer; retry"}
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0}})
+    dead = {"pools": [{"name": "p", "models": ["m"], "pods": [{"name": "gone", "address": "127.0.0.1", "port": free_port()}]}]}
+    epp = Epp(settings, datastore=StaticDatastore(data=dead)).start()
+    try:
+        env = envoy_factory(epp_port=epp.grpc_port)
+        status, headers, body = post(url(env), {"model": "m", "prompt": "x"})
+        err = json.loads(body)["error"]
+        assert status == 503 and err["code"] == 503 and err["type"] == "upstream_unavailable", body
+        status, _, body = post(url(env), {"model": "nope", "prompt": "x"})
+        assert status == 404 and json.loads(body)["error"]["type"] == "model_not_found"
+    finally:
+        epp.stop()

@@ -34,8 +34,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,32 @@ class ConflictApiError(ApiError):
 class UnavailableApiError(ApiError):
     status = 503
     kind = "service_unavailable"
+
+
+#: vLLM's SamplingParams checks, in its words: (field, default, valid?, message)
+_SAMPLING: tuple[tuple[str, float, Callable[[float], bool], str], ...] = (
+    ("n", 1, lambda v: v >= 1, "n must be at least 1, got {}."),
+    ("presence_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "presence_penalty must be in [-2, 2], got {}."),
+    ("frequency_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "frequency_penalty must be in [-2, 2], got {}."),
+    ("repetition_penalty", 1.0, lambda v: v > 0.0, "repetition_penalty must be greater than zero, got {}."),
+    ("temperature", 1.0, lambda v: v >= 0.0, "temperature must be non-negative, got {}."),
+    ("temperature", 1.0, lambda v: v <= 2.0, "temperature must be in [0, 2], got {}."),
+    ("top_p", 1.0, lambda v: 0.0 < v <= 1.0, "top_p must be in (0, 1], got {}."),
+    ("top_k", 0, lambda v: v >= -1 and v == int(v), "top_k must be 0 (disable), or at least 1, got {}."),
+    ("min_p", 0.0, lambda v: 0.0 <= v <= 1.0, "min_p must be in [0, 1], got {}."),
+)
+
+
+def check_sampling(data: Mapping[str, Any]) -> None:
+    """Sampling parameters as vLLM validates them (400 with vLLM's message); ``null`` means the default."""
+    for name, _, valid, message in _SAMPLING:
+        v = data.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise ApiError(f"{name} must be a finite number, got {v!r}.", param=name)
+        if not valid(float(v)):
+            raise ApiError(message.format(v), param=name)
 
 
 def error_response(exc: ApiError) -> web.Response:
@@ -317,6 +344,7 @@ class EngineServer:
         model = data.get("model", self.es.model)
         if model != self.es.model:
             raise NotFoundApiError(f"The model `{model}` does not exist.", param="model")
+        check_sampling(data)
         if chat:
             try:
                 text = render_chat(data.get("messages"))

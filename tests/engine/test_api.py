@@ -91,14 +91,28 @@ async def test_errors_are_openai_shaped(make_engine: EngineFactory) -> None:
         ({"model": MODEL, "prompt": [1, -2]}, 400, "prompt"),
         ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+        ({"model": MODEL, "prompt": "a", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "a", "temperature": 2.5}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "a", "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "a", "top_p": 2}, 400, "top_p"),
+        ({"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p"),
+        ({"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
+        ({"model": MODEL, "prompt": "a", "top_k": -5}, 400, "top_k"),
+        ({"model": MODEL, "prompt": "a", "min_p": 1.5}, 400, "min_p"),
+        ({"model": MODEL, "prompt": "a", "presence_penalty": 3}, 400, "presence_penalty"),
+        ({"model": MODEL, "prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "a"}], "frequency_penalty": -9}, 400, "frequency_penalty"),
     ]
     for body, status, param in cases:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         st, data, _ = await eng.post(path, body)
         assert st == status, body
         assert data["error"]["code"] == status and data["error"]["param"] == param
-    # The engine keeps serving after bad input.
-    st, _, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 1})
+    st, data, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": "a", "temperature": -1})
+    assert data["error"]["message"] == "temperature must be non-negative, got -1."  # vLLM's words
+    # The engine keeps serving after bad input; valid sampling values (and nulls) are accepted.
+    st, _, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 1, "temperature": 0,
+                                                  "top_p": 1, "top_k": -1, "n": 1, "min_p": None})
     assert st == 200
 
 

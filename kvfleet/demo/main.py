@@ -1,7 +1,7 @@
 """``kvfleet demo``: the whole data path on one machine, replayed once per routing policy.
 
-Starts N simulated engines (default 4 pods in 2 pools, the second one
-prefill/decode), Envoy with the kvfleet EPP as its ext_proc endpoint picker,
+Starts N simulated engines (default 4 pods in one pool of 2 prefix shards, the second
+one prefill/decode), Envoy with the kvfleet EPP as its ext_proc endpoint picker,
 then for each policy: empties every engine's cache, starts the EPP with that
 policy's scheduling profile, replays the workload through Envoy (rich
 progress), scrapes engine and EPP metrics, stops the EPP. Writes
@@ -168,7 +168,7 @@ class Demo:
             "cost": {"prefill_tokens_per_s": H100["prefill_tokens_per_s"], "kv_bytes_per_token": H100["kv_bytes_per_token"]},
             # The trace's prompts all open with one shared 512-token block: shard pools on the first 1024 tokens.
             "prefix_shard_blocks": 64,
-            # Spill to the next pool early: pool-b has a single prefill pod.
+            # Spill to the next shard early: shard pool-b has a single prefill pod.
             "pool_saturation_queue": 4.0,
             **POLICIES[policy],
         }

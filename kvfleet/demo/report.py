@@ -135,7 +135,7 @@ def render_markdown(results: Sequence[PolicyResult], meta: Mapping[str, Any]) ->
         f"Workload: {meta.get('workload')} — {meta.get('requests')} requests, "
         f"{meta.get('prompt_tokens_mean', 0):.0f} prompt tokens on average, up to {meta.get('max_tokens')} generated.",
         f"Stack: Envoy {meta.get('envoy', '')} → kvfleet EPP → {meta.get('pods')} simulated engines in "
-        f"{meta.get('pools')} pools ({meta.get('topology')}), profile {meta.get('profile')}, "
+        f"one pool of {meta.get('pools')} prefix shards ({meta.get('topology')}), profile {meta.get('profile')}, "
         f"time factor {meta.get('time_factor')} (1 modelled second = {meta.get('time_factor')} s of wall time).",
         f"Per-pod cache: {meta.get('gpu_blocks')} GPU blocks + {meta.get('cpu_blocks')} CPU blocks of {meta.get('block_size')} tokens.",
         "",

@@ -84,6 +84,9 @@ async def run(tag: str) -> int:
 
                 await eventually(alive, timeout=60)
                 print(f"ok: operator liveness {liveness}")
+                for secret, key in (("kvfleet-transfer", "secret"), ("kv-redis", "url")):  # what the sample references
+                    await api.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": NS},
+                                      "data": {key: "c2VjcmV0"}})
                 created = await api.create(samples.kvcachepool(name="llama", namespace=NS))
 
                 async def children() -> bool:

@@ -13,7 +13,11 @@ Error policy (typed, never by message):
 * :class:`~kvfleet.operator.kube.Rejected` (the API refused a rendered child) →
   ``Degraded`` + Warning Event + :class:`kopf.PermanentError`;
 * :class:`~kvfleet.operator.apply.ForeignOwnerError` → ``Degraded`` + Warning
-  Event, retried slowly (the other owner may go away).
+  Event, retried slowly (the other owner may go away);
+* a Secret the pool references (the transfer secret, the remote tier's Redis URL)
+  missing, or lacking its key → ``Ready=False``/``Degraded`` with reason
+  ``SecretNotFound`` naming the Secret, key and field, a Warning Event, and a slow
+  retry (the Secret may be created later); nothing is applied until it exists.
 """
 
 from __future__ import annotations
@@ -124,6 +128,30 @@ async def _delete_stale(
     return deleted
 
 
+async def missing_secrets(rt: Runtime, namespace: str, spec: PoolSpec) -> list[str]:
+    """What is wrong with the Secrets ``spec`` references, one readable line each (empty: all there).
+
+    Without the right to read Secrets (403) nothing is reported: the pods' own events will say it."""
+    op = rt.settings.operator
+    refs = [(spec.transfer.secret.name if spec.transfer.secret else op.transfer_secret,
+             spec.transfer.secret.key if spec.transfer.secret else op.transfer_secret_key,
+             "spec.transfer.secretRef" if spec.transfer.secret else "the chart's transfer secret")]
+    remote = spec.tier("remote")
+    if remote is not None and remote.redis_url is not None:
+        refs.append((remote.redis_url.name, remote.redis_url.key, "spec.tiers[remote].redis.urlSecretRef"))
+    out: list[str] = []
+    for secret, key, where in refs:
+        try:
+            obj = await rt.api.get_or_none("Secret", namespace, secret)
+        except Rejected:
+            return []
+        if obj is None:
+            out.append(f"Secret {secret!r} ({where}) not found in namespace {namespace!r}")
+        elif key not in (obj.get("data") or {}) and key not in (obj.get("stringData") or {}):
+            out.append(f"Secret {secret!r} ({where}) has no key {key!r}")
+    return out
+
+
 async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any]) -> dict[str, Any]:
     """Make a KVCachePool's children match its spec and report status."""
     meta, status = body["metadata"], body.get("status") or {}
@@ -137,6 +165,16 @@ async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | loggi
         kopf.warn(body, reason="InvalidSpec", message=str(exc))
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
     backoff = rt.settings.operator.retry_backoff_s
+    try:
+        missing = await missing_secrets(rt, namespace, spec)
+    except Transient as exc:
+        raise _temporary(exc, backoff) from exc
+    if missing:
+        msg = "; ".join(missing)
+        await _patch_status(rt, namespace, name, {"observedGeneration": generation,
+                                                  "conditions": degraded_conditions(conditions, "SecretNotFound", msg, generation)})
+        kopf.warn(body, reason="SecretNotFound", message=msg)
+        raise kopf.TemporaryError(msg, delay=backoff)
     children = render_children(body, spec, rt.settings)
     results: dict[str, int] = {"created": 0, "patched": 0, "unchanged": 0}
     try:

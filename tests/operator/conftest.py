@@ -33,6 +33,7 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
     "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
     "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True, verbs={"get", "list", "create", "delete"}),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True, verbs={"get", "list", "create", "patch"}),
     "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"}),
     "kvfleet.io/v1alpha1/kvcachepools": kmock.ResourceInfo(
@@ -50,6 +51,13 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
 async def k8s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Emulator]:
     """The API emulator on a free loopback port, with a kubeconfig pointing at it."""
     async with serve(RESOURCES, tmp_path, monkeypatch) as (emulator, _):
+        client = ApiClient(kopf.ConnectionInfo(server=emulator.api_url, token="test"))
+        try:  # the Secrets the samples reference: the chart's transfer secret and the remote tier's Redis URL
+            for name, key in (("kvfleet-transfer", "secret"), ("kv-redis", "url")):
+                await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": "default"},
+                                     "data": {key: "c2VjcmV0"}})
+        finally:
+            await client.close()
         yield emulator
 
 

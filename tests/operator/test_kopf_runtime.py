@@ -133,6 +133,26 @@ async def test_invalid_spec_sets_condition_and_event_without_retry_loop(operator
     assert fixed  # the sample itself stays untouched
 
 
+async def test_missing_secret_is_a_clear_condition(operator: Runtime, api: ApiClient) -> None:
+    """A remote tier whose Redis Secret does not exist: Ready=False/Degraded with reason SecretNotFound naming the
+    Secret and the field, a Warning Event, nothing rendered; once the Secret exists the pool reconciles."""
+    pool = samples.kvcachepool(tiers=[{"name": "gpu", "gpuShare": 0.8},
+                                      {"name": "remote", "capacity": "1Ti", "redis": {"urlSecretRef": {"name": "late-redis"}}}])
+    await api.create(pool)
+
+    async def blocked() -> dict[str, Any] | None:
+        obj = await api.get("KVCachePool", NS, "llama")
+        return obj if _cond(obj, "Ready").get("reason") == "SecretNotFound" else None
+
+    obj = await eventually(blocked)
+    msg = _cond(obj, "Degraded")["message"]
+    assert "'late-redis'" in msg and "urlSecretRef" in msg and _cond(obj, "Degraded")["status"] == "True"
+    await eventually(lambda: _events(api, "SecretNotFound"))
+    assert await api.get_or_none("Deployment", NS, "llama-p0-unified") is None
+    await api.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "late-redis", "namespace": NS}, "data": {"url": "eA=="}})
+    await eventually(lambda: api.get_or_none("Deployment", NS, "llama-p0-unified"))
+
+
 async def test_scale_down_and_tier_change(operator: Runtime, api: ApiClient) -> None:
     """pools 2→1 deletes the second shard's objects; replicas follow; a tier change changes the pods' config hash."""
     await api.create(samples.kvcachepool(pools=2))

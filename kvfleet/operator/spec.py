@@ -165,10 +165,12 @@ def _enum(m: Mapping[str, Any], key: str, default: str, path: str, allowed: Sequ
     return str(v)
 
 
-def _str(m: Mapping[str, Any], key: str, path: str, required: bool = False) -> str:
+def _str(m: Mapping[str, Any], key: str, path: str, required: bool = False, max_len: int = 1024) -> str:
     v = m.get(key, "")
     if not isinstance(v, str) or (required and not v):
         raise InvalidSpecError(f"{path}{key}", "is required" if required else f"must be a string, got {v!r}")
+    if len(v) > max_len:
+        raise InvalidSpecError(f"{path}{key}", f"must be at most {max_len} characters, got {len(v)}")
     return v
 
 
@@ -245,8 +247,9 @@ def _tiers(value: Any) -> tuple[TierSpec, ...]:
         raise InvalidSpecError("tiers", "must be a list of 1 to 4 tiers")
     tiers = tuple(_tier(t, i) for i, t in enumerate(value))
     ranks = [TIER_ORDER.index(t.name) for t in tiers]
-    if ranks != sorted(set(ranks)):
-        raise InvalidSpecError("tiers", "tiers must be ordered gpu, cpu, ssd, remote, each at most once")
+    if ranks != sorted(set(ranks)) or ranks[0] != 0:
+        raise InvalidSpecError(
+            "tiers", "tiers must start with gpu (the engine's own KV memory) and be ordered gpu, cpu, ssd, remote, each at most once")
     return tiers
 
 
@@ -274,7 +277,7 @@ def parse_spec(spec: Mapping[str, Any] | None, name: str = "") -> PoolSpec:
     weights = _map(routing.get("weights"), "routing.weights")
     out = PoolSpec(
         model=ModelSpec(
-            name=_str(model, "name", "model.", required=True),
+            name=_str(model, "name", "model.", required=True, max_len=253),
             tokenizer=_str(model, "tokenizer", "model."),
             profile=ModelProfile(
                 kv_bytes_per_token=_int(profile, "kvBytesPerToken", 131072, "model.profile.", 1, 2**40),

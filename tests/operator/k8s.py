@@ -80,7 +80,16 @@ def _is_less_than(a: _Quantity, b: _Quantity) -> celtypes.BoolType:
     return celtypes.BoolType(a.value < b.value)
 
 
-CEL_FUNCTIONS: dict[str, Any] = {"quantity": _quantity, "isGreaterThan": _is_greater_than, "isLessThan": _is_less_than}
+def _is_quantity(value: Any) -> celtypes.BoolType:
+    try:
+        parse_quantity(str(value))
+    except ValueError:
+        return celtypes.BoolType(False)
+    return celtypes.BoolType(True)
+
+
+CEL_FUNCTIONS: dict[str, Any] = {"quantity": _quantity, "isQuantity": _is_quantity, "isGreaterThan": _is_greater_than,
+                                 "isLessThan": _is_less_than}
 _ENV = celpy.Environment()
 _PROGRAMS: dict[str, Any] = {}
 

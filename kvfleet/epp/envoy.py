@@ -61,6 +61,7 @@ from kvfleet.epp.protocol import (
     CLIENT_STRIPPED_HEADERS,
     DEST_HEADER,
     DEST_METADATA_NS,
+    EXT_PROC_SERVICE,
     INTERNAL_PREFIX,
     SUBSET_KEY,
     SUBSET_NS,
@@ -201,8 +202,13 @@ def bootstrap(
     use_epp: bool = True,
     epp_tls_ca: str = "",
     epp_tls_sni: str = "",
+    epp_endpoints: Sequence[str] = (),
+    epp_health_interval_s: float = 0.5,
 ) -> dict[str, Any]:
-    """The bootstrap as a mapping (``yaml.safe_dump`` it, or :func:`write_bootstrap`)."""
+    """The bootstrap as a mapping (``yaml.safe_dump`` it, or :func:`write_bootstrap`).
+
+    ``epp_endpoints`` (``host:port`` each) lists several picker replicas instead of ``epp_host``/``epp_port``.
+    """
     if routing not in ("header", "metadata"):
         raise ValueError(f"routing must be 'header' or 'metadata', got {routing!r}")
     if body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
@@ -222,7 +228,19 @@ def bootstrap(
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "kvfleet-epp"}, "timeout": "10s"},
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": "kvfleet-epp"},
+                "timeout": "10s",
+                # a stream that cannot be opened on one replica is opened on another
+                "retry_policy": {
+                    "retry_on": "connect-failure,refused-stream,unavailable,reset",
+                    "num_retries": 2,
+                    "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
+                    "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+                        "@type": _T + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
+                    "host_selection_retry_max_attempts": 3,
+                },
+            },
             "failure_mode_allow": failure_mode_allow,
             "message_timeout": f"{message_timeout_s}s",
             "processing_mode": mode,
@@ -272,7 +290,19 @@ def bootstrap(
         odst = {"metadata_key": {"key": DEST_METADATA_NS, "path": [{"key": DEST_HEADER}]}}
     clusters: list[dict[str, Any]] = []
     if use_epp:
-        epp = _cluster("kvfleet-epp", [(epp_host, epp_port)], http2=True)
+        replicas = [split_endpoint(e) for e in epp_endpoints] or [(epp_host, epp_port)]
+        epp = _cluster("kvfleet-epp", replicas, http2=True)
+        # Replicas are health-checked on GIE's ext_proc health service and ejected on local connect failures,
+        # so a dead replica stops getting streams within about a second.
+        interval = f"{epp_health_interval_s}s"
+        epp["health_checks"] = [{
+            "timeout": "0.5s", "interval": interval, "no_traffic_interval": interval,
+            "unhealthy_threshold": 1, "healthy_threshold": 1,
+            "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+        }]
+        epp["outlier_detection"] = {"split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
+                                    "base_ejection_time": "2s", "max_ejection_percent": 100}
+        epp["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
         if epp_tls_ca:
             epp["transport_socket"] = {
                 "name": "envoy.transport_sockets.tls",

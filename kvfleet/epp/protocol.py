@@ -48,6 +48,8 @@ SUBSET_NS = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 PREFILLER_HEADER = "x-prefiller-host-port"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
+#: the ext_proc service's name, also a gRPC health service name (GIE)
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 #: ext_proc attribute (CEL) with the upstream host that served the request (kvfleet's Envoy config asks for it)
 UPSTREAM_ATTRIBUTE = "upstream.address"
 EXT_PROC_ATTRIBUTES_NS = "envoy.filters.http.ext_proc"

@@ -265,7 +265,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 # --- gRPC health (grpc.health.v1, GIE's service names) -----------------------------------------------
 LIVENESS, READINESS = "liveness", "readiness"
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+EXT_PROC_SERVICE = protocol.EXT_PROC_SERVICE
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]

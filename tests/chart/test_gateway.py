@@ -67,7 +67,7 @@ def test_rendered_gateway_config_is_accepted_by_envoy(helm: str, tmp_path: Path)
         epp = clusters["kvfleet-epp"]
         assert epp["type"] == "STRICT_DNS"
         assert epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["address"] == (
-            "kvf-kvfleet-epp.kvfleet.svc.cluster.local")
+            "kvf-kvfleet-epp-replicas.kvfleet.svc.cluster.local")
         if extra:
             assert ext_proc["failure_mode_allow"] is True
             assert clusters["kvfleet-fallback"]["type"] == "STRICT_DNS"

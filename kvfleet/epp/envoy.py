@@ -65,6 +65,7 @@ from kvfleet.epp.protocol import (
     INTERNAL_PREFIX,
     SUBSET_KEY,
     SUBSET_NS,
+    UNREACHABLE_HEADER,
     UPSTREAM_ATTRIBUTE,
 )
 
@@ -148,8 +149,14 @@ def _local_replies() -> dict[str, Any]:
             "status_code": 503,
             "body_format_override": body("endpoint_picker_unavailable", "the endpoint picker did not answer; retry"),
         },
+        {   # nothing listening at the picked pod: tell the picker (response header) so it stops picking it
+            "filter": {"response_flag_filter": {"flags": ["UF"]}},
+            "headers_to_add": [{"header": {"key": UNREACHABLE_HEADER, "value": "%UPSTREAM_HOST%"},
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+            "body_format_override": body("upstream_unavailable", "%RESPONSE_CODE_DETAILS%"),
+        },
         {
-            "filter": {"response_flag_filter": {"flags": ["UH", "UF", "UO", "URX", "NR", "UC", "UT", "DC"]}},
+            "filter": {"response_flag_filter": {"flags": ["UH", "UO", "URX", "NR", "UC", "UT", "DC"]}},
             "body_format_override": body("upstream_unavailable", "%RESPONSE_CODE_DETAILS%"),
         },
     ]}

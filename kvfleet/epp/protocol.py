@@ -48,6 +48,9 @@ SUBSET_NS = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 PREFILLER_HEADER = "x-prefiller-host-port"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
+#: response header of kvfleet's gateway when nothing listened at the picked pod (Envoy's UF): the picker takes
+#: that pod out of rotation at once and removes the header from the response
+UNREACHABLE_HEADER = "x-kvfleet-upstream-unreachable"
 #: the ext_proc service's name, also a gRPC health service name (GIE)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 #: ext_proc attribute (CEL) with the upstream host that served the request (kvfleet's Envoy config asks for it)
@@ -237,8 +240,11 @@ def empty_request_headers_response() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 
 
-def empty_response_headers_response() -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+def empty_response_headers_response(remove: Sequence[str] = ()) -> pb.ProcessingResponse:
+    if not remove:
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=list(remove)))
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
 
 
 def streamed_body_responses(body: bytes, *, request: bool = True) -> list[pb.ProcessingResponse]:

@@ -321,6 +321,14 @@ class Router:
                 return [(g, pods)]
         return [ready[0]]
 
+    def unreachable(self, d: Decision, endpoint: str) -> None:
+        """The gateway found nothing listening at ``endpoint`` (one of ``d``'s): out of rotation until a metrics
+        scrape reaches the pod again."""
+        names = {p.endpoint: p.name for pool in self.datastore.pools() for p in pool.pods}
+        name = names.get(endpoint) or (d.pod if endpoint in ("", "-") else None)
+        if name is not None:
+            self.metrics.mark_down(name)
+
     def _up(self, pod: Pod) -> bool:
         """Ready in the datastore and not refusing connections (the metrics scrape's health check)."""
         return pod.ready and not self.metrics.down(pod.name)

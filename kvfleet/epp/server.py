@@ -144,6 +144,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     return out
                 return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
             if kind == "response_headers":
+                unreachable = protocol.header_map(msg.response_headers.headers).get(protocol.UNREACHABLE_HEADER)
+                if unreachable is not None and st.decision is not None:
+                    self.router.unreachable(st.decision, unreachable)
+                    return [protocol.empty_response_headers_response(remove=[protocol.UNREACHABLE_HEADER])]
                 if st.decision is not None:
                     served = protocol.served_endpoint(msg)
                     if served is not None:

@@ -109,3 +109,30 @@ def test_a_slow_pod_is_not_dead() -> None:
             scraper.scrape_once()
         scraper.stop()
         assert store.down("dead") and not store.down("slow") and store.errors["slow"] == 3
+
+
+def test_gateway_reports_an_unreachable_pod_at_once(fleet: PodFleet, envoy_factory: EnvoyF, ghost_port: int) -> None:
+    """A dead pod without a metrics endpoint (no scrape to notice it): the first request routed there fails
+    (503 JSON ``upstream_unavailable``), Envoy tells the picker, and no later request goes there; the client
+    never sees the internal header."""
+    from kvfleet.config import load
+    from kvfleet.epp.app import Epp
+    from kvfleet.epp.datastore import StaticDatastore
+    from kvfleet.epp.protocol import UNREACHABLE_HEADER
+
+    data = fleet.pools_config()
+    data["pools"][0]["pods"].insert(0, {"name": "ghost", "address": "127.0.0.1", "port": ghost_port})
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0,
+                                       "plugins": [{"type": "ready-filter"},
+                                                   {"type": "round-robin-picker", "params": {"fallbacks": 0}}]}})
+    epp = Epp(settings, datastore=StaticDatastore(data=data)).start()
+    try:
+        env = envoy_factory(epp_port=epp.grpc_port)
+        url = f"http://127.0.0.1:{env.listen_port}/v1/completions"
+        got = [post(url, {"model": "m", "prompt": f"{i}"}) for i in range(12)]
+        failed = [(s, json.loads(b)["error"]["type"]) for s, _, b in got if s != 200]
+        assert failed == [(503, "upstream_unavailable")], failed
+        assert all(UNREACHABLE_HEADER not in h for _, h, _ in got)
+        assert epp.store.down("ghost")
+    finally:
+        epp.stop()

@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+CHAOS_ARGS ?= --quick
 BASE_IMAGE ?= python:3.11-slim
 
 .DEFAULT_GOAL := help
@@ -56,7 +57,10 @@ bench: $(STAMP) ## Run every benchmark in quick mode; each prints one JSON line 
 	@set -e; for b in $$(ls bench/*.py | xargs -n1 basename | sed 's/\.py$$//' | grep -v '^_' | grep -v '^__init__$$'); do \
 		echo "== bench.$$b"; $(PY) -m bench.$$b --quick; done
 
+chaos: $(STAMP) ## The local stack under load while EPP replicas and engines are killed, a publisher misbehaves and a flood runs (bench.chaos).
+	$(PY) -m bench.chaos $(CHAOS_ARGS)
+
 clean: ## Remove caches and build outputs (keeps .venv).
 	rm -rf .mypy_cache .ruff_cache .pytest_cache .hypothesis build dist *.egg-info demo-report
 
-.PHONY: help venv lint typecheck layers unit test demo tools chart e2e-kind docker-smoke bench clean
+.PHONY: help venv lint typecheck layers unit test demo tools chart e2e-kind docker-smoke bench chaos clean

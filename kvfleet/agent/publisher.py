@@ -1,12 +1,13 @@
-"""KV events over ZMQ, framed exactly as vLLM's ``ZmqEventPublisher`` frames them.
+"""KV events over ZMQ, framed exactly as vLLM's ``ZmqEventPublisher`` frames them (:mod:`kvfleet.cache.kvwire`).
 
 * PUB socket (``tcp://HOST:kv_events_port``): each batch is three frames
   ``[topic, seq (8-byte big-endian, from 0, +1 per batch), msgpack KVEventBatch]``.
 * ROUTER replay socket (``tcp://HOST:kv_events_replay_port``): a DEALER/REQ
   peer sends ``[b"", start_seq]``; the publisher answers every buffered batch
-  with ``seq >= start_seq`` as ``[b"", topic, seq, payload]`` and ends with
-  ``[b"", b"", -1 (8-byte signed big-endian), b""]``. The last
-  ``buffer_steps`` batches are kept (vLLM's ``buffer_steps``).
+  with ``seq >= start_seq`` as ``[b"", seq, payload]`` (no topic frame, as vLLM)
+  and ends with ``[b"", -1 (8-byte signed big-endian), b""]``. The last
+  ``buffer_steps`` batches are kept (vLLM's ``buffer_steps``); the ROUTER never
+  drops part of an answer (no send high-water mark: an answer is bounded by the buffer).
 
 Sending runs on one thread that owns both sockets (ZMQ sockets are not
 thread-safe), fed by a queue: the engine's step loop only encodes and enqueues.
@@ -21,11 +22,13 @@ from collections import deque
 
 import zmq
 
+from kvfleet.cache import kvwire
 from kvfleet.cache.events import KVEventBatch, encode_batch
+from kvfleet.cache.kvwire import END_SEQ
+
+__all__ = ["END_SEQ", "PortInUseError", "ZmqPublisher"]
 
 log = logging.getLogger(__name__)
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _FORGET = object()
 
 
@@ -59,6 +62,7 @@ class ZmqPublisher:
             if replay_endpoint:
                 self._router = self._ctx.socket(zmq.ROUTER)
                 self._router.setsockopt(zmq.LINGER, 0)
+                self._router.setsockopt(zmq.SNDHWM, 0)
                 self._router.bind(replay_endpoint)
         except zmq.ZMQError as exc:
             self._pub.close(0)
@@ -113,10 +117,9 @@ class ZmqPublisher:
             assert isinstance(payload, bytes)
             seq = self._seq
             self._seq += 1
-            seq_bytes = seq.to_bytes(8, "big")
             self._buffer.append((seq, payload))
             try:
-                self._pub.send_multipart([self.topic, seq_bytes, payload], copy=False)
+                self._pub.send_multipart(kvwire.live_frames(self.topic, seq, payload), copy=False)
                 self.published += 1
             except zmq.ZMQError as exc:  # pragma: no cover - socket closed under us
                 log.warning("kv events: send failed (%s)", exc)
@@ -128,16 +131,13 @@ class ZmqPublisher:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) < 3:
-                log.warning("kv events: malformed replay request (%d frames)", len(frames))
-                continue
-            ident, start_raw = frames[0], frames[-1]
             try:
-                start = int.from_bytes(start_raw, "big")
-            except (TypeError, ValueError):
+                ident, start = kvwire.parse_replay_request(frames)
+            except kvwire.KVWireError as exc:
+                log.warning("kv events: malformed replay request (%s)", exc)
                 continue
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    self._router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
+                    self._router.send_multipart(kvwire.replay_item(ident, seq, payload))
                     self.replayed += 1
-            self._router.send_multipart([ident, b"", b"", END_SEQ, b""])
+            self._router.send_multipart(kvwire.replay_end(ident))

@@ -10,12 +10,23 @@ below reproduce that layout, so a subscriber written for vLLM pods reads
 kvfleet's events and kvfleet reads vLLM's (round-trip tested against batches
 encoded by vLLM itself, ``tests/cache/data/``).
 
-``medium`` carries the tier (``"GPU"``, ``"CPU"``, ``"SSD"``, ``"REMOTE"``).
+Other engines' layouts are read too: events as tagged *arrays*
+(``["BlockStored", block_hashes, parent, token_ids, block_size, lora_id, medium]``:
+SGLang and older vLLM), the batch as a *map* (``{"ts", "events",
+"data_parallel_rank"}``, SGLang's ``attn_dp_rank``), events without ``medium``.
+
+Fields are validated on decoding: token ids must fit 32 bits (``[0, 2^32)``) and
+``block_size`` be positive. :func:`decode_batch` refuses a batch with any
+invalid event; :func:`decode_batch_lenient` (the EPP's reader) keeps the valid
+events of a batch and reports the others, so one bad event costs only itself.
+
+``medium`` carries the tier (``"GPU"``, ``"CPU"``, ``"SSD"``, ``"REMOTE"``; other
+engines' names are mapped by :meth:`kvfleet.cache.tiers.Tier.from_medium`).
 Block hashes are ``int`` (64-bit) or ``bytes`` (SHA-256), as in vLLM.
 
-The transport (ZMQ PUB framing ``[topic, seq(8 bytes big-endian), payload]``)
-lives with the publisher and subscriber in the agent and EPP; this module only
-encodes and decodes payloads, and collects events emitted by the cache core.
+The transport (ZMQ framing, sequence numbers, replay) is :mod:`kvfleet.cache.kvwire`;
+this module only encodes and decodes payloads, and collects events emitted by
+the cache core.
 """
 
 from __future__ import annotations
@@ -23,13 +34,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any
 
 import msgspec
 
 from kvfleet.cache.errors import EventDecodeError
 
 BlockHashWire = int | bytes
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, forbid_unknown_fields=False):
@@ -41,8 +54,8 @@ class BlockStored(KVCacheEvent):
 
     block_hashes: list[BlockHashWire]
     parent_block_hash: BlockHashWire | None
-    token_ids: list[int]
-    block_size: int
+    token_ids: list[TokenId]
+    block_size: Annotated[int, msgspec.Meta(gt=0)]
     lora_id: int | None
     medium: str | None
     #: ``UNSET`` when an older publisher left it out; written whenever set (even to ``None``),
@@ -74,6 +87,37 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_RAW = msgspec.msgpack.Decoder()
+
+#: positional fields of events sent as tagged arrays (after the tag), and their optional tail
+_EVENTS: dict[str, tuple[type[KVCacheEvent], tuple[str, ...], tuple[str, ...]]] = {
+    "BlockStored": (
+        BlockStored,
+        ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+        ("lora_id", "medium"),
+    ),
+    "BlockRemoved": (BlockRemoved, ("block_hashes", "medium"), ("medium",)),
+    "AllBlocksCleared": (AllBlocksCleared, (), ()),
+}
+
+
+@dataclass
+class DecodedBatch:
+    """A batch read by :func:`decode_batch_lenient`: its valid events and what was dropped."""
+
+    batch: KVEventBatch
+    refused: list[str] = field(default_factory=list)
+    """One reason per event dropped."""
+    reset_at: int | None = None
+    """Set when a dropped event may have removed blocks (an unreadable ``BlockRemoved`` or an event
+    whose type cannot be read): the pod's entries must be cleared before ``batch.events[reset_at:]``
+    are applied, and the events before it are superseded."""
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str, unsafe: bool) -> None:
+        super().__init__(reason)
+        self.unsafe = unsafe
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -82,11 +126,77 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 
 def decode_batch(payload: bytes | memoryview) -> KVEventBatch:
-    """Decode a payload; raises :class:`EventDecodeError` on anything malformed."""
+    """Decode a payload; raises :class:`EventDecodeError` on anything malformed (any invalid event)."""
+    out = decode_batch_lenient(payload)
+    if out.refused:
+        raise EventDecodeError(f"invalid KVEventBatch payload ({len(payload)} bytes): {out.refused[0]}")
+    return out.batch
+
+
+def decode_batch_lenient(payload: bytes | memoryview) -> DecodedBatch:
+    """Decode a payload, dropping invalid events one by one (see :class:`DecodedBatch`).
+
+    Raises :class:`EventDecodeError` only when the batch itself is unreadable (not msgpack, not a
+    batch, no event list)."""
     try:
-        return _DECODER.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return DecodedBatch(_DECODER.decode(payload))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass  # another engine's layout, or an invalid event: read it element by element
+    try:
+        raw = _RAW.decode(payload)
+    except msgspec.DecodeError as exc:
         raise EventDecodeError(f"invalid KVEventBatch payload ({len(payload)} bytes): {exc}") from exc
+    ts, events, rank = _batch_parts(raw, len(payload))
+    out = DecodedBatch(KVEventBatch(ts=ts, events=[], data_parallel_rank=rank))
+    for i, ev in enumerate(events):
+        try:
+            out.batch.events.append(_event(ev))
+        except _Refused as exc:
+            out.refused.append(f"event {i}: {exc}")
+            if exc.unsafe:
+                out.reset_at = len(out.batch.events)
+    return out
+
+
+def _batch_parts(raw: Any, size: int) -> tuple[float, list[Any], int | None]:
+    if isinstance(raw, list) and len(raw) >= 2:
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    elif isinstance(raw, dict) and "events" in raw:
+        ts, events = raw.get("ts", 0.0), raw["events"]
+        rank = raw.get("data_parallel_rank", raw.get("attn_dp_rank"))
+    else:
+        raise EventDecodeError(f"invalid KVEventBatch payload ({size} bytes): not a batch")
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not isinstance(events, list):
+        raise EventDecodeError(f"invalid KVEventBatch payload ({size} bytes): bad ts or events")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        rank = None
+    return float(ts), events, rank
+
+
+def _event(raw: Any) -> AnyEvent:
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        data = dict(raw)
+    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+        tag = raw[0]
+        names = _EVENTS[tag][1] if tag in _EVENTS else ()
+        data = dict(zip(names, raw[1:], strict=False))
+        data["type"] = tag
+    else:
+        raise _Refused("not an event", unsafe=True)
+    if not isinstance(tag, str):
+        raise _Refused("event without a type", unsafe=True)
+    if tag not in _EVENTS:
+        raise _Refused(f"unknown event type {tag[:64]!r}", unsafe=False)
+    cls, _, optional = _EVENTS[tag]
+    for name in optional:
+        data.setdefault(name, None)
+    try:
+        ev: AnyEvent = msgspec.convert(data, cls)  # type: ignore[assignment]
+    except msgspec.ValidationError as exc:
+        raise _Refused(f"invalid {tag}: {exc}", unsafe=cls is not BlockStored) from None
+    return ev
 
 
 EventSink = Callable[[AnyEvent], None]

@@ -1,4 +1,17 @@
-"""The storage tiers a KV block can live in, fastest first, and their vLLM medium names."""
+"""The storage tiers a KV block can live in, fastest first, and the ``medium`` names engines use for them.
+
+KV events name a block's tier in ``medium`` (case-insensitive, ``-`` read as ``_``):
+
+| tier | mediums |
+|---|---|
+| ``gpu`` | ``None`` (vLLM's default), ``GPU``, ``CUDA``, ``HBM``, ``DEVICE`` |
+| ``cpu`` | ``CPU``, ``CPU_PINNED`` (SGLang), ``PINNED``, ``HOST``, ``DRAM`` |
+| ``ssd`` | ``SSD``, ``DISK`` (SGLang), ``STORAGE`` (vLLM's storage offloading), ``NVME``, ``LOCAL_DISK`` |
+| ``remote`` | ``REMOTE``, ``EXTERNAL`` (SGLang), ``SHARED_STORAGE``, ``LMCACHE`` |
+
+Any other name is unknown: :meth:`Tier.from_medium` raises, or returns the
+``default`` it is given (the EPP passes the slowest tier and counts the event).
+"""
 
 from __future__ import annotations
 
@@ -24,17 +37,23 @@ class Tier(StrEnum):
         return self.value.upper()
 
     @classmethod
-    def from_medium(cls, medium: str | None) -> Tier:
-        """Parse a KV-event ``medium`` (case-insensitive; ``None`` means GPU, as vLLM does)."""
+    def from_medium(cls, medium: str | None, default: Tier | None = None) -> Tier:
+        """Parse a KV-event ``medium`` (see the module doc; ``None`` means GPU, as vLLM does).
+
+        An unknown name raises ``ValueError``, or gives ``default`` when one is passed.
+        """
         if medium is None:
             return cls.GPU
-        key = medium.lower()
-        if key in _ALIASES:
-            return _ALIASES[key]
-        try:
-            return cls(key)
-        except ValueError:
-            raise ValueError(f"unknown KV medium {medium!r}; known: {', '.join(t.medium for t in cls)}") from None
+        tier = _ALIASES.get(medium.strip().lower().replace("-", "_"))
+        if tier is not None:
+            return tier
+        if default is not None:
+            return default
+        raise ValueError(f"unknown KV medium {medium[:64]!r}; known: {', '.join(sorted(a.upper() for a in _ALIASES))}")
+
+    @classmethod
+    def slowest(cls) -> Tier:
+        return _ORDER[-1]
 
     def slower(self) -> Tier | None:
         """The next slower tier, or ``None`` for the last one."""
@@ -43,4 +62,9 @@ class Tier(StrEnum):
 
 
 _ORDER: list[Tier] = [Tier.GPU, Tier.CPU, Tier.SSD, Tier.REMOTE]
-_ALIASES: dict[str, Tier] = {"cuda": Tier.GPU, "hbm": Tier.GPU, "disk": Tier.SSD, "lmcache": Tier.REMOTE}
+_ALIASES: dict[str, Tier] = {
+    **{name: Tier.GPU for name in ("gpu", "cuda", "hbm", "device")},
+    **{name: Tier.CPU for name in ("cpu", "cpu_pinned", "pinned", "host", "dram")},
+    **{name: Tier.SSD for name in ("ssd", "disk", "storage", "nvme", "local_disk")},
+    **{name: Tier.REMOTE for name in ("remote", "external", "shared_storage", "lmcache")},
+}

@@ -4,27 +4,54 @@ Keys are the 64-bit form of the engine's block hashes (:func:`~kvfleet.cache.has
 when the engine hashes like the picker does (same algorithm, block size and seed:
 kvfleet's engines, or vLLM with ``sha256_cbor``). With ``recompute_keys`` the
 picker instead recomputes its own keys from the events' ``token_ids``, chained
-from the key it recorded for ``parent_block_hash`` (as llm-d's indexer does), so
-pods whose hash differs (vLLM's builtin ``hash``) still line up. A stored event
-whose parent is unknown cannot be keyed and is counted as an orphan.
+from the hash it recorded for ``parent_block_hash`` (as llm-d's indexer does), so
+pods whose hash differs (vLLM's builtin ``hash``) still line up.
 
-Events carry no extra keys, so a chain whose first block was salted
-(``cache_salt``) or LoRA/multimodal-keyed cannot be recomputed. Once a pod has
-shown that it hashes like the picker (some recomputed key equalled its hash),
-a first block whose hash differs from the recomputation is such a block: its
-engine hashes are used as keys (they equal the picker's salted keys) and its
-children chain from them. Until then (or on a pod that hashes differently) the
-recomputed keys stand, and salted requests miss on that pod.
+Chaining keeps, per engine hash, the picker's key *and* its full hash: a
+``sha256_cbor`` chain continues from the parent's 32 bytes, not from the 64-bit
+key (follow-up turns, decode blocks and chunked prefill all store blocks with a
+parent). A parent the picker never saw (stored before the subscription, or
+forgotten) is resumed from the engine's own ``parent_block_hash`` when it is a
+hash of the picker's algorithm: if the recomputation reproduces the engine's
+hashes the pod hashes like the picker and the blocks are indexed; otherwise the
+event cannot be keyed and counts as an orphan.
+
+Events carry no extra keys, so a block whose hash mixed in a cache salt, a LoRA
+or multimodal key cannot be recomputed. Once a pod has shown that it hashes like
+the picker (some recomputed key equalled its hash), a block whose hash differs
+from the recomputation is such a block: its engine hash is the key (it equals the
+picker's key for the salted/LoRA request) and its children chain from it. Until
+then (or on a pod that hashes differently) the recomputed keys stand, and salted
+requests miss on that pod.
+
+The engine-hash map is bounded: an entry goes when its block has left every tier
+of the pod (``BlockRemoved``), the map is emptied with the pod's entries, and
+beyond ``max_keys`` the least recently used entry is dropped (counted in
+``key_evictions``; a later child of that block can then only be keyed by
+resuming from the engine's hash).
+
+Every event is applied on its own: one that fails (token ids outside 32 bits, a
+hash of the wrong type, ...) is counted in ``rejected`` and skipped; when it was
+not a ``BlockStored`` (a removal the index did not see) the pod's entries are
+cleared, so no removed block stays indexed. Unknown ``medium`` names count in
+``unknown_medium`` and are indexed in the slowest tier (see
+:mod:`kvfleet.cache.tiers` for the names engines use).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvfleet.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvfleet.cache.hashing import BlockHasher, hashes_as_ints, to_int64
+from kvfleet.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
+from kvfleet.cache.hashing import BlockHash, BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
 from kvfleet.epp.index import BlockIndex
+
+log = logging.getLogger(__name__)
+_MASK = (1 << 64) - 1
 
 
 @dataclass
@@ -33,88 +60,160 @@ class IngestStats:
     removed: int = 0
     cleared: int = 0
     orphans: int = 0
-    bad_medium: int = 0
+    """Blocks not indexed: their parent is unknown and cannot be resumed."""
+    unknown_medium: int = 0
+    """Events whose ``medium`` is not a known name (indexed in the slowest tier)."""
+    rejected: int = 0
+    """Events that failed to apply (skipped)."""
+    key_evictions: int = 0
+    """Engine-hash map entries dropped by the ``max_keys`` bound."""
+
+    @property
+    def bad_medium(self) -> int:  # the name before unknown mediums were indexed
+        return self.unknown_medium
 
 
 class PodEventApplier:
     """Applies one pod's batches, in sequence order, to the shared index."""
 
-    def __init__(self, pod: str, index: BlockIndex, hasher: BlockHasher, recompute_keys: bool = False) -> None:
+    def __init__(
+        self, pod: str, index: BlockIndex, hasher: BlockHasher, recompute_keys: bool = False, max_keys: int = 1 << 18
+    ) -> None:
         self.pod = pod
         self.index = index
         self.hasher = hasher
         self.recompute_keys = recompute_keys
+        self.max_keys = max(1, max_keys)
         self.stats = IngestStats()
-        self._engine_to_key: dict[int, int] = {}
+        #: engine hash (64-bit form) → (the picker's key, the picker's full hash to chain children from)
+        self._engine_to_key: OrderedDict[int, tuple[int, BlockHash]] = OrderedDict()
         #: None until known: does this pod hash like the picker (same algorithm, block size, seed)?
         self.hashes_like_us: bool | None = None
+        self._last_log = 0.0
+
+    def __len__(self) -> int:
+        """Entries of the engine-hash map."""
+        return len(self._engine_to_key)
 
     def reset(self) -> None:
         """Forget the pod's blocks (before a full resync)."""
         self.index.clear_pod(self.pod)
         self._engine_to_key.clear()
 
-    def apply(self, batch: KVEventBatch) -> None:
+    def apply(self, batch: KVEventBatch) -> int:
+        """Apply every event; returns how many failed (each skipped, see the module doc)."""
+        failed = 0
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                self._stored(ev)
-            elif isinstance(ev, BlockRemoved):
-                self._removed(ev)
-            elif isinstance(ev, AllBlocksCleared):
-                self.stats.cleared += 1
-                self.reset()
+            try:
+                self._apply(ev)
+            except Exception as exc:  # one bad event must never stop the pod's feed
+                failed += 1
+                self.stats.rejected += 1
+                self._log(f"pod {self.pod}: KV event {type(ev).__name__} dropped: {exc}")
+                if not isinstance(ev, BlockStored):
+                    self.reset()
+        return failed
 
-    def _tier(self, medium: str | None) -> Tier | None:
+    def _apply(self, ev: KVCacheEvent) -> None:
+        if isinstance(ev, BlockStored):
+            self._stored(ev)
+        elif isinstance(ev, BlockRemoved):
+            self._removed(ev)
+        elif isinstance(ev, AllBlocksCleared):
+            self.stats.cleared += 1
+            self.reset()
+
+    def _log(self, msg: str) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= 10.0:
+            self._last_log = now
+            log.warning("%s", msg)
+
+    def _tier(self, medium: str | None) -> Tier:
         try:
             return Tier.from_medium(medium)
         except ValueError:
-            self.stats.bad_medium += 1
-            return None
+            self.stats.unknown_medium += 1
+            self._log(f"pod {self.pod}: unknown KV medium {str(medium)[:64]!r}, indexed as {Tier.slowest().medium}")
+            return Tier.slowest()
+
+    def _chain_value(self, h: int | bytes) -> BlockHash | None:
+        """``h`` as a parent the picker's algorithm can continue from, or ``None``."""
+        if self.hasher.algo == "sha256_cbor":
+            return h if isinstance(h, bytes) and len(h) == 32 else None
+        return h & _MASK if isinstance(h, int) else None
+
+    def _remember(self, engine: int, key: int, chain: BlockHash) -> None:
+        m = self._engine_to_key
+        m[engine] = (key, chain)
+        m.move_to_end(engine)
+        while len(m) > self.max_keys:
+            m.popitem(last=False)
+            self.stats.key_evictions += 1
 
     def _stored(self, ev: BlockStored) -> None:
         tier = self._tier(ev.medium)
-        if tier is None:
-            return
         engine = [to_int64(h) for h in ev.block_hashes]
+        if not engine:
+            return
         if not self.recompute_keys:
+            self.stats.stored += len(engine)
+            self.index.add(self.pod, engine, tier)
+            return
+        n = len(engine)
+        bs = self.hasher.block_size
+        if ev.block_size != bs or len(ev.token_ids) < n * bs:
+            self.stats.orphans += n  # another block size: the picker's keys cannot line up
+            return
+        resumed = False
+        parent: BlockHash | None = None
+        if ev.parent_block_hash is not None:
+            pe = to_int64(ev.parent_block_hash)
+            known = self._engine_to_key.get(pe)
+            if known is not None:
+                self._engine_to_key.move_to_end(pe)
+                parent = known[1]
+            else:
+                parent = self._chain_value(ev.parent_block_hash)
+                if parent is None:
+                    self.stats.orphans += n
+                    return
+                resumed = True
+        ours = self.hasher.hash_tokens(ev.token_ids[: n * bs], parent=parent)
+        keys = hashes_as_ints(ours)
+        chain: list[BlockHash] = list(keys) if self.hasher.algo == "xxh3_64" else list(ours)
+        if len(keys) != n:
+            self.stats.orphans += n
+            return
+        if keys == engine:
+            self.hashes_like_us = True
+        elif self.hashes_like_us:
+            # the pod hashes like the picker: a differing hash mixed in extra keys (salt, LoRA, media),
+            # and the engine's hash is the picker's key for that request
             keys = engine
-        else:
-            if ev.parent_block_hash is None:
-                parent = None
-            else:
-                pk = self._engine_to_key.get(to_int64(ev.parent_block_hash))
-                if pk is None:
-                    self.stats.orphans += 1
-                    return
-                parent = pk
-            n = len(engine)
-            toks = ev.token_ids[: n * self.hasher.block_size]
-            if self.hasher.algo == "xxh3_64":
-                keys = hashes_as_ints(self.hasher.hash_tokens(toks, parent=parent))
-            else:
-                # sha256 chains continue from bytes; keep the int form only as a key and
-                # recompute from the root when the parent is not the root (rare mixed setups).
-                if parent is not None:
-                    self.stats.orphans += 1
-                    return
-                keys = hashes_as_ints(self.hasher.hash_tokens(toks))
-            if len(keys) != n:
-                self.stats.orphans += 1
-                return
-            if keys == engine:
-                self.hashes_like_us = True
-            elif parent is None and self.hashes_like_us:
-                keys = engine  # an extra-keyed (salted) first block: the engine's hashes are our keys
-            for e, k in zip(engine, keys, strict=True):
-                self._engine_to_key[e] = k
-        self.stats.stored += len(keys)
+            chain = []
+            for h, e in zip(ev.block_hashes, engine, strict=True):
+                c = self._chain_value(h)
+                chain.append(e if c is None else c)
+        elif resumed:
+            self.stats.orphans += n  # unknown parent, and the pod does not hash like the picker
+            return
+        for e, k, c in zip(engine, keys, chain, strict=True):
+            self._remember(e, k, c)
+        self.stats.stored += n
         self.index.add(self.pod, keys, tier)
 
     def _removed(self, ev: BlockRemoved) -> None:
         tier = self._tier(ev.medium)
-        if tier is None:
-            return
         engine = [to_int64(h) for h in ev.block_hashes]
-        keys = [self._engine_to_key.get(e, e) for e in engine] if self.recompute_keys else engine
+        if not self.recompute_keys:
+            self.stats.removed += len(engine)
+            self.index.remove(self.pod, engine, tier)
+            return
+        m = self._engine_to_key
+        keys = [m[e][0] if e in m else e for e in engine]
         self.stats.removed += len(keys)
         self.index.remove(self.pod, keys, tier)
+        for e, k in zip(engine, keys, strict=True):
+            if e in m and not self.index.pod_tiers(self.pod, k):
+                del m[e]  # gone from every tier of the pod

@@ -19,7 +19,13 @@ kvfleet's own:
 * ``kvfleet_epp_index_blocks``, ``kvfleet_epp_index_speculative_blocks`` — index size
 * ``kvfleet_epp_pod_inflight{pod}``, ``kvfleet_epp_pod_pending_tokens{pod}`` — the picker's load view
 * ``kvfleet_epp_kv_event_batches_total{pod}``, ``kvfleet_epp_kv_event_gaps_total{pod}``,
-  ``kvfleet_epp_kv_event_resyncs_total{pod}`` — the event feed
+  ``kvfleet_epp_kv_event_resyncs_total{pod}`` — the event feed, and its faults:
+  ``kvfleet_epp_kv_event_rejected_total{pod}`` (messages or events dropped as invalid),
+  ``kvfleet_epp_kv_event_restarts_total{pod}`` (publisher restarts seen),
+  ``kvfleet_epp_kv_event_replay_holes_total{pod}``, ``kvfleet_epp_kv_event_replay_timeouts_total{pod}``,
+  ``kvfleet_epp_kv_event_orphans_total{pod}`` (blocks that could not be keyed),
+  ``kvfleet_epp_kv_event_unknown_medium_total{pod}``, ``kvfleet_epp_kv_event_key_evictions_total{pod}``
+  (engine-hash map bound); the ``pod`` label takes only the pods currently subscribed
 """
 
 from __future__ import annotations
@@ -70,14 +76,28 @@ class _StateCollector(Collector):
                 inflight.add_metric([p.name], n)
                 pending.add_metric([p.name], tokens)
         yield from (inflight, pending, ready, queue, kv)
-        batches = CounterMetricFamily("kvfleet_epp_kv_event_batches", "KV-event batches applied", labels=["pod"])
-        gaps = CounterMetricFamily("kvfleet_epp_kv_event_gaps", "Sequence gaps seen", labels=["pod"])
-        resyncs = CounterMetricFamily("kvfleet_epp_kv_event_resyncs", "Full resyncs of a pod's blocks", labels=["pod"])
+        families = [
+            CounterMetricFamily(f"kvfleet_epp_kv_event_{name}", doc, labels=["pod"]) for name, doc, _ in _FEED_COUNTERS
+        ]
         for pod, st in sorted(self.feeds().items()):
-            batches.add_metric([pod], st.batches)
-            gaps.add_metric([pod], st.gaps)
-            resyncs.add_metric([pod], st.resyncs)
-        yield from (batches, gaps, resyncs)
+            for fam, (_, _, value) in zip(families, _FEED_COUNTERS, strict=True):
+                fam.add_metric([pod], value(st))
+        yield from families
+
+
+#: per-pod feed counters: name (after ``kvfleet_epp_kv_event_``), help, value
+_FEED_COUNTERS: list[tuple[str, str, Callable[[FeedStats], int]]] = [
+    ("batches", "KV-event batches applied", lambda st: st.batches),
+    ("gaps", "Sequence gaps seen", lambda st: st.gaps),
+    ("resyncs", "Times the pod's entries were cleared to stay exact", lambda st: st.resyncs),
+    ("rejected", "KV-event messages or events dropped as invalid", lambda st: st.rejected),
+    ("restarts", "Publisher restarts seen (sequence number not above the last)", lambda st: st.restarts),
+    ("replay_holes", "Replay answers with batches missing", lambda st: st.replay_holes),
+    ("replay_timeouts", "Replay requests not answered in time", lambda st: st.replay_timeouts),
+    ("orphans", "Stored blocks that could not be keyed (unknown parent)", lambda st: st.ingest.orphans),
+    ("unknown_medium", "Events with an unknown medium (indexed in the slowest tier)", lambda st: st.ingest.unknown_medium),
+    ("key_evictions", "Engine-hash map entries dropped by its bound", lambda st: st.ingest.key_evictions),
+]
 
 
 class EppMetrics:

@@ -3,7 +3,8 @@
 Covers: a SUB socket receives ``[topic, 8-byte big-endian seq, msgpack KVEventBatch]``
 with seq counting from 0 and BlockStored events whose hashes equal the
 engine's; the replay ROUTER answers ``[b"", start_seq]`` with every buffered
-batch from that seq then the ``-1`` end marker.
+batch from that seq as ``[b"", seq, payload]`` then the ``[b"", -1, b""]`` end
+marker, frame for frame what vLLM's ``ZmqEventPublisher`` sends.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import zmq
 import zmq.asyncio
 
 from kvfleet.agent.publisher import END_SEQ
+from kvfleet.cache import kvwire
 from kvfleet.cache.events import BlockStored, decode_batch
 from kvfleet.cache.hashing import BlockHasher
 from tests.engine.conftest import EngineFactory
@@ -54,11 +56,12 @@ async def test_events_are_published_and_replayed(make_engine: EngineFactory) -> 
         seqs = []
         while True:
             frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
-            assert frames[0] == b""
-            if frames[2] == END_SEQ:
+            assert len(frames) == 3 and frames[0] == b""  # vLLM's: no topic frame in replay answers
+            if frames[1] == END_SEQ:
+                assert frames[2] == b""
                 break
-            seqs.append(int.from_bytes(frames[2], "big"))
-            decode_batch(frames[3])
+            seqs.append(int.from_bytes(frames[1], "big"))
+            decode_batch(frames[2])
         assert seqs == list(range(len(seqs))) and len(seqs) >= 1
     finally:
         dealer.close(0)
@@ -83,10 +86,10 @@ async def test_reset_drops_older_history_from_replay(make_engine: EngineFactory,
             await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             batches = []
             while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
-                if frames[2] == END_SEQ:
+                seq, payload = kvwire.parse_replay_answer(await asyncio.wait_for(dealer.recv_multipart(), 5))
+                if seq == kvwire.END:
                     break
-                batches.append((int.from_bytes(frames[2], "big"), decode_batch(frames[3])))
+                batches.append((seq, decode_batch(payload)))
             if batches and any(isinstance(e, AllBlocksCleared) for e in batches[0][1].events):
                 break
             await asyncio.sleep(0.05)

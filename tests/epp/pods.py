@@ -5,7 +5,8 @@ Each :class:`FakePod` keys prompts exactly as the engine simulator does
 keeps the set of blocks it "computed", answers OpenAI requests with
 ``usage.prompt_tokens_details.cached_tokens`` and the pod's name, and publishes
 ``BlockStored`` batches with vLLM's framing ``[topic, seq, msgpack]``
-(:class:`KVEventPublisher`, with a ROUTER replay endpoint). ``/metrics`` serves
+(:class:`KVEventPublisher`, with a ROUTER replay endpoint; frames from
+:mod:`kvfleet.cache.kvwire`). ``/metrics`` serves
 vLLM's gauge names.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import threading
 import time
 from collections import deque
@@ -22,28 +22,41 @@ from typing import Any
 import zmq
 from aiohttp import web
 
+from kvfleet.cache import kvwire
 from kvfleet.cache.events import KVEventBatch, encode_batch, stored
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
 from kvfleet.cache.tokens import ByteTokenizer, render_chat, salt_extra_keys
 
-_SEQ = struct.Struct(">q")
-
 
 class KVEventPublisher:
-    """ZMQ PUB of KV-event batches in vLLM's framing, plus a ROUTER replay endpoint."""
+    """ZMQ PUB of KV-event batches plus a ROUTER replay endpoint, framed by :mod:`kvfleet.cache.kvwire`
+    (vLLM's wire format), with faults to inject: lost messages, a restart, a silent replay endpoint,
+    holes in replay answers, other topics, arbitrary payloads."""
 
-    def __init__(self, buffer_steps: int = 10_000) -> None:
+    def __init__(self, buffer_steps: int = 10_000, topic: bytes = b"", ports: tuple[int, int] | None = None) -> None:
+        """``ports``: (PUB, ROUTER) to bind (a restarted pod on its old ports); default free ones."""
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.pub.setsockopt(zmq.SNDHWM, 0)
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        rport = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        if ports is None:
+            ports = (self.pub.bind_to_random_port("tcp://127.0.0.1"), self.router.bind_to_random_port("tcp://127.0.0.1"))
+        else:
+            self.pub.bind(f"tcp://127.0.0.1:{ports[0]}")
+            self.router.bind(f"tcp://127.0.0.1:{ports[1]}")
+        self.endpoint = f"tcp://127.0.0.1:{ports[0]}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{ports[1]}"
+        self.topic = topic
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        #: fault injection: replay requests are read and never answered
+        self.replay_silent = False
+        #: fault injection: these sequence numbers are left out of replay answers
+        self.replay_skip: set[int] = set()
+        self.replay_requests: list[int] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
@@ -51,26 +64,43 @@ class KVEventPublisher:
 
     def publish(self, batch: KVEventBatch, *, drop: bool = False) -> int:
         """Send one batch; ``drop`` buffers it for replay without sending it (simulates a lost message)."""
-        payload = encode_batch(batch)
+        return self.publish_raw(encode_batch(batch), drop=drop)
+
+    def publish_raw(self, payload: bytes, *, drop: bool = False, topic: bytes | None = None) -> int:
+        """Send any payload as the next batch (``topic`` overrides the publisher's)."""
         with self._lock:
             seq = self.seq
             self.seq += 1
             self.buffer.append((seq, payload))
             if not drop:
-                self.pub.send_multipart([b"", _SEQ.pack(seq), payload])
+                self.pub.send_multipart(kvwire.live_frames(self.topic if topic is None else topic, seq, payload))
         return seq
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        """Send raw frames on the PUB socket (malformed messages)."""
+        with self._lock:
+            self.pub.send_multipart(frames)
+
+    def restart(self) -> None:
+        """What a restarted engine looks like on the wire: sequence numbers from 0 again, no history."""
+        with self._lock:
+            self.seq = 0
+            self.buffer.clear()
 
     def _serve_replay(self) -> None:
         while not self._stop.is_set():
-            if not self.router.poll(50):
+            if not self.router.poll(20):
                 continue
             frames = self.router.recv_multipart()
-            ident, start = frames[0], _SEQ.unpack(frames[-1])[0]
+            ident, start = kvwire.parse_replay_request(frames)
+            self.replay_requests.append(start)
+            if self.replay_silent:
+                continue
             with self._lock:
-                items = [(s, p) for s, p in self.buffer if s >= start]
+                items = [(s, p) for s, p in self.buffer if s >= start and s not in self.replay_skip]
             for s, p in items:
-                self.router.send_multipart([ident, b"", b"", _SEQ.pack(s), p])
-            self.router.send_multipart([ident, b"", b"", _SEQ.pack(-1), b""])
+                self.router.send_multipart(kvwire.replay_item(ident, s, p))
+            self.router.send_multipart(kvwire.replay_end(ident))
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,174 @@
+"""The engine adapter (events → index): recomputed keys for sha256_cbor chains with parents (vLLM-produced
+vectors and batches, tests/cache/data/PROVENANCE.md), tier mediums of real engines, the bounded engine-hash
+map, and one bad event costing only itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfleet.cache.events import AllBlocksCleared, BlockStored, KVEventBatch, decode_batch, removed, stored
+from kvfleet.cache.hashing import BlockHasher, hashes_as_ints, to_int64
+from kvfleet.cache.tiers import Tier
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.ingest import PodEventApplier
+
+DATA = Path(__file__).parents[1] / "cache" / "data"
+VECTORS: dict[str, Any] = json.loads((DATA / "vllm_sha256_cbor_vectors.json").read_text())
+DEFAULT_CASES = [c for c in VECTORS["cases"] if c["seed"] == "default"]
+
+
+def vllm_events(case: dict[str, Any], *, ints: bool = False, per_block: bool = True) -> list[BlockStored]:
+    """BlockStored events as vLLM emits them for one request: the first block without a parent, each later block
+    (decode, follow-up turn, chunked prefill) with the previous block's hash as parent."""
+    bs = case["block_size"]
+    hashes: list[int | bytes] = [bytes.fromhex(h) for h in case["block_hashes"]]
+    if ints:
+        hashes = [to_int64(h) for h in hashes]
+    toks = case["token_ids"]
+    if not per_block:
+        return [stored(hashes, None, toks[: len(hashes) * bs], bs, "GPU")]
+    return [
+        stored([h], None if i == 0 else hashes[i - 1], toks[i * bs : (i + 1) * bs], bs, "GPU")
+        for i, h in enumerate(hashes)
+    ]
+
+
+def picker_keys(case: dict[str, Any]) -> list[int]:
+    """The keys the picker computes for the case's tokens (what the router matches)."""
+    return [to_int64(bytes.fromhex(h)) for h in case["block_hashes"]]
+
+
+class TestSha256Recompute:
+    """hash_algo sha256_cbor with recompute_keys (the default): blocks stored with a parent are indexed."""
+
+    @pytest.mark.parametrize("ints", [False, True], ids=["bytes", "int-hashes"])
+    def test_vllm_chains_with_parents_are_indexed(self, ints: bool) -> None:
+        idx = BlockIndex()
+        appliers = {bs: PodEventApplier("p", idx, BlockHasher(bs, "sha256_cbor"), recompute_keys=True) for bs in (16, 32)}
+        total = 0
+        for case in DEFAULT_CASES:
+            if case["extra_keys"]:
+                continue
+            ap = appliers[case["block_size"]]
+            ap.apply(KVEventBatch(ts=0.0, events=list(vllm_events(case, ints=ints))))
+            keys = picker_keys(case)
+            total += len(keys)
+            assert idx.match(keys, ["p"])["p"].blocks == len(keys), case["name"]
+        assert all(ap.stats.orphans == 0 for ap in appliers.values())
+        assert sum(ap.stats.stored for ap in appliers.values()) == total
+        assert all(ap.hashes_like_us for ap in appliers.values())
+
+    def test_vllm_produced_batch_with_a_parent(self) -> None:
+        """vLLM's own batch: the CPU BlockStored has a parent; with recompute it lands in the CPU tier."""
+        batch = decode_batch((DATA / "vllm_kv_event_batch.msgpack").read_bytes())
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(16, "sha256_cbor"), recompute_keys=True)
+        ap.apply(KVEventBatch(ts=0.0, events=batch.events[:2]))
+        k0, k1 = (to_int64(h) for h in batch.events[0].block_hashes)  # type: ignore[union-attr]
+        assert idx.pod_tiers("p", k1) == {Tier.GPU, Tier.CPU} and ap.stats.orphans == 0
+        ap.apply(KVEventBatch(ts=0.0, events=batch.events[2:3]))
+        assert idx.pod_tiers("p", k1) == {Tier.CPU} and idx.match([k0, k1], ["p"])["p"].blocks == 2
+
+    def test_parent_stored_before_the_subscription_is_resumed(self) -> None:
+        """A follow-up block whose parent the picker never saw: resumed from the engine's parent hash (the pod
+        hashes like the picker), so it is indexed instead of counted as an orphan."""
+        case = DEFAULT_CASES[1]  # bytes_hello: 3 blocks
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(16, "sha256_cbor"), recompute_keys=True)
+        ap.apply(KVEventBatch(ts=0.0, events=list(vllm_events(case)[1:])))
+        keys = picker_keys(case)
+        assert ap.stats.orphans == 0 and all(idx.pod_tiers("p", k) == {Tier.GPU} for k in keys[1:])
+
+    def test_salted_chain_continues_from_the_engine_hash(self) -> None:
+        salted = next(c for c in DEFAULT_CASES if c["extra_keys"])
+        plain = DEFAULT_CASES[0]
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(16, "sha256_cbor"), recompute_keys=True)
+        ap.apply(KVEventBatch(ts=0.0, events=list(vllm_events(plain))))  # shows the pod hashes like the picker
+        ap.apply(KVEventBatch(ts=0.0, events=list(vllm_events(salted))))
+        keys = picker_keys(salted)
+        assert idx.match(keys, ["p"])["p"].blocks == 2 and ap.stats.orphans == 0
+
+    def test_foreign_hash_with_an_unknown_parent_is_an_orphan(self) -> None:
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(16, "sha256_cbor"), recompute_keys=True)
+        ap.apply(KVEventBatch(ts=0.0, events=[stored([b"\x01" * 32], b"\x02" * 32, list(range(16)), 16, "GPU")]))
+        ap.apply(KVEventBatch(ts=0.0, events=[stored([77], 78, list(range(16)), 16, "GPU")]))
+        assert ap.stats.orphans == 2 and idx.num_keys == 0
+
+
+class TestMediums:
+    @pytest.mark.parametrize(
+        ("medium", "tier"),
+        [("GPU", Tier.GPU), (None, Tier.GPU), ("gpu", Tier.GPU), ("CPU", Tier.CPU), ("CPU_PINNED", Tier.CPU),
+         ("cpu-pinned", Tier.CPU), ("STORAGE", Tier.SSD), ("DISK", Tier.SSD), ("disk", Tier.SSD), ("SSD", Tier.SSD),
+         ("EXTERNAL", Tier.REMOTE), ("external", Tier.REMOTE), ("SHARED_STORAGE", Tier.REMOTE), ("REMOTE", Tier.REMOTE)],
+    )
+    def test_real_engine_mediums(self, medium: str | None, tier: Tier) -> None:
+        assert Tier.from_medium(medium) is tier
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(4))
+        ap.apply(KVEventBatch(ts=0.0, events=[stored([5], None, [1, 2, 3, 4], 4, medium)]))  # type: ignore[arg-type]
+        ap.apply(KVEventBatch(ts=0.0, events=[stored([6], None, [1, 2, 3, 4], 4, medium)]))  # type: ignore[arg-type]
+        ap.apply(KVEventBatch(ts=0.0, events=[removed([6], medium)]))  # type: ignore[arg-type]
+        assert idx.pod_tiers("p", 5) == {tier} and idx.pod_tiers("p", 6) == set()
+        assert ap.stats.unknown_medium == 0
+
+    def test_unknown_medium_is_counted_and_indexed_slowest(self) -> None:
+        with pytest.raises(ValueError, match="unknown KV medium"):
+            Tier.from_medium("TAPE")
+        assert Tier.from_medium("TAPE", default=Tier.slowest()) is Tier.REMOTE
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(4))
+        ap.apply(KVEventBatch(ts=0.0, events=[stored([5], None, [1, 2, 3, 4], 4, "TAPE")]))
+        assert idx.pod_tiers("p", 5) == {Tier.REMOTE} and ap.stats.unknown_medium == 1
+        ap.apply(KVEventBatch(ts=0.0, events=[removed([5], "TAPE")]))
+        assert idx.num_keys == 0 and ap.stats.unknown_medium == 2
+
+
+class TestBoundsAndIsolation:
+    def test_engine_map_entries_go_with_the_block(self) -> None:
+        """An entry stays while the block is in some tier of the pod, and goes when it left every tier."""
+        h = BlockHasher(4)
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, h, recompute_keys=True)
+        ap.apply(KVEventBatch(ts=0.0, events=[stored([101, 102], None, list(range(8)), 4, "GPU"),
+                                                stored([102], 101, list(range(4, 8)), 4, "CPU")]))
+        assert len(ap) == 2
+        ap.apply(KVEventBatch(ts=0.0, events=[removed([102], "GPU")]))
+        assert len(ap) == 2  # still on CPU
+        ap.apply(KVEventBatch(ts=0.0, events=[removed([102], "CPU"), removed([101], "GPU")]))
+        assert len(ap) == 0 and idx.num_keys == 0
+
+    def test_engine_map_is_capped(self) -> None:
+        h = BlockHasher(4)
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, h, recompute_keys=True, max_keys=100)
+        for i in range(1000):
+            ap.apply(KVEventBatch(ts=0.0, events=[stored([10_000 + i], None, [i, 1, 2, 3], 4, "GPU")]))
+        assert len(ap) == 100 and ap.stats.key_evictions == 900 and ap.stats.stored == 1000
+        ap.apply(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+        assert len(ap) == 0
+
+    def test_one_bad_event_costs_only_itself(self) -> None:
+        """A token id beyond 32 bits (built in Python, not decoded) fails in hashing: counted, skipped."""
+        h = BlockHasher(4)
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, h, recompute_keys=True)
+        good = hashes_as_ints(h.hash_tokens([1, 2, 3, 4]))
+        bad = stored([9], None, [2**32 + 1, 2, 3, 4], 4, "GPU")
+        failed = ap.apply(KVEventBatch(ts=0.0, events=[bad, stored(good, None, [1, 2, 3, 4], 4, "GPU")]))
+        assert failed == 1 and ap.stats.rejected == 1 and idx.match(good, ["p"])["p"].blocks == 1
+
+    def test_a_failed_removal_clears_the_pod(self) -> None:
+        """A removal that cannot be applied may have removed anything: the pod's entries go (no phantom)."""
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(4))
+        ap.apply(KVEventBatch(ts=0.0, events=[stored([5], None, [1, 2, 3, 4], 4, "GPU")]))
+        bad = removed(["not-a-hash"], "GPU")  # type: ignore[list-item]
+        failed = ap.apply(KVEventBatch(ts=0.0, events=[bad, stored([6], None, [1, 2, 3, 4], 4, "GPU")]))
+        assert failed == 1 and idx.pod_tiers("p", 5) == set() and idx.pod_tiers("p", 6) == {Tier.GPU}

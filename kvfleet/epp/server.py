@@ -63,7 +63,7 @@ from kvfleet.epp.router import Decision, Router
 log = logging.getLogger(__name__)
 _Mode = processing_mode_pb2.ProcessingMode
 _MAX_RESPONSE_CAPTURE = 1 << 20
-_DECISION_LOG = os.environ.get("KVFLEET_EPP_DECISION_LOG", "")
+DECISION_LOG_ENV = "KVFLEET_EPP_DECISION_LOG"
 #: the ``model_name`` label of requests for a model no pool serves
 UNKNOWN_MODEL = "unknown"
 
@@ -101,6 +101,7 @@ class _Stream:
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, router: Router, metrics: EppMetrics, max_body_bytes: int, default_mode: str = "FULL_DUPLEX_STREAMED") -> None:
         self.created = int(time.time())
+        self.decision_log = os.environ.get(DECISION_LOG_ENV, "")
         self.keycheck = KeyCheck(on_change=lambda pool, bad: metrics.key_mismatch.labels(pool).set(1.0 if bad else 0.0))
         self.router = router
         self.metrics = metrics
@@ -250,8 +251,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self.metrics.observe_cached(d.predicted_hit_tokens, reported)
                 if d.pool and d.num_tokens:
                     self.keycheck.observe(d.pool, d.predicted_hit_tokens, reported, d.block_size)
-            if _DECISION_LOG:
-                log_decision(_DECISION_LOG, st.decision, reported)
+            if self.decision_log:
+                log_decision(self.decision_log, st.decision, reported)
         if st.response_mode == _Mode.FULL_DUPLEX_STREAMED:
             return [protocol.passthrough_body_response(body.body, body.end_of_stream, request=False)]
         return [protocol.buffered_body_ack(request=False)]

@@ -67,13 +67,17 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(min_value=1, max_value=6))
     def evict(self, n: int) -> None:
+        """Frees exactly min(n, evictable) blocks: never a locked path's, never fewer than it could."""
+        pinned = {prefix for _, toks in self.locks for prefix in self._blocks(list(toks))}
+        evictable = len(self.model - pinned)
         freed = self.t.evict(n)
         count = 0
         for ev in freed:
             for h in ev.block_hashes.tolist():
+                assert self.by_hash[h] not in pinned
                 self.model.discard(self.by_hash[h])
                 count += 1
-        assert count <= n
+        assert count == min(n, evictable), (count, n, evictable)
 
     @invariant()
     def prefix_closed_and_counts_agree(self) -> None:

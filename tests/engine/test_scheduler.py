@@ -80,11 +80,34 @@ async def test_only_the_uncached_suffix_is_prefilled() -> None:
 
 
 async def test_a_request_waits_for_blocks_then_runs() -> None:
+    """8 blocks hold one 96-token request (6 blocks + its decode), not two: the second is admitted only once
+    the first has finished and freed its blocks, then completes too."""
     sched = make(num_gpu_blocks=8, max_num_batched_tokens=64)
     sched.start()
-    outs = await run_all(sched, [Request("x", prompt(0, 96), 4), Request("y", prompt(5000, 96), 4)])
+    x, y = Request("x", prompt(0, 96), 4), Request("y", prompt(5000, 96), 4)
+    order: list[str] = []
+    seen_first = {"x": False, "y": False}
+
+    async def watch(r: Request) -> list[int]:
+        toks: list[int] = []
+        while True:
+            ev = await r.events.get()
+            if isinstance(ev, TokenEvent):
+                if not seen_first[r.request_id]:
+                    seen_first[r.request_id] = True
+                    order.append(f"{r.request_id}:first")
+                toks.append(ev.token_id)
+            else:
+                assert isinstance(ev, FinishEvent), ev
+                order.append(f"{r.request_id}:finish")
+                return toks
+
+    sched.submit(x)
+    sched.submit(y)
+    outs = await asyncio.gather(watch(x), watch(y))
     await sched.close()
     assert [len(o) for o in outs] == [4, 4]
+    assert order == ["x:first", "x:finish", "y:first", "y:finish"], order
 
 
 async def test_reset_endpoint_empties_the_cache(make_engine: EngineFactory, pool_secret: bytes) -> None:

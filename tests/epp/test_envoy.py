@@ -13,6 +13,7 @@ import json
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -207,3 +208,38 @@ def _value(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
+
+
+def test_misprediction_counts_what_the_decision_log_shows(
+    fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over- and under-predicted cached tokens, made on purpose (a stale index entry; blocks the picker never
+    heard of), are counted exactly: the counters equal the sums over the decision log's (predicted, reported)."""
+    log = tmp_path / "decisions.jsonl"
+    monkeypatch.setenv("KVFLEET_EPP_DECISION_LOG", str(log))
+    epp = epp_factory(speculative_ttl_s=0.001)
+    env = envoy_factory(epp_port=epp.grpc_port)
+    stale = "A prompt the index thinks every pod holds. " * 10
+    keys = epp.router.keys_of(epp.router.tokenizer.encode(stale + "?"), None)
+    for p in fleet.pods:
+        epp.index.add(p.name, keys)  # stale: no pod computed it
+    assert post(url(env), {"model": "m", "prompt": stale + "?"})[0] == 200
+    unknown = "Blocks every pod holds but never announced. " * 10
+    for p in fleet.pods:
+        p.publish_events = False
+        p.handle("/v1/completions", {"model": "m", "prompt": unknown})
+    assert post(url(env), {"model": "m", "prompt": unknown + "!"})[0] == 200
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{epp.metrics_port}/metrics", timeout=2) as r:
+            return str(r.read().decode())
+
+    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) == 2, what="two decision log lines")
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    over = sum(max(0, r["predicted"] - r["reported"]) for r in rows)
+    under = sum(max(0, r["reported"] - r["predicted"]) for r in rows)
+    assert over > 0 and under > 0, rows
+    text = scrape()
+    assert _value(text, 'kvfleet_epp_misprediction_tokens_total{direction="over"}') == over
+    assert _value(text, 'kvfleet_epp_misprediction_tokens_total{direction="under"}') == under
+    assert _value(text, "kvfleet_epp_engine_cached_tokens_total") == sum(r["reported"] for r in rows)

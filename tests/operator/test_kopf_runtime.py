@@ -24,7 +24,6 @@ from kvfleet.config import Settings
 from kvfleet.operator.handlers import Runtime
 from kvfleet.operator.kube import ApiClient
 from kvfleet.operator.manifests import (
-    AGENT_CONTAINER,
     ANN_CONFIG_HASH,
     ANN_ROUTING,
     LABEL_AGENT,
@@ -130,7 +129,7 @@ async def test_invalid_spec_sets_condition_and_event_without_retry_loop(operator
 
     await eventually(recovered)
     assert await api.get_or_none("Deployment", NS, "llama-p0-unified") is not None
-    assert fixed  # the sample itself stays untouched
+    assert samples.MINIMAL["spec"] == fixed  # the shared sample itself stays untouched
 
 
 async def test_missing_secret_is_a_clear_condition(operator: Runtime, api: ApiClient) -> None:
@@ -255,4 +254,3 @@ async def test_user_inferencepool_is_validated(operator: Runtime, api: ApiClient
     await asyncio.sleep(0.5)
     cm = await api.get("ConfigMap", "kvfleet-system", operator.settings.operator.pool_registry)
     assert "default.other" not in (cm.get("data") or {}) and "default.no-epp" not in (cm.get("data") or {})
-    assert AGENT_CONTAINER == "kvfleet-agent"

@@ -41,7 +41,15 @@ def test_peer_pulls_a_block_the_agent_holds_and_sees_its_event(tmp_path: Path) -
     sub.connect(f"tcp://127.0.0.1:{ev_port}")
     agent.start()
     try:
-        time.sleep(0.2)  # let the SUB connect before anything is published
+        # ZMQ's slow joiner: put probe blocks until one's event arrives, so the SUB is surely connected
+        for probe in range(100):
+            agent.mgr.put(10_000 + probe, make_block(probe), tier=Tier.CPU, token_ids=list(range(16)))
+            if sub.poll(100):
+                break
+        else:
+            raise AssertionError("no KV event published in 10 s")
+        while sub.poll(200):  # drop the probes' events
+            sub.recv_multipart()
         block = make_block(7)
         agent.mgr.put(1234, block, tier=Tier.CPU, token_ids=list(range(16)))
         assert sub.poll(5000), "no KV event published"

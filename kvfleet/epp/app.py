@@ -81,6 +81,7 @@ class Epp:
         self.health_port = s.health_port
         self.metrics_port = s.metrics_port
         self.serving = False
+        self._unhealthy_logged = False
 
     def _on_pods(self, changed: Sequence[Pod], gone: Sequence[Pod]) -> None:
         s = self.settings.epp
@@ -134,8 +135,18 @@ class Epp:
         await self._health.start()
 
     def ready(self) -> bool:
-        """Readiness (GIE): serving, and the datastore has its first full view of pools and pods."""
-        return self.serving and self.datastore.has_synced()
+        """Readiness (GIE): serving, the datastore has its first full view of pools and pods, and the KV-event
+        ingestion is alive (a dead or stuck ingestion thread would route on a frozen index)."""
+        if not (self.serving and self.datastore.has_synced()):
+            return False
+        if self.settings.epp.events_enabled and not self.subscriber.healthy():
+            if not self._unhealthy_logged:
+                log.error("epp: KV-event ingestion stopped (last round %.1fs ago): readiness NOT_SERVING",
+                          self.subscriber.heartbeat_age())
+                self._unhealthy_logged = True
+            return False
+        self._unhealthy_logged = False
+        return True
 
     async def _stop_grpc(self) -> None:
         for srv in (self._grpc, self._health):

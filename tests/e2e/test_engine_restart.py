@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from kvfleet.cache import kvwire
 from kvfleet.cache.events import BlockStored, decode_batch
 from kvfleet.demo.stack import ProcessStack, plan_pods
 from tests.e2e.conftest import MODEL, Fleet, http_json, scrape
@@ -32,10 +33,10 @@ def replayed_ssd_blocks(replay_port: int) -> int:
         sock.send_multipart([b"", (0).to_bytes(8, "big")])
         n = 0
         while True:
-            frames = sock.recv_multipart()
-            if frames[2] == (-1).to_bytes(8, "big", signed=True):
+            seq, payload = kvwire.parse_replay_answer(sock.recv_multipart())
+            if seq == kvwire.END:
                 return n
-            for ev in decode_batch(frames[3]).events:
+            for ev in decode_batch(payload).events:
                 if isinstance(ev, BlockStored) and ev.medium == "SSD":
                     n += len(ev.block_hashes)
     finally:

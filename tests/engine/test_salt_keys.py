@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvfleet.agent.publisher import END_SEQ
+from kvfleet.cache import kvwire
 from kvfleet.cache.events import BlockStored, decode_batch
 from kvfleet.cache.hashing import to_int64
 from kvfleet.cache.tokens import salt_extra_keys
@@ -54,10 +54,10 @@ async def _published_hashes(replay_port: int) -> list[int]:
     try:
         await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         while True:
-            frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
-            if frames[2] == END_SEQ:
+            seq, payload = kvwire.parse_replay_answer(await asyncio.wait_for(dealer.recv_multipart(), 5))
+            if seq == kvwire.END:
                 return out
-            for ev in decode_batch(frames[3]).events:
+            for ev in decode_batch(payload).events:
                 if isinstance(ev, BlockStored):
                     out.extend(to_int64(h) for h in ev.block_hashes)
     finally:

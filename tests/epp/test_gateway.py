@@ -178,7 +178,8 @@ class LateDatastore(StaticDatastore):
 
 def test_health_service_names_and_readiness_after_sync(fleet: PodFleet) -> None:
     """GIE health: ``liveness`` SERVING at once; ``readiness``, the ext_proc service and "" NOT_SERVING until
-    the datastore synced, then SERVING, on both the health port and the ext_proc port; unknown names: NOT_FOUND."""
+    the datastore synced, then SERVING, on both the health port and the ext_proc port; unknown names: NOT_FOUND;
+    when the KV-event ingestion stops, readiness and the ext_proc service go NOT_SERVING (liveness stays)."""
     settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0}})
     ds = LateDatastore(fleet.pools_config())
     epp = Epp(settings, datastore=ds).start()
@@ -198,6 +199,10 @@ def test_health_service_names_and_readiness_after_sync(fleet: PodFleet) -> None:
             with pytest.raises(grpc.RpcError) as ei:
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="nope"), timeout=2)
             assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+        epp.subscriber.stop()  # the KV-event ingestion dies: the index would freeze, so the picker is not ready
+        target = f"127.0.0.1:{epp.health_port}"
+        assert health_check(target, service=LIVENESS) and not health_check(target, service=READINESS)
+        assert not health_check(f"127.0.0.1:{epp.grpc_port}", service=EXT_PROC_SERVICE)
     finally:
         epp.stop()
 

@@ -64,7 +64,8 @@ class Epp:
         self.tracker = InflightTracker()
         self.store = MetricsStore(staleness_s=s.metrics_staleness_s)
         self.scraper = MetricsScraper(self.store, s.scrape_interval_s)
-        self.subscriber = EventSubscriber()
+        # a dropped KV-event connection (a killed engine) takes the pod out of rotation until a scrape answers
+        self.subscriber = EventSubscriber(on_disconnect=lambda pod: self.store.mark_down(pod, "dropped its KV-event connection"))
         self.router = Router(s, self.settings.cache, self.datastore, self.index, self.store, load_tokenizer(s.tokenizer), self.tracker)
         self.metrics = EppMetrics()
         self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools, lambda: dict(self.subscriber.stats))

@@ -88,11 +88,12 @@ class MetricsStore:
         if n == self.down_after:
             log.warning("pod %s refuses connections: out of rotation until it answers", pod)
 
-    def mark_down(self, pod: str) -> None:
-        """Out of rotation now (the gateway could not connect to it); a good scrape brings it back."""
+    def mark_down(self, pod: str, why: str = "unreachable from the gateway") -> None:
+        """Out of rotation now (the gateway could not connect to it, or its KV-event connection dropped);
+        a good scrape brings it back."""
         if self._refused.get(pod, 0) < self.down_after:
             self._refused[pod] = self.down_after
-            log.warning("pod %s unreachable from the gateway: out of rotation until it answers", pod)
+            log.warning("pod %s %s: out of rotation until it answers", pod, why)
 
     def down(self, pod: str) -> bool:
         return self._refused.get(pod, 0) >= self.down_after

@@ -126,6 +126,7 @@ class EventSubscriber:
         replay_timeout_s: float = 2.0,
         on_batch: Callable[[str], None] | None = None,
         *,
+        on_disconnect: Callable[[str], None] | None = None,
         max_batch_bytes: int = 16 << 20,
         stall_after_s: float = 10.0,
         replay_backoff_s: float = 5.0,
@@ -150,6 +151,8 @@ class EventSubscriber:
         self.burst = burst
         self.log_every_s = log_every_s
         self.on_batch = on_batch
+        #: called with the pod's name when its KV-event connection drops (a killed engine: at once)
+        self.on_disconnect = on_disconnect
         #: per pod currently subscribed (entries go with the pod, so metric labels stay bounded)
         self.stats: dict[str, FeedStats] = {}
 
@@ -257,6 +260,11 @@ class EventSubscriber:
         event = parse_monitor_message(frames)["event"]
         if event == zmq.EVENT_DISCONNECTED:
             feed.disconnected = True
+            if self.on_disconnect is not None:
+                try:
+                    self.on_disconnect(feed.pod)
+                except Exception as exc:  # a callback must not stop ingestion
+                    self._log(feed, "callback", f"pod {feed.pod}: on_disconnect failed: {exc!r}")
         elif event == zmq.EVENT_CONNECTED and feed.disconnected:
             feed.disconnected = False
             feed.seq.on_reconnect(time.monotonic())

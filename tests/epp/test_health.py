@@ -136,3 +136,37 @@ def test_gateway_reports_an_unreachable_pod_at_once(fleet: PodFleet, envoy_facto
         assert epp.store.down("ghost")
     finally:
         epp.stop()
+
+
+def test_a_dropped_kv_event_connection_takes_the_pod_out_at_once(fleet: PodFleet) -> None:
+    """An engine killed with -9 drops its KV-event connection: the picker takes it out of rotation at once
+    (no scrape needed: this pod has no metrics endpoint), well before any request could fail there."""
+    import zmq
+
+    from kvfleet.config import load
+    from kvfleet.epp.app import Epp
+    from kvfleet.epp.datastore import StaticDatastore
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    data = fleet.pools_config()
+    data["pools"][0]["pods"].append({"name": "doomed", "address": "127.0.0.1", "port": free_port(),
+                                     "events": f"tcp://127.0.0.1:{port}"})
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0}})
+    epp = Epp(settings, datastore=StaticDatastore(data=data)).start()
+    try:
+        wait_for(lambda: "doomed" in epp.subscriber.stats, what="the picker subscribed")
+
+        def heard() -> bool:  # garbage is rejected and counted: proof the connection is up
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1"])
+            return epp.subscriber.stats["doomed"].rejected > 0
+
+        wait_for(heard, what="the KV-event connection up")
+        assert not epp.store.down("doomed")
+        pub.close(0)
+        t0 = time.monotonic()
+        wait_for(lambda: epp.store.down("doomed"), timeout=2.0, what="the pod out of rotation")
+        print(f"[health] out of rotation {1000 * (time.monotonic() - t0):.0f} ms after its KV-event socket closed")
+    finally:
+        epp.stop()

@@ -20,6 +20,15 @@ class TransferSettings:
     bandwidth-utilisation metric divides by. ``mooncake_protocol`` is the
     Mooncake Transfer Engine transport (``tcp``, ``rdma``) when ``mooncake``
     is among ``backends`` and its package imports.
+
+    The server bounds what unauthenticated peers can hold:
+    ``handshake_timeout_s`` is the deadline for the whole HELLO/AUTH exchange
+    of an accepted connection (however slowly its bytes arrive; the client
+    uses it per read); ``max_connections`` caps the server's open connections,
+    authenticated or not (a connection over it is closed at once and counted);
+    ``max_handshakes`` caps those still in the handshake (at it, the oldest
+    one is closed to make room for the new one, so a flood of idle
+    connections cannot lock out peers that answer at once).
     """
 
     listen_host: str = "127.0.0.1"
@@ -31,6 +40,8 @@ class TransferSettings:
     connect_timeout_s: float = 5.0
     stall_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
+    max_connections: int = 1024
+    max_handshakes: int = 128
     backends: tuple[str, ...] = ("shm", "tcp")
     shm_dir: str = "/dev/shm"
     host_id: str = ""
@@ -48,6 +59,9 @@ class TransferSettings:
             raise ValueError(f"max_block_bytes must be >= 1, got {self.max_block_bytes}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        for name in ("max_connections", "max_handshakes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in ("connect_timeout_s", "stall_timeout_s", "handshake_timeout_s"):

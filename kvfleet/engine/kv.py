@@ -11,7 +11,7 @@ Layers (each only uses the one below):
   in: a host LRU (``cpu``) and a directory of block files (``ssd``) whose
   header ``{magic, hash, parent, tokens, length, xxh64}`` lets a restarted
   engine rescan, verify and re-announce what it had (corrupt files are dropped
-  and counted).
+  and counted; entries that are not regular files are skipped and counted).
 * :class:`EngineKV` — the GPU stand-in: :class:`~kvfleet.cache.blocks.BlockManager`
   (prefix cache by chained block hash, vLLM-style), a ``hash → bytes`` map of
   what the GPU holds, demotion of reclaimed GPU blocks into the slower tiers,
@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import stat
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -184,6 +185,29 @@ class CorruptBlockFileError(ValueError):
     """A block file failed its header, length or checksum check."""
 
 
+class _ForeignEntryError(OSError):
+    """An entry named like a block file that is not a regular file."""
+
+
+def _read_block_file(path: Path) -> bytes:
+    """A block file's bytes; only a regular file is read (no symlink is followed, a FIFO never blocks)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _ForeignEntryError("not a regular file")
+        return f.read()
+
+
+def _unlink_file(path: Path) -> None:
+    """Remove a file of ours; a failure is logged, never raised, and a directory under that name is left alone."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            return
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("ssd tier: cannot remove %s (%s)", path.name, exc)
+
+
 def decode_block_file(raw: bytes) -> SlowBlock:
     """Inverse of :func:`encode_block_file`; raises :class:`CorruptBlockFileError`."""
     if len(raw) < _HEADER.size + 8:
@@ -231,22 +255,56 @@ class LocalTiers:
             self._rescan()
 
     def _rescan(self) -> None:
+        """Index the block files left in ``ssd_dir``; never raises for what it finds there.
+
+        Only regular files are read (opened without following links and without
+        blocking, so a FIFO cannot hang the start). An entry that is not a
+        regular file or cannot be read (a directory, FIFO, socket, symlink,
+        unreadable file) is skipped, left in place, logged once and counted in
+        ``corrupt_files``; a readable file that fails its checks is deleted and
+        counted the same way.
+        """
         assert self.ssd_dir is not None
-        files = sorted(self.ssd_dir.glob("*.kvb"), key=lambda p: p.stat().st_mtime)
-        for path in files:
+        found: list[tuple[float, str, Path]] = []
+        with os.scandir(self.ssd_dir) as entries:
+            for entry in entries:
+                if not entry.name.endswith(".kvb"):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError as exc:
+                    self._skip(entry.name, f"cannot stat: {exc.strerror or exc}")
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    self._skip(entry.name, "not a regular file")
+                    continue
+                found.append((st.st_mtime, entry.name, Path(entry.path)))
+        for _mtime, _name, path in sorted(found):
             try:
-                block = decode_block_file(path.read_bytes())
+                raw = _read_block_file(path)
+            except _ForeignEntryError as exc:
+                self._skip(path.name, str(exc))
+                continue
+            except OSError as exc:
+                self._skip(path.name, f"cannot read: {exc.strerror or exc}")
+                continue
+            try:
+                block = decode_block_file(raw)
                 if path.name != _file_name(block.block_hash):
                     raise CorruptBlockFileError("file name does not match its block hash")
-            except (OSError, CorruptBlockFileError) as exc:
+            except CorruptBlockFileError as exc:
                 self.corrupt_files += 1
                 log.warning("ssd tier: dropping %s (%s)", path.name, exc)
-                path.unlink(missing_ok=True)
+                _unlink_file(path)
                 continue
             self.ssd[block.block_hash] = path
             self.recovered_blocks += 1
         for path in self.ssd_dir.glob("*.tmp"):
-            path.unlink(missing_ok=True)
+            _unlink_file(path)
+
+    def _skip(self, name: str, why: str) -> None:
+        self.corrupt_files += 1
+        log.warning("ssd tier: skipping %s in %s (%s)", name, self.ssd_dir, why)
 
     def announce(self) -> None:
         if not self.ssd_dir:
@@ -289,7 +347,7 @@ class LocalTiers:
         self.sink(stored([block.block_hash], block.parent, block.token_ids, self.block_size, Tier.SSD.medium))
         while len(self.ssd) > self.settings.ssd_blocks:
             old_h, old_path = self.ssd.popitem(last=False)
-            old_path.unlink(missing_ok=True)
+            _unlink_file(old_path)
             self.sink(removed([old_h], Tier.SSD.medium))
 
     def clear(self) -> None:
@@ -299,7 +357,7 @@ class LocalTiers:
         if self.ssd:
             self.sink(removed(list(self.ssd), Tier.SSD.medium))
             for path in self.ssd.values():
-                path.unlink(missing_ok=True)
+                _unlink_file(path)
             self.ssd.clear()
 
     def lookup(self, hashes: Sequence[BlockHash]) -> list[Tier]:
@@ -318,12 +376,12 @@ class LocalTiers:
         if path is None:
             return None
         try:
-            return decode_block_file(path.read_bytes())
+            return decode_block_file(_read_block_file(path))
         except (OSError, CorruptBlockFileError) as exc:
             self.corrupt_files += 1
             log.warning("ssd tier: dropping unreadable %s (%s)", path.name, exc)
             self.ssd.pop(h, None)
-            path.unlink(missing_ok=True)
+            _unlink_file(path)
             self.sink(removed([h], Tier.SSD.medium))
             return None
 

@@ -4,21 +4,28 @@ Covers: ``project_block`` is a pure function of (tokens, parent); reclaimed GPU
 blocks are demoted (BlockRemoved GPU, BlockStored CPU, then SSD) with the same
 bytes; a later request is served from the slower tier and reports it as cached;
 a new ``LocalTiers`` over the same directory re-indexes valid block files,
-re-announces them, and drops a corrupt one; a received block is used only if
+re-announces them, and drops a corrupt one; an entry named like a block file
+that is not one (a directory, a FIFO, a dangling symlink, an unreadable file)
+is skipped, left in place, logged once and counted, and an engine over such a
+directory starts and serves; a received block is used only if
 its bytes equal the engine's own (else dropped and counted), whether it lands
 before or after its sequence is admitted.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvfleet.cache.events import AnyEvent, BlockRemoved, BlockStored
 from kvfleet.cache.tiers import Tier
 from kvfleet.config import load
 from kvfleet.engine.kv import EngineKV, LocalTiers, SlowBlock, project_block
+from tests.engine.conftest import EngineFactory
 
 
 def make_kv(tmp_path: Path, events: list[AnyEvent], **tiers: object) -> EngineKV:
@@ -78,6 +85,62 @@ def test_ssd_tier_survives_a_restart_and_drops_corrupt_files(tmp_path: Path) -> 
     for h in announced:
         got = again.get(h)
         assert got is not None and got.data == next(b.data for b in blocks if b.block_hash == h)
+
+
+def _foreign_entries(d: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Entries named like block files that are not readable block files; returns their names."""
+    (d / "00000000000000aa.kvb").mkdir()
+    (d / "00000000000000aa.kvb" / "inside").write_bytes(b"x")
+    os.mkfifo(d / "00000000000000bb.kvb")
+    (d / "00000000000000cc.kvb").symlink_to(d / "nowhere")
+    locked = d / "00000000000000dd.kvb"
+    locked.write_bytes(b"unreadable")
+    locked.chmod(0)
+    (d / "00000000000000ee.tmp").mkdir()  # a directory named like a partial write
+    if os.geteuid() == 0:  # permissions do not stop root: make the read fail as it would for anyone else
+        real_open = os.open
+
+        def deny(path: object, flags: int, *args: object, **kw: object) -> int:
+            if Path(str(path)).name == locked.name:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, flags, *args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "open", deny)  # os.open is how the tier opens block files
+    return ["00000000000000aa.kvb", "00000000000000bb.kvb", "00000000000000cc.kvb", locked.name]
+
+
+@pytest.mark.timeout(20)  # a FIFO opened for reading would block forever
+def test_foreign_entries_named_like_block_files_are_skipped_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = load(None, {"engine": {"tiers": {"ssd_dir": str(tmp_path)}}}).engine.tiers
+    good = SlowBlock(11, None, tuple(range(16)), project_block(range(16), None, 8))
+    LocalTiers(settings, 16).put(good)
+    foreign = _foreign_entries(tmp_path, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="kvfleet.engine.kv"):
+        again = LocalTiers(settings, 16)
+    assert again.corrupt_files == len(foreign) and again.recovered_blocks == 1
+    for name in foreign:  # logged once each, and left where they are
+        assert sum(name in r.getMessage() for r in caplog.records) == 1
+        assert os.path.lexists(tmp_path / name)
+    assert (tmp_path / "00000000000000ee.tmp").is_dir()
+    got = again.get(11)
+    assert got is not None and got.data == good.data
+    again.put(SlowBlock(12, None, tuple(range(16, 32)), project_block(range(16, 32), None, 8)))
+    again.clear()  # removes only its own files
+    assert all(os.path.lexists(tmp_path / name) for name in foreign)
+
+
+@pytest.mark.timeout(30)
+async def test_an_engine_over_an_ssd_dir_with_foreign_entries_starts_and_serves(
+    make_engine: EngineFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    foreign = _foreign_entries(tmp_path, monkeypatch)
+    eng = await make_engine(tiers={"ssd_dir": str(tmp_path)})
+    tiers = eng.server.kv.tiers
+    assert isinstance(tiers, LocalTiers) and tiers.corrupt_files == len(foreign)
+    st, body, _ = await eng.post("/v1/completions", {"model": "llama-3-8b", "prompt": list(range(64)), "max_tokens": 2})
+    assert st == 200 and body["usage"]["completion_tokens"] == 2
 
 
 def test_received_blocks_are_used_only_if_they_equal_our_own(tmp_path: Path) -> None:

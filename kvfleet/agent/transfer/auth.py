@@ -8,6 +8,10 @@
 The secret never crosses the wire; fresh 32-byte nonces on both sides defeat
 replay of a recorded exchange. The secret comes from a file (in Kubernetes a
 mounted Secret the chart creates) or an environment variable.
+
+An ``AUTH`` frame is about 120 bytes; one announcing more than
+:data:`MAX_AUTH_BYTES` is refused from its header alone (:func:`check_auth_header`),
+before any of its body is read or a buffer for it allocated.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import hmac
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
-from kvfleet.agent.transfer.errors import AuthError
+from kvfleet.agent.transfer.errors import AuthError, FrameError
+from kvfleet.agent.transfer.frames import FrameType, Header, decode_body, decode_header
 
 _LABEL = b"kvfleet-transfer-v1"
 NONCE_BYTES = 32
+MAX_AUTH_BYTES = 4096
 
 
 def new_nonce() -> bytes:
@@ -43,6 +50,35 @@ def check_nonce(nonce: object) -> bytes:
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
         raise AuthError("malformed nonce")
     return nonce
+
+
+def check_auth_header(buf: bytes | bytearray | memoryview) -> Header:
+    """Decode the header of the frame a server expects right after its HELLO.
+
+    Raises :class:`FrameError` unless it is a well-formed ``AUTH`` header whose
+    body is at most :data:`MAX_AUTH_BYTES`.
+    """
+    h = decode_header(buf, MAX_AUTH_BYTES, max_control=MAX_AUTH_BYTES)
+    if h.type != FrameType.AUTH:
+        raise FrameError(f"expected AUTH, got {h.type.name}")
+    return h
+
+
+def check_auth(secret: bytes, nonce_s: bytes, header: Header, payload: bytes, offered: tuple[str, ...]) -> tuple[bytes, str]:
+    """Verify a client's ``AUTH`` body; returns its nonce and the backend it chose.
+
+    :class:`AuthError` for a bad nonce or MAC, :class:`FrameError` for a
+    malformed body or a backend that was not offered.
+    """
+    body: Any = decode_body(header, payload)
+    if not isinstance(body, dict):
+        raise FrameError("AUTH body must be a map")
+    nonce_c = check_nonce(body.get("nonce"))
+    verify(secret, b"c", nonce_s, nonce_c, body.get("mac"))
+    backend = body.get("backend")
+    if backend not in offered:
+        raise FrameError(f"peer chose backend {backend!r} not offered")
+    return nonce_c, str(backend)
 
 
 def load_secret(path: str = "", env: str = "KVFLEET_TRANSFER_SECRET") -> bytes:

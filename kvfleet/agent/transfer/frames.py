@@ -107,8 +107,12 @@ def encode_header(
     return HEADER.pack(MAGIC, VERSION, int(ftype), flags, len(hb), 0, seq, length, checksum_, hb, slot)
 
 
-def decode_header(buf: bytes | bytearray | memoryview, max_length: int) -> Header:
-    """Unpack and validate one header; anything unexpected is a :class:`FrameError`."""
+def decode_header(buf: bytes | bytearray | memoryview, max_length: int, max_control: int = MAX_CONTROL_BYTES) -> Header:
+    """Unpack and validate one header; anything unexpected is a :class:`FrameError`.
+
+    ``max_length`` bounds a ``BLOCK`` payload, ``max_control`` every other body
+    (the handshake passes a few KiB for both).
+    """
     if len(buf) != HEADER_SIZE:
         raise FrameError(f"short header: {len(buf)} bytes")
     magic, version, ftype, flags, hlen, _r, seq, length, csum, hb, slot = HEADER.unpack(buf)
@@ -121,7 +125,7 @@ def decode_header(buf: bytes | bytearray | memoryview, max_length: int) -> Heade
     if hlen > 32:
         raise FrameError(f"hash length {hlen} > 32")
     t = FrameType(ftype)
-    limit = max_length if t == FrameType.BLOCK else MAX_CONTROL_BYTES
+    limit = max_length if t == FrameType.BLOCK else max_control
     if length > limit:
         raise FrameError(f"{t.name} length {length} exceeds limit {limit}")
     h: BlockHash

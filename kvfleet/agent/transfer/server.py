@@ -1,8 +1,22 @@
 """The sending side: serve registered blocks by hash to authenticated peers.
 
-One accept thread; per connection one thread that reads a control frame
-(REQUEST, CREDIT, SHM_ATTACH) and then sends queued blocks in request order
-while it holds credits. A peer that fails the HMAC challenge is
+One handshake thread accepts connections and runs every HELLO/AUTH exchange
+on a selector (non-blocking sockets, no thread per unauthenticated
+connection). It bounds what a peer without the secret can hold:
+
+* a deadline for the whole exchange (``handshake_timeout_s``), however slowly
+  its bytes arrive;
+* an ``AUTH`` frame of at most :data:`~kvfleet.agent.transfer.auth.MAX_AUTH_BYTES`,
+  judged from its header before any of its body is read;
+* ``max_connections`` open connections (over it a new one is closed at once)
+  and ``max_handshakes`` connections in the handshake (at it, the oldest is
+  closed to make room, so idle connections cannot lock out real peers).
+
+Each is counted in ``errors_total{kind}`` (``handshake_timeout``, ``frame``,
+``max_connections``, ``max_handshakes``) and logged at most every few seconds.
+Only an authenticated connection gets a thread of its own: it reads a control
+frame (REQUEST, CREDIT, SHM_ATTACH) and then sends queued blocks in request
+order while it holds credits. A peer that fails the HMAC challenge is
 rejected, logged and counted; a malformed frame closes only that connection
 and is counted; neither ever stops the server.
 """
@@ -10,10 +24,13 @@ and is counted; neither ever stops the server.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import selectors
 import socket
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from types import TracebackType
 from typing import Any
 
@@ -21,8 +38,10 @@ from kvfleet.agent.transfer import auth
 from kvfleet.agent.transfer.channel import Channel, PeerClosed
 from kvfleet.agent.transfer.errors import AuthError, FrameError, StreamError, TransferError
 from kvfleet.agent.transfer.frames import (
+    HEADER_SIZE,
     BlockHash,
     FrameType,
+    Header,
     checksum,
     decode_request,
     encode_control,
@@ -46,6 +65,95 @@ def _te_hostname(host: str) -> str:
     return host
 
 
+class _Handshake:
+    """A connection between accept and a verified AUTH, driven by the handshake loop (no thread of its own)."""
+
+    __slots__ = ("body", "deadline", "hdr", "header", "nonce_s", "out", "peer", "sock")
+
+    def __init__(self, sock: socket.socket, peer: str, deadline: float, nonce_s: bytes, hello: bytes) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.deadline = deadline
+        self.nonce_s = nonce_s
+        self.out = memoryview(hello)  # what is left of the HELLO to send
+        self.hdr = bytearray()
+        self.header: Header | None = None
+        self.body = bytearray()
+
+    def flush(self) -> None:
+        """Send what the socket takes of the HELLO (it fits an empty send buffer: normally all of it)."""
+        while self.out:
+            try:
+                n = self.sock.send(self.out)
+            except (BlockingIOError, InterruptedError):
+                return
+            self.out = self.out[n:]
+
+    def read(self) -> bool:
+        """Read what has arrived of the AUTH frame, never past its end; True once it is complete.
+
+        The header is judged before its body is read (:func:`auth.check_auth_header`),
+        so an oversized or unexpected frame costs nothing. Raises
+        :class:`PeerClosed`, :class:`FrameError` or :class:`OSError`.
+        """
+        while True:
+            if self.header is None:
+                need = HEADER_SIZE - len(self.hdr)
+            else:
+                need = self.header.length - len(self.body)
+                if need == 0:
+                    return True
+            try:
+                chunk = self.sock.recv(need)
+            except (BlockingIOError, InterruptedError):
+                return False
+            if not chunk:
+                raise PeerClosed(f"connection closed by {self.peer} during the handshake")
+            if self.header is None:
+                self.hdr += chunk
+                if len(self.hdr) == HEADER_SIZE:
+                    self.header = auth.check_auth_header(self.hdr)
+            else:
+                self.body += chunk
+
+    def close(self) -> None:
+        _close(self.sock)
+
+
+def _close(sock: socket.socket) -> None:
+    """FIN first (what the peer sent and we did not read would otherwise turn the close into a reset)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+class _RateLog:
+    """One warning per kind at most every ``every_s`` seconds, saying how many were not logged since."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def warning(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.every_s:
+            self._quiet[kind] = self._quiet.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        quiet = self._quiet.pop(kind, 0)
+        if quiet:
+            log.warning(msg + " (and %d more since the last report)", *args, quiet)
+        else:
+            log.warning(msg, *args)
+
+
+def _peer_name(addr: Any) -> str:
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
+
+
 class _Conn:
     """One accepted connection's send queue, credits and (for shm / mooncake) staging ring."""
 
@@ -58,28 +166,6 @@ class _Conn:
         self.done = False
         self.ring: ShmRing | RegisteredRing | None = None
         self.sent_blocks = 0
-
-    # -- handshake ----------------------------------------------------------
-    def handshake(self) -> None:
-        s = self.server
-        nonce_s = auth.new_nonce()
-        hello = {"nonce": nonce_s, "host": s.host_id, "backends": list(s.backends), "max_block": s.settings.max_block_bytes}
-        self.ch.send(encode_control(FrameType.HELLO, hello))
-        h, body = self.ch.recv_control()
-        if h.type != FrameType.AUTH or not isinstance(body, dict):
-            raise FrameError(f"expected AUTH, got {h.type.name}")
-        try:
-            nonce_c = auth.check_nonce(body.get("nonce"))
-            auth.verify(s.secret, b"c", nonce_s, nonce_c, body.get("mac"))
-        except AuthError:
-            with contextlib.suppress(TransferError):
-                self.ch.send(encode_control(FrameType.AUTH_FAIL))
-            raise
-        backend = body.get("backend")
-        if backend not in s.backends:
-            raise FrameError(f"peer chose backend {backend!r} not offered")
-        self.backend = str(backend)
-        self.ch.send(encode_control(FrameType.AUTH_OK, {"mac": auth.mac(s.secret, b"s", nonce_s, nonce_c)}))
 
     # -- one loop per connection: read a control frame, then send what the credits allow
     def serve_loop(self) -> None:
@@ -182,6 +268,14 @@ class TransferServer:
         self.sent_blocks = 0
         self.accepted = 0
         self._sock: socket.socket | None = None
+        self._port = 0
+        self._sel: selectors.BaseSelector | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._pending: OrderedDict[int, _Handshake] = OrderedDict()  # in accept order, i.e. deadline order
+        self._accept_paused_until = 0.0
+        self._ratelog = _RateLog()
         self._threads: list[threading.Thread] = []
         self._conns: set[_Conn] = set()
         self._lock = threading.Lock()
@@ -190,9 +284,19 @@ class TransferServer:
 
     @property
     def port(self) -> int:
-        if self._sock is None:
+        if not self._port:
             raise RuntimeError("server not started")
-        return int(self._sock.getsockname()[1])
+        return self._port
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Accepted connections that have not authenticated yet."""
+        return len(self._pending)
+
+    @property
+    def connections(self) -> int:
+        """Authenticated connections, each served by its own thread."""
+        return len(self._conns)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -213,25 +317,40 @@ class TransferServer:
         if "mooncake" in self.backends and self.mooncake is None:
             self.mooncake = MooncakeEngine(_te_hostname(self.host), self.settings.mooncake_protocol)
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self._want_port))
-        sock.listen(128)
-        sock.settimeout(0.2)
-        self._sock = sock
-        t = threading.Thread(target=self._accept_loop, name=f"kvfleet-xfer-accept-{self.port}", daemon=True)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self._want_port))
+            sock.listen(max(128, min(self.settings.max_connections, 4096)))
+            sock.setblocking(False)
+            sel = selectors.DefaultSelector()
+            wake_r, wake_w = socket.socketpair()
+        except BaseException:
+            sock.close()
+            raise
+        for w in (wake_r, wake_w):
+            w.setblocking(False)
+        sel.register(sock, selectors.EVENT_READ, None)
+        sel.register(wake_r, selectors.EVENT_READ, "wake")
+        self._sock, self._sel, self._wake_r, self._wake_w = sock, sel, wake_r, wake_w
+        self._port = int(sock.getsockname()[1])
+        t = threading.Thread(target=self._handshake_loop, name=f"kvfleet-xfer-accept-{self._port}", daemon=True)
+        self._loop_thread = t
         t.start()
-        self._threads.append(t)
 
     def stop(self) -> None:
         self._stopping.set()
+        if self._wake_w is not None:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout=5)
         with self._lock:
             conns = list(self._conns)
+            threads = list(self._threads)
         for c in conns:
             c.stop()
-        for t in self._threads:
+        for t in threads:
             t.join(timeout=5)
-        if self._sock is not None:
-            self._sock.close()
         self.mooncake = None  # the engine shuts down with its last reference
 
     async def __aenter__(self) -> TransferServer:
@@ -241,37 +360,180 @@ class TransferServer:
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
 
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stopping.is_set():
-            try:
-                sock, _addr = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.accepted += 1
-            t = threading.Thread(target=self._serve, args=(sock,), name="kvfleet-xfer-conn", daemon=True)
-            t.start()
-            with self._lock:
-                self._threads = [x for x in self._threads if x.is_alive()] + [t]
-
-    def _serve(self, sock: socket.socket) -> None:
-        ch = Channel(sock, max_block_bytes=self.settings.max_block_bytes, timeout_s=self.settings.handshake_timeout_s)
-        conn = _Conn(self, ch)
-        with self._lock:
-            self._conns.add(conn)
+    # -- the handshake loop: accept, HELLO, AUTH; one thread for every unauthenticated connection
+    def _handshake_loop(self) -> None:
+        sel = self._sel
+        assert sel is not None and self._sock is not None
         try:
+            while not self._stopping.is_set():
+                try:
+                    self._loop_once(sel)
+                except Exception as exc:  # a bug: logged, the loop goes on
+                    self.metrics.errors.labels("internal").inc()
+                    log.exception("transfer: internal error in the handshake loop: %s", exc)
+                    time.sleep(0.01)
+        finally:
+            for hs in list(self._pending.values()):
+                self._forget(hs)
+                hs.close()
+            sel.close()
+            for s in (self._sock, self._wake_r, self._wake_w):
+                if s is not None:
+                    s.close()
+
+    def _loop_once(self, sel: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        self._expire(now)
+        wait = 1.0
+        if self._pending:
+            wait = min(wait, next(iter(self._pending.values())).deadline - now)
+        if self._accept_paused_until:
+            if now >= self._accept_paused_until:
+                self._accept_paused_until = 0.0
+                assert self._sock is not None
+                sel.register(self._sock, selectors.EVENT_READ, None)
+            else:
+                wait = min(wait, self._accept_paused_until - now)
+        for key, mask in sel.select(max(wait, 0.0)):
+            if key.data is None:
+                self._accept()
+            elif key.data == "wake":
+                with contextlib.suppress(OSError):
+                    key.fileobj.recv(64)  # type: ignore[union-attr]
+            elif isinstance(key.data, _Handshake):
+                self._advance(key.data, mask)
+
+    def _accept(self) -> None:
+        """Accept what is waiting (a bounded burst, so deadlines are still enforced under a flood)."""
+        assert self._sock is not None and self._sel is not None
+        for _ in range(64):
             try:
-                conn.handshake()
-            except AuthError as exc:
-                self.metrics.auth_rejections.inc()
-                self.metrics.errors.labels(exc.kind).inc()
-                log.warning("transfer: rejected peer %s: %s", ch.peer, exc)
+                sock, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
                 return
-            # idle pooled connections may wait for the next REQUEST forever; a receiver
-            # that stops draining blocks it holds credits for is cut off
-            ch.settimeout(None, self.settings.stall_timeout_s)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # out of descriptors or memory: pause accepting instead of spinning on a ready socket
+                    self._ratelog.warning("accept", "transfer: cannot accept connections: %s", exc)
+                    self._sel.unregister(self._sock)
+                    self._accept_paused_until = time.monotonic() + 0.1
+                    return
+                continue  # e.g. ECONNABORTED: that connection only
+            self.accepted += 1
+            self._admit(sock, _peer_name(addr))
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        assert self._sel is not None
+        st = self.settings
+        with self._lock:
+            authenticated = len(self._conns)
+        if authenticated + len(self._pending) >= st.max_connections:
+            self._refuse(sock, peer, "max_connections", f"{st.max_connections} connections open")
+            return
+        if len(self._pending) >= st.max_handshakes:
+            _, oldest = self._pending.popitem(last=False)
+            self._sel.unregister(oldest.sock)
+            self._refuse(oldest.sock, oldest.peer, "max_handshakes", f"{st.max_handshakes} handshakes pending; the oldest makes room")
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            nonce_s = auth.new_nonce()
+            hello = {"nonce": nonce_s, "host": self.host_id, "backends": list(self.backends), "max_block": st.max_block_bytes}
+            hs = _Handshake(sock, peer, time.monotonic() + st.handshake_timeout_s, nonce_s, encode_control(FrameType.HELLO, hello))
+            hs.flush()
+            self._sel.register(sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if hs.out else 0), hs)
+        except OSError:
+            _close(sock)
+            return
+        self._pending[id(hs)] = hs
+
+    def _refuse(self, sock: socket.socket, peer: str, kind: str, why: str) -> None:
+        _close(sock)
+        self.metrics.errors.labels(kind).inc()
+        self._ratelog.warning(kind, "transfer: closed connection from %s: %s", peer, why)
+
+    def _forget(self, hs: _Handshake) -> None:
+        if self._pending.pop(id(hs), None) is not None and self._sel is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(hs.sock)
+
+    def _expire(self, now: float) -> None:
+        while self._pending:
+            hs = next(iter(self._pending.values()))
+            if hs.deadline > now:
+                return
+            self._forget(hs)
+            hs.close()
+            self.metrics.errors.labels("handshake_timeout").inc()
+            self._ratelog.warning(
+                "handshake_timeout", "transfer: closed connection from %s: no authentication within %.1f s", hs.peer,
+                self.settings.handshake_timeout_s,
+            )
+
+    def _advance(self, hs: _Handshake, mask: int) -> None:
+        try:
+            if mask & selectors.EVENT_WRITE:
+                hs.flush()
+                if not hs.out and self._sel is not None:
+                    self._sel.modify(hs.sock, selectors.EVENT_READ, hs)
+            if mask & selectors.EVENT_READ and hs.read():
+                self._forget(hs)
+                self._authenticated(hs)
+        except PeerClosed:
+            self._forget(hs)
+            hs.close()
+        except TransferError as exc:  # a malformed, oversized or unexpected frame
+            self._forget(hs)
+            hs.close()
+            self.metrics.errors.labels(exc.kind).inc()
+            self._ratelog.warning(exc.kind, "transfer: closing connection from %s: %s", hs.peer, exc)
+        except OSError as exc:
+            self._forget(hs)
+            hs.close()
+            self.metrics.errors.labels("stream").inc()
+            self._ratelog.warning("stream", "transfer: connection from %s failed during the handshake: %s", hs.peer, exc)
+
+    def _authenticated(self, hs: _Handshake) -> None:
+        """Check the AUTH frame read in full; hand the connection to a thread of its own, or refuse it."""
+        assert hs.header is not None
+        try:
+            nonce_c, backend = auth.check_auth(self.secret, hs.nonce_s, hs.header, bytes(hs.body), self.backends)
+        except AuthError as exc:
+            self.metrics.auth_rejections.inc()
+            self.metrics.errors.labels(exc.kind).inc()
+            self._ratelog.warning("auth", "transfer: rejected peer %s: %s", hs.peer, exc)
+            with contextlib.suppress(OSError):
+                hs.sock.send(encode_control(FrameType.AUTH_FAIL))
+            hs.close()
+            return
+        ok = encode_control(FrameType.AUTH_OK, {"mac": auth.mac(self.secret, b"s", hs.nonce_s, nonce_c)})
+        # idle pooled connections may wait for the next REQUEST forever; a receiver
+        # that stops draining blocks it holds credits for is cut off
+        ch = Channel(hs.sock, max_block_bytes=self.settings.max_block_bytes, timeout_s=None)
+        ch.settimeout(None, self.settings.stall_timeout_s)
+        conn = _Conn(self, ch)
+        conn.backend = backend
+        t = threading.Thread(target=self._serve, args=(conn, ok), name="kvfleet-xfer-conn", daemon=True)
+        with self._lock:
+            if self._stopping.is_set():
+                ch.close()
+                return
+            self._conns.add(conn)
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        try:
+            t.start()
+        except RuntimeError as exc:  # no thread to be had: that connection only
+            with self._lock:
+                self._conns.discard(conn)
+            ch.close()
+            self.metrics.errors.labels("internal").inc()
+            self._ratelog.warning("internal", "transfer: cannot serve %s: %s", hs.peer, exc)
+
+    # -- one thread per authenticated connection
+    def _serve(self, conn: _Conn, auth_ok: bytes) -> None:
+        ch = conn.ch
+        try:
+            ch.send(auth_ok)
             conn.serve_loop()
         except PeerClosed:
             pass

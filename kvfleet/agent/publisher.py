@@ -6,8 +6,12 @@
   peer sends ``[b"", start_seq]``; the publisher answers every buffered batch
   with ``seq >= start_seq`` as ``[b"", seq, payload]`` (no topic frame, as vLLM)
   and ends with ``[b"", -1 (8-byte signed big-endian), b""]``. The last
-  ``buffer_steps`` batches are kept (vLLM's ``buffer_steps``); the ROUTER never
-  drops part of an answer (no send high-water mark: an answer is bounded by the buffer).
+  ``buffer_steps`` batches are kept (vLLM's ``buffer_steps``), and no more than
+  ``buffer_bytes`` of them (oldest dropped first), so a flood of distinct prompts
+  cannot grow the engine without bound; the ROUTER never drops part of an answer
+  (no send high-water mark: an answer is bounded by the buffer). The PUB socket
+  queues at most ``SNDHWM`` batches per slow subscriber (ZMQ then drops, and the
+  subscriber sees a gap and replays).
 
 Sending runs on one thread that owns both sockets (ZMQ sockets are not
 thread-safe), fed by a queue: the engine's step loop only encodes and enqueues.
@@ -45,17 +49,22 @@ class ZmqPublisher:
         replay_endpoint: str | None = None,
         topic: str = "",
         buffer_steps: int = 10000,
+        buffer_bytes: int = 32 << 20,
+        sndhwm: int = 1000,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._queue: queue.Queue[bytes | object | None] = queue.Queue()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(1, buffer_steps))
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffer_steps = max(1, buffer_steps)
+        self._buffer_cap = max(1, buffer_bytes)
+        self.buffer_bytes = 0
         self._seq = 0
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, 100000)
+        self._pub.setsockopt(zmq.SNDHWM, max(1, sndhwm))
         self._router: zmq.Socket[bytes] | None = None
         try:
             self._pub.bind(endpoint)
@@ -113,11 +122,15 @@ class ZmqPublisher:
                 return
             if payload is _FORGET:
                 self._buffer.clear()
+                self.buffer_bytes = 0
                 continue
             assert isinstance(payload, bytes)
             seq = self._seq
             self._seq += 1
             self._buffer.append((seq, payload))
+            self.buffer_bytes += len(payload)
+            while len(self._buffer) > 1 and (len(self._buffer) > self._buffer_steps or self.buffer_bytes > self._buffer_cap):
+                self.buffer_bytes -= len(self._buffer.popleft()[1])
             try:
                 self._pub.send_multipart(kvwire.live_frames(self.topic, seq, payload), copy=False)
                 self.published += 1

@@ -140,6 +140,9 @@ class EngineSettings:
     needs the pool's transfer secret (``transfer.secret_file`` or
     ``KVFLEET_TRANSFER_SECRET``): it signs the engines' requests to each other
     and authenticates the KV transfer.
+
+    ``replay_buffer_steps`` / ``replay_buffer_bytes``: the KV-event replay buffer
+    keeps at most that many batches and that many bytes of them (oldest first out).
     """
 
     model: str = "llama-3-8b"
@@ -161,6 +164,7 @@ class EngineSettings:
     max_output_tokens: int = 4096
     sim_kv_values_per_token: int = 8
     replay_buffer_steps: int = 10000
+    replay_buffer_bytes: int = 32 * 1024 * 1024
     prefill_peers: tuple[str, ...] = ()
     tiers: EngineTierSettings = field(default_factory=EngineTierSettings)
 
@@ -175,6 +179,8 @@ class EngineSettings:
             raise ValueError("decode times must be >= 0 and max_model_len > 0")
         if self.sim_kv_values_per_token <= 0:
             raise ValueError("sim_kv_values_per_token must be > 0")
+        if self.replay_buffer_steps <= 0 or self.replay_buffer_bytes <= 0:
+            raise ValueError("replay_buffer_steps and replay_buffer_bytes must be > 0")
         for peer in self.prefill_peers:
             try:
                 parse_host_port(peer)

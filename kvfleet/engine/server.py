@@ -229,6 +229,7 @@ class EngineServer:
             f"tcp://{host}:{self.es.kv_events_replay_port}" if self.es.kv_events_replay_port else None,
             topic=self.es.kv_events_topic,
             buffer_steps=self.es.replay_buffer_steps,
+            buffer_bytes=self.es.replay_buffer_bytes,
         )
         self.kv.announce()
         self.flush_events()

@@ -108,3 +108,33 @@ def test_subscriber_follows_kvfleet_publisher_through_a_restart() -> None:
     finally:
         sub.stop()
         pub.close()
+
+
+def test_replay_buffer_is_bounded_in_bytes() -> None:
+    """A flood of large batches keeps at most ``buffer_bytes`` of them: a replay from 0 answers only the
+    newest ones (the subscriber sees the hole and resyncs), and the buffer never grows past the cap."""
+    ports = free_port(), free_port()
+    pub = ZmqPublisher(f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", buffer_bytes=64 << 10)
+    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    big = [KVEventBatch(ts=0.0, events=[stored([key(i)], None, [i] * 4096, 4096, "GPU")]) for i in range(200)]
+    try:
+        peak = 0
+        for b in big:
+            pub.publish(b)
+            peak = max(peak, pub.buffer_bytes)
+        wait_for(lambda: pub.next_seq == 200, what="published")
+        assert 0 < pub.buffer_bytes <= 64 << 10 and peak <= (64 << 10) + 40_000
+        dealer.connect(f"tcp://127.0.0.1:{ports[1]}")
+        dealer.send_multipart(kvwire.replay_request(0))
+        got = []
+        while True:
+            assert dealer.poll(5000)
+            seq, _ = kvwire.parse_replay_answer(dealer.recv_multipart())
+            if seq == kvwire.END:
+                break
+            got.append(seq)
+        assert got and got[-1] == 199 and got[0] > 150 and got == list(range(got[0], 200))
+    finally:
+        dealer.close(0)
+        pub.close()

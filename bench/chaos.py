@@ -15,8 +15,9 @@ Faults, in this order (times after warm-up, ``--quick`` halves the gaps):
 
 Warm-up: steady load, then as many distinct 4k-token prompts as the flood, so every cache is full before
 the baseline RSS is taken. Measured: ``lost_requests`` (failed requests other than those in flight on a
-killed process at its kill; ``lost_to_dead_engine`` counts those of them the gateway sent to the killed
-engine within 1 s, before anything could know it was gone), ``failed_requests`` (all of them), ``index_freezes`` (a replica's KV-event batch counter for the live pods
+killed process at its kill — for a killed EPP replica, a stream opened on it in the 0.1 s before Envoy
+could see it gone counts as in flight; ``lost_to_dead_engine`` counts the lost requests the gateway sent to
+the killed engine within 1 s, before anything could know it was gone), ``failed_requests`` (all of them), ``index_freezes`` (a replica's KV-event batch counter for the live pods
 standing still for ≥ 3 s while requests complete), ``epp_rss_growth`` and ``engine_rss_growth`` (the largest
 RSS growth of any replica / engine from the end of warm-up to the end, as a fraction), ``resyncs`` (KV-event
 resyncs over both replicas), ``ttft_p99_ms``, ``ttft_p50_ms``.
@@ -354,7 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     # Lost: failed, and not in flight on a killed process at its kill. Of those, the ones the gateway sent to
     # the killed engine before anything could know it was gone are counted apart (to_dead_engine).
     failed = [r for r in run.records if not r.ok]
-    lost_list = [r for r in failed if not any(r.start <= t < r.end for _, t in run.kills)]
+
+    def on_killed(r: Record) -> bool:
+        """In flight on a killed process: under way at its kill; for a killed EPP replica also a stream opened
+        on it in the 0.1 s before Envoy could see it gone (its health check and outlier ejection)."""
+        return any(r.start <= t + (0.1 if name.startswith("epp") else 0.0) and r.end > t for name, t in run.kills)
+
+    lost_list = [r for r in failed if not on_killed(r)]
     engine_kills = [t for name, t in run.kills if not name.startswith("epp")]
     to_dead = [r for r in lost_list if "upstream_unavailable" in r.error and any(t <= r.start < t + 1.0 for t in engine_kills)]
     lost = len(lost_list)

@@ -122,6 +122,7 @@ class Demo:
         self.gateway_port = args.port or free_port()
         self.epp_ports = (free_port(), free_port(), free_port())
         self.secret = stack.transfer_secret
+        self.admin_port = 0
 
     def log(self, msg: str) -> None:
         if not self.args.quiet:
@@ -149,7 +150,7 @@ class Demo:
     def start_envoy(self) -> None:
         from kvfleet.epp.envoy import write_bootstrap
 
-        admin = free_port()
+        admin = self.admin_port = free_port()
         path = write_bootstrap(
             self.cfg_dir / "envoy.yaml", listen_port=self.gateway_port, epp_port=self.epp_ports[0], admin_port=admin
         )
@@ -176,6 +177,10 @@ class Demo:
         child = self.stack.spawn_kvfleet(f"epp-{policy}", ["epp", "--config", str(path), "--log-level", "WARNING"])
         self.stack.wait_tcp(child, grpc_port, timeout_s=60)
         self.stack.wait_http(child, f"http://127.0.0.1:{metrics_port}/metrics", timeout_s=60)
+        from kvfleet.epp.envoy import picker_healthy
+
+        if not picker_healthy(self.admin_port, timeout_s=30):  # Envoy's health checks see it ready (synced)
+            raise StackError(f"Envoy never saw the EPP healthy:\n{child.log_tail()}")
         time.sleep(1.0)  # let the subscriber connect and the first metrics scrape land
         return child
 

@@ -302,9 +302,11 @@ def bootstrap(
         # Replicas are health-checked on GIE's ext_proc health service and ejected on local connect failures,
         # so a dead replica stops getting streams within about a second.
         interval = f"{epp_health_interval_s}s"
+        # A busy picker may answer a check late: three misses (or a NOT_SERVING answer three times) take it out;
+        # a dead one is ejected at its first refused connection by the outlier detection below.
         epp["health_checks"] = [{
-            "timeout": "0.5s", "interval": interval, "no_traffic_interval": interval,
-            "unhealthy_threshold": 1, "healthy_threshold": 1,
+            "timeout": "1s", "interval": interval, "no_traffic_interval": interval,
+            "unhealthy_threshold": 3, "healthy_threshold": 1,
             "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
         }]
         epp["outlier_detection"] = {"split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
@@ -370,6 +372,22 @@ def write_bootstrap(path: str | Path, **kwargs: Any) -> Path:
     p = Path(path)
     p.write_text(yaml.safe_dump(bootstrap(**kwargs), sort_keys=False))
     return p
+
+
+def picker_healthy(admin_port: int, timeout_s: float = 10.0, cluster: str = "kvfleet-epp") -> bool:
+    """Wait until Envoy's admin API shows a healthy host in the picker's cluster (its health checks passed);
+    ``False`` on timeout. A freshly (re)started picker gets no streams before that."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/clusters", timeout=1.0) as r:
+                lines = r.read().decode(errors="replace").splitlines()
+            if any(ln.startswith(f"{cluster}::") and ln.endswith("::health_flags::healthy") for ln in lines):
+                return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return False
 
 
 def envoy_binary() -> str:

@@ -92,7 +92,11 @@ CHART_VALUES: dict[str, Any] = {
         # each matching header X-Gateway-Base-Model-Name (set by GIE body-based routing).
         "routes": [],
     },
-    "transfer": {"secret": {"create": True, "value": ""}},
+    # The transfer engine's shared key. existingSecret: a Secret you manage (GitOps); value: this key;
+    # neither: random, generated once and kept (reused on upgrade, left on uninstall).
+    "transfer": {"secret": {"create": True, "value": "", "existingSecret": ""}},
+    # maxUnavailable per Deployment (EPP, operator, gateway) on voluntary evictions.
+    "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
     "grafana": {"dashboard": {"enabled": True, "labels": {"grafana_dashboard": "1"}}},
     "serviceMonitor": {"enabled": False, "interval": "15s", "labels": {}},
     "samplePool": {"enabled": False, "name": "sample", "spec": {}},

@@ -66,6 +66,13 @@ ANN_ROUTING = "kvfleet.io/routing"
 AGENT_CONTAINER = "kvfleet-agent"
 ENGINE_CONTAINER = "engine"
 
+#: Pod Security "restricted" for every engine pod: non-root (the kvfleet image's uid 10001, also for
+#: vLLM and SGLang images), the runtime's default seccomp profile, volumes group-owned by 10001.
+POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                                "seccompProfile": {"type": "RuntimeDefault"}}
+#: ... and for each container: no privilege escalation, no capabilities.
+CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
 #: engine role name in kvfleet Settings (``engine.role``) per KVCachePool role.
 ENGINE_ROLE = {"unified": "both", "prefill": "prefill", "decode": "decode"}
 
@@ -324,13 +331,15 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
     # Each role reads its own settings file from the shard's ConfigMap as /etc/kvfleet/config.yaml.
     config_mounts[0] = {"name": "config", "mountPath": CONFIG_PATH, "subPath": f"{role}.yaml", "readOnly": True}
     pool_mount = {"name": "config", "mountPath": "/etc/kvfleet/pool.yaml", "subPath": "pool.yaml", "readOnly": True}
+    # Non-root (POD_SECURITY): vLLM and SGLang images keep caches under $HOME, which uid 10001 has none of.
+    home = [{"name": "HOME", "value": "/tmp"}] if spec.engine.kind != "sim" else []
     engine_container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": engine.image,
         "imagePullPolicy": op.image_pull_policy,
         "command": list(engine.command),
         "args": list(engine.args),
-        "env": [*env, *(dict(e) for e in engine.env), *(dict(e) for e in spec.engine.env)],
+        "env": [*env, *home, *(dict(e) for e in engine.env), *(dict(e) for e in spec.engine.env)],
         "ports": [
             {"name": "http", "containerPort": op.engine_port, "protocol": "TCP"},
             {"name": "kv-events", "containerPort": op.kv_events_port, "protocol": "TCP"},
@@ -339,6 +348,7 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
         "resources": _resources(spec, replicas.resources),
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 30},
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
     }
     agent: dict[str, Any] = {
         "name": AGENT_CONTAINER,
@@ -355,6 +365,7 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
         "readinessProbe": {"tcpSocket": {"port": "transfer"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/metrics", "port": "agent-metrics"}, "periodSeconds": 10, "failureThreshold": 6},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
     }
     return {
         "apiVersion": "apps/v1",
@@ -379,7 +390,7 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
                 "spec": {
                     "containers": [engine_container, agent],
                     "volumes": volumes,
-                    "securityContext": {"fsGroup": 10001},
+                    "securityContext": copy.deepcopy(POD_SECURITY),
                     "terminationGracePeriodSeconds": 30,
                 },
             },

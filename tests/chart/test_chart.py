@@ -136,7 +136,9 @@ def test_rbac_is_least_privilege(helm: str) -> None:
     """No wildcards; Secrets: the operator may only get them (to report a missing one), the EPP not at all;
     the EPP only reads."""
     objs = _template(helm)
-    roles = {r["metadata"]["name"]: r["rules"] for r in _by(objs, "ClusterRole")}
+    roles: dict[str, list[dict[str, Any]]] = {}
+    for r in _by(objs, "ClusterRole") + _by(objs, "Role"):
+        roles.setdefault(r["metadata"]["name"], []).extend(r["rules"])
     for name, rules in roles.items():
         for rule in rules:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"]

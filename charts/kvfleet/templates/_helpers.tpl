@@ -26,7 +26,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "kvfleet.eppName" -}}{{ include "kvfleet.fullname" . }}-epp{{- end -}}
 {{- define "kvfleet.registryName" -}}{{ include "kvfleet.fullname" . }}-epp-pools{{- end -}}
-{{- define "kvfleet.transferSecret" -}}{{ include "kvfleet.fullname" . }}-transfer{{- end -}}
+{{/* The transfer Secret every pod reads: transfer.secret.existingSecret when given (the chart then renders none), else the chart's. */}}
+{{- define "kvfleet.transferSecret" -}}{{ .Values.transfer.secret.existingSecret | default (printf "%s-transfer" (include "kvfleet.fullname" .)) }}{{- end -}}
 
 {{/* The kvfleet config.yaml: values.config with the release's object names written in. */}}
 {{- define "kvfleet.config" -}}
@@ -46,6 +47,33 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $cfg.epp "service_name" (include "kvfleet.eppName" .) -}}
 {{- end -}}
 {{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* Pod level, Pod Security "restricted": non-root, the runtime's default seccomp profile. */}}
+{{- define "kvfleet.podSecurityContext" -}}
+runAsNonRoot: true
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* PodDisruptionBudget spec: at most podDisruptionBudget.maxUnavailable of a Deployment's pods evicted at once. */}}
+{{- define "kvfleet.pdb" -}}
+{{- $ := index . 0 -}}
+{{- $component := index . 1 -}}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ index . 2 }}
+  namespace: {{ $.Release.Namespace }}
+  labels:
+    {{- include "kvfleet.labels" $ | nindent 4 }}
+    app.kubernetes.io/component: {{ $component }}
+spec:
+  maxUnavailable: {{ $.Values.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "kvfleet.selector" $ | nindent 6 }}
+      app.kubernetes.io/component: {{ $component }}
 {{- end -}}
 
 {{- define "kvfleet.securityContext" -}}

@@ -33,8 +33,10 @@ EnvoyF = Callable[..., EnvoyProcess]
 
 
 class Replica:
-    def __init__(self, tmp: Path, index: int, pods: Path) -> None:
-        self.grpc, self.health, self.metrics = free_port(), free_port(), free_port()
+    """One ``kvfleet epp`` process; ``ports`` (grpc, health, metrics) restarts a picker on its old ports."""
+
+    def __init__(self, tmp: Path, index: int, pods: Path, ports: tuple[int, int, int] | None = None) -> None:
+        self.grpc, self.health, self.metrics = ports or (free_port(), free_port(), free_port())
         cfg = tmp / f"epp-{index}.yaml"
         cfg.write_text(yaml.safe_dump({"epp": {"host": "127.0.0.1", "scrape_interval_s": 0.2}}))
         self.log = open(tmp / f"epp-{index}.log", "wb")  # noqa: SIM115  (closed in stop)
@@ -143,7 +145,7 @@ def test_restart_of_a_single_replica_under_fail_open_loses_nothing(
             replica.proc.wait(5)
             replica.log.close()
             time.sleep(1.0)
-            replica = _restart(replica, tmp_path, pods)
+            replica = Replica(tmp_path, 1, pods, (replica.grpc, replica.health, replica.metrics))
             time.sleep(1.5)
             stop.set()
         failed = [(t0, t1) for t0, t1, s in results if s != 200]
@@ -160,18 +162,3 @@ def test_restart_of_a_single_replica_under_fail_open_loses_nothing(
     finally:
         replica.stop()
 
-
-def _restart(old: Replica, tmp: Path, pods: Path) -> Replica:
-    """The same picker process again, on the same ports."""
-    new = Replica.__new__(Replica)
-    new.grpc, new.health, new.metrics = old.grpc, old.health, old.metrics
-    cfg = tmp / "epp-restart.yaml"
-    cfg.write_text(yaml.safe_dump({"epp": {"host": "127.0.0.1", "scrape_interval_s": 0.2}}))
-    new.log = open(tmp / "epp-restart.log", "wb")  # noqa: SIM115  (closed in stop)
-    new.proc = subprocess.Popen(
-        [sys.executable, "-m", "kvfleet", "epp", "--config", str(cfg), "--pods", str(pods), "--grpc-port", str(new.grpc),
-         "--health-port", str(new.health), "--metrics-port", str(new.metrics), "--log-level", "WARNING"],
-        stdout=new.log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    wait_for(lambda: health_check(f"127.0.0.1:{new.health}", 0.3), timeout=30, what="the restarted picker ready")
-    return new

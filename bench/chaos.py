@@ -53,10 +53,10 @@ from kvfleet.demo.stack import (
     PodSpec,
     ProcessStack,
     engine_env,
+    engine_settings,
     free_port,
     plan_pods,
     pods_file,
-    prefill_peers,
     write_yaml,
 )
 from kvfleet.epp.envoy import envoy_binary, write_bootstrap
@@ -134,10 +134,8 @@ class Stack:
         tmp.replace(self.pods_path)
 
     def start_engine(self, p: PodSpec) -> Child:
-        cfg = {"engine": {"model": MODEL, "host": "127.0.0.1", "port": p.port, "kv_events_port": p.events_port,
-                          "kv_events_replay_port": p.replay_port, "pod_name": p.name, "pool": p.pool, "role": p.role,
-                          "time_factor": 0.1, "num_gpu_blocks": self.gpu_blocks, "tiers": {"cpu_blocks": self.gpu_blocks},
-                          "prefill_peers": prefill_peers(self.pods, p)}}
+        cfg = {"engine": engine_settings(self.pods, p, MODEL, time_factor=0.1, num_gpu_blocks=self.gpu_blocks,
+                                         tiers={"cpu_blocks": self.gpu_blocks})}
         path = write_yaml(self.stack.workdir / f"{p.name}.yaml", cfg)
         child = self.stack.spawn_kvfleet(p.name, ["engine", "--config", str(path), "--log-level", "WARNING"],
                                          engine_env(self.stack.transfer_secret))

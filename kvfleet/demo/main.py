@@ -36,10 +36,10 @@ from kvfleet.demo.stack import (
     StackError,
     check_port_free,
     engine_env,
+    engine_settings,
     free_port,
     plan_pods,
     pods_file,
-    prefill_peers,
     reset_engine,
     write_yaml,
 )
@@ -133,12 +133,8 @@ class Demo:
         children = []
         for p in self.pods:
             cfg = {
-                "engine": {
-                    "model": MODEL, "host": "127.0.0.1", "port": p.port, "kv_events_port": p.events_port,
-                    "kv_events_replay_port": p.replay_port, "pod_name": p.name, "pool": p.pool, "role": p.role,
-                    "time_factor": self.args.time_factor, "num_gpu_blocks": self.args.gpu_blocks,
-                    "tiers": {"cpu_blocks": self.args.cpu_blocks}, "prefill_peers": prefill_peers(self.pods, p),
-                },
+                "engine": engine_settings(self.pods, p, MODEL, time_factor=self.args.time_factor,
+                                          num_gpu_blocks=self.args.gpu_blocks, tiers={"cpu_blocks": self.args.cpu_blocks}),
                 "tiers": {"model": H100},
             }
             path = write_yaml(self.cfg_dir / f"{p.name}.yaml", cfg)

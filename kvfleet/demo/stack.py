@@ -243,6 +243,16 @@ def prefill_peers(pods: Sequence[PodSpec], pod: PodSpec) -> list[str]:
     return [q.endpoint for q in pods if q.pool == pod.pool and q.role == "prefill"]
 
 
+def engine_settings(pods: Sequence[PodSpec], pod: PodSpec, model: str, **extra: Any) -> dict[str, Any]:
+    """The ``engine:`` settings of one planned pod: model, loopback ports, name, shard, role, prefill peers
+    (``extra`` adds or overrides fields: time factor, block counts, tiers)."""
+    return {
+        "model": model, "host": "127.0.0.1", "port": pod.port, "kv_events_port": pod.events_port,
+        "kv_events_replay_port": pod.replay_port, "pod_name": pod.name, "pool": pod.pool, "role": pod.role,
+        "prefill_peers": prefill_peers(pods, pod), **extra,
+    }
+
+
 def engine_env(secret: str) -> dict[str, str]:
     """The environment that gives an engine the stack's transfer secret."""
     return {"KVFLEET_TRANSFER_SECRET": secret}

@@ -27,10 +27,10 @@ from kvfleet.demo.stack import (
     PodSpec,
     ProcessStack,
     engine_env,
+    engine_settings,
     free_port,
     plan_pods,
     pods_file,
-    prefill_peers,
     write_yaml,
 )
 
@@ -89,13 +89,7 @@ class Fleet:
         return next(p for p in self.pods if p.name == name)
 
     def start_engine(self, p: PodSpec, **extra: Any) -> Child:
-        cfg = {
-            "engine": {
-                "model": MODEL, "host": "127.0.0.1", "port": p.port, "kv_events_port": p.events_port,
-                "kv_events_replay_port": p.replay_port, "pod_name": p.name, "pool": p.pool, "role": p.role,
-                "time_factor": 0.01, "num_gpu_blocks": 2048, "prefill_peers": prefill_peers(self.pods, p), **extra,
-            }
-        }
+        cfg = {"engine": engine_settings(self.pods, p, MODEL, **{"time_factor": 0.01, "num_gpu_blocks": 2048, **extra})}
         path = write_yaml(self.workdir / f"{p.name}.yaml", cfg)
         child = self.stack.spawn_kvfleet(p.name, ["engine", "--config", str(path)], engine_env(self.secret))
         self.stack.wait_http(child, f"http://127.0.0.1:{p.port}/health", timeout_s=60)

@@ -33,10 +33,19 @@ typecheck: $(STAMP) ## mypy over package, benchmarks and tests: strict for the c
 layers: $(STAMP) ## import-linter: layers only import downwards; the core imports nothing above it.
 	$(VENV)/bin/lint-imports
 
-unit: $(STAMP) ## pytest: every test (unit, property-based, real Envoy/Redis/kmock, e2e on loopback).
-	$(PY) -m pytest $(PYTEST_ARGS)
+unit: $(STAMP) ## pytest: every test but the real-API-server ones (unit, property-based, real Envoy/Redis/kmock, e2e on loopback).
+	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
 
-test: lint typecheck layers unit ## The test command: venv, ruff, mypy, import layers, pytest.
+cluster: $(STAMP) ## Build the test control plane: etcd, kube-apiserver, kube-controller-manager from Go modules (cached in ~/.cache/kvfleet).
+	$(PY) -m e2e.controlplane build
+
+cluster-up: cluster tools ## Run that control plane on 127.0.0.1 in the foreground (prints its KUBECONFIG; Ctrl-C stops it).
+	$(PY) -m e2e.controlplane up
+
+test-cluster: cluster tools ## pytest -m cluster: helm, CRDs, RBAC and Pod Security against the real API server (fails if it cannot run).
+	KVFLEET_REQUIRE_CLUSTER=1 $(PY) -m pytest -m cluster $(PYTEST_ARGS)
+
+test: lint typecheck layers unit test-cluster ## The test command: venv, ruff, mypy, import layers, pytest, the real-API-server tests.
 
 demo: $(STAMP) ## The one-machine stack: Envoy + EPP + engines on loopback replay a trace; report in demo-report/.
 	$(VENV)/bin/kvfleet demo $(DEMO_ARGS)

@@ -2,7 +2,8 @@
 
 kmock stores and watches objects and merges patches; it does not assign uid,
 resourceVersion, generation or creationTimestamp, run admission, garbage-collect
-owned objects, or filter by label selector. :class:`Emulator` fills the metadata
+owned objects, or filter by label selector; server-side apply is approximated (an absent
+object is created, a present one merged). :class:`Emulator` fills the metadata
 (generation bumps when a patch touches ``spec``, as the API server does), so
 owner references, watches from a resourceVersion and kopf's change detection
 work; tests never depend on GC or selectors. Used by the operator and the EPP's
@@ -19,10 +20,30 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import kmock
 import pytest
 import yaml
 from kmock._internal import enums
+
+#: The resources the operator reads and writes (kmock serves only what it is told).
+OPERATOR_RESOURCES: dict[str, kmock.ResourceInfo] = {
+    "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"get", "list", "watch", "create"}),
+    "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True, verbs={"get", "list", "create", "delete"}),
+    "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True, verbs={"get", "list", "create", "patch"}),
+    "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"}),
+    "kvfleet.io/v1alpha1/kvcachepools": kmock.ResourceInfo(
+        kind="KVCachePool", singular="kvcachepool", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"},
+    ),
+    "inference.networking.k8s.io/v1/inferencepools": kmock.ResourceInfo(
+        kind="InferencePool", singular="inferencepool", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"},
+    ),
+}
 
 
 class Emulator(kmock.KubernetesEmulator):
@@ -32,6 +53,13 @@ class Emulator(kmock.KubernetesEmulator):
     api_url = ""
 
     async def _handle(self, request: kmock.Request) -> Any:
+        if (request.action == enums.action.UPDATE and "apply-patch" in request.headers.get("Content-Type", "")
+                and request.name is not None and request.resource is not None):
+            # server-side apply of an absent object creates it; of a present one it merges (one field
+            # manager's approximation: fields the apply drops are not removed, as the real server does)
+            key = (request.resource, request.namespace, request.name)
+            if key not in self.objects or self.objects[key].deleted:
+                request = attrs.evolve(request, action=enums.action.CREATE)
         if request.resource is not None and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             if request.action == enums.action.CREATE:

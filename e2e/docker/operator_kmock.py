@@ -27,9 +27,10 @@ import kopf
 import yaml
 
 from kvfleet.operator.kube import ApiClient
+from tests.kmockapi import OPERATOR_RESOURCES as RESOURCES
 from tests.kmockapi import Emulator
 from tests.operator import samples
-from tests.operator.conftest import RESOURCES, eventually
+from tests.operator.runtime import eventually
 
 NS = "default"
 

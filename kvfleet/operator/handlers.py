@@ -33,12 +33,13 @@ import yaml
 
 from kvfleet.config import Settings
 from kvfleet.operator import registry as poolreg
-from kvfleet.operator.apply import ForeignOwnerError, apply
+from kvfleet.operator.apply import ForeignOwnerError, apply, controller_uid
 from kvfleet.operator.kube import ApiClient, NotFound, Rejected, Transient
 from kvfleet.operator.manifests import (
     GROUP,
     IP_GROUP,
     IP_VERSION,
+    LABEL_POOL,
     PLURAL,
     VERSION,
     inferencepool_name,
@@ -47,8 +48,6 @@ from kvfleet.operator.manifests import (
 )
 from kvfleet.operator.spec import InvalidSpecError, PoolSpec, parse_spec
 from kvfleet.operator.status import degraded_conditions, healthy_conditions, invalid_conditions, role_counts
-
-ROLES = ("unified", "prefill", "decode")
 
 
 @dataclass
@@ -92,33 +91,34 @@ async def _deployments(rt: Runtime, namespace: str, name: str, spec: PoolSpec) -
     return out
 
 
+#: The kinds of a KVCachePool's children, found by label selector when pruning.
+CHILD_KINDS = ("Deployment", "Service", "ConfigMap", "InferencePool")
+
+
 async def _delete_stale(
-    rt: Runtime, body: Mapping[str, Any], spec: PoolSpec, desired: set[tuple[str, str]], old_pools: int,
-    old_inference_pools: Sequence[str] = (),
+    rt: Runtime, body: Mapping[str, Any], desired: set[tuple[str, str]], old_inference_pools: Sequence[str] = (),
 ) -> list[str]:
     """Delete owned children that the current spec no longer renders (fewer pools, other roles).
 
-    Also the per-shard InferencePools ``<pool>-p<i>`` of the layout before one
-    InferencePool per KVCachePool (and any other name the old status listed),
-    so an upgrade leaves exactly one.
+    Children are found by label selector (``kvfleet.io/pool=<name>``) and deleted only when
+    this KVCachePool controls them. Also any InferencePool the old status listed (the
+    per-shard ``<pool>-p<i>`` of the layout before one InferencePool per KVCachePool), so an
+    upgrade leaves exactly one.
     """
     meta = body["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid")
-    candidates: list[tuple[str, str]] = []
-    for i in range(max(old_pools, spec.pools)):
-        shard = shard_name(name, i)
-        candidates += [("Deployment", f"{shard}-{role}") for role in ROLES]
-        candidates += [("ConfigMap", shard), ("Service", shard), ("InferencePool", shard)]
-    candidates += [("InferencePool", str(n)) for n in old_inference_pools if ("InferencePool", str(n)) not in candidates]
+    candidates: dict[tuple[str, str], Mapping[str, Any] | None] = {}
+    for kind in CHILD_KINDS:
+        for obj in await rt.api.list(kind, namespace, {LABEL_POOL: name}):
+            candidates[(kind, obj["metadata"]["name"])] = obj
+    for old in old_inference_pools:
+        candidates.setdefault(("InferencePool", str(old)), None)
     deleted = []
-    for kind, cname in candidates:
+    for (kind, cname), listed in sorted(candidates.items()):
         if (kind, cname) in desired:
             continue
-        live = await rt.api.get_or_none(kind, namespace, cname)
-        if live is None:
-            continue
-        owners = (live.get("metadata") or {}).get("ownerReferences") or []
-        if not any(o.get("uid") == uid and o.get("controller") for o in owners):
+        live = listed if listed is not None else await rt.api.get_or_none(kind, namespace, cname)
+        if live is None or controller_uid(live) != uid:
             continue
         try:
             await rt.api.delete(kind, namespace, cname)
@@ -180,8 +180,8 @@ async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | loggi
     try:
         for child in children:
             results[await apply(rt.api, child)] += 1
-        deleted = await _delete_stale(rt, body, spec, {(c["kind"], c["metadata"]["name"]) for c in children},
-                                      int(status.get("pools") or spec.pools), list(status.get("inferencePools") or []))
+        deleted = await _delete_stale(rt, body, {(c["kind"], c["metadata"]["name"]) for c in children},
+                                      list(status.get("inferencePools") or []))
         deployments = await _deployments(rt, namespace, name, spec)
     except Transient as exc:
         raise _temporary(exc, backoff) from exc

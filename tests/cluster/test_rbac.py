@@ -67,13 +67,14 @@ OPERATOR_ALLOWED = [
     ("watch", "inferencepools.inference.networking.k8s.io", "ns"),
     ("create", "deployments.apps", "ns"), ("patch", "deployments.apps", "ns"), ("delete", "deployments.apps", "ns"),
     ("create", "services", "ns"), ("create", "configmaps", "ns"), ("patch", "configmaps", "ns"),
+    ("list", "deployments.apps", "ns"), ("list", "services", "ns"), ("list", "configmaps", "ns"),
     ("list", "pods", "ns"), ("get", "secrets", "ns"), ("create", "events", "ns"), ("create", "events.events.k8s.io", "ns"),
     ("list", "customresourcedefinitions.apiextensions.k8s.io", ""), ("watch", "customresourcedefinitions.apiextensions.k8s.io", ""),
     ("watch", "namespaces", ""),
 ]
 OPERATOR_FORBIDDEN = [
     ("list", "secrets", "ns"), ("watch", "secrets", "ns"), ("create", "secrets", "ns"), ("get", "secrets", "other"),
-    ("create", "pods", "ns"), ("delete", "pods", "ns"), ("create", "deployments.apps", "other"), ("create", "configmaps", "other"),
+    ("create", "pods", "ns"), ("delete", "pods", "ns"), ("create", "deployments.apps", "other"), ("list", "deployments.apps", "other"), ("create", "configmaps", "other"),
     ("list", "kvcachepools.kvfleet.io", "other"), ("list", "kvcachepools.kvfleet.io", ""), ("delete", "kvcachepools.kvfleet.io", "ns"),
     ("update", "deployments.apps", "ns"), ("create", "roles.rbac.authorization.k8s.io", "ns"),
     ("create", "rolebindings.rbac.authorization.k8s.io", "ns"), ("create", "customresourcedefinitions.apiextensions.k8s.io", ""),

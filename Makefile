@@ -42,7 +42,7 @@ cluster: $(STAMP) ## Build the test control plane: etcd, kube-apiserver, kube-co
 cluster-up: cluster tools ## Run that control plane on 127.0.0.1 in the foreground (prints its KUBECONFIG; Ctrl-C stops it).
 	$(PY) -m e2e.controlplane up
 
-test-cluster: cluster tools ## pytest -m cluster: helm, CRDs, RBAC and Pod Security against the real API server (fails if it cannot run).
+test-cluster: cluster tools ## pytest -m cluster: the real API server: helm, CRDs, RBAC, Pod Security, the operator, the chart's pods served by a test node.
 	KVFLEET_REQUIRE_CLUSTER=1 $(PY) -m pytest -m cluster $(PYTEST_ARGS)
 
 test: lint typecheck layers unit test-cluster ## The test command: venv, ruff, mypy, import layers, pytest, the real-API-server tests.

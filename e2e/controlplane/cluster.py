@@ -48,6 +48,9 @@ GO_INPUTS = ("go.mod", "go.sum", "etcd/main.go")
 PACKAGES = ("./etcd", "k8s.io/kubernetes/cmd/kube-apiserver", "k8s.io/kubernetes/cmd/kube-controller-manager")
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
 SERVICE_CIDR = "10.96.0.0/16"
+#: The ``kubernetes`` Service's address for Pods run by :mod:`e2e.controlplane.node` (a loopback
+#: forwarder to the API server stands for its ClusterIP); named in the serving certificate.
+API_SERVICE_ADDRESS = "127.0.10.1"
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMISSION = (
     "NamespaceLifecycle,LimitRanger,ServiceAccount,NodeRestriction,PodSecurity,Priority,DefaultTolerationSeconds,"
@@ -201,7 +204,7 @@ def make_pki(pki: Path) -> None:
              "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=pki)
     client = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n"
     _cert(pki, "apiserver", "/CN=kube-apiserver", "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-          "extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+          f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,IP:10.96.0.1,IP:{API_SERVICE_ADDRESS},DNS:localhost,DNS:kubernetes,"
           "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n")
     _cert(pki, "admin", "/O=system:masters/CN=kvfleet-admin", client)
     _cert(pki, "controller-manager", "/CN=system:kube-controller-manager", client)

@@ -5,7 +5,10 @@
    (``usage.prompt_tokens_details.cached_tokens``) covering most of that prefix —
    which only happens when the EPP sends it to the pod holding the prefix.
 2. P/D: a request for the prefill/decode model succeeds, and the decode pod's
-   agent reports transferred KV bytes (``kvfleet_transfer_bytes_total``).
+   engine reports KV bytes it pulled from the prefill engine (``kvfleet_transfer_bytes_total``).
+
+The same checks run on one machine against the real API server and a node that runs the pods
+(tests/cluster/test_serving.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 
@@ -43,19 +47,26 @@ def check_prefix_routing(url: str) -> None:
         print(f"tenant {tenant}: follow-ups reused the cached prefix (>= 80% of {prefix_tokens} tokens)")
 
 
-def agent_metric(namespace: str, deployment: str, name: str) -> float:
-    code = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:9091/metrics').read().decode())"
-    out = subprocess.run(["kubectl", "-n", namespace, "exec", f"deploy/{deployment}", "-c", "kvfleet-agent", "--", "python", "-c", code],
-                         capture_output=True, text=True, check=True).stdout
-    return sum(float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith(name))
+def metric_sum(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` in a Prometheus exposition."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
 
 
-def check_pd(url: str, namespace: str) -> None:
-    before = agent_metric(namespace, "sim-pd-p0-decode", "kvfleet_transfer_bytes_total")
-    resp = complete(url, "llama-3-8b-pd", "Summarise the kvfleet design in one line. " * 60)
+def engine_metrics(namespace: str, deployment: str) -> str:
+    """The /metrics of a Deployment's engine container, read inside the pod (``kubectl exec``)."""
+    code = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())"
+    return subprocess.run(["kubectl", "-n", namespace, "exec", f"deploy/{deployment}", "-c", "engine", "--", "python", "-c", code],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def check_pd(url: str, decode_metrics: Callable[[], str], model: str = "llama-3-8b-pd") -> None:
+    """A P/D request succeeds and the decode engine pulled its prompt's KV from the prefill engine
+    (``kvfleet_transfer_bytes_total{direction="received"}`` on the decode engine's /metrics grew)."""
+    before = metric_sum(decode_metrics(), "kvfleet_transfer_bytes_total")
+    resp = complete(url, model, "Summarise the kvfleet design in one line. " * 60)
     if not resp.get("choices"):
         sys.exit(f"P/D request returned no choices: {resp}")
-    after = agent_metric(namespace, "sim-pd-p0-decode", "kvfleet_transfer_bytes_total")
+    after = metric_sum(decode_metrics(), "kvfleet_transfer_bytes_total")
     if after <= before:
         sys.exit("P/D request moved no KV bytes to the decode pod")
     print(f"P/D: decode pod received {after - before:.0f} KV bytes from the prefill pod")
@@ -67,7 +78,7 @@ def main() -> int:
     parser.add_argument("--namespace", default="kvfleet")
     args = parser.parse_args()
     check_prefix_routing(args.url)
-    check_pd(args.url, args.namespace)
+    check_pd(args.url, lambda: engine_metrics(args.namespace, "sim-pd-p0-decode"))
     return 0
 
 

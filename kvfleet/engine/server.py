@@ -48,6 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvfleet.agent.publisher import ZmqPublisher
 from kvfleet.agent.transfer import AuthError, TransferClient, TransferServer
 from kvfleet.agent.transfer.auth import load_secret
+from kvfleet.agent.transfer.metrics import TransferMetrics
 from kvfleet.cache.errors import LockedError
 from kvfleet.cache.events import EventBuffer
 from kvfleet.cache.hashing import ExtraKeys
@@ -183,6 +184,8 @@ class EngineServer:
         self.kv = EngineKV(self.es, settings.cache, sink=self.events, tiers=self.agent_tiers, model=settings.tiers.model)
         self.sched = Scheduler(self.kv, on_step=self.flush_events)
         self.metrics = EngineMetrics(self.sched, self.kv, settings.cache, held=lambda: self.held_blocks)
+        #: the P/D transfers (prefill side: served, decode side: pulled) on the engine's own /metrics
+        self.transfer_metrics = TransferMetrics(self.metrics.registry, settings.transfer.link_capacity_gbps * 1e9)
         self.tokenizer = ByteTokenizer()
         self.publisher: ZmqPublisher | None = None
         self.transfer_server: TransferServer | None = None
@@ -205,7 +208,7 @@ class EngineServer:
         if self.secret is None:
             log.info("no transfer secret configured: prefill/decode and the internal endpoints are refused")
             return None
-        return TransferKVPuller(TransferClient(self.secret, settings=self.settings.transfer), self.secret)
+        return TransferKVPuller(TransferClient(self.secret, settings=self.settings.transfer, metrics=self.transfer_metrics), self.secret)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -237,7 +240,7 @@ class EngineServer:
     async def _on_startup(self, app: web.Application) -> None:
         if self.secret is not None and self.es.role != "decode":
             self.transfer_server = TransferServer(
-                GpuBlockSource(self.kv), self.secret, host=self.es.host, settings=self.settings.transfer
+                GpuBlockSource(self.kv), self.secret, host=self.es.host, settings=self.settings.transfer, metrics=self.transfer_metrics
             )
             self.transfer_server.start()
         self.sched.start()

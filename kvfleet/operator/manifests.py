@@ -343,6 +343,8 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
         "ports": [
             {"name": "http", "containerPort": op.engine_port, "protocol": "TCP"},
             {"name": "kv-events", "containerPort": op.kv_events_port, "protocol": "TCP"},
+            # the simulator serves its P/D KV itself (kvfleet's transfer engine)
+            *([{"name": "transfer", "containerPort": op.transfer_port, "protocol": "TCP"}] if spec.engine.kind == "sim" else []),
         ],
         "volumeMounts": [*config_mounts, pool_mount],
         "resources": _resources(spec, replicas.resources),
@@ -355,14 +357,16 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
         "image": op.image,
         "imagePullPolicy": op.image_pull_policy,
         "command": ["kvfleet", "agent"],
-        "args": ["--config", CONFIG_PATH],
+        # its own ports: the engine container shares the pod's network namespace
+        "args": ["--config", CONFIG_PATH, "--transfer-port", str(op.agent_transfer_port), "--metrics-port", str(op.agent_metrics_port),
+                 "--kv-events-port", str(op.agent_kv_events_port), "--kv-events-replay-port", str(op.agent_kv_events_port + 1)],
         "env": env,
         "ports": [
             {"name": "agent-metrics", "containerPort": op.agent_metrics_port, "protocol": "TCP"},
-            {"name": "transfer", "containerPort": op.transfer_port, "protocol": "TCP"},
+            {"name": "agent-transfer", "containerPort": op.agent_transfer_port, "protocol": "TCP"},
         ],
         "volumeMounts": [*config_mounts, pool_mount],
-        "readinessProbe": {"tcpSocket": {"port": "transfer"}, "periodSeconds": 5},
+        "readinessProbe": {"tcpSocket": {"port": "agent-transfer"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/metrics", "port": "agent-metrics"}, "periodSeconds": 10, "failureThreshold": 6},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
@@ -412,7 +416,8 @@ def render_service(obj: Mapping[str, Any], spec: PoolSpec, shard: int, base: Set
             "ports": [
                 {"name": "http", "port": op.engine_port, "targetPort": "http", "protocol": "TCP"},
                 {"name": "kv-events", "port": op.kv_events_port, "targetPort": "kv-events", "protocol": "TCP"},
-                {"name": "transfer", "port": op.transfer_port, "targetPort": "transfer", "protocol": "TCP"},
+                *([{"name": "transfer", "port": op.transfer_port, "targetPort": "transfer", "protocol": "TCP"}] if spec.engine.kind == "sim" else []),
+                {"name": "agent-transfer", "port": op.agent_transfer_port, "targetPort": "agent-transfer", "protocol": "TCP"},
                 {"name": "agent-metrics", "port": op.agent_metrics_port, "targetPort": "agent-metrics", "protocol": "TCP"},
             ],
         },

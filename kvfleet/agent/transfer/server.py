@@ -34,6 +34,7 @@ from collections import OrderedDict, deque
 from types import TracebackType
 from typing import Any
 
+from kvfleet.agent.publisher import PortInUseError
 from kvfleet.agent.transfer import auth
 from kvfleet.agent.transfer.channel import Channel, PeerClosed
 from kvfleet.agent.transfer.errors import AuthError, FrameError, StreamError, TransferError
@@ -319,7 +320,13 @@ class TransferServer:
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.host, self._want_port))
+            try:
+                sock.bind((self.host, self._want_port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise PortInUseError(exc.errno, f"transfer port {self.host}:{self._want_port} is in use "
+                                                    "(another process, or another container of this pod, listens on it)") from exc
+                raise
             sock.listen(max(128, min(self.settings.max_connections, 4096)))
             sock.setblocking(False)
             sel = selectors.DefaultSelector()
@@ -490,6 +497,10 @@ class TransferServer:
         except OSError as exc:
             self._forget(hs)
             hs.close()
+            if exc.errno in (errno.ECONNRESET, errno.EPIPE) and not hs.hdr:
+                # connected and closed without a byte: a kubelet tcpSocket probe or a load balancer's check
+                log.debug("transfer: %s closed before its AUTH (a TCP probe)", hs.peer)
+                return
             self.metrics.errors.labels("stream").inc()
             self._ratelog.warning("stream", "transfer: connection from %s failed during the handshake: %s", hs.peer, exc)
 

@@ -33,8 +33,14 @@ typecheck: $(STAMP) ## mypy over package, benchmarks and tests: strict for the c
 layers: $(STAMP) ## import-linter: layers only import downwards; the core imports nothing above it.
 	$(VENV)/bin/lint-imports
 
-unit: $(STAMP) ## pytest: every test but the real-API-server ones (unit, property-based, real Envoy/Redis/kmock, e2e on loopback).
-	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
+unit: $(STAMP) ## pytest: every test but the real-API-server and real-vLLM ones (unit, property-based, real Envoy/Redis/kmock, e2e on loopback).
+	$(PY) -m pytest -m "not cluster and not interop" $(PYTEST_ARGS)
+
+interop: $(STAMP) ## Build the interop venvs: vLLM 0.11.0 and 0.33.0 with their dependencies (cached in ~/.cache/kvfleet/interop; ~10 GB, ~4 min each).
+	$(PY) scripts/interop_venvs.py build
+
+test-interop: interop ## pytest -m interop: every rendered vllm serve command line through vLLM's own parser and engine config.
+	KVFLEET_REQUIRE_INTEROP=1 $(PY) -m pytest -m interop $(PYTEST_ARGS)
 
 cluster: $(STAMP) ## Build the test control plane: etcd, kube-apiserver, kube-controller-manager from Go modules (cached in ~/.cache/kvfleet).
 	$(PY) -m e2e.controlplane build
@@ -45,7 +51,7 @@ cluster-up: cluster tools ## Run that control plane on 127.0.0.1 in the foregrou
 test-cluster: cluster tools ## pytest -m cluster: the real API server: helm, CRDs, RBAC, Pod Security, the operator, the chart's pods served by a test node.
 	KVFLEET_REQUIRE_CLUSTER=1 $(PY) -m pytest -m cluster $(PYTEST_ARGS)
 
-test: lint typecheck layers unit test-cluster ## The test command: venv, ruff, mypy, import layers, pytest, the real-API-server tests.
+test: lint typecheck layers unit test-cluster test-interop ## The test command: venv, ruff, mypy, import layers, pytest, the real-API-server and real-vLLM tests.
 
 demo: $(STAMP) ## The one-machine stack: Envoy + EPP + engines on loopback replay a trace; report in demo-report/.
 	$(VENV)/bin/kvfleet demo $(DEMO_ARGS)
@@ -72,4 +78,4 @@ chaos: $(STAMP) ## The local stack under load while EPP replicas and engines are
 clean: ## Remove caches and build outputs (keeps .venv).
 	rm -rf .mypy_cache .ruff_cache .pytest_cache .hypothesis build dist *.egg-info demo-report
 
-.PHONY: help venv lint typecheck layers unit test demo tools chart e2e-kind docker-smoke bench chaos clean
+.PHONY: help venv lint typecheck layers unit interop test-interop test-cluster cluster cluster-up test demo tools chart e2e-kind docker-smoke bench chaos clean

@@ -568,7 +568,9 @@ class Node:
                 entry["source"] = str(source)
             mounts.append(entry)
         uid, gid = self._user(pod, c)
-        spec = {"mounts": mounts, "uid": uid, "gid": gid, "env": env, "argv": argv, "cwd": c.get("workingDir") or "/"}
+        keep = sorted({str(Path(__file__).resolve().parents[2]), os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
+                       str(Path(os.path.realpath(argv[0])).parent)})
+        spec = {"mounts": mounts, "keep": keep, "uid": uid, "gid": gid, "env": env, "argv": argv, "cwd": c.get("workingDir") or "/"}
         path = state.dir / f"{c['name']}.json"
         path.write_text(json.dumps(spec, indent=1))
         path.chmod(0o600)

@@ -160,6 +160,7 @@ async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | loggi
     conditions = list(status.get("conditions") or [])
     try:
         spec = parse_spec(body.get("spec"), name)
+        children = render_children(body, spec, rt.settings)  # pure; what the engine version cannot do is invalid too
     except InvalidSpecError as exc:
         await _patch_status(rt, namespace, name, {"observedGeneration": generation, "conditions": invalid_conditions(conditions, str(exc), generation)})
         kopf.warn(body, reason="InvalidSpec", message=str(exc))
@@ -175,7 +176,6 @@ async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | loggi
                                                   "conditions": degraded_conditions(conditions, "SecretNotFound", msg, generation)})
         kopf.warn(body, reason="SecretNotFound", message=msg)
         raise kopf.TemporaryError(msg, delay=backoff)
-    children = render_children(body, spec, rt.settings)
     results: dict[str, int] = {"created": 0, "patched": 0, "unchanged": 0}
     try:
         for child in children:

@@ -398,3 +398,20 @@ async def test_user_inferencepool_is_validated(operator: Runtime, api: ApiClient
     await asyncio.sleep(1.0)
     data = (await api.get("ConfigMap", ns, registry)).get("data") or {}
     assert f"{ns}.other" not in data and f"{ns}.no-epp" not in data
+
+
+async def test_what_the_engine_version_cannot_do_is_an_invalid_spec(operator: Runtime, api: ApiClient, ns: str) -> None:
+    """A P/D pool on MooncakeConnector with vLLM 0.11 (no such connector before 0.13): InvalidSpec naming the field and the
+    version, nothing rendered; the same pool on vLLM 0.33 reconciles."""
+    pd = {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, "transfer": {"backends": ["mooncake"]}}
+    await api.create(samples.kvcachepool("mc", ns, engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0"}, **pd))
+
+    async def invalid() -> dict[str, Any] | None:
+        obj = await api.get("KVCachePool", ns, "mc")
+        return obj if _cond(obj, "InvalidSpec").get("status") == "True" else None
+
+    msg = _cond(await eventually(invalid), "InvalidSpec")["message"]
+    assert "transfer.backends" in msg and "MooncakeConnector" in msg and "0.11.0" in msg, msg
+    assert await api.get_or_none("Deployment", ns, "mc-p0-prefill") is None
+    await api.patch("KVCachePool", ns, "mc", {"spec": {"engine": {"image": "vllm/vllm-openai:v0.33.0"}}})
+    await eventually(lambda: api.get_or_none("Deployment", ns, "mc-p0-prefill"))

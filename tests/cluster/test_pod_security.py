@@ -67,10 +67,13 @@ def _without_hostpath(name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("engine", ["sim", "vllm", "sglang"])
 def test_operator_pods_are_restricted(kube: Kube, ns: str, name: str, engine: str) -> None:
     """Every pod the operator renders passes "restricted" (a hostPath ssd volume aside: see below)."""
-    extra: dict[str, Any] = {}
-    if engine == "vllm" and "prefill" in VALID[name]["spec"].get("roles", {}):
-        extra["transfer"] = {"backends": ["nixl", "tcp"]}  # vLLM P/D moves KV with NIXL or Mooncake
-    children = _rendered(name, ns, engine={"kind": engine}, **_without_hostpath(name), **extra)
+    extra: dict[str, Any] = {**_without_hostpath(name)}
+    if engine in ("vllm", "sglang") and "prefill" in VALID[name]["spec"].get("roles", {}):
+        extra["transfer"] = {"backends": ["nixl", "tcp"]}  # vLLM and SGLang 0.5.3 P/D move KV with NIXL or Mooncake
+    if engine == "sglang" and "tiers" in extra:
+        # SGLang has no Redis storage backend, and sizes its host cache in whole GiB
+        extra["tiers"] = [{**t, "capacity": "1Gi"} if t["name"] == "cpu" else t for t in extra["tiers"] if t["name"] != "remote"]
+    children = _rendered(name, ns, engine={"kind": engine}, **extra)
     deployments = [c for c in children if c["kind"] == "Deployment"]
     assert deployments
     rc, out = _dry_run(kube, [pod_from_template(d, ns) for d in deployments], ns)

@@ -54,6 +54,20 @@ def stack(crds: Kube, control_plane: ControlPlane, namespaces: Callable[..., str
         node.stop()
 
 
+_NOT_SERVING: list[str] = []
+
+
+def _pools_ready(kube: Kube, ns: str, node: Node, *names: str) -> None:
+    """Wait for the pools' Ready condition; after one timeout in this module, later tests fail at once with its reason."""
+    if _NOT_SERVING:
+        pytest.fail(f"the pools did not become Ready earlier in this module: {_NOT_SERVING[0]}")
+    try:
+        wait_for(lambda: all(_ready(kube, ns, n) for n in names), f"{', '.join(names)} Ready", timeout_s=240, interval_s=1)
+    except AssertionError as exc:
+        _NOT_SERVING.append(f"{exc}\n{node.describe()}")
+        raise AssertionError(_NOT_SERVING[0]) from None
+
+
 def _ready(kube: Kube, ns: str, name: str) -> bool:
     status = kube.get("kvcachepool", name, ns).get("status") or {}
     return any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
@@ -81,11 +95,7 @@ def _metrics(ip: str, port: int = 8000) -> str:
 
 def test_chart_pods_run_and_the_pools_become_ready(crds: Kube, stack: tuple[str, Node]) -> None:
     ns, node = stack
-    try:
-        wait_for(lambda: _ready(crds, ns, "sim-unified") and _ready(crds, ns, "sim-pd"), "both KVCachePools Ready", timeout_s=240, interval_s=1)
-    except AssertionError:
-        print(node.describe())
-        raise
+    _pools_ready(crds, ns, node, "sim-unified", "sim-pd")
     pool = crds.get("kvcachepool", "sim-unified", ns)
     assert pool["status"]["roles"] == {"unified": {"desired": 4, "ready": 4}}
     pods = crds.get("pods", None, ns)["items"]
@@ -98,7 +108,7 @@ def test_chart_pods_run_and_the_pools_become_ready(crds: Kube, stack: tuple[str,
 
 def test_prefix_routing_and_pd_through_the_gateway(crds: Kube, stack: tuple[str, Node]) -> None:
     ns, node = stack
-    wait_for(lambda: _ready(crds, ns, "sim-unified") and _ready(crds, ns, "sim-pd"), "both KVCachePools Ready", timeout_s=240, interval_s=1)
+    _pools_ready(crds, ns, node, "sim-unified", "sim-pd")
     url = wait_for(lambda: _gateway(crds, ns), "the gateway pod Ready", timeout_s=60)
 
     errors: list[str] = []
@@ -128,8 +138,8 @@ def test_prefix_routing_and_pd_through_the_gateway(crds: Kube, stack: tuple[str,
 def test_replaced_pod_is_discovered_and_served(crds: Kube, stack: tuple[str, Node]) -> None:
     """Delete one engine Pod: its ReplicaSet makes another (a new address), the EPP routes a new prefix to pods that
     exist, and the new Pod's prefix is reused on follow-ups."""
-    ns, _ = stack
-    wait_for(lambda: _ready(crds, ns, "sim-unified"), "sim-unified Ready", timeout_s=240, interval_s=1)
+    ns, node = stack
+    _pools_ready(crds, ns, node, "sim-unified")
     url = wait_for(lambda: _gateway(crds, ns), "the gateway pod Ready", timeout_s=60)
     selector = "kvfleet.io/pool=sim-unified"
     before = _pod_ips(crds, ns, selector)

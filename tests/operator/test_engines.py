@@ -1,10 +1,10 @@
-"""GPU-mode wiring: the vLLM (and SGLang) command lines rendered from KVCachePool fields.
+"""GPU-mode wiring: the vLLM (and SGLang) command lines rendered from KVCachePool fields, per engine version.
 
-vLLM cannot run here (no GPU), so the rendered arguments are checked against
-vLLM's documented interface: every flag is one of `vllm serve`'s documented
-engine arguments (docs.vllm.ai, "Engine Arguments", v0.11–v0.16), enumerated
-values are within the documented choices, and the JSON arguments carry only
-documented fields of KVEventsConfig / KVTransferConfig with known connector names.
+A fast structural check of the renderer: flags from `vllm serve`'s documented engine
+arguments, JSON values with KVEventsConfig / KVTransferConfig fields, and what each
+vLLM version gets (offloading sized in blocks before 0.14, in bytes from 0.14;
+MooncakeConnector only from 0.13; the version read from the image tag). Whether
+vLLM itself accepts them is tests/interop (vLLM's own parser and engine config).
 """
 
 from __future__ import annotations
@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 
 from kvfleet.config.operator import OperatorSettings
-from kvfleet.operator.engines import RENDERERS, UnknownEngineError, render_engine, vllm_args
+from kvfleet.operator.engines import (
+    RENDERERS,
+    EngineVersionError,
+    UnknownEngineError,
+    image_version,
+    render_engine,
+    vllm_args,
+)
 from kvfleet.operator.spec import PoolSpec, parse_spec
 from tests.operator import samples
 
@@ -101,19 +108,52 @@ def test_full_gpu_pool_renders_documented_flags() -> None:
 
 
 def test_cpu_tier_only_uses_vllm_native_offloading() -> None:
-    """A cpu tier alone → OffloadingConnector with num_cpu_blocks = capacity / (bytes per token × block size)."""
-    spec = _spec(tiers=[{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "8Gi"}])
-    _, flags = _parse_vllm(vllm_args(spec, "unified", OperatorSettings()).args)
+    """A cpu tier alone → OffloadingConnector: vLLM 0.11 sizes it in blocks (capacity / (bytes per token × block size)),
+    from 0.14 in bytes (``cpu_bytes_to_use``); a tag naming no version gets the newest form."""
+    tiers = [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "8Gi"}]
+    for image, extra in (("vllm/vllm-openai:v0.11.0", {"num_cpu_blocks": 8 * 1024**3 // (131072 * 16), "block_size": 16}),
+                         ("vllm/vllm-openai:v0.33.0", {"cpu_bytes_to_use": 8 * 1024**3}),
+                         ("vllm/vllm-openai:latest", {"cpu_bytes_to_use": 8 * 1024**3})):
+        _, flags = _parse_vllm(vllm_args(_spec(tiers=tiers, engine={"kind": "vllm", "image": image}), "unified", OperatorSettings()).args)
+        cfg = flags["--kv-transfer-config"]
+        assert _check_connector(cfg) == ["OffloadingConnector"], image
+        assert cfg["kv_connector_extra_config"] == extra, image
+
+
+def test_pd_with_cpu_tier_keeps_both_connectors() -> None:
+    """P/D + a cpu tier on vLLM 0.33 → MultiConnector [Nixl, Offloading] (``--kv-offloading-size`` would replace Nixl)."""
+    spec = _spec(tiers=[{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"}], engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.33.0"},
+                 roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, transfer={"backends": ["nixl"]})
+    _, flags = _parse_vllm(vllm_args(spec, "prefill", OperatorSettings()).args)
+    assert "--kv-offloading-size" not in flags
     cfg = flags["--kv-transfer-config"]
-    assert _check_connector(cfg) == ["OffloadingConnector"]
-    assert cfg["kv_connector_extra_config"] == {"num_cpu_blocks": 8 * 1024**3 // (131072 * 16), "block_size": 16}
+    assert cfg["kv_connector"] == "MultiConnector" and _check_connector(cfg) == ["NixlConnector", "OffloadingConnector"]
 
 
-def test_gpu_only_pool_has_no_connector_and_xxhash() -> None:
-    """No slower tier and no P/D → no KV connector; xxh3_64 maps to vLLM's xxhash (EPP re-keys from token ids)."""
+def test_mooncake_needs_vllm_0_13() -> None:
+    pd = {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, "transfer": {"backends": ["mooncake"]}}
+    with pytest.raises(EngineVersionError, match=r"MooncakeConnector.*0\.13"):
+        vllm_args(_spec(engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0"}, **pd), "prefill", OperatorSettings())
+    _, flags = _parse_vllm(vllm_args(_spec(engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.33.0"}, **pd), "prefill", OperatorSettings()).args)
+    assert _check_connector(flags["--kv-transfer-config"]) == ["MooncakeConnector"]
+
+
+@pytest.mark.parametrize(("image", "version"), [("vllm/vllm-openai:v0.11.0", (0, 11, 0)), ("lmsysorg/sglang:v0.5.3-cu126", (0, 5, 3)),
+                                                ("registry:5000/vllm:0.33.0", (0, 33, 0)), ("vllm/vllm-openai:latest", None),
+                                                ("registry:5000/vllm", None), ("vllm@sha256:abcd", None)])
+def test_image_version(image: str, version: tuple[int, int, int] | None) -> None:
+    assert image_version(image) == version
+
+
+def test_gpu_only_pool_has_no_connector_and_hash_flag_follows_the_pool() -> None:
+    """No slower tier and no P/D → no KV connector; xxh3_64 keeps vLLM's default hash (the EPP re-keys from token ids),
+    sha256_cbor asks vLLM for it (the EPP's keys then equal vLLM's); the KV events come with a replay endpoint."""
     _, flags = _parse_vllm(vllm_args(_spec(), "unified", OperatorSettings()).args)
     assert "--kv-transfer-config" not in flags
-    assert flags["--prefix-caching-hash-algo"] == "xxhash"
+    assert "--prefix-caching-hash-algo" not in flags
+    assert flags["--kv-events-config"]["replay_endpoint"] == "tcp://*:5558"
+    _, flags = _parse_vllm(vllm_args(_spec(hashAlgo="sha256_cbor"), "unified", OperatorSettings()).args)
+    assert flags["--prefix-caching-hash-algo"] == "sha256_cbor"
 
 
 def test_kv_events_port_follows_settings() -> None:
@@ -122,13 +162,41 @@ def test_kv_events_port_follows_settings() -> None:
     assert flags["--kv-events-config"]["endpoint"] == "tcp://*:6000"
 
 
+def _sglang(tiers: list[dict[str, Any]] | None = None, image: str = "lmsysorg/sglang:v0.5.23", **changes: Any) -> PoolSpec:
+    pd = {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, "transfer": {"backends": ["nixl"]}}
+    return parse_spec({**samples.MINIMAL["spec"], "engine": {"kind": "sglang", "image": image}, **pd,
+                       "tiers": tiers or [{"name": "gpu", "gpuShare": 0.8}], **changes})
+
+
 def test_sglang_pd_roles() -> None:
-    """SGLang P/D pods get --disaggregation-mode per role and the preferred transfer backend."""
-    spec = parse_spec({**samples.FULL_GPU["spec"], "engine": {"kind": "sglang"}})
-    args = render_engine(spec, "prefill", OperatorSettings()).args
+    """SGLang P/D pods get --disaggregation-mode per role and the preferred transfer backend; tcp alone is
+    mooncake_tcp where SGLang has it (0.5.23), an InvalidSpec before."""
+    args = render_engine(_sglang(), "prefill", OperatorSettings()).args
     assert args[args.index("--disaggregation-mode") + 1] == "prefill"
     assert args[args.index("--disaggregation-transfer-backend") + 1] == "nixl"
     assert args[args.index("--page-size") + 1] == "16"
+    tcp: dict[str, Any] = {"transfer": {"backends": ["tcp"]}}
+    args = render_engine(_sglang(**tcp), "decode", OperatorSettings()).args
+    assert args[args.index("--disaggregation-transfer-backend") + 1] == "mooncake_tcp"
+    with pytest.raises(EngineVersionError, match="TCP transfer backend"):
+        render_engine(_sglang(image="lmsysorg/sglang:v0.5.3-cu126", **tcp), "decode", OperatorSettings())
+
+
+def test_sglang_tiers() -> None:
+    """cpu tier → HiCache in whole GiB, ssd tier → HiCache's file storage in the ssd volume; decode pods (no radix
+    cache in SGLang's decode mode) get neither; a capacity SGLang cannot express and a remote tier are InvalidSpec."""
+    tiers: list[dict[str, Any]] = [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"}, {"name": "ssd", "capacity": "20Gi"}]
+    c = render_engine(_sglang(tiers), "prefill", OperatorSettings())
+    assert "--enable-hierarchical-cache" in c.args and c.args[c.args.index("--hicache-size") + 1] == "2"
+    assert c.args[c.args.index("--hicache-storage-backend") + 1] == "file"
+    assert {"name": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", "value": "/var/lib/kvfleet/ssd"} in c.env
+    d = render_engine(_sglang(tiers), "decode", OperatorSettings())
+    assert "--enable-hierarchical-cache" not in d.args and "--hicache-size" not in d.args
+    with pytest.raises(EngineVersionError, match="whole GiB"):
+        render_engine(_sglang([tiers[0], {"name": "cpu", "capacity": "1536Mi"}]), "prefill", OperatorSettings())
+    with pytest.raises(EngineVersionError, match="no Redis storage backend"):
+        render_engine(_sglang([tiers[0], {"name": "remote", "capacity": "1Ti",
+                                                                 "redis": {"urlSecretRef": {"name": "r"}}}]), "prefill", OperatorSettings())
 
 
 def test_unknown_engine_lists_known_ones() -> None:

@@ -25,7 +25,13 @@ from typing import Any
 
 def main() -> int:
     from vllm.config.kv_events import KVEventsConfig
-    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisherFactory, KVEventBatch
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        EventPublisherFactory,
+        KVEventBatch,
+    )
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils as kcu
 

@@ -2,8 +2,9 @@
 
 A registry maps the engine kind to a renderer (``sim``, ``vllm``, ``sglang``);
 each returns the container's command, arguments and extra environment. The
-field-by-field mapping is documented in docs/operator.md; the vLLM arguments
-are checked against vLLM's documented flags in tests/operator/test_engines.py.
+field-by-field mapping is documented in docs/operator.md; the rendered command
+lines are checked by the real engines' own parsers and config classes in
+tests/interop (vLLM :data:`VLLM_TESTED`, SGLang :data:`SGLANG_TESTED`).
 
 GPU mode (vLLM):
 
@@ -195,6 +196,8 @@ def vllm_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> EngineCo
 
 #: The first SGLang with ``--disaggregation-transfer-backend mooncake_tcp`` known here (0.5.3 lacks it).
 SGLANG_MOONCAKE_TCP: Version = (0, 5, 23)
+#: SGLang releases whose rendered flags are checked against SGLang's own ServerArgs (tests/interop).
+SGLANG_TESTED: tuple[Version, ...] = ((0, 5, 23),)
 
 
 def sglang_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> EngineContainer:

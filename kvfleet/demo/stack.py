@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from kvfleet.engine.peer import sign_request
+from kvfleet.epp.envoy import free_port as envoy_free_port
 
 
 class StackError(RuntimeError):
@@ -43,10 +44,8 @@ class PortTakenError(StackError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A free loopback port below the ephemeral range (:func:`kvfleet.epp.envoy.free_port`)."""
+    return envoy_free_port("127.0.0.1")
 
 
 def check_port_free(port: int, what: str) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -401,11 +402,42 @@ def envoy_binary() -> str:
     return found
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux: 32768 unless configured)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_handed_out: set[int] = set()
+_rng = random.Random()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on, for a process about to be started on it.
+
+    Chosen below the ephemeral range, so that no outgoing connection of any process on this
+    machine takes it between this check and the bind that follows (a port the kernel handed out
+    with ``bind(0)`` is in that range, and a busy test run reuses it within seconds); never the
+    same port twice in one process."""
+    low, high = 20000, _ephemeral_low() - 1
+    for _ in range(200 if high > low else 0):
+        port = _rng.randint(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        found: int = s.getsockname()[1]
+        return found
 
 
 class EnvoyProcess:

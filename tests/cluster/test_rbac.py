@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import pytest
 import yaml
 
 from e2e.controlplane.cluster import ControlPlane
+from kvfleet.epp.envoy import free_port
 from tests.cluster.conftest import CHART, RESTRICTED, Kube, wait_for
 from tests.operator import samples
 
@@ -105,10 +105,7 @@ def test_service_account_rights(kube: Kube, release: dict[str, str], account: st
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_port()
 
 
 @contextlib.contextmanager

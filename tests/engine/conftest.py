@@ -8,7 +8,6 @@ request with it as a pool peer would.
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,15 +19,9 @@ from aiohttp import web
 from kvfleet.config import load
 from kvfleet.engine.peer import sign_request
 from kvfleet.engine.server import EngineServer
+from kvfleet.epp.envoy import free_port as free_port  # re-exported for the engine tests
 
 SECRET = b"test-pool-secret"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

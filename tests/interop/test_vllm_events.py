@@ -14,7 +14,6 @@ no stale block left.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import pytest
 
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
 from kvfleet.config.operator import OperatorSettings
+from kvfleet.epp.envoy import free_port
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.ingest import PodEventApplier
 from kvfleet.epp.subscriber import EventSubscriber
@@ -38,10 +38,7 @@ VLLM_HASH = {"sha256_cbor": "sha256_cbor", "xxh3_64": "sha256"}  # what the oper
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_port()
 
 
 class VllmPublisher:

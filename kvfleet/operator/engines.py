@@ -197,7 +197,7 @@ def vllm_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> EngineCo
 #: The first SGLang with ``--disaggregation-transfer-backend mooncake_tcp`` known here (0.5.3 lacks it).
 SGLANG_MOONCAKE_TCP: Version = (0, 5, 23)
 #: SGLang releases whose rendered flags are checked against SGLang's own ServerArgs (tests/interop).
-SGLANG_TESTED: tuple[Version, ...] = ((0, 5, 23),)
+SGLANG_TESTED: tuple[Version, ...] = ((0, 5, 3), (0, 5, 23))
 
 
 def sglang_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> EngineContainer:

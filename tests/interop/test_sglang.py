@@ -1,8 +1,9 @@
 """The operator's SGLang pods against real SGLang: every rendered ``sglang.launch_server`` command line checked by SGLang.
 
-For each supported release (:data:`kvfleet.operator.engines.SGLANG_TESTED`), a matrix of KVCachePools
+For each supported release (:data:`kvfleet.operator.engines.SGLANG_TESTED`: 0.5.3, the chart's default
+image, and 0.5.23), a matrix of KVCachePools
 (unified and prefill/decode × tiers gpu, gpu+cpu, gpu+ssd, gpu+cpu+ssd × P/D backends nixl, mooncake,
-tcp × page sizes 16 and 64) is rendered by the operator and every engine container's arguments go
+tcp (from 0.5.23; before, an InvalidSpec) × page sizes 16 and 64) is rendered by the operator and every engine container's arguments go
 through SGLang's own ``prepare_server_args`` and ``ServerArgs.resolve_once()`` (tests/interop/
 sglang_check.py in the release's venv; a local 2-layer Llama config in place of the weights: ``--model-path
 DIR``, and ``--device cpu``). What SGLang resolved must be what the pool asked for: the page size,
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvfleet.config import Settings
-from kvfleet.operator.engines import SGLANG_TESTED
+from kvfleet.operator.engines import SGLANG_MOONCAKE_TCP, SGLANG_TESTED, EngineVersionError
 from kvfleet.operator.manifests import ENGINE_CONTAINER, render_children
 from kvfleet.operator.spec import parse_spec
 from tests.interop.conftest import engine_python
@@ -43,11 +44,16 @@ def _pool(version: str, **spec: Any) -> dict[str, Any]:
     return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "KVCachePool", "metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": body}
 
 
+def _version(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split("."))
+
+
 def _matrix(version: str) -> dict[str, dict[str, Any]]:
     pools: dict[str, dict[str, Any]] = {}
+    tcp = ("tcp",) if _version(version) >= SGLANG_MOONCAKE_TCP else ()  # before: an InvalidSpec (test below)
     for tiers, tier_spec in TIERS.items():
         pools[f"unified-{tiers}"] = _pool(version, tiers=tier_spec)
-        for backend in ("nixl", "mooncake", "tcp"):
+        for backend in ("nixl", "mooncake", *tcp):
             pools[f"pd-{tiers}-{backend}"] = _pool(version, tiers=tier_spec, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
                                                   transfer={"backends": [backend]})
     pools["page64"] = _pool(version, blockSize=64, tiers=TIERS["cpu"])
@@ -125,3 +131,13 @@ def test_what_sglang_refuses_fails_the_check(tmp_path: Path) -> None:
         results = run_sglang(version, cases, tmp_path)
         assert not results["unknown"]["ok"] and "--no-such-flag" in " ".join(results["unknown"]["error"]), results["unknown"]
         assert not results["decode-hicache"]["ok"], results["decode-hicache"]
+
+
+def test_tcp_transfer_before_mooncake_tcp_is_an_invalid_spec() -> None:
+    for version in VERSIONS:
+        pool = _pool(version, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, transfer={"backends": ["tcp"]})
+        if _version(version) >= SGLANG_MOONCAKE_TCP:
+            assert "mooncake_tcp" in _argv(pool)["decode"]
+        else:
+            with pytest.raises(EngineVersionError, match="no TCP transfer backend"):
+                _argv(pool)

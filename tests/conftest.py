@@ -31,6 +31,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cluster: runs against a real kube-apiserver (e2e/controlplane; make test-cluster)")
 
 
+def mark_folder(items: list[pytest.Item], folder: Path, marker: pytest.MarkDecorator) -> None:
+    """Give every collected test under ``folder`` ``marker`` (a folder's conftest calls it from its collection hook)."""
+    for item in items:
+        if folder in Path(str(item.fspath)).parents:
+            item.add_marker(marker)
+
+
 def _required() -> bool:
     return os.environ.get("KVFLEET_REQUIRE_CLUSTER", "") not in ("", "0")
 

@@ -121,6 +121,7 @@ class _Pod:
     deleting_since: float | None = None
     grace_s: float = 30.0
     last_status: str = ""
+    hosts: str = ""
 
 
 class _ApiProxy:
@@ -391,18 +392,20 @@ class Node:
                         lines.append(f"{status['podIP']} {names}")
         return sorted(set(lines))
 
-    def _write_hosts(self, pod: _Pod, services: Sequence[str] | None = None) -> None:
-        """``/etc/hosts`` of the Pod's containers, rewritten in place (the bind mount keeps seeing the same file)."""
+    def _write_hosts(self, pod: _Pod) -> None:
+        """``/etc/hosts`` of the Pod's containers, rewritten in place when the Service names changed (the bind
+        mount keeps seeing the same file)."""
         api = f"{API_ADDRESS} kubernetes.default.svc.cluster.local kubernetes.default.svc kubernetes.default kubernetes"
-        text = "\n".join(["127.0.0.1 localhost", f"{pod.ip} {pod.name}", api, *(services if services is not None else self._services)]) + "\n"
-        path = pod.dir / "hosts"
-        if path.exists() and path.read_text() == text:
+        text = "\n".join(["127.0.0.1 localhost", f"{pod.ip} {pod.name}", api, *self._services]) + "\n"
+        if text == pod.hosts:
             return
+        path = pod.dir / "hosts"
         with path.open("a+") as f:
             f.seek(0)
             f.truncate()
             f.write(text)
         path.chmod(0o644)
+        pod.hosts = text
 
     def _secret_or_cm(self, kind: str, ns: str, name: str) -> dict[str, str]:
         plural = "secrets" if kind == "Secret" else "configmaps"
@@ -578,7 +581,7 @@ class Node:
 
     def _supervise(self, pod: _Pod) -> None:
         now = time.monotonic()
-        self._write_hosts(pod, self._services)
+        self._write_hosts(pod)
         for c in pod.containers:
             if c.init and c.done:
                 continue

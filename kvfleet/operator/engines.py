@@ -99,6 +99,10 @@ def image_version(image: str) -> Version | None:
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
+def _dotted(version: Version | None) -> str:
+    return ".".join(map(str, version)) if version else "(unversioned)"
+
+
 def _at_least(version: Version | None, wanted: Version) -> bool:
     return version is None or version >= wanted
 
@@ -147,7 +151,7 @@ def vllm_connectors(spec: PoolSpec, version: Version | None = None) -> tuple[lis
     if spec.disaggregated:
         name = "NixlConnector" if "nixl" in spec.transfer.backends or "mooncake" not in spec.transfer.backends else "MooncakeConnector"
         if name == "MooncakeConnector" and not _at_least(version, VLLM_MOONCAKE):
-            raise EngineVersionError("transfer.backends", f"vLLM {'.'.join(map(str, version or ()))} has no MooncakeConnector (it came in "
+            raise EngineVersionError("transfer.backends", f"vLLM {_dotted(version)} has no MooncakeConnector (it came in "
                                      "0.13): list nixl in transfer.backends or use a newer engine.image")
         connectors.append({"kv_connector": name, "kv_role": "kv_both"})
     cpu: TierSpec | None = spec.tier("cpu")
@@ -242,7 +246,7 @@ def sglang_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> Engine
         elif _at_least(version, SGLANG_MOONCAKE_TCP):
             backend = "mooncake_tcp"
         else:
-            raise EngineVersionError("transfer.backends", f"SGLang {'.'.join(map(str, version or ()))} has no TCP transfer backend "
+            raise EngineVersionError("transfer.backends", f"SGLang {_dotted(version)} has no TCP transfer backend "
                                      "(mooncake_tcp came by 0.5.23): list nixl or mooncake, or use a newer engine.image")
         args += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", backend]
     args += list(spec.engine.args)

@@ -38,10 +38,9 @@ RESTRICTED = {
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.cluster)
+    from tests.conftest import mark_folder
+
+    mark_folder(items, Path(__file__).parent, pytest.mark.cluster)
 
 
 @pytest.fixture(scope="session")

@@ -104,17 +104,13 @@ def test_service_account_rights(kube: Kube, release: dict[str, str], account: st
     assert _can(kube, _sa(release["ns"], account), verb, resource, namespace) is allowed
 
 
-def _free_port() -> int:
-    return free_port()
-
-
 @contextlib.contextmanager
 def _operator(kube: Kube, cp: ControlPlane, ns: str, tmp: Path) -> Iterator[Path]:
     """``kvfleet operator`` as the chart's operator ServiceAccount, with the config the chart renders."""
     kubeconfig = cp.service_account_kubeconfig(ns, OPERATOR, tmp / "operator.kubeconfig")
     config = tmp / "config.yaml"
     config.write_text(kube.get("configmap", "kvr-kvfleet-config", ns)["data"]["config.yaml"])
-    port, log = _free_port(), tmp / "operator.log"
+    port, log = free_port(), tmp / "operator.log"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVFLEET_NAMESPACE": ns}
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kvfleet", "operator", f"--config={config}", f"--namespace={ns}",

@@ -1,4 +1,5 @@
-"""Fixtures of the interop suite: the interpreters of the real vLLM and SGLang releases (scripts/interop_venvs.py builds them).
+"""Fixtures of the interop suite: the interpreters of the real vLLM and SGLang releases (scripts/interop_venvs.py builds
+them), the engine arguments the operator renders for a pool, and running a checker script in a release's venv.
 
 Every test here is marked ``interop`` (``make test-interop``; ``make unit`` leaves them to it). A
 release whose venv is not built makes its tests skip with the command that builds it, unless
@@ -7,21 +8,37 @@ release whose venv is not built makes its tests skip with the command that build
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from kvfleet.config import Settings
+from kvfleet.operator.manifests import ENGINE_CONTAINER, render_children
+from kvfleet.operator.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+HERE = Path(__file__).resolve().parent
+TINY = HERE / "data" / "tiny-llama"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.interop)
+    from tests.conftest import mark_folder
+
+    mark_folder(items, Path(__file__).parent, pytest.mark.interop)
+
+
+def release(version: str) -> tuple[int, ...]:
+    """``"0.5.23"`` → ``(0, 5, 23)``, comparable with :mod:`kvfleet.operator.engines`' version constants."""
+    return tuple(int(x) for x in version.split("."))
 
 
 def engine_python(engine: str, version: str) -> Path:
@@ -41,3 +58,29 @@ def engine_python(engine: str, version: str) -> Path:
 
 def vllm_python(version: str) -> Path:
     return engine_python("vllm", version)
+
+
+def engine_args(pool: dict[str, Any], command: list[str], local_model: Callable[[list[str]], list[str]]) -> dict[str, list[str]]:
+    """role → the arguments of the engine container the operator renders for ``pool`` (whose command must be
+    ``command``), passed through ``local_model``, which points them at the local config (no weights, no hub)."""
+    out: dict[str, list[str]] = {}
+    for child in render_children(pool, parse_spec(pool["spec"], "p"), Settings()):
+        if child["kind"] != "Deployment":
+            continue
+        (engine,) = [c for c in child["spec"]["template"]["spec"]["containers"] if c["name"] == ENGINE_CONTAINER]
+        assert engine["command"] == command
+        out[child["metadata"]["labels"]["kvfleet.io/role"]] = local_model(list(engine["args"]))
+    return out
+
+
+def run_checker(engine: str, version: str, script: str, cases: Mapping[str, list[str]], tmp: Path, env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """``script`` (tests/interop/, it prints one ``RESULT {json}`` line per case) in ``engine`` ``version``'s venv over
+    ``cases`` (id → argv); id → its result. Fails with the script's stderr when a case has no result."""
+    py = engine_python(engine, version)
+    path = tmp / f"cases-{engine}-{version}.json"
+    path.write_text(json.dumps([{"id": k, "argv": v} for k, v in cases.items()]))
+    proc = subprocess.run([str(py), str(HERE / script), str(path)], capture_output=True, text=True, timeout=900,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **env})
+    results = {r["id"]: r for r in (json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT "))}
+    assert set(results) == set(cases), f"{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return results

@@ -16,20 +16,14 @@ the operator rendered before for a cpu tier) are refused.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvfleet.config import Settings
 from kvfleet.operator.engines import SGLANG_MOONCAKE_TCP, SGLANG_TESTED, EngineVersionError
-from kvfleet.operator.manifests import ENGINE_CONTAINER, render_children
-from kvfleet.operator.spec import parse_spec
-from tests.interop.conftest import engine_python
+from tests.interop.conftest import TINY, engine_args, release, run_checker
 
-HERE = Path(__file__).resolve().parent
-TINY = HERE / "data" / "tiny-llama"
 VERSIONS = [".".join(map(str, v)) for v in SGLANG_TESTED]
 TIERS: dict[str, list[dict[str, Any]]] = {
     "gpu": [{"name": "gpu", "gpuShare": 0.8}],
@@ -44,13 +38,9 @@ def _pool(version: str, **spec: Any) -> dict[str, Any]:
     return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "KVCachePool", "metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": body}
 
 
-def _version(version: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in version.split("."))
-
-
 def _matrix(version: str) -> dict[str, dict[str, Any]]:
     pools: dict[str, dict[str, Any]] = {}
-    tcp = ("tcp",) if _version(version) >= SGLANG_MOONCAKE_TCP else ()  # before: an InvalidSpec (test below)
+    tcp = ("tcp",) if release(version) >= SGLANG_MOONCAKE_TCP else ()  # before: an InvalidSpec (test below)
     for tiers, tier_spec in TIERS.items():
         pools[f"unified-{tiers}"] = _pool(version, tiers=tier_spec)
         for backend in ("nixl", "mooncake", *tcp):
@@ -60,29 +50,17 @@ def _matrix(version: str) -> dict[str, dict[str, Any]]:
     return pools
 
 
+def _local(args: list[str]) -> list[str]:
+    args[args.index("--model-path") + 1] = str(TINY)
+    return [*args, "--device", "cpu"]
+
+
 def _argv(pool: dict[str, Any]) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for child in render_children(pool, parse_spec(pool["spec"], "p"), Settings()):
-        if child["kind"] != "Deployment":
-            continue
-        (engine,) = [c for c in child["spec"]["template"]["spec"]["containers"] if c["name"] == ENGINE_CONTAINER]
-        assert engine["command"] == ["python3", "-m", "sglang.launch_server"]
-        args = list(engine["args"])
-        i = args.index("--model-path")
-        args[i + 1] = str(TINY)
-        out[child["metadata"]["labels"]["kvfleet.io/role"]] = [*args, "--device", "cpu"]
-    return out
+    return engine_args(pool, ["python3", "-m", "sglang.launch_server"], _local)
 
 
 def run_sglang(version: str, cases: dict[str, list[str]], tmp: Path) -> dict[str, dict[str, Any]]:
-    py = engine_python("sglang", version)
-    path = tmp / f"cases-{version}.json"
-    path.write_text(json.dumps([{"id": k, "argv": v} for k, v in cases.items()]))
-    proc = subprocess.run([str(py), str(HERE / "sglang_check.py"), str(path)], capture_output=True, text=True, timeout=900,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    results = {r["id"]: r for r in (json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT "))}
-    assert set(results) == set(cases), f"sglang_check.py exited {proc.returncode}:\n{proc.stderr[-3000:]}"
-    return results
+    return run_checker("sglang", version, "sglang_check.py", cases, tmp, {})
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
@@ -136,7 +114,7 @@ def test_what_sglang_refuses_fails_the_check(tmp_path: Path) -> None:
 def test_tcp_transfer_before_mooncake_tcp_is_an_invalid_spec() -> None:
     for version in VERSIONS:
         pool = _pool(version, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, transfer={"backends": ["tcp"]})
-        if _version(version) >= SGLANG_MOONCAKE_TCP:
+        if release(version) >= SGLANG_MOONCAKE_TCP:
             assert "mooncake_tcp" in _argv(pool)["decode"]
         else:
             with pytest.raises(EngineVersionError, match="no TCP transfer backend"):

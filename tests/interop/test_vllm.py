@@ -21,20 +21,14 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvfleet.config import Settings
-from kvfleet.operator.engines import VLLM_TESTED, EngineVersionError
-from kvfleet.operator.manifests import ENGINE_CONTAINER, render_children
-from kvfleet.operator.spec import parse_spec
-from tests.interop.conftest import vllm_python
+from kvfleet.operator.engines import VLLM_MOONCAKE, VLLM_OFFLOAD_BYTES, VLLM_TESTED, EngineVersionError
+from tests.interop.conftest import TINY, engine_args, release, run_checker
 
-HERE = Path(__file__).resolve().parent
-TINY = HERE / "data" / "tiny-llama"
 VERSIONS = [".".join(map(str, v)) for v in VLLM_TESTED]
 
 TIERS: dict[str, list[dict[str, Any]]] = {
@@ -61,35 +55,26 @@ def _matrix(version: str) -> dict[str, dict[str, Any]]:
                 pools[f"{roles}-{tiers}-{algo}"] = _pool(version, "p", roles=role_spec, tiers=tier_spec, hashAlgo=algo, **extra)
     pools["fp8"] = _pool(version, "p", tiers=[{"name": "gpu", "gpuShare": 0.9, "codec": "fp8_e4m3"}])
     pools["block32"] = _pool(version, "p", blockSize=32, tiers=TIERS["cpu"])
-    if VLLM_TESTED[-1] >= tuple(int(x) for x in version.split(".")) >= (0, 13, 0):
+    if release(version) >= VLLM_MOONCAKE:
         pools["pd-mooncake-cpu"] = _pool(version, "p", roles=ROLES["pd"], tiers=TIERS["cpu"], transfer={"backends": ["mooncake"]})
     return pools
 
 
+def _local(args: list[str]) -> list[str]:
+    model, *rest = args
+    assert model == "meta-llama/Llama-3.1-8B-Instruct"
+    return ["--model", str(TINY), "--skip-tokenizer-init", *rest]
+
+
 def _engine_argv(pool: dict[str, Any]) -> dict[str, list[str]]:
     """role → the engine container's arguments, the model name replaced by the local config (no weights, no hub)."""
-    out: dict[str, list[str]] = {}
-    for child in render_children(pool, parse_spec(pool["spec"], "p"), Settings()):
-        if child["kind"] != "Deployment":
-            continue
-        (engine,) = [c for c in child["spec"]["template"]["spec"]["containers"] if c["name"] == ENGINE_CONTAINER]
-        assert engine["command"] == ["vllm", "serve"]
-        args = list(engine["args"])
-        assert args[0] == pool["spec"]["model"]["name"]
-        out[child["metadata"]["labels"]["kvfleet.io/role"]] = ["--model", str(TINY), "--skip-tokenizer-init", *args[1:]]
-    return out
+    return engine_args(pool, ["vllm", "serve"], _local)
 
 
 def run_vllm(version: str, cases: dict[str, list[str]], tmp: Path) -> dict[str, dict[str, Any]]:
     """vllm_check.py in vLLM ``version``'s venv over ``cases`` (id → argv); id → its result."""
-    py = vllm_python(version)
-    path = tmp / f"cases-{version}.json"
-    path.write_text(json.dumps([{"id": k, "argv": v} for k, v in cases.items()]))
-    proc = subprocess.run([str(py), str(HERE / "vllm_check.py"), str(path)], capture_output=True, text=True, timeout=900,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
-                               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "ERROR"})
-    results = {r["id"]: r for r in (json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT "))}
-    assert set(results) == set(cases), f"vllm_check.py exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    results = run_checker("vllm", version, "vllm_check.py", cases, tmp, {
+        "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "ERROR"})
     assert all(r["vllm"] == version for r in results.values())
     return results
 
@@ -131,7 +116,7 @@ def test_every_rendered_pod_is_accepted(checked: tuple[str, dict[str, Any], dict
 
 def test_vllm_builds_what_the_pool_asked_for(checked: tuple[str, dict[str, Any], dict[str, dict[str, Any]]]) -> None:
     version, pools, results = checked
-    v = tuple(int(x) for x in version.split("."))
+    v = release(version)
     for case, r in results.items():
         if not r["ok"]:
             continue  # reported by the test above
@@ -152,7 +137,7 @@ def test_vllm_builds_what_the_pool_asked_for(checked: tuple[str, dict[str, Any],
         elif "cpu" in tiers:
             (extra,) = [e for n, e in _connectors(r["kv_transfer"]) if n == "OffloadingConnector"]
             # vLLM's CPU offloading spec from 0.14 sizes the tier in bytes and refuses a config without them
-            assert ("cpu_bytes_to_use" in extra) == (v >= (0, 14, 0)), (case, extra)
+            assert ("cpu_bytes_to_use" in extra) == (v >= VLLM_OFFLOAD_BYTES), (case, extra)
         if tiers == {"gpu"} and role == "unified":
             assert names == [], (case, names)
 

@@ -37,10 +37,6 @@ BS = 16
 VLLM_HASH = {"sha256_cbor": "sha256_cbor", "xxh3_64": "sha256"}  # what the operator renders for the pool (docs/operator.md)
 
 
-def _free_port() -> int:
-    return free_port()
-
-
 class VllmPublisher:
     """vllm_publish.py in the vLLM venv: one vLLM publisher process."""
 
@@ -95,7 +91,7 @@ def algo(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def ports() -> tuple[int, int]:
-    return _free_port(), _free_port()
+    return free_port(), free_port()
 
 
 @pytest.fixture

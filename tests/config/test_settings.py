@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from kvfleet.config import ConfigError, Settings, load, to_dict
+from kvfleet.config.operator import OperatorSettings
 
 
 def test_defaults_build_and_round_trip(tmp_path: Path) -> None:
@@ -43,3 +44,12 @@ def test_top_level_must_be_mapping(tmp_path: Path) -> None:
     path.write_text("- 1\n")
     with pytest.raises(ConfigError, match="mapping"):
         load(path)
+
+
+@pytest.mark.parametrize("clash", [{"agent_transfer_port": 7000}, {"agent_kv_events_port": 5557}, {"agent_kv_events_port": 5556},
+                                   {"agent_metrics_port": 8000}, {"agent_transfer_port": 0}])
+def test_engine_pod_ports_must_differ(clash: dict[str, int]) -> None:
+    """The engine and the agent sidecar share a pod's network namespace: a port both would bind (the agent's KV-event
+    replay port is its events port + 1) is refused when the settings load, not found as a crash loop in the pod."""
+    with pytest.raises(ValueError, match="must differ|port number"):
+        OperatorSettings(**clash)

@@ -51,5 +51,5 @@ def test_top_level_must_be_mapping(tmp_path: Path) -> None:
 def test_engine_pod_ports_must_differ(clash: dict[str, int]) -> None:
     """The engine and the agent sidecar share a pod's network namespace: a port both would bind (the agent's KV-event
     replay port is its events port + 1) is refused when the settings load, not found as a crash loop in the pod."""
-    with pytest.raises(ValueError, match="must differ|port number"):
+    with pytest.raises(ValueError, match=r"must differ|port number"):
         OperatorSettings(**clash)

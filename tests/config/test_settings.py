@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -48,7 +49,7 @@ def test_top_level_must_be_mapping(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("clash", [{"agent_transfer_port": 7000}, {"agent_kv_events_port": 5557}, {"agent_kv_events_port": 5556},
                                    {"agent_metrics_port": 8000}, {"agent_transfer_port": 0}])
-def test_engine_pod_ports_must_differ(clash: dict[str, int]) -> None:
+def test_engine_pod_ports_must_differ(clash: dict[str, Any]) -> None:
     """The engine and the agent sidecar share a pod's network namespace: a port both would bind (the agent's KV-event
     replay port is its events port + 1) is refused when the settings load, not found as a crash loop in the pod."""
     with pytest.raises(ValueError, match=r"must differ|port number"):

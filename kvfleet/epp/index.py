@@ -2,11 +2,49 @@
 
 Write path (KV events, per pod, in order): :meth:`BlockIndex.add`,
 :meth:`BlockIndex.remove`, :meth:`BlockIndex.clear_pod`. Read path:
-:meth:`BlockIndex.match` walks a request's chained block keys and returns, per
-pod, the length of the longest prefix the pod holds and its tier-weighted
-value. Because keys are chained, block ``i`` being present means the pod had the
-whole prefix ``0..i`` when it stored it; the walk still stops at the first
-missing block (a hole left by eviction breaks reuse in vLLM too).
+:meth:`BlockIndex.match` returns, per pod, the length of the longest prefix of a
+request's chained block keys the pod holds and its tier-weighted value.
+
+**Storage.** Pods get small integer slots (freed slots are reused, oldest freed
+first). Exact entries live in one open-addressing hash table of numpy arrays
+keyed by (block key, pod slot), linear probing: ``keys`` (uint64), ``pods``
+(uint16; two reserved values mark an empty and a deleted slot, so every 64-bit key
+is a valid key) and ``mask`` (uint8, bit ``Tier.rank`` per tier held): 11 bytes per
+slot, grown at load 0.7 to load ≤ 0.5 (≈ 16–31 bytes per (block, pod) entry; the
+old ``key → {pod: mask}`` dicts cost ≈ 173). Writes are vectorized (one batch per
+event). The table is rebuilt into a new object, and the reference swapped, when
+live entries plus deleted slots pass the load limit.
+
+**Lookup: search, don't walk.** Keys are chained, so a pod holding the key at
+position ``i`` stored the whole prefix ``0..i`` when it stored it, and vLLM frees a
+request's blocks tail first (a parent is never evicted before its child): "held at
+``i``" is monotone in ``i``. :meth:`match` therefore finds each candidate pod's
+longest prefix by a binary search over positions, vectorized over the pods (each
+step is one batched probe of ``(keys[mid[p]], slot[p])``): O(pods · log blocks)
+numpy work. Tier weighting uses the same argument per tier: ``L_r``, the longest
+prefix held in tiers ``≤ r``, is monotone too, and the weighted hit is
+``Σ_r (L_r − L_{r−1}) · w_r`` (searched only for pods whose first and last held
+blocks sit in different tiers).
+
+**Holes** (a block removed while a later block of the same chain is still held:
+not produced by vLLM's tail-first eviction, but possible with lost or reordered
+events, or tier moves): when the candidates' longest prefixes total at most
+``exact_walk_blocks`` (default 4,096 block probes: a 4k-token prompt held by a
+dozen pods), the found prefixes are verified by one batched probe of every
+position and cut at the first hole, with exact per-block tier weights (what the
+old walk did). Beyond that budget the binary search's answer stands: a pod may be
+credited past a hole, by at most the blocks after it; such an over-prediction
+shows in ``kvfleet_epp_misprediction_tokens_total{direction="over"}``.
+``tests/epp/test_index.py`` pins both regimes.
+
+**Concurrency.** Writers (the ingestion thread, ``clear_pod`` from the datastore)
+serialize on a write lock; readers take no lock. A reader reads the table
+reference once and probes that object: a rebuild fills a new object and swaps the
+reference, so a reader sees the old table or the new one, never a half-built one.
+An in-place insert writes the key and the mask before the pod slot (the slot is
+what makes the entry visible; readers read the slot first), and a slot only turns
+from empty to used, so probe chains never break under a reader. A reader may miss
+an entry being added or still see one being removed; it never sees garbage.
 
 Speculative entries (:meth:`add_speculative`) record the picker's own picks
 until the pod's events confirm them or their TTL expires: without them, a burst
@@ -15,10 +53,11 @@ scatter. They are not dropped when an event about the key arrives: an event
 reports the pod's state when the prefill finished, while a later pick for the
 same prefix (queued behind it) re-admits the blocks; dropping entries on
 ``BlockRemoved`` lowered the routing simulation's hit rate (``docs/epp.md``).
-With events disabled they are the whole index (approximate mode).
-
-Tiers are a bit mask per (key, pod): bit ``Tier.rank``; the best (fastest) tier
-counts. All methods are thread-safe (one lock; the walk is short).
+With events disabled they are the whole index (approximate mode). They are capped
+at ``max_speculative`` entries: beyond it, expired picks are dropped, then the
+oldest picks, counted in :attr:`BlockIndex.speculative_dropped`. Speculative
+entries have their own lock (picks are written by the router's thread, events by
+the ingestion thread).
 """
 
 from __future__ import annotations
@@ -26,8 +65,13 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from kvfleet.cache.tiers import Tier
 
@@ -38,6 +82,25 @@ SPEC_DENSE = 64
 SPEC_STRIDE = 16
 SPEC_FAR = 1024
 SPEC_RESOLUTION = 64
+
+#: Pod-slot values that mark a free table slot: never used yet, or deleted (a "tombstone").
+EMPTY = 0xFFFF
+DELETED = 0xFFFE
+MAX_PODS = DELETED  # slots 0 .. MAX_PODS − 1
+MAX_LOAD = 0.7
+TARGET_LOAD = 0.5
+MIN_CAPACITY = 1 << 10
+WINDOW = 8  # slots probed per round (one cache line of keys)
+_MASK64 = (1 << 64) - 1
+_U64 = np.uint64
+_OFFSETS = np.arange(WINDOW, dtype=np.int64)
+_PHI, _M1, _M2 = _U64(0x9E3779B97F4A7C15), _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
+_S30, _S27, _S31 = _U64(30), _U64(27), _U64(31)
+#: probes per pod per search step (a SEARCH_FANOUT-ary search: 13,750 blocks in 4 steps)
+SEARCH_FANOUT = 16
+_FAN = np.arange(1, SEARCH_FANOUT, dtype=np.int64)
+#: best (lowest) tier rank of a 4-bit mask; −1 for 0
+_BEST_RANK = np.array([-1] + [(m & -m).bit_length() - 1 for m in range(1, 256)], dtype=np.int64)
 
 
 def _grid(limit: int = 1 << 32) -> list[int]:
@@ -59,8 +122,99 @@ def spec_positions(n: int) -> Sequence[int]:
     return out if out[-1] == n - 1 else [*out, n - 1]
 
 
-def _best_rank(mask: int) -> int:
-    return (mask & -mask).bit_length() - 1
+def _u64(keys: Iterable[int]) -> npt.NDArray[np.uint64]:
+    if isinstance(keys, np.ndarray):
+        return keys.astype(_U64, copy=False)
+    seq = keys if isinstance(keys, (list, tuple)) else list(keys)
+    try:
+        return np.array(seq, dtype=_U64)
+    except OverflowError:  # negative ints: their 64-bit two's complement, as to_int64 gives
+        return np.array([k & _MASK64 for k in seq], dtype=_U64)
+
+
+def _hash(keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
+    """splitmix64 of key ⊕ slot·φ: block keys may be small or sequential integers (tests, simulations)."""
+    x = keys ^ (slots.astype(_U64) * _PHI)  # arrays wrap silently (only numpy scalars warn)
+    x = (x ^ (x >> _S30)) * _M1
+    x = (x ^ (x >> _S27)) * _M2
+    out: npt.NDArray[np.uint64] = x ^ (x >> _S31)
+    return out
+
+
+class _Table:
+    """One open-addressing table; replaced whole (never resized in place) so readers need no lock."""
+
+    __slots__ = ("capacity", "deleted", "keys", "live", "mask", "pods", "wrap")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.wrap = capacity - 1
+        self.keys = np.zeros(capacity, dtype=_U64)
+        self.pods = np.full(capacity, EMPTY, dtype=np.uint16)
+        self.mask = np.zeros(capacity, dtype=np.uint8)
+        self.live = 0
+        self.deleted = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.pods.nbytes + self.mask.nbytes)
+
+    def find(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+        """Table position of each (key, slot), −1 where absent. Probes ``WINDOW`` slots per round."""
+        n = len(keys)
+        out = np.full(n, -1, dtype=np.int64)
+        if n == 0:
+            return out
+        slots = slots.astype(np.uint16, copy=False)
+        pos = (_hash(keys, slots) & _U64(self.wrap)).astype(np.int64)
+        idx = np.arange(n)
+        for _ in range(self.capacity // WINDOW + 1):
+            win = (pos[:, None] + _OFFSETS) & self.wrap
+            p = self.pods[win]  # the slot first: an entry is visible once its slot is written
+            hit = (p == slots[:, None]) & (self.keys[win] == keys[:, None])
+            empty = p == EMPTY
+            hit_any, empty_any = hit.any(axis=1), empty.any(axis=1)
+            hit_at = hit.argmax(axis=1)
+            found = hit_any & (~empty_any | (hit_at < empty.argmax(axis=1)))
+            if found.any():
+                out[idx[found]] = win[found, hit_at[found]]
+            cont = ~(found | empty_any)
+            if not cont.any():
+                break
+            idx, pos, keys, slots = idx[cont], pos[cont] + WINDOW, keys[cont], slots[cont]
+        return out
+
+    def insert(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any], masks: npt.NDArray[np.uint8]) -> None:
+        """Insert (key, slot) pairs known to be absent and distinct; the caller keeps the load below 1."""
+        n = len(keys)
+        if n == 0:
+            return
+        slots = slots.astype(np.uint16, copy=False)
+        pos = (_hash(keys, slots) & _U64(self.wrap)).astype(np.int64)
+        while len(keys):
+            win = (pos[:, None] + _OFFSETS) & self.wrap
+            free = self.pods[win] >= DELETED
+            has = free.any(axis=1)
+            target = win[np.arange(len(keys)), free.argmax(axis=1)]
+            cand = np.flatnonzero(has)
+            # several pairs may want one slot: the first of each wins, the others probe again
+            _, first = np.unique(target[cand], return_index=True)
+            won = cand[first]
+            at = target[won]
+            self.deleted -= int(np.count_nonzero(self.pods[at] == DELETED))
+            self.keys[at] = keys[won]
+            self.mask[at] = masks[won]
+            self.pods[at] = slots[won]  # last: publishes the entry
+            self.live += len(won)
+            rest = np.ones(len(keys), dtype=bool)
+            rest[won] = False
+            # a pair that found no free slot in its window moves on; a loser retries from its free slot
+            pos = np.where(has, target, pos + WINDOW)[rest]
+            keys, slots, masks = keys[rest], slots[rest], masks[rest]
+
+    def entries(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint16], npt.NDArray[np.uint8]]:
+        used = np.flatnonzero(self.pods < DELETED)
+        return self.keys[used], self.pods[used], self.mask[used]
 
 
 class Lease:
@@ -81,61 +235,133 @@ class PodMatch:
     speculative: int = 0
 
 
-class BlockIndex:
-    """key → {pod: tier mask}; plus speculative picks with an expiry (see module doc)."""
+def _capacity_for(n: int, floor: int = MIN_CAPACITY) -> int:
+    cap = floor
+    while n > cap * TARGET_LOAD:
+        cap <<= 1
+    return cap
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+
+class BlockIndex:
+    """(key, pod slot) → tier mask in one hash table; plus speculative picks with an expiry (see module doc)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        max_speculative: int = 1_000_000,
+        exact_walk_blocks: int = 4096,
+        initial_capacity: int = MIN_CAPACITY,
+    ) -> None:
         self.clock = clock
-        self._holders: dict[int, dict[str, int]] = {}
-        self._pod_keys: dict[str, set[int]] = {}
+        self.max_speculative = max(1, max_speculative)
+        self.exact_walk_blocks = exact_walk_blocks
+        self._floor = 1 << max(4, (initial_capacity - 1).bit_length())  # a power of two ≥ 16
+        self._table = _Table(self._floor)
+        self._slot: dict[str, int] = {}
+        self._names: list[str | None] = []
+        self._free: deque[int] = deque()
+        self._count = np.zeros(0, dtype=np.int64)
+        self._lock = threading.Lock()  # writers of the table
         self._spec: dict[int, dict[str, Lease]] = {}
-        self._lock = threading.Lock()
+        self._spec_n = 0
+        self._spec_picks: deque[tuple[Lease, str, list[int]]] = deque()
+        self._spec_lock = threading.Lock()
+        #: speculative entries dropped by the ``max_speculative`` bound (expired ones do not count)
+        self.speculative_dropped = 0
+
+    # --- slots -----------------------------------------------------------------------
+    def _acquire(self, pod: str) -> int:
+        s = self._slot.get(pod)
+        if s is not None:
+            return s
+        if self._free:
+            s = self._free.popleft()
+            self._names[s] = pod
+        else:
+            s = len(self._names)
+            if s >= MAX_PODS:
+                raise RuntimeError(f"the block index holds at most {MAX_PODS} pods")
+            self._names.append(pod)
+            if s >= len(self._count):
+                self._count = np.concatenate([self._count, np.zeros(max(64, len(self._count)), dtype=np.int64)])
+        self._slot[pod] = s
+        return s
+
+    def _reserve(self, extra: int) -> _Table:
+        """The table to insert ``extra`` more entries into: rebuilt (and swapped) above the load limit."""
+        t = self._table
+        if t.live + t.deleted + extra <= t.capacity * MAX_LOAD:
+            return t
+        new = _Table(_capacity_for(t.live + extra, self._floor))
+        k, s, m = t.entries()
+        new.insert(k, s, m)
+        self._table = new  # one reference swap: readers see the old table or the new one
+        return new
 
     # --- write path -------------------------------------------------------------------
     def add(self, pod: str, keys: Iterable[int], tier: Tier = Tier.GPU) -> None:
-        bit = 1 << tier.rank
+        k = np.unique(_u64(keys))
+        if not len(k):
+            return
+        bit = np.uint8(1 << tier.rank)
         with self._lock:
-            owned = self._pod_keys.setdefault(pod, set())
-            for k in keys:
-                holders = self._holders.get(k)
-                if holders is None:
-                    self._holders[k] = {pod: bit}
-                else:
-                    holders[pod] = holders.get(pod, 0) | bit
-                owned.add(k)
+            slot = self._acquire(pod)
+            slots = np.full(len(k), slot, dtype=np.uint16)
+            t = self._table
+            pos = t.find(k, slots)
+            held = pos >= 0
+            if held.any():
+                at = pos[held]
+                t.mask[at] |= bit
+            new = ~held
+            n = int(np.count_nonzero(new))
+            if n:
+                t = self._reserve(n)
+                t.insert(k[new], slots[new], np.full(n, bit, dtype=np.uint8))
+                self._count[slot] += n
 
     def remove(self, pod: str, keys: Iterable[int], tier: Tier | None = Tier.GPU) -> None:
         """Drop ``keys`` of ``pod`` from ``tier`` (``None``: from every tier)."""
-        clear = ~0 if tier is None else ~(1 << tier.rank)
         with self._lock:
-            owned = self._pod_keys.get(pod)
-            for k in keys:
-                holders = self._holders.get(k)
-                if holders is None or pod not in holders:
-                    continue
-                mask = holders[pod] & clear
-                if mask:
-                    holders[pod] = mask
-                    continue
-                del holders[pod]
-                if not holders:
-                    del self._holders[k]
-                if owned is not None:
-                    owned.discard(k)
+            slot = self._slot.get(pod)
+            if slot is None:
+                return
+            k = np.unique(_u64(keys))
+            t = self._table
+            pos = t.find(k, np.full(len(k), slot, dtype=np.uint16))
+            pos = pos[pos >= 0]
+            if not len(pos):
+                return
+            keep = np.uint8(0 if tier is None else 0xFF ^ (1 << tier.rank))
+            m = t.mask[pos] & keep
+            t.mask[pos] = m
+            gone = pos[m == 0]
+            t.pods[gone] = DELETED
+            t.live -= len(gone)
+            t.deleted += len(gone)
+            self._count[slot] -= len(gone)
 
     def clear_pod(self, pod: str) -> None:
-        """Forget everything ``pod`` holds (AllBlocksCleared, resync, pod gone)."""
+        """Forget everything ``pod`` holds (AllBlocksCleared, resync, pod gone); its slot is freed."""
         with self._lock:
-            for k in self._pod_keys.pop(pod, set()):
-                holders = self._holders.get(k)
-                if holders is not None:
-                    holders.pop(pod, None)
-                    if not holders:
-                        del self._holders[k]
+            slot = self._slot.pop(pod, None)
+            if slot is not None:
+                t = self._table
+                if self._count[slot]:
+                    gone = np.flatnonzero(t.pods == slot)
+                    t.pods[gone] = DELETED
+                    t.live -= len(gone)
+                    t.deleted += len(gone)
+                self._count[slot] = 0
+                self._names[slot] = None
+                self._free.append(slot)
+        with self._spec_lock:
             for k in [k for k, s in self._spec.items() if pod in s]:
                 del self._spec[k][pod]
+                self._spec_n -= 1
                 if not self._spec[k]:
                     del self._spec[k]
+            self._spec_picks = deque(p for p in self._spec_picks if p[1] != pod)
 
     def add_speculative(self, pod: str, keys: Sequence[int], ttl_s: float, now: float | None = None) -> Lease:
         """Record that ``pod`` will hold the prefix ``keys`` (until ``now + ttl_s``).
@@ -147,17 +373,41 @@ class BlockIndex:
         to the last sampled key found. A 220 KB prompt (13.7 k blocks) costs about 370 entries
         (915 with a fixed stride). Returns the pick's :class:`Lease`: :meth:`extend` moves the expiry of
         every entry still held by this pick at once (a later pick of the same key takes the entry over).
+        Beyond ``max_speculative`` entries, expired picks and then the oldest picks are dropped.
         """
-        lease = Lease((self.clock() if now is None else now) + ttl_s)
+        t = self.clock() if now is None else now
+        lease = Lease(t + ttl_s)
         spec = self._spec
-        with self._lock:
-            for i in spec_positions(len(keys)):
-                held = spec.get(keys[i])
+        sampled = [keys[i] for i in spec_positions(len(keys))]
+        with self._spec_lock:
+            for k in sampled:
+                held = spec.get(k)
                 if held is None:
-                    spec[keys[i]] = {pod: lease}
+                    spec[k] = {pod: lease}
+                    self._spec_n += 1
                 else:
+                    if pod not in held:
+                        self._spec_n += 1
                     held[pod] = lease
+            self._spec_picks.append((lease, pod, sampled))
+            if self._spec_n > self.max_speculative:
+                self._expire(t)
+                while self._spec_n > self.max_speculative and len(self._spec_picks) > 1:
+                    self.speculative_dropped += self._drop(*self._spec_picks.popleft())
         return lease
+
+    def _drop(self, lease: Lease, pod: str, keys: list[int]) -> int:
+        """Remove the entries one pick still holds (a later pick may have taken some over)."""
+        n = 0
+        for k in keys:
+            held = self._spec.get(k)
+            if held is not None and held.get(pod) is lease:
+                del held[pod]
+                n += 1
+                if not held:
+                    del self._spec[k]
+        self._spec_n -= n
+        return n
 
     def extend(self, lease: Lease, ttl_s: float, now: float | None = None) -> None:
         """Set a pick's speculative entries to expire ``ttl_s`` from now."""
@@ -165,16 +415,20 @@ class BlockIndex:
 
     def expire(self, now: float | None = None) -> int:
         """Drop expired speculative entries; returns how many."""
-        t = self.clock() if now is None else now
+        with self._spec_lock:
+            return self._expire(self.clock() if now is None else now)
+
+    def _expire(self, t: float) -> int:
         n = 0
-        with self._lock:
-            for k in list(self._spec):
-                s = self._spec[k]
-                for pod in [p for p, e in s.items() if e.expiry <= t]:
-                    del s[pod]
-                    n += 1
-                if not s:
-                    del self._spec[k]
+        for k in list(self._spec):
+            s = self._spec[k]
+            for pod in [p for p, e in s.items() if e.expiry <= t]:
+                del s[pod]
+                n += 1
+            if not s:
+                del self._spec[k]
+        self._spec_n -= n
+        self._spec_picks = deque(p for p in self._spec_picks if p[0].expiry > t)
         return n
 
     # --- read path --------------------------------------------------------------------
@@ -192,69 +446,201 @@ class BlockIndex:
         """
         t = self.clock() if now is None else now
         w = list(tier_weights)
-        blocks: dict[str, int] = {}
-        weighted: dict[str, float] = {}
-        spec_len: dict[str, int] = {}
-        with self._lock:
-            alive = set(pods)
-            for k in keys:
-                if not alive:
-                    break
-                holders = self._holders.get(k)
-                if holders is None:
-                    break
-                gone: list[str] = []
-                for pod in alive:
-                    mask = holders.get(pod, 0)
-                    if mask:
-                        blocks[pod] = blocks.get(pod, 0) + 1
-                        weighted[pod] = weighted.get(pod, 0.0) + w[_best_rank(mask)]
-                    else:
-                        gone.append(pod)
-                for pod in gone:
-                    alive.discard(pod)
-            if self._spec:
-                positions = spec_positions(len(keys))
-                first = self._spec.get(keys[positions[0]]) if len(positions) else None
-                for pod in set(pods):
-                    held = None if first is None else first.get(pod)
-                    if held is None or held.expiry <= t:
-                        continue
-                    # one pick stores a whole prefix, so "held at position i" is (nearly) monotone in i:
-                    # binary search for the last sampled position the pod holds
-                    lo, hi = 0, len(positions) - 1
-                    while lo < hi:
-                        mid = (lo + hi + 1) // 2
-                        spec = self._spec.get(keys[positions[mid]])
-                        lease = None if spec is None else spec.get(pod)
-                        if lease is not None and lease.expiry > t:
-                            lo = mid
-                        else:
-                            hi = mid - 1
-                    spec_len[pod] = positions[lo] + 1
-        out = {p: PodMatch(blocks=b, weighted=weighted[p]) for p, b in blocks.items()}
-        for pod, n in spec_len.items():
-            exact = out.get(pod, PodMatch())
-            if n > exact.blocks:
-                out[pod] = PodMatch(blocks=n, weighted=exact.weighted + (n - exact.blocks) * w[0], speculative=n - exact.blocks)
+        names = list(dict.fromkeys(pods))
+        out = self._exact(keys, names, w)
+        if self._spec:
+            spec_len = self._speculative(keys, names, t)
+            for pod, n in spec_len.items():
+                exact = out.get(pod, PodMatch())
+                if n > exact.blocks:
+                    out[pod] = PodMatch(blocks=n, weighted=exact.weighted + (n - exact.blocks) * w[0], speculative=n - exact.blocks)
         return out
 
+    def _exact(self, keys: Sequence[int], names: list[str], w: list[float]) -> dict[str, PodMatch]:
+        n = len(keys)
+        table = self._table  # read once: a concurrent rebuild swaps the reference, never this object
+        count = self._count
+        cand = [(p, s) for p in names if (s := self._slot.get(p)) is not None and s < len(count) and count[s] > 0]
+        if n == 0 or not cand:
+            return {}
+        arr = keys if isinstance(keys, np.ndarray) else None
+
+        def key_at(pos: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+            if arr is not None:
+                return arr[pos].astype(_U64, copy=False)
+            return _u64([keys[i] for i in pos.tolist()])
+
+        def masks_at(pos: npt.NDArray[np.int64], slots: npt.NDArray[np.uint16]) -> npt.NDArray[np.int64]:
+            at = table.find(key_at(pos), slots)
+            m = table.mask[np.maximum(at, 0)].astype(np.int64)
+            return np.where(at >= 0, m, 0)
+
+        slots = np.array([s for _, s in cand], dtype=np.uint16)
+        pnames = np.array([p for p, _ in cand], dtype=object)
+        c = len(slots)
+        ends = masks_at(np.repeat(np.array([0, n - 1], dtype=np.int64), c), np.tile(slots, 2))
+        m0, m_last = ends[:c], ends[c:]
+        has = m0 > 0
+        if not has.any():
+            return {}
+        slots, pnames, m0, m_last = slots[has], pnames[has], m0[has], m_last[has]
+        length, last = self._search(masks_at, slots, m0, n, 0xFF, m_last)
+        weighted = self._weigh(masks_at, slots, m0, last, length, w)
+        if int(length.sum()) <= self.exact_walk_blocks:
+            length, weighted = self._verify(key_at, table, slots, length, w)
+        return {str(p): PodMatch(blocks=int(b), weighted=float(x)) for p, b, x in zip(pnames, length, weighted, strict=True) if b > 0}
+
+    @staticmethod
+    def _search(
+        masks_at: Callable[[npt.NDArray[np.int64], npt.NDArray[np.uint16]], npt.NDArray[np.int64]],
+        slots: npt.NDArray[np.uint16],
+        m0: npt.NDArray[np.int64],
+        n: int,
+        bits: int,
+        m_last: npt.NDArray[np.int64] | None = None,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Per pod, the longest prefix (of ``n`` blocks) held in a tier of ``bits``, given that block 0 is
+        (``m0 & bits``); also the mask of the prefix's last block. A SEARCH_FANOUT-ary search: each step
+        probes SEARCH_FANOUT − 1 positions of every pod's open interval in one batch."""
+        lo = np.zeros(len(slots), dtype=np.int64)  # held (in ``bits``)
+        hi = np.full(len(slots), n, dtype=np.int64)  # not held (n: past the end)
+        last = m0.copy()
+        if n > 1:  # the prompt's last block first: a repeated prompt ends the search at once
+            m = masks_at(np.full(len(slots), n - 1, dtype=np.int64), slots) if m_last is None else m_last
+            full = (m & bits) > 0
+            lo[full] = n - 1
+            last[full] = m[full]
+            hi[~full] = n - 1
+        while True:
+            act = np.flatnonzero(hi - lo > 1)
+            if not len(act):
+                break
+            lo_a, hi_a = lo[act], hi[act]
+            mids = lo_a[:, None] + ((hi_a - lo_a)[:, None] * _FAN) // SEARCH_FANOUT
+            mids = np.minimum(np.maximum(mids, lo_a[:, None] + 1), hi_a[:, None] - 1)
+            m = masks_at(mids.ravel(), np.repeat(slots[act], len(_FAN))).reshape(mids.shape)
+            ok = (m & bits) > 0
+            best = np.where(ok, mids, -1).argmax(axis=1)
+            any_ok = ok.any(axis=1)
+            new_lo = np.where(any_ok, mids[np.arange(len(act)), best], lo_a)
+            # the first position above the new lower bound that is not held (a hole below it is not seen)
+            new_hi = np.where(~ok & (mids > new_lo[:, None]), mids, hi_a[:, None]).min(axis=1)
+            last[act[any_ok]] = m[np.arange(len(act)), best][any_ok]
+            lo[act], hi[act] = new_lo, new_hi
+        return lo + 1, last
+
+    def _weigh(
+        self,
+        masks_at: Callable[[npt.NDArray[np.int64], npt.NDArray[np.uint16]], npt.NDArray[np.int64]],
+        slots: npt.NDArray[np.uint16],
+        m0: npt.NDArray[np.int64],
+        last: npt.NDArray[np.int64],
+        length: npt.NDArray[np.int64],
+        w: list[float],
+    ) -> npt.NDArray[np.float64]:
+        """Σ_r (L_r − L_{r−1}) · w_r, with L_r the longest prefix held in tiers ≤ r (monotone in the position)."""
+        ranks = len(w)
+        prev = np.zeros(len(slots), dtype=np.int64)
+        out = np.zeros(len(slots), dtype=np.float64)
+        for r in range(ranks):
+            low = (1 << (r + 1)) - 1
+            if r == ranks - 1:
+                lr = length
+            else:
+                lr = np.where((m0 & low) > 0, length, 0)  # block 0 not in tiers ≤ r: L_r = 0
+                mixed = np.flatnonzero(((m0 & low) > 0) & ((last & low) == 0))
+                if len(mixed):  # first block in tiers ≤ r, last not: search the boundary
+                    sub, _ = self._search(masks_at, slots[mixed], m0[mixed], int(length[mixed].max()), low)
+                    lr[mixed] = np.minimum(sub, length[mixed])
+            lr = np.maximum(lr, prev)
+            out += (lr - prev) * w[r]
+            prev = lr
+        return out
+
+    @staticmethod
+    def _verify(
+        key_at: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.uint64]],
+        table: _Table,
+        slots: npt.NDArray[np.uint16],
+        length: npt.NDArray[np.int64],
+        w: list[float],
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+        """The old walk, batched: probe every block of each found prefix, cut at the first hole, weigh each
+        block by its best tier."""
+        total = int(length.sum())
+        owner = np.repeat(np.arange(len(slots)), length)
+        starts = np.cumsum(length) - length
+        pos = np.arange(total) - np.repeat(starts, length)
+        at = table.find(key_at(pos), slots[owner])
+        rank = np.where(at >= 0, _BEST_RANK[table.mask[np.maximum(at, 0)]], -1)
+        held = rank >= 0
+        holes = np.flatnonzero(~held)
+        cut = length.copy()
+        if len(holes):
+            first = np.full(len(slots), total, dtype=np.int64)
+            np.minimum.at(first, owner[holes], holes)
+            cut = np.minimum(cut, np.where(first < total, first - starts, cut))
+        keep = pos < cut[owner]
+        wt = np.append(np.asarray(w, dtype=np.float64), 0.0)[np.where(held, rank, len(w))]
+        weighted = np.bincount(owner[keep], weights=wt[keep], minlength=len(slots)).astype(np.float64)
+        return cut.astype(np.int64), weighted
+
+    def _speculative(self, keys: Sequence[int], names: list[str], t: float) -> dict[str, int]:
+        spec_len: dict[str, int] = {}
+        positions = spec_positions(len(keys))
+        first = self._spec.get(keys[positions[0]]) if len(positions) else None
+        if first is None:
+            return spec_len
+        for pod in names:
+            held = first.get(pod)
+            if held is None or held.expiry <= t:
+                continue
+            # one pick stores a whole prefix, so "held at position i" is (nearly) monotone in i:
+            # binary search for the last sampled position the pod holds
+            lo, hi = 0, len(positions) - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                spec = self._spec.get(keys[positions[mid]])
+                lease = None if spec is None else spec.get(pod)
+                if lease is not None and lease.expiry > t:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            spec_len[pod] = positions[lo] + 1
+        return spec_len
+
     def pod_tiers(self, pod: str, key: int) -> set[Tier]:
-        with self._lock:
-            mask = self._holders.get(key, {}).get(pod, 0)
+        slot = self._slot.get(pod)
+        if slot is None:
+            return set()
+        table = self._table
+        at = int(table.find(_u64([key]), np.array([slot], dtype=np.uint16))[0])
+        mask = int(table.mask[at]) if at >= 0 else 0
         return {t for t in Tier if mask & (1 << t.rank)}
 
     @property
+    def num_entries(self) -> int:
+        """(block, pod) entries held (a block held by three pods counts three times)."""
+        return self._table.live
+
+    @property
     def num_keys(self) -> int:
-        return len(self._holders)
+        """Same as :attr:`num_entries` (distinct keys are not counted: the table is keyed by (block, pod))."""
+        return self._table.live
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the exact table's arrays."""
+        return self._table.nbytes
 
     def num_pod_keys(self, pod: str) -> int:
-        return len(self._pod_keys.get(pod, ()))
+        slot = self._slot.get(pod)
+        return 0 if slot is None else int(self._count[slot])
 
     @property
     def num_speculative(self) -> int:
-        return sum(len(s) for s in self._spec.values())
+        return self._spec_n
 
     def pods(self) -> list[str]:
         with self._lock:
-            return [p for p, keys in self._pod_keys.items() if keys]
+            return [p for p, s in self._slot.items() if self._count[s] > 0]

@@ -243,13 +243,13 @@ class Router:
                         hit_tokens = min(num_tokens, pranked.pods[0].hit_blocks * block_size)
                         uncached = num_tokens - hit_tokens
             picked = (best.name,) if prefiller is None else (best.name, prefiller.name)
-            ttl = self.settings.speculative_ttl_s if self.settings.events_enabled else self.settings.approximate_ttl_s
+            ttl = {name: self.pick_ttl(pod) for name, pod in ((best.name, best.pod), *([(prefiller.name, prefiller)] if prefiller else []))}
 
             leases = {name: self.index.add_speculative(name, keys, self.tracker.max_age_s) for name in picked}
 
             def refresh() -> None:  # the TTL counts from the first token: a long queue must not expire the entry
-                for lease in leases.values():
-                    self.index.extend(lease, ttl)
+                for name, lease in leases.items():
+                    self.index.extend(lease, ttl.get(name, self.settings.speculative_ttl_s))
 
             ticket = self.tracker.open(picked, shard, float(uncached), on_first_byte=refresh)
         by_endpoint = {c.pod.endpoint: c.pod for c in ranked.pods}
@@ -261,6 +261,7 @@ class Router:
                 return False
             leases[best.name].expiry = 0.0
             leases[pod.name] = self.index.add_speculative(pod.name, keys, self.tracker.max_age_s)
+            ttl[pod.name] = self.pick_ttl(pod)
             self.tracker.move(ticket, best.name, pod.name)
             return True
 
@@ -320,6 +321,13 @@ class Router:
             if min(self._waiting(p) for p in pods) < self.settings.pool_saturation_queue:
                 return [(g, pods)]
         return [ready[0]]
+
+    def pick_ttl(self, pod: Pod) -> float:
+        """How long after its first token a pick on ``pod`` counts as cached there: until the pod's KV events
+        take over (``speculative_ttl_s``), or, for a pod whose engine publishes none (events off, or an engine
+        whose events cannot be indexed: the operator leaves its events annotation empty), ``approximate_ttl_s``."""
+        s = self.settings
+        return s.speculative_ttl_s if s.events_enabled and pod.events else s.approximate_ttl_s
 
     def unreachable(self, d: Decision, endpoint: str) -> None:
         """The gateway found nothing listening at ``endpoint`` (one of ``d``'s): out of rotation until a metrics

@@ -64,6 +64,8 @@ class EngineContainer:
     command: tuple[str, ...] = ()
     args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
+    #: the engine publishes KV events the EPP can index (False: the EPP routes the pod on its own picks)
+    kv_events: bool = True
 
 
 Renderer = Callable[[PoolSpec, str, OperatorSettings], EngineContainer]
@@ -200,6 +202,11 @@ def vllm_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> EngineCo
 
 #: The first SGLang with ``--disaggregation-transfer-backend mooncake_tcp`` known here (0.5.3 lacks it).
 SGLANG_MOONCAKE_TCP: Version = (0, 5, 23)
+#: The first SGLang whose KV events place a page in its prompt: a position-aware hash chain and the parent link of a
+#: node's first page (0.5.6). Before, a page was hashed by its tokens alone and every radix node's first page had no
+#: parent, so follow-up turns and split nodes could not be indexed (tests/interop/test_sglang_events.py): those
+#: images publish no KV events and the EPP keeps their picks as an approximate index instead.
+SGLANG_CHAINED_EVENTS: Version = (0, 5, 6)
 #: SGLang releases whose rendered flags are checked against SGLang's own ServerArgs (tests/interop).
 SGLANG_TESTED: tuple[Version, ...] = ((0, 5, 3), (0, 5, 23))
 
@@ -220,8 +227,10 @@ def sglang_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> Engine
         "--port", str(settings.engine_port),
         "--page-size", str(spec.block_size),
         "--enable-metrics",
-        "--kv-events-config", json.dumps(kv_events_config(settings), separators=(",", ":")),
     ]
+    events = _at_least(version, SGLANG_CHAINED_EVENTS)
+    if events:
+        args += ["--kv-events-config", json.dumps(kv_events_config(settings), separators=(",", ":"))]
     env: list[dict[str, Any]] = []
     if spec.model.tokenizer:
         args += ["--tokenizer-path", spec.model.tokenizer]
@@ -250,7 +259,8 @@ def sglang_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> Engine
                                      "(mooncake_tcp came by 0.5.23): list nixl or mooncake, or use a newer engine.image")
         args += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", backend]
     args += list(spec.engine.args)
-    return EngineContainer(image=image, command=("python3", "-m", "sglang.launch_server"), args=tuple(args), env=tuple(env))
+    return EngineContainer(image=image, command=("python3", "-m", "sglang.launch_server"), args=tuple(args), env=tuple(env),
+                           kv_events=events)
 
 
 def sim_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> EngineContainer:

@@ -385,8 +385,9 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
                     "annotations": {
                         ANN_CONFIG_HASH: config_hash,
                         ANN_MODEL: spec.model.name,
-                        ANN_EVENTS: str(op.kv_events_port),
-                        ANN_REPLAY: str(op.kv_events_replay_port),
+                        # "": the engine publishes no KV events the EPP can index (it keeps this pod's picks instead)
+                        ANN_EVENTS: str(op.kv_events_port) if engine.kv_events else "",
+                        ANN_REPLAY: str(op.kv_events_replay_port) if engine.kv_events else "",
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(op.engine_port),
                     },

@@ -20,12 +20,37 @@ class TestMatch:
     """match() counts the longest held prefix per pod and weights it by the best tier held."""
 
     def test_prefix_stops_at_first_hole(self) -> None:
+        """Within the exact-walk budget the found prefixes are verified block by block: a hole cuts them."""
         idx = BlockIndex()
         idx.add("a", [1, 2, 3, 4])
         idx.add("b", [1, 2])
         idx.remove("a", [3])
         m = idx.match([1, 2, 3, 4], ["a", "b", "c"])
         assert (m["a"].blocks, m["b"].blocks) == (2, 2) and "c" not in m
+
+    def test_search_beyond_the_walk_budget_credits_past_a_hole(self) -> None:
+        """Beyond ``exact_walk_blocks`` the binary search's answer stands (chained keys: "held" is monotone
+        unless events were lost): a pod holding the prompt's last block is credited in full despite a hole,
+        and one whose chain ends at block 59 is credited 60 blocks whatever the holes below."""
+        keys = list(range(100, 200))
+        for budget, expected in ((0, (100, 60)), (10_000, (49, 49))):
+            idx = BlockIndex(exact_walk_blocks=budget)
+            idx.add("a", keys)
+            idx.add("b", keys[:60])
+            idx.remove("a", [keys[49]])
+            idx.remove("b", [keys[49]])
+            m = idx.match(keys, ["a", "b"])
+            assert (m["a"].blocks, m["b"].blocks) == expected, budget
+
+    def test_search_finds_every_prefix_length(self) -> None:
+        keys = [(k * 0x9E3779B97F4A7C15) & ((1 << 64) - 1) for k in range(1, 1001)]
+        idx = BlockIndex(exact_walk_blocks=0, initial_capacity=16)
+        lengths = [0, 1, 2, 15, 16, 17, 255, 256, 999, 1000]
+        for i, n in enumerate(lengths):
+            idx.add(f"p{i}", keys[:n])
+        m = idx.match(keys, [f"p{i}" for i in range(len(lengths))] + ["nobody"])
+        assert {p: x.blocks for p, x in m.items()} == {f"p{i}": n for i, n in enumerate(lengths) if n}
+        assert idx.num_entries == sum(lengths) and idx.num_pod_keys("p8") == 999
 
     def test_tier_weights(self) -> None:
         idx = BlockIndex()
@@ -58,6 +83,34 @@ class TestMatch:
         credited = idx.match([*keys[:1000], 1, 2], ["a"], now=1.0)["a"].blocks  # a shorter prompt of the same prefix
         assert credited == max(p for p in spec_positions(2000) if p < 1000) + 1 and 1000 - 16 <= credited <= 1000
         assert spec_positions(3000)[: len(spec_positions(2000)) - 1] == list(spec_positions(2000))[:-1]  # one grid
+
+    def test_tier_weights_by_search(self) -> None:
+        """Without the walk, L_r (the prefix held in tiers ≤ r) is searched per tier: Σ (L_r − L_{r−1}) · w_r."""
+        keys = list(range(1, 301))
+        idx = BlockIndex(exact_walk_blocks=0)
+        idx.add("a", keys[:100], Tier.GPU)
+        idx.add("a", keys[:250], Tier.CPU)
+        idx.add("a", keys[:300], Tier.SSD)
+        m = idx.match(keys, ["a"], tier_weights=[1.0, 0.5, 0.25, 0.0])["a"]
+        assert (m.blocks, m.weighted) == (300, 100 * 1.0 + 150 * 0.5 + 50 * 0.25)
+        walked = BlockIndex()
+        walked.add("a", keys[:100], Tier.GPU)
+        walked.add("a", keys[:250], Tier.CPU)
+        walked.add("a", keys[:300], Tier.SSD)
+        assert walked.match(keys, ["a"], tier_weights=[1.0, 0.5, 0.25, 0.0])["a"] == m
+
+    def test_speculative_entries_are_capped(self) -> None:
+        """Beyond ``max_speculative`` the oldest picks go first (counted); the newest stay."""
+        idx = BlockIndex(max_speculative=100)
+        old, new = list(range(1000, 1064)), list(range(2000, 2064))
+        idx.add_speculative("a", old, ttl_s=10, now=0.0)
+        idx.add_speculative("b", new, ttl_s=10, now=0.0)
+        assert idx.num_speculative == 64 and idx.speculative_dropped == 64
+        assert idx.match(old, ["a"], now=1.0) == {} and idx.match(new, ["b"], now=1.0)["b"].blocks == 64
+        idx.add_speculative("c", old[:30], ttl_s=1, now=0.0)  # 94 entries
+        idx.add_speculative("d", old[:30], ttl_s=10, now=5.0)  # 124 > 100: the expired pick c goes, not the oldest b
+        assert idx.speculative_dropped == 64 and idx.num_speculative == 94
+        assert idx.match(new, ["b"], now=5.0)["b"].blocks == 64 and idx.match(old[:30], ["c", "d"], now=5.0).keys() == {"d"}
 
     def test_clear_pod(self) -> None:
         idx = BlockIndex()

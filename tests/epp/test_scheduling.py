@@ -292,6 +292,18 @@ class TestApproximateMode:
         assert again.pod == first.pod and again.predicted_hit_tokens == (len(PROMPT) // 16) * 16 == 70 * 16
 
 
+    def test_pods_without_kv_events_keep_picks_for_the_approximate_ttl(self) -> None:
+        """With events on, a pod whose engine publishes none (no events endpoint: the operator leaves the annotation
+        empty for engines whose events cannot be indexed) keeps its picks for approximate_ttl_s, the others until
+        their events take over (speculative_ttl_s)."""
+        data = pools(2)
+        data["pools"][0]["pods"][0]["events"] = "tcp://10.0.0.1:5557"
+        r = router(data, speculative_ttl_s=1.0, approximate_ttl_s=60.0)
+        pods = {p.name: p for p in r.datastore.pools()[0].pods}
+        assert r.pick_ttl(pods["p0-0"]) == 1.0 and r.pick_ttl(pods["p0-1"]) == 60.0
+        assert router(data, events_enabled=False, approximate_ttl_s=60.0).pick_ttl(pods["p0-0"]) == 60.0
+
+
 class TestScrapedWaiting:
     """The engine's ``waiting`` gauge counts the picker's own requests as they were at the scrape: a request
     whose first token came back since must not become a phantom foreign request that outweighs a hit."""

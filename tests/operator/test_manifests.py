@@ -192,3 +192,19 @@ def test_apply_never_takes_over_foreign_objects() -> None:
     unowned = copy.deepcopy(svc)
     del unowned["metadata"]["ownerReferences"]
     check_owner(unowned, svc)  # nobody's controller: adopted by the apply
+
+
+@pytest.mark.parametrize(("image", "events"), [("lmsysorg/sglang:v0.5.3-cu126", False), ("lmsysorg/sglang:v0.5.6", True),
+                                               ("lmsysorg/sglang:v0.5.23", True), ("lmsysorg/sglang:latest", True)])
+def test_sglang_pods_publish_kv_events_only_where_they_can_be_indexed(image: str, events: bool) -> None:
+    """SGLang before 0.5.6 hashes a page by its tokens alone and gives a radix node's first page no parent: its pods get
+    no ``--kv-events-config`` and empty KV-event annotations, so the EPP subscribes to nothing there and keeps its
+    picks on them as an approximate index (tests/interop/test_sglang_events.py shows what its events lose)."""
+    obj = copy.deepcopy(samples.MINIMAL)
+    obj["spec"]["engine"] = {"kind": "sglang", "image": image}
+    (dep,) = [c for c in _render(obj) if c["kind"] == "Deployment"]
+    pod = dep["spec"]["template"]
+    (engine,) = [c for c in pod["spec"]["containers"] if c["name"] != AGENT_CONTAINER]
+    assert ("--kv-events-config" in engine["args"]) is events
+    ann = pod["metadata"]["annotations"]
+    assert (ann["kvfleet.io/kv-events-port"], ann["kvfleet.io/kv-replay-port"]) == (("5557", "5558") if events else ("", ""))

@@ -2,9 +2,17 @@
 
 A :class:`Ticket` is opened at the pick; :meth:`Ticket.first_byte` (response
 headers came back: the prefill is done) removes its predicted uncached tokens
-from the pod's pending work; :meth:`Ticket.close` (stream end) removes it from
+from the pod's pending work and its count from the hot-spot counter
+(:meth:`InflightTracker.same_prefix`: requests of one prefix still waiting for
+their first token on a pod); :meth:`Ticket.close` (stream end) removes it from
 the in-flight counts. Both are idempotent. Tickets older than ``max_age_s``
 are reaped so a lost stream cannot pin a pod as busy.
+
+The hot-spot counter counts a request only until its first token: a request
+that is decoding no longer competes for the pod's prefill, so it must not damp
+the hit of the next request of its prefix (counting until stream end let dozens
+of decoding requests of one application outweigh a session's own history;
+``hot_until_close=True`` keeps that former behaviour for comparisons).
 
 :meth:`InflightTracker.pending_at` answers "how many of my requests were still
 waiting for their first token on this pod at time ``t``" (the instant a metrics
@@ -44,6 +52,8 @@ class Ticket:
         self.started = tracker.clock()
         self.pending = True
         self.open = True
+        #: counted in the tracker's hot-spot counter under ``prefix``
+        self.hot = True
 
     def first_byte(self) -> None:
         self.tracker._first_byte(self)
@@ -53,8 +63,12 @@ class Ticket:
 
 
 class InflightTracker:
-    def __init__(self, max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic, history_s: float = 10.0) -> None:
+    def __init__(
+        self, max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic, history_s: float = 10.0,
+        hot_until_close: bool = False,
+    ) -> None:
         self.clock = clock
+        self.hot_until_close = hot_until_close
         self.max_age_s = max_age_s
         self.history_s = history_s
         #: per pod: (opened, first token) of tickets whose first token came back in the last ``history_s``
@@ -93,6 +107,8 @@ class InflightTracker:
                 recent.append((t.started, now))
                 while recent and recent[0][1] < now - self.history_s:
                     recent.popleft()
+            if not self.hot_until_close:
+                self._cool(t)
         if t.on_first_byte is not None:
             t.on_first_byte()
 
@@ -105,10 +121,21 @@ class InflightTracker:
             self._tickets.pop(t.id, None)
             for pod in t.pods:
                 self._loads[pod].inflight = max(0, self._loads[pod].inflight - 1)
-                key = (pod, t.prefix)
-                self._prefix[key] -= 1
-                if self._prefix[key] <= 0:
-                    del self._prefix[key]
+            self._cool(t)
+
+    def _cool(self, t: Ticket) -> None:
+        """Takes ``t`` out of the hot-spot counter (idempotent; the caller holds the lock)."""
+        if not t.hot:
+            return
+        t.hot = False
+        for pod in t.pods:
+            self._uncount(pod, t.prefix)
+
+    def _uncount(self, pod: str, prefix: int) -> None:
+        key = (pod, prefix)
+        self._prefix[key] -= 1
+        if self._prefix[key] <= 0:
+            del self._prefix[key]
 
     def move(self, t: Ticket, old: str, new: str) -> None:
         """The request of ``t`` is served by ``new`` instead of ``old`` (the gateway used a fallback)."""
@@ -120,9 +147,8 @@ class InflightTracker:
             if t.open:
                 src.inflight = max(0, src.inflight - 1)
                 dst.inflight += 1
-                self._prefix[(old, t.prefix)] -= 1
-                if self._prefix[(old, t.prefix)] <= 0:
-                    del self._prefix[(old, t.prefix)]
+            if t.hot:
+                self._uncount(old, t.prefix)
                 self._prefix[(new, t.prefix)] += 1
             if t.pending:
                 src.pending_tokens = max(0.0, src.pending_tokens - t.tokens)
@@ -151,6 +177,8 @@ class InflightTracker:
         return n
 
     def same_prefix(self, pod: str, prefix: int) -> int:
+        """The picker's requests keyed ``prefix`` on ``pod`` still waiting for their first token
+        (until their stream ends with ``hot_until_close``)."""
         return self._prefix.get((pod, prefix), 0)
 
     def forget(self, pod: str) -> None:

@@ -18,7 +18,10 @@
    and the engine reports its ``cached_tokens``), else the serving pod's;
 4. record the pick: a speculative index entry on the chosen pod(s) (until the
    pod's events confirm it, or ``speculative_ttl_s`` after its first token) and
-   an in-flight ticket (load, hot-spot decay, pending prefill work);
+   an in-flight ticket (load, hot-spot decay, pending prefill work); the ticket
+   counts for hot-spot decay under the request's *hot key* (:meth:`Router.hotspot_key`:
+   the key of the longest prefix any candidate holds), so requests damp each other
+   only when they would hit the same cached prefix, not merely share a shard;
 5. when the gateway reports that another endpoint of the list served the request
    (a fallback), :meth:`Decision.served` moves the ticket and the speculative entry there.
 """
@@ -220,7 +223,7 @@ class Router:
         home = {p.name: (g, pods) for g, pods in groups for p in pods}
         serving = [p for g, pods in groups for p in pods if not g.disaggregated or p.role in ("both", "decode")]
         with self._lock:
-            cands = self._candidates(serving, keys, shard)
+            cands, hot = self._candidates(serving, keys, shard)
             if self.settings.shed_queue > 0 and all(waiting_of(c) >= self.settings.shed_queue for c in cands):
                 raise SheddingError(f"every pod of pool {invoked.name!r} is above the shedding threshold")
             ranked = profile.run(sreq, cands)
@@ -235,7 +238,7 @@ class Router:
             if disagg and uncached >= self.settings.pd_min_uncached_tokens:
                 pre = [p for p in pods if p.role in ("both", "prefill") and p.name != best.name]
                 if pre:
-                    pranked = profile.run(sreq, self._candidates(pre, keys, shard))
+                    pranked = profile.run(sreq, self._candidates(pre, keys, shard, hot)[0])
                     if pranked.pods:
                         prefiller = pranked.pods[0].pod
                         # The prefill pod computes the prompt and its cache is what the engine reports as
@@ -251,7 +254,7 @@ class Router:
                 for name, lease in leases.items():
                     self.index.extend(lease, ttl.get(name, self.settings.speculative_ttl_s))
 
-            ticket = self.tracker.open(picked, shard, float(uncached), on_first_byte=refresh)
+            ticket = self.tracker.open(picked, hot, float(uncached), on_first_byte=refresh)
         by_endpoint = {c.pod.endpoint: c.pod for c in ranked.pods}
 
         def served(endpoint: str) -> bool:
@@ -346,8 +349,22 @@ class Router:
         _, _, pending = self.tracker.load(pod.name)
         return max(m.waiting, pending) if m is not None else float(pending)
 
-    def _candidates(self, pods: Sequence[Pod], keys: Sequence[int], shard: int) -> list[Candidate]:
+    def hotspot_key(self, keys: Sequence[int], longest: int, shard: int) -> int:
+        """The key a request is counted under for hot-spot decay: the key of the longest prefix
+        (``longest`` blocks) any candidate holds, else the shard key. Requests damp each other only
+        when they would hit the same cached prefix: a storm of one long prompt prefix is counted as
+        one hot spot, while sessions of one application (one shard, each with its own history)
+        are not counted against each other."""
+        return keys[longest - 1] if 0 < longest <= len(keys) else shard
+
+    def _candidates(
+        self, pods: Sequence[Pod], keys: Sequence[int], shard: int, hot: int | None = None,
+    ) -> tuple[list[Candidate], int]:
+        """One candidate per pod, and the hot key their ``same_prefix`` counts (``hot``, else
+        :meth:`hotspot_key` of the longest match among ``pods``)."""
         matches = self.index.match(keys, [p.name for p in pods], self.tier_weights)
+        if hot is None:
+            hot = self.hotspot_key(keys, max((m.blocks for m in matches.values()), default=0), shard)
         out = []
         for p in pods:
             m = matches.get(p.name)
@@ -362,11 +379,11 @@ class Router:
                     hit_weighted=m.weighted if m else 0.0,
                     spec_blocks=m.speculative if m else 0,
                     inflight=inflight,
-                    same_prefix=self.tracker.same_prefix(p.name, shard),
+                    same_prefix=self.tracker.same_prefix(p.name, hot),
                     pending_tokens=pending_tokens,
                     pending_requests=pending_requests,
                     metrics=pm,
                     scrape_pending=scrape_pending,
                 )
             )
-        return out
+        return out, hot

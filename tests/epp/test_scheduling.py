@@ -66,7 +66,8 @@ class TestScorers:
         return Candidate(pod=Pod(name=name, address="a", port=1), **kw)
 
     def test_formula(self) -> None:
-        """hit_s·(1+g·ρ)/(1+β·same_prefix) − (pending·t + n_pending·overhead) − w_kv·kv, each term checked."""
+        """hit_s·(1+g·ρ)/(1+β·same_prefix) − (pending·t + n_pending·overhead) − w_kv·kv, each term checked;
+        ρ from the least-queued candidate's queue."""
         prof = Profile([
             PluginSpec(type="prefix-cache-scorer", params={"load_gain": 2.0}),
             PluginSpec(type="queue-scorer", params={"overhead_s": 0.0}),
@@ -74,17 +75,18 @@ class TestScorers:
             PluginSpec(type="max-score-picker", params={"fallbacks": 5}),
         ])
         req = SchedulingRequest(num_tokens=1600, block_size=16, prefill_s_per_token=1e-4, hotspot_beta=0.5)
-        hit = self.cand("hit", hit_blocks=50, hit_weighted=50.0, same_prefix=2)
+        hit = self.cand("hit", hit_blocks=50, hit_weighted=50.0, same_prefix=2, pending_tokens=1600)
         busy = self.cand("busy", hit_blocks=100, hit_weighted=100.0, pending_tokens=4800)
-        kv = self.cand("kv", metrics=PodMetrics(kv_usage=1.0, scraped_at=0))
+        kv = self.cand("kv", metrics=PodMetrics(kv_usage=1.0, scraped_at=0), pending_tokens=3200)
         ranked = prof.run(req, [hit, busy, kv])
         scores = dict(zip((c.name for c in ranked.pods), ranked.scores, strict=True))
-        q_mean = 4800 / 3 * 1e-4
-        gain = 1 + 2.0 * q_mean / (q_mean + 0.16)
-        assert scores["hit"] == pytest.approx(50 * 16 * 1e-4 * gain / 2.0)
+        q_min = 1600 * 1e-4
+        gain = 1 + 2.0 * q_min / (q_min + 0.16)
+        assert gain == pytest.approx(2.0)
+        assert scores["hit"] == pytest.approx(50 * 16 * 1e-4 * gain / 2.0 - 0.16)
         assert scores["busy"] == pytest.approx(100 * 16 * 1e-4 * gain - 0.48)
-        assert scores["kv"] == pytest.approx(-0.05)
-        assert ranked.pods[0].name == "hit"  # gain = 2: 0.08 vs 0.32 − 0.48
+        assert scores["kv"] == pytest.approx(-0.05 - 0.32)
+        assert ranked.pods[0].name == "hit"  # −0.08 vs 0.32 − 0.48
 
     def test_idle_cluster_values_hits_at_their_latency(self) -> None:
         """With nothing queued (ρ = 0) the load gain does not apply: a hit is worth the prefill it saves."""
@@ -124,8 +126,9 @@ class TestRouting:
         d = r.route(InferenceRequest(model="m", prompt=PROMPT, cache_salt="tenant-b"))
         assert d.predicted_hit_tokens == 0
 
-    def burst(self, beta: float, plugins: list[dict[str, Any]] | None = None) -> list[str]:
-        """A computed prefix, then 12 same-prefix requests in flight at once."""
+    def burst(self, beta: float, plugins: list[dict[str, Any]] | None = None, decoding: bool = False) -> list[str]:
+        """A computed prefix, then 12 same-prefix requests in flight at once (waiting for their first token,
+        or with ``decoding`` already past it)."""
         r = router(hotspot_beta=beta, **({"plugins": plugins} if plugins else {}))
         first = r.route(InferenceRequest(model="m", prompt=PROMPT))
         assert first.ticket is not None
@@ -134,7 +137,8 @@ class TestRouting:
         for i in range(12):
             d = r.route(InferenceRequest(model="m", prompt=PROMPT + f" q{i}"))
             assert d.ticket is not None
-            d.ticket.first_byte()  # prefilled, now decoding: in flight on the pod
+            if decoding:
+                d.ticket.first_byte()  # prefilled, now decoding: in flight on the pod
             out.append(d.pod)
         return [first.pod, *out]
 
@@ -143,11 +147,17 @@ class TestRouting:
         assert picks[1] == picks[0]
 
     def test_hotspot_decay_spreads_a_burst(self) -> None:
-        """Seed 5.4: hot-spot decay lowers the hit value of a pod already busy with the same prefix."""
+        """Seed 5.4: hot-spot decay lowers the hit value of a pod already busy with the same prefix
+        (requests still waiting for their first token there)."""
         spread = self.burst(beta=1.0)
         flat = self.burst(beta=0.0)
         assert len(set(spread)) == 3
         assert spread.count(spread[0]) < flat.count(flat[0])
+
+    def test_decoding_requests_are_no_hot_spot(self) -> None:
+        """A request past its first token no longer competes for the pod's prefill: it does not damp the
+        next hit of its prefix (counted until the stream's end, a dozen decoding requests spread the burst)."""
+        assert len(set(self.burst(beta=1.0, decoding=True))) == 1
 
     def test_without_decay_and_load_the_burst_piles_up(self) -> None:
         picks = self.burst(beta=0.0, plugins=[{"type": "prefix-cache-scorer"}, {"type": "max-score-picker"}])

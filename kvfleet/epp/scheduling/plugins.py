@@ -45,18 +45,24 @@ def waiting_of(c: Candidate) -> float:
 
 @register("prefix-cache-scorer", "scorer")
 class PrefixCacheScorer:
-    """Prefill seconds the pod's cached prefix saves, damped on hot spots, valued more under load.
+    """Prefill seconds the pod's cached prefix saves, damped on hot spots, valued more when no pod is free.
 
     ``hit_s = hit_weighted · block_size · prefill_s_per_token · (1 + g·ρ) / (1 + β · same_prefix)``
     where ``hit_weighted = Σ over matched prefix blocks of weight(tier)`` and
     ``weight(tier) = max(0, 1 − load_s_per_token(tier) / prefill_s_per_token)``
     (a CPU/SSD hit is worth what it saves after its load cost); ``same_prefix``
-    the in-flight requests already sent to the pod for this prefix (seed 5.4:
-    without it every same-prefix request piles onto one pod), ``β`` = hotspot_beta
-    (param ``beta`` overrides it). ``ρ = q̄ / (q̄ + prefill_s(request))`` with ``q̄``
-    the candidates' mean queued prefill seconds is a load proxy: idle, a hit is
-    worth the latency it saves (ρ = 0); loaded, also the compute it keeps free for
-    the queue and the KV it does not duplicate (``g`` = param ``load_gain``, default 20).
+    the picker's requests on the pod for the same longest-matched prefix that are
+    still waiting for their first token (the router's hot key; seed 5.4: without
+    it every same-prefix request piles onto one pod), ``β`` = hotspot_beta
+    (param ``beta`` overrides it). ``ρ = q_min / (q_min + prefill_s(request))``
+    with ``q_min`` the queued prefill seconds of the *least*-queued candidate: the
+    cheapest place a miss could go. While some pod is free (ρ = 0) a hit is worth
+    the latency it saves, so a holder whose own queue costs more than a miss
+    elsewhere loses the request (a hot prefix spreads); only when every pod is
+    busy is a hit also worth the compute it keeps free for the queue and the KV
+    it does not duplicate (``g`` = param ``load_gain``, default 20). The holder's
+    own queue never raises its own hit value (the mean over candidates did: a
+    storm of one prefix piled onto its first holders).
     """
 
     def __init__(self, params: Mapping[str, float]) -> None:
@@ -67,7 +73,7 @@ class PrefixCacheScorer:
         beta = req.hotspot_beta if self.beta is None else float(self.beta)
         unit = req.block_size * req.prefill_s_per_token
         if self.load_gain and cands:
-            q = sum(c.pending_tokens for c in cands) / len(cands) * req.prefill_s_per_token
+            q = min(c.pending_tokens for c in cands) * req.prefill_s_per_token
             rho = q / (q + req.prefill_s) if q > 0 else 0.0
             unit *= 1.0 + self.load_gain * rho
         return [c.hit_weighted * unit / (1.0 + beta * c.same_prefix) for c in cands]

@@ -59,6 +59,9 @@ class EppSettings:
     ``speculative_ttl_s``: how long a pick counts as cached on its pod before KV
     events confirm it; with ``events_enabled: false`` the index is built from
     picks only (approximate mode) and ``approximate_ttl_s`` applies.
+    ``max_speculative_entries``: bound on the index's speculative (pick) entries
+    (≈ 200 bytes each; a 220 KB prompt's pick is ≈ 300): beyond it, expired picks
+    and then the oldest are dropped and counted (``kvfleet_epp_speculative_dropped_total``).
     ``prefix_shard_pools``: level 1 (prefix shard → pool by rendezvous hashing on
     the key of block ``prefix_shard_blocks``); ``false`` schedules over the serving
     pods of every pool in one cycle (what a plain load balancer does: baselines).
@@ -79,6 +82,7 @@ class EppSettings:
     events_enabled: bool = True
     speculative_ttl_s: float = 10.0
     approximate_ttl_s: float = 300.0
+    max_speculative_entries: int = 1_000_000
     recompute_keys: bool = True
     scrape_interval_s: float = 0.5
     metrics_staleness_s: float = 5.0
@@ -96,3 +100,5 @@ class EppSettings:
             raise ValueError(f"datastore must be 'static' or 'kubernetes', got {self.datastore!r}")
         if self.max_body_bytes <= 0 or self.prefix_shard_blocks <= 0:
             raise ValueError("max_body_bytes and prefix_shard_blocks must be > 0")
+        if self.max_speculative_entries <= 0:
+            raise ValueError("max_speculative_entries must be > 0")

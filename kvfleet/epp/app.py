@@ -60,7 +60,7 @@ class Epp:
         self.settings = settings or Settings()
         s = self.settings.epp
         self.datastore = datastore if datastore is not None else make_datastore(self.settings)
-        self.index = BlockIndex()
+        self.index = BlockIndex(max_speculative=s.max_speculative_entries)
         self.tracker = InflightTracker()
         self.store = MetricsStore(staleness_s=s.metrics_staleness_s)
         self.scraper = MetricsScraper(self.store, s.scrape_interval_s)
@@ -179,6 +179,7 @@ class Epp:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
+        self.servicer.route_pool.shutdown(wait=False)
         self.subscriber.stop()
         self.scraper.stop()
         stop = getattr(self.datastore, "stop", None)

@@ -16,7 +16,11 @@ kvfleet's own:
   by engines for requests the picker predicted
 * ``kvfleet_epp_misprediction_tokens_total{direction="over"|"under"}`` — |predicted − reported| hit
   tokens, split by sign (router misprediction, seed 5.7)
-* ``kvfleet_epp_index_blocks``, ``kvfleet_epp_index_speculative_blocks`` — index size
+* ``kvfleet_epp_index_entries`` — (block, pod) entries in the index (a block held by three pods counts
+  three times; until the compact index this was ``kvfleet_epp_index_blocks``, distinct block keys),
+  ``kvfleet_epp_index_bytes`` — bytes of its table, ``kvfleet_epp_index_speculative_blocks`` — speculative
+  (pick) entries, ``kvfleet_epp_speculative_dropped_total`` — speculative entries dropped by
+  ``max_speculative_entries`` (expired ones not counted)
 * ``kvfleet_epp_pod_inflight{pod}``, ``kvfleet_epp_pod_pending_tokens{pod}`` — the picker's load view
 * ``kvfleet_epp_kv_event_batches_total{pod}``, ``kvfleet_epp_kv_event_gaps_total{pod}``,
   ``kvfleet_epp_kv_event_resyncs_total{pod}`` — the event feed, and its faults:
@@ -55,7 +59,13 @@ class _StateCollector(Collector):
         self.index, self.tracker, self.store, self.pools, self.feeds = index, tracker, store, pools, feeds
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        yield GaugeMetricFamily("kvfleet_epp_index_blocks", "Block keys in the global index", value=self.index.num_keys)
+        yield GaugeMetricFamily("kvfleet_epp_index_entries", "(block, pod) entries in the global index", value=self.index.num_entries)
+        yield GaugeMetricFamily("kvfleet_epp_index_bytes", "Bytes of the global index's hash table", value=self.index.nbytes)
+        yield CounterMetricFamily(
+            "kvfleet_epp_speculative_dropped",
+            "Speculative index entries dropped by the max_speculative_entries bound",
+            value=self.index.speculative_dropped,
+        )
         yield GaugeMetricFamily(
             "kvfleet_epp_index_speculative_blocks", "Speculative (pick-based) index entries", value=self.index.num_speculative
         )

@@ -40,6 +40,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -107,9 +108,23 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.default_mode = _Mode.BodySendMode.Value(default_mode)
+        # routing (tokenize, key, index lookup, score) runs off the event loop, so streams in flight keep moving;
+        # one thread: picks stay serialized as on the loop (the router's bookkeeping is not built for parallel
+        # picks, and the GIL would not run two at once anyway)
+        self.route_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-route")
+
+    @staticmethod
+    def _routes(st: _Stream, msg: pb.ProcessingRequest) -> bool:
+        """Whether handling ``msg`` picks an endpoint (the request's last message)."""
+        kind = msg.WhichOneof("request")
+        if kind == "request_body":
+            return bool(msg.request_body.end_of_stream)
+        if kind == "request_headers":
+            return bool(msg.request_headers.end_of_stream)
+        return kind == "request_trailers" and not st.routed
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any) -> AsyncIterator[pb.ProcessingResponse]:
-        """One stream on the ``grpc.aio`` server; routing itself is synchronous and short (≤ a few ms)."""
+        """One stream on the ``grpc.aio`` server; the message that routes is handled on ``route_pool``."""
         st: _Stream | None = None
         try:
             async for msg in request_iterator:
@@ -122,7 +137,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         st.response_mode = msg.protocol_config.response_body_mode
                     if msg.HasField("metadata_context"):
                         st.subset = protocol.subset_hint(msg.metadata_context)
-                out = self._handle(st, msg)
+                if self._routes(st, msg):
+                    out = await asyncio.get_running_loop().run_in_executor(self.route_pool, self._handle, st, msg)
+                else:
+                    out = self._handle(st, msg)
                 for resp in out:
                     yield resp
                 if out and out[-1].HasField("immediate_response"):

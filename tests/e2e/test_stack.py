@@ -159,7 +159,7 @@ def test_epp_down_fails_closed_then_restart_rebuilds_the_index(fleet: Fleet, cap
     t0 = time.monotonic()
     fleet.start_epp()
     waited, _, _ = wait_routed_with_cache(fleet, prefix, holder, timeout_s=30)
-    while counter(fleet.epp_metrics(), "kvfleet_epp_index_blocks") < len(prefix) // 16:
+    while counter(fleet.epp_metrics(), "kvfleet_epp_index_entries") < len(prefix) // 16:
         assert time.monotonic() - t0 < 30, "the EPP did not rebuild its index from the engines' KV events"
         fleet.complete(fresh_prompt(20))  # an idle pod publishes nothing; any event lets the EPP see its gap
         time.sleep(0.2)

@@ -194,7 +194,7 @@ def test_metrics_and_misprediction(fleet: PodFleet, epp_factory: EppF, envoy_fac
     for name in (
         "inference_model_request_total", "inference_model_request_error_total", "inference_extension_scheduler_e2e_duration_seconds_bucket",
         "inference_pool_ready_pods", "inference_pool_average_queue_size", "inference_pool_average_kv_cache_utilization",
-        "kvfleet_epp_prompt_tokens_total", "kvfleet_epp_predicted_hit_tokens_total", "kvfleet_epp_index_blocks",
+        "kvfleet_epp_prompt_tokens_total", "kvfleet_epp_predicted_hit_tokens_total", "kvfleet_epp_index_entries",
         "kvfleet_epp_pod_inflight", "kvfleet_epp_kv_event_batches_total",
     ):
         assert name in text, name

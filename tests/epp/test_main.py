@@ -26,7 +26,8 @@ GOLDEN_METRICS = sorted([
     "inference_pool_average_queue_size",
     "inference_pool_ready_pods",
     "kvfleet_epp_engine_cached_tokens",
-    "kvfleet_epp_index_blocks",
+    "kvfleet_epp_index_bytes",
+    "kvfleet_epp_index_entries",
     "kvfleet_epp_index_speculative_blocks",
     "kvfleet_epp_kv_event_batches",
     "kvfleet_epp_kv_event_gaps",
@@ -45,6 +46,7 @@ GOLDEN_METRICS = sorted([
     "kvfleet_epp_predicted_hit_tokens",
     "kvfleet_epp_prompt_tokens",
     "kvfleet_epp_served",
+    "kvfleet_epp_speculative_dropped",
 ])
 
 

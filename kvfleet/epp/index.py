@@ -90,12 +90,13 @@ MAX_PODS = DELETED  # slots 0 .. MAX_PODS − 1
 MAX_LOAD = 0.7
 TARGET_LOAD = 0.5
 MIN_CAPACITY = 1 << 10
-WINDOW = 8  # slots probed per round (one cache line of keys)
+WINDOW = 16  # slots probed per round
+REBUILD_CHUNK = 1 << 18  # entries moved per batch when the table is rebuilt
 _MASK64 = (1 << 64) - 1
 _U64 = np.uint64
 _OFFSETS = np.arange(WINDOW, dtype=np.int64)
-_PHI, _M1, _M2 = _U64(0x9E3779B97F4A7C15), _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
-_S30, _S27, _S31 = _U64(30), _U64(27), _U64(31)
+_PHI, _S29 = _U64(0x9E3779B97F4A7C15), _U64(29)
+_SLOT_MIX = np.random.default_rng(0x6B7666).integers(0, np.iinfo(np.uint64).max, 1 << 16, dtype=np.uint64, endpoint=True)
 #: probes per pod per search step (a SEARCH_FANOUT-ary search: 13,750 blocks in 4 steps)
 SEARCH_FANOUT = 16
 _FAN = np.arange(1, SEARCH_FANOUT, dtype=np.int64)
@@ -132,23 +133,25 @@ def _u64(keys: Iterable[int]) -> npt.NDArray[np.uint64]:
         return np.array([k & _MASK64 for k in seq], dtype=_U64)
 
 
-def _hash(keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
-    """splitmix64 of key ⊕ slot·φ: block keys may be small or sequential integers (tests, simulations)."""
-    x = keys ^ (slots.astype(_U64) * _PHI)  # arrays wrap silently (only numpy scalars warn)
-    x = (x ^ (x >> _S30)) * _M1
-    x = (x ^ (x >> _S27)) * _M2
-    out: npt.NDArray[np.uint64] = x ^ (x >> _S31)
+def _hash(keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any], shift: np.uint64) -> npt.NDArray[np.int64]:
+    """Home position of (key, slot): Fibonacci hashing of key ⊕ a random word per slot, after folding the key's
+    high bits down (block keys may be small or sequential integers: tests, simulations). ``shift`` = 64 − log2
+    of the capacity; arrays wrap silently on overflow (only numpy scalars warn)."""
+    x = keys ^ _SLOT_MIX[slots]
+    x ^= x >> _S29
+    out: npt.NDArray[np.int64] = ((x * _PHI) >> shift).astype(np.int64)
     return out
 
 
 class _Table:
     """One open-addressing table; replaced whole (never resized in place) so readers need no lock."""
 
-    __slots__ = ("capacity", "deleted", "keys", "live", "mask", "pods", "wrap")
+    __slots__ = ("capacity", "deleted", "keys", "live", "mask", "pods", "shift", "wrap")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.wrap = capacity - 1
+        self.shift = _U64(64 - (capacity.bit_length() - 1))
         self.keys = np.zeros(capacity, dtype=_U64)
         self.pods = np.full(capacity, EMPTY, dtype=np.uint16)
         self.mask = np.zeros(capacity, dtype=np.uint8)
@@ -160,28 +163,29 @@ class _Table:
         return int(self.keys.nbytes + self.pods.nbytes + self.mask.nbytes)
 
     def find(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
-        """Table position of each (key, slot), −1 where absent. Probes ``WINDOW`` slots per round."""
+        """Table position of each (key, slot), −1 where absent. Probes ``WINDOW`` slots per round: a pair is
+        settled at the first slot of its window that holds it or is empty."""
         n = len(keys)
         out = np.full(n, -1, dtype=np.int64)
         if n == 0:
             return out
         slots = slots.astype(np.uint16, copy=False)
-        pos = (_hash(keys, slots) & _U64(self.wrap)).astype(np.int64)
+        pos = _hash(keys, slots, self.shift)
         idx = np.arange(n)
         for _ in range(self.capacity // WINDOW + 1):
             win = (pos[:, None] + _OFFSETS) & self.wrap
             p = self.pods[win]  # the slot first: an entry is visible once its slot is written
-            hit = (p == slots[:, None]) & (self.keys[win] == keys[:, None])
-            empty = p == EMPTY
-            hit_any, empty_any = hit.any(axis=1), empty.any(axis=1)
-            hit_at = hit.argmax(axis=1)
-            found = hit_any & (~empty_any | (hit_at < empty.argmax(axis=1)))
-            if found.any():
-                out[idx[found]] = win[found, hit_at[found]]
-            cont = ~(found | empty_any)
-            if not cont.any():
+            stop = ((p == slots[:, None]) & (self.keys[win] == keys[:, None])) | (p == EMPTY)
+            j = stop.argmax(axis=1)
+            rows = np.arange(len(j))
+            at = win[rows, j]
+            settled = stop[rows, j]
+            hit = settled & (p[rows, j] != EMPTY)
+            out[idx[hit]] = at[hit]
+            if settled.all():
                 break
-            idx, pos, keys, slots = idx[cont], pos[cont] + WINDOW, keys[cont], slots[cont]
+            more = ~settled
+            idx, pos, keys, slots = idx[more], pos[more] + WINDOW, keys[more], slots[more]
         return out
 
     def insert(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any], masks: npt.NDArray[np.uint8]) -> None:
@@ -190,7 +194,7 @@ class _Table:
         if n == 0:
             return
         slots = slots.astype(np.uint16, copy=False)
-        pos = (_hash(keys, slots) & _U64(self.wrap)).astype(np.int64)
+        pos = _hash(keys, slots, self.shift)
         while len(keys):
             win = (pos[:, None] + _OFFSETS) & self.wrap
             free = self.pods[win] >= DELETED
@@ -294,7 +298,8 @@ class BlockIndex:
             return t
         new = _Table(_capacity_for(t.live + extra, self._floor))
         k, s, m = t.entries()
-        new.insert(k, s, m)
+        for i in range(0, len(k), REBUILD_CHUNK):  # bounded temporaries (a probe window is 8 × 8 bytes per pair)
+            new.insert(k[i : i + REBUILD_CHUNK], s[i : i + REBUILD_CHUNK], m[i : i + REBUILD_CHUNK])
         self._table = new  # one reference swap: readers see the old table or the new one
         return new
 

@@ -10,8 +10,20 @@
    one with the ext_proc filter (Envoy → EPP → upstream) and one without
    (Envoy → upstream, the baseline); sequential requests with 4k-token
    prompts, alternating between the two; added = with − without at p50/p99.
+3. Warm index: 64 pods publish KV events in vLLM's wire format (a publisher
+   process with one :class:`~kvfleet.agent.publisher.ZmqPublisher` PUB + replay
+   ROUTER per pod) to a fresh EPP whose subscriber indexes them (the real
+   ingestion path; ``recompute_keys: false``, so the events carry the picker's
+   own hashes and no token ids) until its index holds ``--warm-entries``
+   (block, pod) entries with the prefix sharing of :class:`WarmPlan`; then the
+   decision rate and one-at-a-time pick latency on prompts that many pods
+   partly hold, the index's bytes per entry (its table, and the EPP's RSS
+   growth), the ingest rate, and the previous dict-of-dicts layout's bytes per
+   entry measured on the same entries for the ratio.
 
-Last line: ``{"bench": "epp", "decisions_per_s_4k", "decisions_per_s_220kb", "added_p50_ms", "added_p99_ms", ...}``.
+Last line: ``{"bench": "epp", "decisions_per_s_4k", "decisions_per_s_220kb", "added_p50_ms", "added_p99_ms",
+"warm_decisions_per_s_4k", "warm_decisions_per_s_220kb", "warm_pick_p50_ms", "warm_pick_p99_ms",
+"index_bytes_per_entry", "warm_index_entries", "ingest_blocks_per_s", "epp_rss_mb", ...}``.
 """
 
 from __future__ import annotations
@@ -27,12 +39,15 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 import yaml
 from aiohttp import web
 from envoy.config.core.v3 import base_pb2
@@ -40,7 +55,12 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from kvfleet.agent.publisher import ZmqPublisher
+from kvfleet.cache.events import AnyEvent, KVEventBatch, stored
+from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
+from kvfleet.cache.tokens import ByteTokenizer, salt_extra_keys
 from kvfleet.epp.envoy import EnvoyProcess, free_port
+from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.server import health_check
 
 SYSTEM = "".join(random.Random(0).choices(string.ascii_letters + " ", k=1024))
@@ -159,13 +179,14 @@ def timed_post(url: str, body: bytes) -> float:
     return time.perf_counter() - t0
 
 
-def start_epp(workdir: Path, pods: list[dict[str, Any]]) -> tuple[subprocess.Popen[bytes], int]:
+def start_epp(workdir: Path, pods: list[dict[str, Any]], **epp: Any) -> tuple[subprocess.Popen[bytes], int, int]:
+    """The EPP in its own process on a static pool of ``pods``; returns it, its gRPC and its metrics port."""
     pods_file = workdir / "pods.yaml"
     pods_file.write_text(yaml.safe_dump({"pools": [{"name": "bench", "models": ["m"], "pods": pods}]}))
     grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
     cfg = workdir / "epp.yaml"
     cfg.write_text(yaml.safe_dump({"epp": {"host": "127.0.0.1", "grpc_port": grpc_port, "health_port": health_port,
-                                           "metrics_port": metrics_port, "pods_file": str(pods_file)}}))
+                                           "metrics_port": metrics_port, "pods_file": str(pods_file), **epp}}))
     proc = subprocess.Popen([sys.executable, "-m", "kvfleet.epp.main", "--config", str(cfg), "--log-level", "WARNING"],
                             stdout=subprocess.DEVNULL, stderr=open(workdir / "epp.log", "wb"))  # noqa: SIM115
     deadline = time.monotonic() + 30
@@ -173,20 +194,26 @@ def start_epp(workdir: Path, pods: list[dict[str, Any]]) -> tuple[subprocess.Pop
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"epp did not start: {(workdir / 'epp.log').read_text()[-2000:]}")
         time.sleep(0.1)
-    return proc, grpc_port
+    return proc, grpc_port, metrics_port
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.epp", description="EPP decision rate and added latency")
-    ap.add_argument("--quick", action="store_true", help="short measurements (fits in 60 s)")
+    ap.add_argument("--quick", action="store_true", help="short measurements (a few minutes on 2 busy cores)")
+    ap.add_argument("--warm-entries", type=int, default=0,
+                    help="(block, pod) entries of the warm run's index (default 10.5M; 0 with --no-warm)")
+    ap.add_argument("--no-warm", action="store_true", help="skip the warm-index run")
+    ap.add_argument("--publish", metavar="SPEC", help=argparse.SUPPRESS)  # the warm run's publisher process
     args = ap.parse_args(argv)
+    if args.publish:
+        return publish_plan(args.publish)
     seconds = 4.0 if args.quick else 15.0
     print(f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (other processes skew every figure)")
     n_lat = 300 if args.quick else 2000
     workdir = Path(tempfile.mkdtemp(prefix="kvfleet-bench-epp-"))
     upstream = Upstream().start()
     pods = [{"name": f"pod-{i}", "address": "127.0.0.1", "port": upstream.port if i == 0 else 20000 + i} for i in range(8)]
-    proc, grpc_port = start_epp(workdir, pods)
+    proc, grpc_port, _ = start_epp(workdir, pods)
     envoys: list[EnvoyProcess] = []
     try:
         target = f"127.0.0.1:{grpc_port}"
@@ -203,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         proc.wait(10)
         # latency: a single-pod pool so every pick lands on the real upstream
-        proc, grpc_port = start_epp(workdir, pods[:1])
+        proc, grpc_port, _ = start_epp(workdir, pods[:1])
         with_epp = EnvoyProcess(epp_port=grpc_port).start()
         envoys.append(with_epp)
         without = EnvoyProcess(use_epp=False, fallback_endpoints=[f"127.0.0.1:{upstream.port}"]).start()
@@ -238,9 +265,16 @@ def main(argv: list[str] | None = None) -> int:
             "baseline_p50_ms": round(float(np.percentile(wb, 50)), 3),
             "baseline_p99_ms": round(float(np.percentile(wb, 99)), 3),
             "errors": e4k + e220,
-            "cpus": os.cpu_count(),
-            "loadavg_1m": round(os.getloadavg()[0], 2),
         }
+        for e in envoys:
+            e.stop()
+        envoys.clear()
+        proc.terminate()
+        proc.wait(10)
+        if not args.no_warm:
+            out.update(warm_run(workdir, args.warm_entries or 10_500_000, seconds, n_lat))
+        out["cpus"] = os.cpu_count()
+        out["loadavg_1m"] = round(os.getloadavg()[0], 2)
     finally:
         for e in envoys:
             e.stop()
@@ -250,6 +284,300 @@ def main(argv: list[str] | None = None) -> int:
         upstream.stop()
     print(json.dumps(out))
     return 0
+
+
+# --- warm index -------------------------------------------------------------------------------------------
+#: the warm run's fleet and its prefix sharing (see :class:`WarmPlan`)
+WARM_PODS = 64
+BLOCK = 16
+_LETTERS = np.frombuffer((string.ascii_letters + " ").encode(), dtype=np.uint8)
+
+
+def _text(rng: np.random.Generator, n: int) -> str:
+    return _LETTERS[rng.integers(0, len(_LETTERS), n)].tobytes().decode()
+
+
+def _keys(text: str) -> list[int]:
+    """The EPP's block keys of a ``/v1/completions`` prompt (byte tokenizer, the default cache settings)."""
+    return hashes_as_ints(BlockHasher(BLOCK).hash_tokens(ByteTokenizer().encode(text), extra_keys=salt_extra_keys(None)))
+
+
+class WarmPlan:
+    """What the warm fleet holds and what it is asked, derived from ``seed`` alone (the bench and its publisher
+    process build the same plan).
+
+    Requested prefixes, so that many pods partly hold every prompt: 16 system prompts of 2 KiB, each held by
+    32 of the 64 pods; 256 conversations of 1.5 KiB on them, each held by 2 pods; a 4k-token prompt is system +
+    conversation + a fresh 512-byte turn (2,048 prompts, so a prompt repeats only after 2,048 decisions). For 220 KB prompts: 4 system prompts of 8 KiB (32 pods each), 32
+    conversations of 208 KiB (2 pods each), a fresh 4 KiB turn. Filler, up to ``entries`` (block, pod) entries:
+    48 shared system prompts of 64–1,024 blocks, each held by 8–64 pods, and conversations of 64–4,096 blocks on
+    them held by 1 pod (70 %), 2 (20 %) or 3 (10 %); 30 % of the conversations sit in the CPU tier.
+    """
+
+    def __init__(self, seed: int, entries: int, pods: int = WARM_PODS) -> None:
+        rng = np.random.default_rng(seed)
+        self.pods = pods
+        self.entries = entries
+        self.seed = seed
+        self.sys4k = [_text(rng, 2048) for _ in range(16)]
+        self.sys4k_holders = [sorted(rng.choice(pods, pods // 2, replace=False).tolist()) for _ in self.sys4k]
+        self.conv4k = [(int(rng.integers(len(self.sys4k))), _text(rng, 1536), sorted(rng.choice(pods, 2, replace=False).tolist()))
+                       for _ in range(256)]
+        self.sys220 = [_text(rng, 8192) for _ in range(4)]
+        self.sys220_holders = [sorted(rng.choice(pods, pods // 2, replace=False).tolist()) for _ in self.sys220]
+        self.conv220 = [(int(rng.integers(len(self.sys220))), _text(rng, 208 * 1024), sorted(rng.choice(pods, 2, replace=False).tolist()))
+                        for _ in range(32)]
+
+    def prompts_4k(self, n: int = 2048) -> list[bytes]:
+        """``n`` prompts: conversation ``i % 256`` on its system prompt, then a fresh 512-byte turn."""
+        rng = np.random.default_rng(self.seed + 2)
+        return [json.dumps({"model": "m", "prompt": self.sys4k[s] + h + _text(rng, 512), "max_tokens": 1}).encode()
+                for s, h, _ in (self.conv4k[i % len(self.conv4k)] for i in range(n))]
+
+    def prompts_220kb(self, n: int = 128) -> list[bytes]:
+        """``n`` prompts: conversation ``i % 32`` on its system prompt, then a fresh 4 KiB turn (220 KiB in all)."""
+        rng = np.random.default_rng(self.seed + 3)
+        tail = 220 * 1024 - 8192 - 208 * 1024
+        return [json.dumps({"model": "m", "prompt": self.sys220[s] + h + _text(rng, tail), "max_tokens": 1}).encode()
+                for s, h, _ in (self.conv220[i % len(self.conv220)] for i in range(n))]
+
+    def holdings(self) -> Iterator[tuple[list[int], list[int], list[int], str]]:
+        """(pods, system keys, conversation keys after them, medium), requested prefixes first, then filler
+        until ``entries`` distinct (block, pod) entries (a pod stores a system prompt once)."""
+        for sys_texts, holders in ((self.sys4k, self.sys4k_holders), (self.sys220, self.sys220_holders)):
+            for text, pods in zip(sys_texts, holders, strict=True):
+                yield pods, _keys(text), [], "GPU"
+        for sys_texts, convs in ((self.sys4k, self.conv4k), (self.sys220, self.conv220)):
+            sys_keys = [_keys(t) for t in sys_texts]
+            for s, hist, pods in convs:
+                full = _keys(sys_texts[s] + hist)
+                yield pods, sys_keys[s], full[len(sys_keys[s]):], "GPU"
+        rng = np.random.default_rng(self.seed + 1)
+        u64 = np.iinfo(np.uint64).max
+        fsys = [rng.integers(0, u64, int(rng.integers(64, 1025)), dtype=np.uint64, endpoint=True).tolist() for _ in range(48)]
+        fsys_holders = [rng.choice(self.pods, int(rng.integers(8, self.pods + 1)), replace=False).tolist() for _ in fsys]
+        for keys, pods in zip(fsys, fsys_holders, strict=True):
+            yield pods, keys, [], "GPU"
+        while True:
+            s = int(rng.integers(len(fsys)))
+            n = int(rng.choice([1, 2, 3], p=[0.7, 0.2, 0.1]))
+            pods = rng.choice(self.pods, n, replace=False).tolist()
+            hist = rng.integers(0, u64, int(rng.integers(64, 4097)), dtype=np.uint64, endpoint=True).tolist()
+            yield pods, fsys[s], hist, ("CPU" if rng.random() < 0.3 else "GPU")
+
+
+def publish_plan(spec_path: str) -> int:
+    """The publisher process: one vLLM-format PUB + replay ROUTER per pod (:class:`ZmqPublisher`); waits for
+    ``go`` on stdin, publishes the plan's holdings, reports ``published <entries> <seconds>``, and closes at EOF."""
+    spec = json.loads(Path(spec_path).read_text())
+    plan = WarmPlan(spec["seed"], spec["entries"], len(spec["ports"]))
+    pubs = [ZmqPublisher(f"tcp://127.0.0.1:{a}", f"tcp://127.0.0.1:{b}", buffer_steps=1 << 20, buffer_bytes=1 << 30,
+                         sndhwm=1 << 20) for a, b in spec["ports"]]
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return 1
+    t0 = time.perf_counter()
+    held: list[set[int]] = [set() for _ in pubs]  # system prompts (by first key) each pod stores once
+    entries = 0
+    last = t0
+    for pods, sys_keys, conv, medium in plan.holdings():
+        for p in pods:
+            events: list[AnyEvent] = []
+            parent: int | None = None
+            chunks: list[tuple[list[int], str]] = []
+            if sys_keys[0] not in held[p]:
+                held[p].add(sys_keys[0])
+                chunks += [(sys_keys[i : i + 512], "GPU") for i in range(0, len(sys_keys), 512)]
+                entries += len(sys_keys)
+            chunks += [(conv[i : i + 512], medium) for i in range(0, len(conv), 512)]
+            entries += len(conv)
+            for c, m in chunks:  # one event per prefill step of ≤ 512 blocks (8k tokens), chained by parent
+                events.append(stored(c, parent, [], BLOCK, m))
+                parent = c[-1]
+            if events:
+                pubs[p].publish(KVEventBatch(ts=time.time(), events=events))
+        if entries >= plan.entries:
+            break
+        if time.perf_counter() - last > 5:
+            last = time.perf_counter()
+            print(f"progress {entries}", flush=True)
+    print(f"published {entries} {time.perf_counter() - t0:.2f}", flush=True)
+    sys.stdin.read()
+    for pub in pubs:
+        pub.close()
+    return 0
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """The EPP's unlabelled metrics (name → value)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            out[name] = float(value)
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def pick_latencies(target: str, bodies: list[bytes], n: int) -> npt.NDArray[np.float64]:
+    """Client-side time of whole ext_proc exchanges (headers, body, pick, echoed body), one at a time (ms)."""
+    opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    out = []
+    async with grpc.aio.insecure_channel(target, options=opts) as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        for i in range(n + 10):
+            t0 = time.perf_counter()
+            call = stub.Process(iter(messages(bodies[i % len(bodies)])))
+            async for resp in call:
+                if resp.HasField("immediate_response") or (
+                    resp.HasField("request_body") and resp.request_body.response.body_mutation.streamed_response.end_of_stream
+                ):
+                    break
+            call.cancel()
+            if i >= 10:  # warm-up
+                out.append((time.perf_counter() - t0) * 1e3)
+    return np.array(out)
+
+
+def reference_bytes_per_entry(entries: int, pods: int = WARM_PODS, seed: int = 5) -> tuple[float, float]:
+    """Bytes per (block, pod) entry of the previous index layout (``key → {pod: mask}`` dicts plus a per-pod key
+    ``set``) and of :class:`BlockIndex`, both measured with ``tracemalloc`` on the same entries (keys shared by
+    1–3 pods, as the warm plan's conversations)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, np.iinfo(np.uint64).max, entries // 2, dtype=np.uint64, endpoint=True)
+    holders = [rng.choice(pods, int(n), replace=False).tolist() for n in rng.choice([1, 2, 3], len(keys), p=[0.7, 0.2, 0.1])]
+    names = [f"pod-{i}" for i in range(pods)]
+    by_pod: dict[int, list[int]] = {}
+    for k, hs in zip(keys.tolist(), holders, strict=True):
+        for p in hs:
+            by_pod.setdefault(p, []).append(k)
+    total = sum(len(v) for v in by_pod.values())
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    old: dict[int, dict[str, int]] = {}
+    owned: dict[str, set[int]] = {}
+    for p, ks in by_pod.items():
+        own = owned.setdefault(names[p], set())
+        for k in ks:
+            h = old.get(k)
+            if h is None:
+                old[k] = {names[p]: 1}
+            else:
+                h[names[p]] = h.get(names[p], 0) | 1
+            own.add(k)
+    old_bytes = tracemalloc.get_traced_memory()[0] - base
+    del old, owned
+    base = tracemalloc.get_traced_memory()[0]
+    idx = BlockIndex()
+    for p, ks in by_pod.items():
+        for i in range(0, len(ks), 512):
+            idx.add(names[p], ks[i : i + 512])
+    new_bytes = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert idx.num_entries == total
+    return old_bytes / total, new_bytes / total
+
+
+def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int = 7) -> dict[str, Any]:
+    """The EPP's index filled through its real subscriber from ``WARM_PODS`` publishing pods, then decisions."""
+    print(f"warm: planning {WARM_PODS} pods, {entries:,} (block, pod) entries", flush=True)
+    plan = WarmPlan(seed, entries)
+    ports = [(free_port(), free_port()) for _ in range(WARM_PODS)]
+    spec = workdir / "warm.json"
+    spec.write_text(json.dumps({"seed": seed, "entries": entries, "ports": ports}))
+    helper = subprocess.Popen([sys.executable, "-m", "bench.epp", "--publish", str(spec)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        assert helper.stdout is not None and helper.stdin is not None
+        if helper.stdout.readline().strip() != "ready":
+            raise RuntimeError("publisher process did not start")
+        pods = [{"name": f"pod-{i}", "address": "127.0.0.1", "port": 20000 + i,
+                 "events": f"tcp://127.0.0.1:{a}", "replay": f"tcp://127.0.0.1:{b}"} for i, (a, b) in enumerate(ports)]
+        proc, grpc_port, metrics_port = start_epp(workdir, pods, recompute_keys=False)
+        time.sleep(2.0)  # the subscriber's SUB sockets join (and ask each pod's replay endpoint from 0)
+        rss0 = rss_mb(proc.pid)
+        helper.stdin.write("go\n")
+        helper.stdin.flush()
+        t0 = time.perf_counter()
+        published = -1
+        seen = 0.0
+        last = t0
+        while True:
+            line = helper.stdout.readline() if published < 0 else ""
+            if line.startswith("published"):
+                published = int(line.split()[1])
+                print(f"warm: {published:,} entries published in {float(line.split()[2]):.1f} s", flush=True)
+            elif line.startswith("progress"):
+                m = _scrape(metrics_port)
+                print(f"warm: published {int(line.split()[1]):,}, indexed {m.get('kvfleet_epp_index_entries', 0):,.0f}", flush=True)
+                continue
+            elif published < 0:
+                raise RuntimeError(f"publisher process ended: {line!r}")
+            seen = _scrape(metrics_port).get("kvfleet_epp_index_entries", 0.0)
+            if seen >= published:
+                break
+            if time.perf_counter() - last > 5:
+                last = time.perf_counter()
+                print(f"warm: indexed {seen:,.0f} of {published:,}", flush=True)
+            if time.perf_counter() - t0 > 1200:
+                raise RuntimeError(f"index stuck at {seen:,.0f} of {published:,} entries")
+            time.sleep(0.2)
+        ingest_s = time.perf_counter() - t0
+        m = _scrape(metrics_port)
+        rss1 = rss_mb(proc.pid)
+        print(f"warm: {seen:,.0f} entries indexed in {ingest_s:.1f} s ({seen / ingest_s:,.0f} blocks/s); table "
+              f"{m['kvfleet_epp_index_bytes'] / seen:.1f} B/entry; EPP RSS {rss0:.0f} → {rss1:.0f} MB", flush=True)
+        target = f"127.0.0.1:{grpc_port}"
+        small, large = plan.prompts_4k(), plan.prompts_220kb()
+        d4k, e4k = asyncio.run(decisions_per_s(target, small, seconds))
+        print(f"warm decisions/s, 4k-token prompts: {d4k:8.0f}  (errors {e4k})", flush=True)
+        d220, e220 = asyncio.run(decisions_per_s(target, large, seconds))
+        print(f"warm decisions/s, 220 KB prompts:  {d220:8.0f}  (errors {e220})", flush=True)
+        m2 = _scrape(metrics_port)
+        hit = (m2["kvfleet_epp_predicted_hit_tokens_total"] - m["kvfleet_epp_predicted_hit_tokens_total"]) / max(
+            1.0, m2["kvfleet_epp_prompt_tokens_total"] - m["kvfleet_epp_prompt_tokens_total"])
+        lat = asyncio.run(pick_latencies(target, small, n_lat))
+        lat220 = asyncio.run(pick_latencies(target, large, max(20, n_lat // 10)))
+        print(f"warm pick, one at a time: 4k p50 {np.percentile(lat, 50):.2f} ms, p99 {np.percentile(lat, 99):.2f} ms; "
+              f"220 KB p50 {np.percentile(lat220, 50):.2f} ms; predicted hit ratio {hit:.3f}", flush=True)
+        rss2 = rss_mb(proc.pid)
+        ref = reference_bytes_per_entry(min(entries, 1_000_000))
+        print(f"index bytes per entry (tracemalloc, same 1M entries): dict-of-dicts {ref[0]:.0f}, table {ref[1]:.1f} "
+              f"({ref[0] / ref[1]:.1f}×)", flush=True)
+        return {
+            "warm_decisions_per_s_4k": round(d4k, 1),
+            "warm_decisions_per_s_220kb": round(d220, 1),
+            "warm_pick_p50_ms": round(float(np.percentile(lat, 50)), 3),
+            "warm_pick_p99_ms": round(float(np.percentile(lat, 99)), 3),
+            "warm_pick_p50_ms_220kb": round(float(np.percentile(lat220, 50)), 3),
+            "warm_predicted_hit_ratio": round(hit, 4),
+            "index_bytes_per_entry": round(m["kvfleet_epp_index_bytes"] / seen, 2),
+            "index_rss_bytes_per_entry": round((rss1 - rss0) * 2**20 / seen, 2),
+            "old_index_bytes_per_entry": round(ref[0], 1),
+            "new_index_bytes_per_entry_traced": round(ref[1], 2),
+            "warm_index_entries": int(seen),
+            "warm_pods": WARM_PODS,
+            "ingest_blocks_per_s": round(seen / ingest_s, 0),
+            "ingest_s": round(ingest_s, 1),
+            "epp_rss_mb": round(rss2, 1),
+            "warm_errors": e4k + e220,
+        }
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            proc.wait(10)
+        if helper.stdin is not None:
+            helper.stdin.close()
+        helper.wait(30)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         d220, e220 = asyncio.run(decisions_per_s(target, large, seconds))
         cpu220 = (cpu_seconds(proc.pid) - c1) / max(1.0, d220 * seconds + 16) * 1e3
         print(f"decisions/s, 220 KB prompts:   {d220:8.0f}  (errors {e220}); EPP CPU {cpu220:.2f} ms/decision")
+        cold_lat = asyncio.run(pick_latencies(target, small, min(n_lat, 300)))
+        print(f"pick, one at a time, 4k-token prompts: p50 {np.percentile(cold_lat, 50):.2f} ms, p99 {np.percentile(cold_lat, 99):.2f} ms")
         proc.terminate()
         proc.wait(10)
         # latency: a single-pod pool so every pick lands on the real upstream
@@ -260,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             "epp_cpu_ms_per_decision_220kb": round(cpu220, 3),
             "decisions_per_cpu_s_4k": round(1e3 / cpu4k, 1) if cpu4k > 0 else None,
             "decisions_per_cpu_s_220kb": round(1e3 / cpu220, 1) if cpu220 > 0 else None,
+            "pick_p50_ms": round(float(np.percentile(cold_lat, 50)), 3),
+            "pick_p99_ms": round(float(np.percentile(cold_lat, 99)), 3),
             "added_p50_ms": round(added_p50, 3),
             "added_p99_ms": round(added_p99, 3),
             "baseline_p50_ms": round(float(np.percentile(wb, 50)), 3),

@@ -11,7 +11,7 @@ keyed by (block key, pod slot), linear probing: ``keys`` (uint64), ``pods``
 (uint16; two reserved values mark an empty and a deleted slot, so every 64-bit key
 is a valid key) and ``mask`` (uint8, bit ``Tier.rank`` per tier held): 11 bytes per
 slot, grown at load 0.7 to load ≤ 0.5 (≈ 16–31 bytes per (block, pod) entry; the
-old ``key → {pod: mask}`` dicts cost ≈ 173). Writes are vectorized (one batch per
+old ``key → {pod: mask}`` dicts plus per-pod key sets cost ≈ 173–209). Writes are vectorized (one batch per
 event). The table is rebuilt into a new object, and the reference swapped, when
 live entries plus deleted slots pass the load limit.
 
@@ -29,13 +29,15 @@ blocks sit in different tiers).
 **Holes** (a block removed while a later block of the same chain is still held:
 not produced by vLLM's tail-first eviction, but possible with lost or reordered
 events, or tier moves): when the candidates' longest prefixes total at most
-``exact_walk_blocks`` (default 4,096 block probes: a 4k-token prompt held by a
-dozen pods), the found prefixes are verified by one batched probe of every
-position and cut at the first hole, with exact per-block tier weights (what the
-old walk did). Beyond that budget the binary search's answer stands: a pod may be
-credited past a hole, by at most the blocks after it; such an over-prediction
-shows in ``kvfleet_epp_misprediction_tokens_total{direction="over"}``.
-``tests/epp/test_index.py`` pins both regimes.
+``exact_walk_blocks`` (default 1,024 block probes, ≈ 0.1–0.2 ms: a 1k-token
+prompt held by 16 pods), the found prefixes are verified by one batched probe of
+every position and cut at the first hole, with exact per-block tier weights (what
+the old walk did). Beyond that budget the search's answer stands: a pod may be
+credited past a hole (the search settles on some held block followed by a missing
+one), by at most the blocks after the hole; such an over-prediction shows in
+``kvfleet_epp_misprediction_tokens_total{direction="over"}``, and the engine
+recomputes what it lacks, so a hole costs at most a less good pick, never a wrong
+answer. ``tests/epp/test_index.py`` pins both regimes.
 
 **Concurrency.** Writers (the ingestion thread, ``clear_pod`` from the datastore)
 serialize on a write lock; readers take no lock. A reader reads the table
@@ -90,15 +92,15 @@ MAX_PODS = DELETED  # slots 0 .. MAX_PODS − 1
 MAX_LOAD = 0.7
 TARGET_LOAD = 0.5
 MIN_CAPACITY = 1 << 10
-WINDOW = 16  # slots probed per round
+WINDOW = 8  # slots probed per round (keys: one cache line)
 REBUILD_CHUNK = 1 << 18  # entries moved per batch when the table is rebuilt
 _MASK64 = (1 << 64) - 1
 _U64 = np.uint64
 _OFFSETS = np.arange(WINDOW, dtype=np.int64)
 _PHI, _S29 = _U64(0x9E3779B97F4A7C15), _U64(29)
 _SLOT_MIX = np.random.default_rng(0x6B7666).integers(0, np.iinfo(np.uint64).max, 1 << 16, dtype=np.uint64, endpoint=True)
-#: probes per pod per search step (a SEARCH_FANOUT-ary search: 13,750 blocks in 4 steps)
-SEARCH_FANOUT = 16
+#: probes per pod per search step (a SEARCH_FANOUT-ary search: 13,750 blocks in 5 steps, 256 in 3)
+SEARCH_FANOUT = 8
 _FAN = np.arange(1, SEARCH_FANOUT, dtype=np.int64)
 #: best (lowest) tier rank of a 4-bit mask; −1 for 0
 _BEST_RANK = np.array([-1] + [(m & -m).bit_length() - 1 for m in range(1, 256)], dtype=np.int64)
@@ -247,13 +249,18 @@ def _capacity_for(n: int, floor: int = MIN_CAPACITY) -> int:
 
 
 class BlockIndex:
-    """(key, pod slot) → tier mask in one hash table; plus speculative picks with an expiry (see module doc)."""
+    """(key, pod slot) → tier mask in one hash table; plus speculative picks with an expiry (see module doc).
+
+    ``max_speculative``: bound on speculative entries; ``exact_walk_blocks``: the verifying walk's budget (see
+    Holes); ``initial_capacity``: the table's smallest size (rounded up to a power of two ≥ 16; tests use a small
+    one to exercise growth). At most ``MAX_PODS`` pods at once.
+    """
 
     def __init__(
         self,
         clock: Callable[[], float] = time.monotonic,
         max_speculative: int = 1_000_000,
-        exact_walk_blocks: int = 4096,
+        exact_walk_blocks: int = 1024,
         initial_capacity: int = MIN_CAPACITY,
     ) -> None:
         self.clock = clock

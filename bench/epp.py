@@ -542,10 +542,14 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
               f"{m['kvfleet_epp_index_bytes'] / seen:.1f} B/entry; EPP RSS {rss0:.0f} → {rss1:.0f} MB", flush=True)
         target = f"127.0.0.1:{grpc_port}"
         small, large = plan.prompts_4k(), plan.prompts_220kb()
+        c0 = cpu_seconds(proc.pid)
         d4k, e4k = asyncio.run(decisions_per_s(target, small, seconds))
-        print(f"warm decisions/s, 4k-token prompts: {d4k:8.0f}  (errors {e4k})", flush=True)
+        c1 = cpu_seconds(proc.pid)
+        cpu4k = (c1 - c0) / max(1.0, d4k * seconds + 16) * 1e3
+        print(f"warm decisions/s, 4k-token prompts: {d4k:8.0f}  (errors {e4k}); EPP CPU {cpu4k:.2f} ms/decision", flush=True)
         d220, e220 = asyncio.run(decisions_per_s(target, large, seconds))
-        print(f"warm decisions/s, 220 KB prompts:  {d220:8.0f}  (errors {e220})", flush=True)
+        cpu220 = (cpu_seconds(proc.pid) - c1) / max(1.0, d220 * seconds + 16) * 1e3
+        print(f"warm decisions/s, 220 KB prompts:  {d220:8.0f}  (errors {e220}); EPP CPU {cpu220:.2f} ms/decision", flush=True)
         m2 = _scrape(metrics_port)
         hit = (m2["kvfleet_epp_predicted_hit_tokens_total"] - m["kvfleet_epp_predicted_hit_tokens_total"]) / max(
             1.0, m2["kvfleet_epp_prompt_tokens_total"] - m["kvfleet_epp_prompt_tokens_total"])
@@ -560,6 +564,8 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
         return {
             "warm_decisions_per_s_4k": round(d4k, 1),
             "warm_decisions_per_s_220kb": round(d220, 1),
+            "warm_epp_cpu_ms_per_decision_4k": round(cpu4k, 3),
+            "warm_epp_cpu_ms_per_decision_220kb": round(cpu220, 3),
             "warm_pick_p50_ms": round(float(np.percentile(lat, 50)), 3),
             "warm_pick_p99_ms": round(float(np.percentile(lat, 99)), 3),
             "warm_pick_p50_ms_220kb": round(float(np.percentile(lat220, 50)), 3),

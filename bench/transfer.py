@@ -7,7 +7,11 @@ tokens × fp16) in a kvfleet TransferServer and in a raw sender. This process
 
 * raw: one TCP connection, plain ``sendall`` / ``recv_into`` of the same
   blocks, no framing, auth or checksums — the baseline, measured in this run;
-* kvfleet tcp at 1/2/4 streams and kvfleet shm (same host), shm also against a memcpy of the same
+* kvfleet tcp at 1/2/4 streams (every block's payload under the keyed MAC, the default), and one
+  stream with ``payload_mac=False`` (the tag covers the header only, the payload the unkeyed xxh3
+  checksum): ``tcp_mac_vs_unkeyed`` is what the payload MAC costs, measured in the same run, next
+  to the single-core SHA-256 rate of this machine (``sha256_gbps``, the receiver's per-block hash);
+* kvfleet shm (same host), shm also against a memcpy of the same
   bytes into the same arena (``shm_vs_memcpy``: on one host the data is copied once, so memcpy is the
   baseline, not a socket);
 * first-block latency (``pull`` → block 0 handed to the consumer, one warm
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import socket
@@ -40,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -184,11 +190,12 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
         settings = TransferSettings(host_id="bench-host", shm_dir=shm_dir, window_blocks=8, streams=4, backends=BACKENDS)
         client = TransferClient(SECRET, settings=settings)
+        unkeyed = TransferClient(SECRET, settings=replace(settings, payload_mac=False))
         peer = (HOST, ports["port"])
 
-        async def run(backend: str, streams: int) -> tuple[float, float]:
+        async def run(backend: str, streams: int, keyed: bool = True) -> tuple[float, float]:
             t = time.perf_counter()
-            handle = client.pull(peer, hashes, alloc=alloc, backends=[backend], streams=streams)
+            handle = (client if keyed else unkeyed).pull(peer, hashes, alloc=alloc, backends=[backend], streams=streams)
             count = 0
             async for _b in handle:
                 count += 1
@@ -202,13 +209,21 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
             configs += (("mooncake", 1),)
         for backend, streams in configs:
             await run(backend, streams)  # warm-up: connections, shm ring
+        await run("tcp", 1, keyed=False)
         # interleaved, so that the baseline and kvfleet see the same load on a shared machine
         raw_s: list[float] = []
         results: dict[str, list[float]] = {f"{b}{s}" if b == "tcp" else b: [] for b, s in configs}
+        results["tcp1_unkeyed"] = []
+        sha_s: list[float] = []
         for _ in range(reps):
             raw_s.append(_raw_batch(raw, arena, n))
             for backend, streams in configs:
                 results[f"{backend}{streams}" if backend == "tcp" else backend].append((await run(backend, streams))[0])
+            results["tcp1_unkeyed"].append((await run("tcp", 1, keyed=False))[0])
+            t = time.perf_counter()
+            for i in range(n):  # the receiver's per-block SHA-256, alone on one core
+                hashlib.sha256(arena[i * BLOCK : (i + 1) * BLOCK]).digest()
+            sha_s.append(time.perf_counter() - t)
         async def run_in_thread() -> float:
             """on_block in the receiving I/O thread: block 0 reaches the consumer without an event-loop hop."""
             count = 0
@@ -237,6 +252,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         whole_tcp1 = statistics.median(results["tcp1"])
         raw.close()
         client.close()
+        unkeyed.close()
         mc_s: list[float] = []
         if "mc_rpc" in ports:
             engine = mooncake.MooncakeEngine(HOST)
@@ -279,6 +295,9 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     for s in (1, 2, 4):
         print(f"kvfleet tcp x{s}      {tcp[s]:6.2f} GB/s (median {gb / statistics.median(results[f'tcp{s}']):.2f})  "
               f"ratio {tcp[s] / raw_gbps:.2f}")
+    unkeyed_gbps = gbps(results["tcp1_unkeyed"])
+    print(f"kvfleet tcp x1, payload_mac off {unkeyed_gbps:6.2f} GB/s (median {gb / statistics.median(results['tcp1_unkeyed']):.2f})  "
+          f"MAC'd / unkeyed {tcp[1] / unkeyed_gbps:.2f}; SHA-256 on one core {gbps(sha_s):.2f} GB/s")
     print(f"kvfleet shm         {gbps(results['shm']):6.2f} GB/s (median {gb / statistics.median(results['shm']):.2f})  "
           f"vs memcpy {gbps(memcpy_s):.2f} GB/s: ratio {gbps(results['shm']) / gbps(memcpy_s):.2f}")
     mc_gbps = round(gbps(mc_s), 3) if mc_s else None
@@ -301,6 +320,10 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "tcp_streams": best,
         "tcp_gbps_by_streams": {str(s): round(v, 3) for s, v in tcp.items()},
         "tcp_ratio": round(tcp[best] / raw_gbps, 3),
+        "tcp_unkeyed_gbps": round(unkeyed_gbps, 3),
+        "tcp_mac_vs_unkeyed": round(tcp[1] / unkeyed_gbps, 3),
+        "tcp_unkeyed_ratio": round(unkeyed_gbps / raw_gbps, 3),
+        "sha256_gbps": round(gbps(sha_s), 3),
         "shm_gbps": round(gbps(results["shm"]), 3),
         "shm_ratio": round(gbps(results["shm"]) / raw_gbps, 3),
         "memcpy_gbps": round(gbps(memcpy_s), 3),

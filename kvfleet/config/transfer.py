@@ -12,7 +12,10 @@ class TransferSettings:
     ``streams`` parallel TCP connections per transfer; ``window_blocks`` blocks
     each stream may have in flight and unconsumed (flow control: a slow
     receiver slows the sender); ``max_retries`` new sessions for the remaining
-    blocks after a broken stream before the transfer fails; ``backends`` the
+    blocks after a broken stream before the transfer fails, the ``k``-th on the
+    same backend after a delay drawn uniformly from ``[0, min(retry_backoff_max_s,
+    retry_backoff_s · 2^(k-1))]`` (exponential back-off, full jitter; a failover
+    to the next backend goes at once); ``backends`` the
     backends this agent offers, best first (topology decides among those both
     peers offer). The pool secret is read from ``secret_file`` (a mounted
     Kubernetes Secret) or else the ``secret_env`` environment variable.
@@ -29,6 +32,14 @@ class TransferSettings:
     ``max_handshakes`` caps those still in the handshake (at it, the oldest
     one is closed to make room for the new one, so a flood of idle
     connections cannot lock out peers that answer at once).
+
+    Frames after the handshake carry a keyed MAC (HMAC-SHA256 with a
+    per-connection key). ``payload_mac`` (the receiver's choice, bound into
+    that key) says whether the tag of a tcp ``BLOCK`` frame covers its payload
+    too; off, it covers the header only and the payload is guarded by the xxh3
+    checksum, against accidents only: for a network where tampering is not a
+    concern and the hashing cost is (see ``bench.transfer``'s
+    ``tcp_mac_vs_unkeyed``).
     """
 
     listen_host: str = "127.0.0.1"
@@ -37,6 +48,8 @@ class TransferSettings:
     window_blocks: int = 8
     max_block_bytes: int = 64 << 20
     max_retries: int = 3
+    retry_backoff_s: float = 0.05
+    retry_backoff_max_s: float = 1.0
     connect_timeout_s: float = 5.0
     stall_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
@@ -49,6 +62,7 @@ class TransferSettings:
     secret_env: str = "KVFLEET_TRANSFER_SECRET"
     link_capacity_gbps: float = 10.0
     mooncake_protocol: str = "tcp"
+    payload_mac: bool = True
 
     def __post_init__(self) -> None:
         if self.streams < 1:
@@ -59,6 +73,8 @@ class TransferSettings:
             raise ValueError(f"max_block_bytes must be >= 1, got {self.max_block_bytes}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.retry_backoff_s < 0 or self.retry_backoff_max_s < 0:
+            raise ValueError("retry_backoff_s and retry_backoff_max_s must be >= 0")
         for name in ("max_connections", "max_handshakes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

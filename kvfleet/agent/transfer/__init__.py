@@ -7,8 +7,8 @@ module          cares about                                   in → out
 ==============  ============================================  ===========================
 ``errors``      typed failures that decide retry vs. fail     —
 ``frames``      the 64-byte header, control bodies            values ↔ bytes
-``auth``        HMAC challenge with the pool secret           nonces → MACs
-``channel``     one socket: sendmsg / recv_into, timeouts     frames ↔ socket
+``auth``        HMAC challenge, session keys, frame tags      nonces → keys, frames → MACs
+``channel``     one socket: sendmsg / recv_into, tags         frames ↔ socket
 ``shm``         the same-host shared-memory ring              slots
 ``mooncake``    Mooncake Transfer Engine rings (optional)     registered slots
 ``topology``    which backend for which peer                  PeerInfo × PeerInfo → names
@@ -42,10 +42,12 @@ from kvfleet.agent.transfer.errors import (
     BlockNotFoundError,
     ChecksumError,
     FrameError,
+    IntegrityError,
     StreamError,
     TransferCancelled,
     TransferError,
     UnknownBackendError,
+    VersionError,
 )
 from kvfleet.agent.transfer.metrics import TransferMetrics
 from kvfleet.agent.transfer.server import TransferServer
@@ -60,6 +62,7 @@ __all__ = [
     "BlockSource",
     "ChecksumError",
     "FrameError",
+    "IntegrityError",
     "MemoryBlockStore",
     "Peer",
     "PeerInfo",
@@ -72,6 +75,7 @@ __all__ = [
     "TransferServer",
     "TransferStats",
     "UnknownBackendError",
+    "VersionError",
     "auth",
     "choose_backends",
     "local_host_id",

@@ -4,7 +4,8 @@ A :class:`TransferClient` opens a *session* per attempt: N authenticated
 streams (tcp) or one (shm, mooncake), the remaining blocks striped over them
 round-robin by sequence number so that block 0 lands first. I/O threads
 ``recv_into`` each payload straight into its destination slot, verify its
-checksum, and hand it to the event loop — or, with ``deliver="thread"``,
+keyed MAC (tcp; :mod:`.auth`) or checksum (shm, mooncake: the MAC covers their
+headers), and hand it to the event loop — or, with ``deliver="thread"``,
 straight to ``on_block`` in that thread; the :class:`TransferHandle` delivers
 blocks strictly in sequence order, each exactly once, as soon as the gap
 before it closes. Block 0's path is kept short: with pooled streams its
@@ -20,8 +21,9 @@ no deadlock.
 
 Failover: a broken, stalled or corrupt stream fails the session; the blocks
 already verified are kept and a new session asks for the remaining ones only,
-on the next backend of the topology's list (shm → tcp, mooncake → tcp) or the
-same one, up to ``max_retries`` times. Permanent errors (auth, missing block)
+on the next backend of the topology's list (shm → tcp, mooncake → tcp) at
+once, or on the same one after an exponential back-off with full jitter
+(:mod:`.backoff`), up to ``max_retries`` times. Permanent errors (auth, missing block)
 fail at once. Idle authenticated streams are pooled per (peer, backend), each
 with its I/O thread, so a warm transfer starts with one REQUEST frame.
 """
@@ -36,17 +38,20 @@ import select
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.agent.transfer import auth
+from kvfleet.agent.transfer.auth import EMPTY_DIGEST
+from kvfleet.agent.transfer.backoff import Backoff
 from kvfleet.agent.transfer.channel import Channel, IdleTimeout
 from kvfleet.agent.transfer.errors import (
     AuthError,
     BlockNotFoundError,
     ChecksumError,
     FrameError,
+    IntegrityError,
     StreamError,
     TransferCancelled,
     TransferError,
@@ -96,6 +101,7 @@ class TransferStats:
     bytes: int = 0
     retries: int = 0
     failovers: int = 0
+    backoff_s: float = 0.0  # waited between retries in total
     backends: list[str] = field(default_factory=list)
     started: float = 0.0
     first_block_s: float | None = None
@@ -145,7 +151,7 @@ class _Stream:
             return
         self.granted += n
         with contextlib.suppress(TransferError):
-            self.ch.send(encode_header(FrameType.CREDIT, seq=n))
+            self.ch.send_frames(encode_header(FrameType.CREDIT, seq=n))
 
     def give_back(self, batch: int) -> bool:
         """One consumed block's credit, sent in batches; True if some are still held back."""
@@ -222,13 +228,18 @@ def _connect(host: str, port: int, secret: bytes, local: PeerInfo, settings: Tra
                 raise StreamError(f"no common backend with {host}:{port} (ours {local.backends}, theirs {remote.backends})")
             backend = choice[0]
         nonce_c = auth.new_nonce()
-        ch.send(encode_control(FrameType.AUTH, {"nonce": nonce_c, "mac": auth.mac(secret, b"c", nonce_s, nonce_c), "backend": backend}))
+        payload_mac = settings.payload_mac
+        ch.send(encode_control(FrameType.AUTH, {
+            "nonce": nonce_c, "mac": auth.mac(secret, b"c", nonce_s, nonce_c), "backend": backend, "payload_mac": payload_mac,
+        }))
         h, body = ch.recv_control()
         if h.type == FrameType.AUTH_FAIL:
             raise AuthError(f"{host}:{port} rejected our HMAC (wrong pool secret?)")
         if h.type != FrameType.AUTH_OK or not isinstance(body, dict):
             raise FrameError(f"expected AUTH_OK, got {h.type.name}")
         auth.verify(secret, b"s", nonce_s, nonce_c, body.get("mac"))
+        from_server, to_server = auth.session_keys(secret, nonce_s, nonce_c, backend, payload_mac)
+        ch.seal(to_server, from_server)
     except BaseException:
         ch.close()
         raise
@@ -436,6 +447,8 @@ class TransferClient:
         self._mooncake_lock = threading.Lock()
         self._remotes: dict[tuple[str, int], PeerInfo] = {}
         self._pool: dict[tuple[str, int, str], list[_Stream]] = {}
+        self.backoff = Backoff(self.settings.retry_backoff_s, self.settings.retry_backoff_max_s)
+        self._sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep  # injectable for tests
 
     # -- the pool of idle authenticated streams -----------------------------------
     def _engine(self) -> MooncakeEngine:
@@ -545,7 +558,14 @@ class TransferClient:
     ) -> None:
         idx = 0
         attempt = 0
+        wait_s = 0.0
         while not handle.done() and handle._missing():
+            if wait_s:
+                handle.stats.backoff_s += wait_s
+                await self._sleep(wait_s)
+                wait_s = 0.0
+                if handle.done():
+                    break
             backend = candidates[idx] if candidates else None
             session: _Session | None = None
             try:
@@ -577,8 +597,10 @@ class TransferClient:
                     handle.stats.failovers += 1
                     self.metrics.failovers.labels(candidates[idx], candidates[idx + 1]).inc()
                     idx += 1
-                log.info("transfer from %s:%s: %s; retrying %d remaining blocks (attempt %d)",
-                         host, port, exc, len(handle._missing()), attempt)
+                else:  # the same backend again: back off first
+                    wait_s = self.backoff.delay(attempt)
+                log.info("transfer from %s:%s: %s; retrying %d remaining blocks (attempt %d, in %.3f s)",
+                         host, port, exc, len(handle._missing()), attempt, wait_s)
             except Exception as exc:  # an allocator or consumer bug: fail, never hang
                 handle._finish(exc)
                 break
@@ -690,12 +712,12 @@ class _Session:
         if self.backend == "shm" and st.ring is None:
             slot_bytes = c.settings.max_block_bytes
             st.ring = await asyncio.to_thread(ShmRing.create, c.settings.shm_dir, window, slot_bytes)
-            st.ch.send(encode_control(FrameType.SHM_ATTACH, {"name": st.ring.name, "slots": window, "slot_bytes": slot_bytes}))
+            st.ch.send_frames(encode_control(FrameType.SHM_ATTACH, {"name": st.ring.name, "slots": window, "slot_bytes": slot_bytes}))
         elif self.backend == "mooncake" and st.ring is None:
             slot_bytes = c.settings.max_block_bytes
             engine = await asyncio.to_thread(c._engine)
             st.ring = await asyncio.to_thread(RegisteredRing, engine, window, slot_bytes, slot_bytes)
-            st.ch.send(encode_control(FrameType.MC_ATTACH, {"slots": window, "slot_bytes": slot_bytes}))
+            st.ch.send_frames(encode_control(FrameType.MC_ATTACH, {"slots": window, "slot_bytes": slot_bytes}))
         self._go(st)
 
     def _go(self, st: _Stream) -> None:
@@ -715,7 +737,7 @@ class _Session:
         # the receiver first, then the request: the I/O thread is already waiting in recv when block 0
         # arrives (on loopback the woken sender often preempts this thread for a whole block's send)
         st.submit(self._receive)
-        st.ch.send(credit, request, rest)
+        st.ch.send_frames(credit, request, rest)
 
     # -- I/O thread -------------------------------------------------------------
     def _receive(self, s: _Stream) -> None:
@@ -729,6 +751,7 @@ class _Session:
                     raise FrameError("MC_READY needs rpc (str) and addr (int)")
                 s.remote = (rpc, addr)
             in_thread = self.handle._in_thread
+            payload_mac = self.client.settings.payload_mac
             for seq, bh in s.items:
                 s.ch.quickack()
                 while True:
@@ -738,7 +761,9 @@ class _Session:
                     except IdleTimeout:
                         if not s.starved():
                             raise
+                raw = s.ch.header_bytes()
                 if h.type == FrameType.MISSING and h.seq == seq:
+                    self._check_tag(s, raw, EMPTY_DIGEST, h)
                     raise BlockNotFoundError(bh)
                 want = FrameType.SLOT_BLOCK if s.ring is not None else FrameType.BLOCK
                 if h.type != want or h.seq != seq or h.block_hash != bh:
@@ -747,17 +772,25 @@ class _Session:
                 if len(dest) != h.length:
                     raise ValueError(f"allocator returned {len(dest)} bytes for a {h.length}-byte block")
                 if isinstance(s.ring, ShmRing):
+                    self._check_tag(s, raw, EMPTY_DIGEST, h)  # the slot, length and checksum are the sender's
                     s.ring.unlink()  # the sender has it mapped now
                     dest[:] = s.ring.slot(h.slot, h.length)
                     self._verify(h, dest)
                 elif isinstance(s.ring, RegisteredRing):
                     assert s.remote is not None
+                    self._check_tag(s, raw, EMPTY_DIGEST, h)
                     ring = s.ring
                     ring.engine.read(s.remote[0], ring.slot_addr(h.slot), s.remote[1] + h.slot * ring.slot_bytes, h.length)
                     dest[:] = ring.slot(h.slot, h.length)
                     self._verify(h, dest)
+                elif payload_mac:  # the tag covers the payload: no separate checksum pass unless it fails
+                    if not s.ch.recv_tag(raw, s.ch.recv_digest_into(dest)):
+                        self._verify(h, dest)  # a plain checksum mismatch: corrupt, not forged
+                        raise IntegrityError(f"block seq {h.seq}: MAC mismatch with a matching checksum "
+                                             "(altered in transit, or a wrong session key)")
                 else:
                     s.ch.recv_into(dest)
+                    self._check_tag(s, raw, EMPTY_DIGEST, h)
                     self._verify(h, dest)
                 s.received += 1
                 block = Block(seq, bh, dest)
@@ -772,6 +805,11 @@ class _Session:
     def _verify(h: Header, dest: memoryview) -> None:
         if checksum(dest) != h.checksum:
             raise ChecksumError(f"block seq {h.seq} checksum mismatch")
+
+    @staticmethod
+    def _check_tag(s: _Stream, raw: bytes, digest: bytes, h: Header) -> None:
+        if not s.ch.recv_tag(raw, digest):
+            raise IntegrityError(f"{h.type.name} seq {h.seq}: MAC mismatch (altered in transit, or a wrong session key)")
 
     # -- event-loop thread ------------------------------------------------------
     def _landed(self, s: _Stream, block: Block) -> None:

@@ -3,7 +3,9 @@
 =====================  ==========================================================
 ``AuthError``          wrong or missing shared secret: permanent, never retried
 ``FrameError``         malformed or unexpected frame: that connection is closed
+``VersionError``       the peer speaks another protocol version: permanent
 ``ChecksumError``      payload does not match its checksum: retried elsewhere
+``IntegrityError``     a frame's keyed MAC does not verify: retried elsewhere
 ``StreamError``        a connection broke, stalled or timed out: retried elsewhere
 ``BlockNotFoundError`` the peer does not hold a requested block: permanent
 ``TransferCancelled``  the caller cancelled the transfer
@@ -33,11 +35,28 @@ class FrameError(TransferError):
     retryable = True
 
 
+class VersionError(FrameError):
+    """The peer speaks another version of the wire protocol: never retried (upgrade the older side)."""
+
+    kind = "version"
+    retryable = False
+
+
 class ChecksumError(TransferError):
     """A block's payload did not match the checksum carried in its frame."""
 
     kind = "checksum"
     retryable = True
+
+
+class IntegrityError(ChecksumError):
+    """A frame's keyed MAC did not verify: altered in transit (its checksum fixed up) or a wrong session key.
+
+    Handled like a corrupt block: the session fails, the blocks verified before
+    it are kept and the rest are asked for again.
+    """
+
+    kind = "mac"
 
 
 class StreamError(TransferError):

@@ -1,9 +1,9 @@
-"""The wire format: one fixed 64-byte header per frame, then an optional body.
+"""The wire format: one fixed 64-byte header per frame, then an optional body, then (after the handshake) a tag.
 
 Header layout (network byte order)::
 
     0  2s  magic "KT"          12  Q  length   (body or block payload bytes)
-    2  B   version (1)         20  Q  checksum (xxh3_64 of the body/payload)
+    2  B   version (2)         20  Q  checksum (xxh3_64 of the body/payload)
     3  B   frame type          28  32s block hash (left-aligned, ``hash_len`` bytes)
     4  B   flags (bit0: int hash)  60 I  slot (shared-memory slot index)
     5  B   hash_len
@@ -12,7 +12,12 @@ Header layout (network byte order)::
 
 Control frames (hello, auth, request, ...) carry a msgpack body; ``BLOCK``
 frames carry the raw block bytes, which the receiver reads straight into a
-preallocated destination slot. Every decode error is a :class:`FrameError`.
+preallocated destination slot. Once the HMAC handshake is done, every frame
+in either direction is followed by a :data:`~kvfleet.agent.transfer.auth.TAG_BYTES`
+keyed MAC (see :class:`~kvfleet.agent.transfer.auth.FrameSeal`). Version 1
+had no tags: a peer announcing another version is refused with a
+:class:`VersionError` instead of having its frames misread. Every other
+decode error is a :class:`FrameError`.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from typing import Any
 import msgspec
 import xxhash
 
-from kvfleet.agent.transfer.errors import FrameError
+from kvfleet.agent.transfer.errors import FrameError, VersionError
 
 MAGIC = b"KT"
-VERSION = 1
+#: 2: frames after the handshake carry a keyed MAC (1: unkeyed xxh3 checksums only).
+VERSION = 2
 HEADER = struct.Struct("!2sBBBBHIQQ32sI")
 HEADER_SIZE = HEADER.size
 MAX_CONTROL_BYTES = 16 << 20
@@ -119,7 +125,9 @@ def decode_header(buf: bytes | bytearray | memoryview, max_length: int, max_cont
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}")
     if version != VERSION:
-        raise FrameError(f"unsupported frame version {version}")
+        raise VersionError(
+            f"peer speaks transfer protocol version {version}, this side speaks {VERSION}: upgrade the older side"
+        )
     if ftype not in _TYPES:
         raise FrameError(f"unknown frame type {ftype}")
     if hlen > 32:

@@ -16,7 +16,9 @@ Each is counted in ``errors_total{kind}`` (``handshake_timeout``, ``frame``,
 ``max_connections``, ``max_handshakes``) and logged at most every few seconds.
 Only an authenticated connection gets a thread of its own: it reads a control
 frame (REQUEST, CREDIT, SHM_ATTACH) and then sends queued blocks in request
-order while it holds credits. A peer that fails the HMAC challenge is
+order while it holds credits; every frame it sends after ``AUTH_OK`` carries
+a keyed MAC and every frame it reads must carry one (:mod:`.auth`). A peer
+that fails the HMAC challenge is
 rejected, logged and counted; a malformed frame closes only that connection
 and is counted; neither ever stops the server.
 """
@@ -167,6 +169,7 @@ class _Conn:
         self.done = False
         self.ring: ShmRing | RegisteredRing | None = None
         self.sent_blocks = 0
+        self.payload_mac = True  # the receiver's choice: tags cover BLOCK payloads
 
     # -- one loop per connection: read a control frame, then send what the credits allow
     def serve_loop(self) -> None:
@@ -191,7 +194,7 @@ class _Conn:
                 mc = self.server.mooncake
                 ring = RegisteredRing(mc, body.get("slots"), body.get("slot_bytes"), self.server.settings.max_block_bytes)
                 self.ring = ring
-                self.ch.send(encode_control(FrameType.MC_READY, {"rpc": mc.rpc, "addr": ring.addr}))
+                self.ch.send_frames(encode_control(FrameType.MC_READY, {"rpc": mc.rpc, "addr": ring.addr}))
             else:
                 raise FrameError(f"unexpected {h.type.name} frame from receiver")
             while self.queue and self.credits > 0 and (self.backend == "tcp" or self.ring is not None):
@@ -203,22 +206,23 @@ class _Conn:
         s = self.server
         data = s.source.get_block(bh)
         if data is None:
-            self.ch.send(encode_header(FrameType.MISSING, seq=seq, block_hash=bh))
+            self.ch.send_frames(encode_header(FrameType.MISSING, seq=seq, block_hash=bh))
             return
         view = memoryview(data).cast("B")
-        csum = s.checksum_of(bh, view)
-        if self.ring is not None:
+        if self.ring is not None:  # the payload stays on this host (shm) or moves by Mooncake: the tag covers the header
+            csum = s.checksum_of(bh, view)
             slot = self.sent_blocks % self.ring.slots
             self.ring.slot(slot, len(view))[:] = view
-            self.ch.send(encode_header(FrameType.SLOT_BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh, slot=slot))
+            self.ch.send_frames(encode_header(FrameType.SLOT_BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh, slot=slot))
         else:
+            csum, digest = s.sums_of(bh, view, self.payload_mac)
             hdr = encode_header(FrameType.BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh)
             hook = s.fault_hook
             if hook is None:
-                self.ch.send(hdr, view)
-            else:
+                self.ch.send_block(hdr, view, digest)
+            else:  # the tag covers the real frame, whatever the hook puts on the wire
                 wire, kill = hook(hdr, view)
-                self.ch.send(wire)
+                self.ch.send_block(hdr, view, digest, wire=wire)
                 if kill:
                     raise StreamError("connection killed by fault injection")
         self.sent_blocks += 1
@@ -238,8 +242,10 @@ class TransferServer:
     ``async with TransferServer(source, secret) as srv:`` binds ``srv.port``
     (``port=0`` picks a free one). ``fault_hook(header, payload)``,
     when set, is called for every tcp BLOCK frame and returns ``(wire_bytes, kill)``:
-    the bytes sent instead of header + payload, and whether to then drop the
-    connection (fault injection for tests and drills).
+    the bytes sent instead of header + payload (the tag that follows still
+    covers the real frame, as a man in the middle without the key would leave
+    it), and whether to then drop the connection (fault injection for tests
+    and drills).
     """
 
     def __init__(
@@ -281,7 +287,7 @@ class TransferServer:
         self._conns: set[_Conn] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._checksums: dict[BlockHash, tuple[int, int]] = {}
+        self._sums: dict[BlockHash, tuple[int, int, bytes | None]] = {}
 
     @property
     def port(self) -> int:
@@ -304,15 +310,22 @@ class TransferServer:
         return (self.host, self.port)
 
     def checksum_of(self, bh: BlockHash, view: memoryview) -> int:
-        """Checksums are cached per (hash, length): blocks are content-addressed."""
-        hit = self._checksums.get(bh)
-        if hit is not None and hit[0] == len(view):
-            return hit[1]
-        c = checksum(view)
-        if len(self._checksums) > 65536:
-            self._checksums.clear()
-        self._checksums[bh] = (len(view), c)
-        return c
+        """A block's xxh3 checksum, cached per (hash, length): blocks are content-addressed."""
+        return self.sums_of(bh, view, False)[0]
+
+    def sums_of(self, bh: BlockHash, view: memoryview, digest: bool) -> tuple[int, bytes]:
+        """``(xxh3, SHA-256)`` of a block, cached like :meth:`checksum_of`; the SHA-256 only when
+        ``digest`` (else :data:`~kvfleet.agent.transfer.auth.EMPTY_DIGEST`: the tag covers the header only).
+        """
+        hit = self._sums.get(bh)
+        if hit is None or hit[0] != len(view):
+            hit = (len(view), checksum(view), None)
+        if digest and hit[2] is None:
+            hit = (hit[0], hit[1], auth.payload_digest(view))
+        if len(self._sums) > 65536:
+            self._sums.clear()
+        self._sums[bh] = hit
+        return hit[1], (hit[2] if digest and hit[2] is not None else auth.EMPTY_DIGEST)
 
     def start(self) -> None:
         if "mooncake" in self.backends and self.mooncake is None:
@@ -508,7 +521,7 @@ class TransferServer:
         """Check the AUTH frame read in full; hand the connection to a thread of its own, or refuse it."""
         assert hs.header is not None
         try:
-            nonce_c, backend = auth.check_auth(self.secret, hs.nonce_s, hs.header, bytes(hs.body), self.backends)
+            nonce_c, backend, payload_mac = auth.check_auth(self.secret, hs.nonce_s, hs.header, bytes(hs.body), self.backends)
         except AuthError as exc:
             self.metrics.auth_rejections.inc()
             self.metrics.errors.labels(exc.kind).inc()
@@ -522,8 +535,11 @@ class TransferServer:
         # that stops draining blocks it holds credits for is cut off
         ch = Channel(hs.sock, max_block_bytes=self.settings.max_block_bytes, timeout_s=None)
         ch.settimeout(None, self.settings.stall_timeout_s)
+        to_client, from_client = self._session_keys(hs.nonce_s, nonce_c, backend, payload_mac)
+        ch.seal(to_client, from_client)
         conn = _Conn(self, ch)
         conn.backend = backend
+        conn.payload_mac = payload_mac
         t = threading.Thread(target=self._serve, args=(conn, ok), name="kvfleet-xfer-conn", daemon=True)
         with self._lock:
             if self._stopping.is_set():
@@ -539,6 +555,9 @@ class TransferServer:
             ch.close()
             self.metrics.errors.labels("internal").inc()
             self._ratelog.warning("internal", "transfer: cannot serve %s: %s", hs.peer, exc)
+
+    def _session_keys(self, nonce_s: bytes, nonce_c: bytes, backend: str, payload_mac: bool) -> tuple[bytes, bytes]:
+        return auth.session_keys(self.secret, nonce_s, nonce_c, backend, payload_mac)
 
     # -- one thread per authenticated connection
     def _serve(self, conn: _Conn, auth_ok: bytes) -> None:

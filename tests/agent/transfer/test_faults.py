@@ -22,7 +22,7 @@ from kvfleet.agent.transfer import (
     TransferServer,
 )
 from kvfleet.agent.transfer.client import _connect
-from kvfleet.agent.transfer.frames import HEADER_SIZE, FrameType, encode_control
+from kvfleet.agent.transfer.frames import HEADER_SIZE, VERSION, FrameType, encode_control
 from kvfleet.config.transfer import TransferSettings
 from tests.agent.transfer.conftest import SECRET, peer
 
@@ -179,7 +179,7 @@ async def test_malformed_frames_close_only_that_connection_and_are_counted(
         s.close()
     # after a successful handshake too
     ch, _remote, _backend = await asyncio.to_thread(_connect, "127.0.0.1", server.port, SECRET, client.local, client.settings, "tcp")
-    ch.send(b"KT\x01\x63" + b"\x00" * (HEADER_SIZE - 4))
+    ch.send(b"KT" + bytes([VERSION, 0x63]) + b"\x00" * (HEADER_SIZE - 4))
     with pytest.raises(StreamError):
         await asyncio.to_thread(ch.recv_header)
     ch.close()

@@ -224,12 +224,14 @@ class _Table:
 
 
 class Lease:
-    """The expiry of one pick's speculative entries, shared by all of them: extending it is O(1)."""
+    """The expiry of one pick's speculative entries, shared by all of them: extending it is O(1).
+    ``owned``: how many entries still name this lease (a later pick of the same key takes an entry over)."""
 
-    __slots__ = ("expiry",)
+    __slots__ = ("expiry", "owned")
 
     def __init__(self, expiry: float) -> None:
         self.expiry = expiry
+        self.owned = 0
 
 
 @dataclass(frozen=True)
@@ -369,7 +371,7 @@ class BlockIndex:
                 self._free.append(slot)
         with self._spec_lock:
             for k in [k for k, s in self._spec.items() if pod in s]:
-                del self._spec[k][pod]
+                self._spec[k].pop(pod).owned -= 1
                 self._spec_n -= 1
                 if not self._spec[k]:
                     del self._spec[k]
@@ -395,13 +397,19 @@ class BlockIndex:
             for k in sampled:
                 held = spec.get(k)
                 if held is None:
-                    spec[k] = {pod: lease}
+                    spec[k] = held = {}
+                prev = held.get(pod)
+                if prev is lease:
+                    continue
+                if prev is None:
                     self._spec_n += 1
                 else:
-                    if pod not in held:
-                        self._spec_n += 1
-                    held[pod] = lease
+                    prev.owned -= 1  # taken over
+                held[pod] = lease
+                lease.owned += 1
             self._spec_picks.append((lease, pod, sampled))
+            if len(self._spec_picks) > 2 * self._spec_n + 1024:  # picks whose entries were all taken over
+                self._spec_picks = deque(p for p in self._spec_picks if p[0].owned > 0)
             if self._spec_n > self.max_speculative:
                 self._expire(t)
                 while self._spec_n > self.max_speculative and len(self._spec_picks) > 1:
@@ -415,6 +423,7 @@ class BlockIndex:
             held = self._spec.get(k)
             if held is not None and held.get(pod) is lease:
                 del held[pod]
+                lease.owned -= 1
                 n += 1
                 if not held:
                     del self._spec[k]
@@ -435,12 +444,12 @@ class BlockIndex:
         for k in list(self._spec):
             s = self._spec[k]
             for pod in [p for p, e in s.items() if e.expiry <= t]:
-                del s[pod]
+                s.pop(pod).owned -= 1
                 n += 1
             if not s:
                 del self._spec[k]
         self._spec_n -= n
-        self._spec_picks = deque(p for p in self._spec_picks if p[0].expiry > t)
+        self._spec_picks = deque(p for p in self._spec_picks if p[0].expiry > t and p[0].owned > 0)
         return n
 
     # --- read path --------------------------------------------------------------------

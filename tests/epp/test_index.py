@@ -115,6 +115,17 @@ class TestMatch:
         assert idx.speculative_dropped == 64 and idx.num_speculative == 94
         assert idx.match(new, ["b"], now=5.0)["b"].blocks == 64 and idx.match(old[:30], ["c", "d"], now=5.0).keys() == {"d"}
 
+    def test_repeated_picks_do_not_pile_up(self) -> None:
+        """A prompt picked again and again re-uses its entries; the picks taken over are forgotten, so the
+        bookkeeping stays bounded by the entries, not by the number of picks."""
+        idx = BlockIndex(max_speculative=1000)
+        keys = list(range(500, 564))
+        for i in range(5000):
+            idx.add_speculative("a" if i % 2 else "b", keys, ttl_s=100, now=float(i) / 1000)
+        assert idx.num_speculative == 128 and idx.speculative_dropped == 0
+        assert len(idx._spec_picks) <= 2 * 128 + 1024 + 1
+        assert idx.expire(now=1000.0) == 128 and idx.num_speculative == 0 and not idx._spec_picks
+
     def test_clear_pod(self) -> None:
         idx = BlockIndex()
         idx.add("a", [1, 2])

@@ -14,8 +14,12 @@ module          cares about                                   in → out
 ``topology``    which backend for which peer                  PeerInfo × PeerInfo → names
 ``source``      where sent blocks come from                   hash → bytes
 ``metrics``     Prometheus series                             events → counters
+``backoff``     retry delays: exponential, capped, jittered   attempt → seconds
 ``server``      serve blocks to authenticated peers           BlockSource → wire
-``client``      pull, reorder, flow control, failover         wire → Block, in order
+``connection``  handshake, streams, credits, idle pool        peer → authenticated streams
+``handle``      the asyncio face: in order, exactly once      landed blocks → Block
+``failover``    sessions, receive + verify, retries           streams → landed blocks
+``client``      ``TransferClient.pull``                       hashes → TransferHandle
 ==============  ============================================  ===========================
 
 Typical use (a decode pod pulling from a prefill pod)::

@@ -10,7 +10,8 @@ tokens × fp16) in a kvfleet TransferServer and in a raw sender. This process
 * kvfleet tcp at 1/2/4 streams (every block's payload under the keyed MAC, the default), and one
   stream with ``payload_mac=False`` (the tag covers the header only, the payload the unkeyed xxh3
   checksum): ``tcp_mac_vs_unkeyed`` is what the payload MAC costs, measured in the same run, next
-  to the single-core SHA-256 rate of this machine (``sha256_gbps``, the receiver's per-block hash);
+  to the single-core SHA-256 rate of this machine (``sha256_gbps``, the receiver's per-block hash),
+  and ``first_block_unkeyed_ms`` the first block without it;
 * kvfleet shm (same host), shm also against a memcpy of the same
   bytes into the same arena (``shm_vs_memcpy``: on one host the data is copied once, so memcpy is the
   baseline, not a socket);
@@ -224,7 +225,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(n):  # the receiver's per-block SHA-256, alone on one core
                 hashlib.sha256(arena[i * BLOCK : (i + 1) * BLOCK]).digest()
             sha_s.append(time.perf_counter() - t)
-        async def run_in_thread() -> float:
+        async def run_in_thread(keyed: bool = True) -> float:
             """on_block in the receiving I/O thread: block 0 reaches the consumer without an event-loop hop."""
             count = 0
 
@@ -232,22 +233,27 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 nonlocal count
                 count += 1
 
-            handle = client.pull(peer, hashes, on_block=on_block, alloc=alloc, backends=["tcp"], streams=1, deliver="thread")
+            handle = (client if keyed else unkeyed).pull(
+                peer, hashes, on_block=on_block, alloc=alloc, backends=["tcp"], streams=1, deliver="thread"
+            )
             await handle.wait()
             assert count == n, handle.exception()
             return handle.stats.first_block_s or 0.0
 
         # first block: one stream, warm connection, the whole batch requested; next to raw block 0 of a whole batch
         await run_in_thread()  # warm-up
+        await run_in_thread(keyed=False)
         one_block_s: list[float] = []
         raw_first_byte_s: list[float] = []
         first: list[float] = []
         first_loop: list[float] = []
+        first_unkeyed: list[float] = []
         for _ in range(max(9, reps)):
             fb_byte, fb_last = _raw_first_block(raw, arena, n)
             raw_first_byte_s.append(fb_byte)
             one_block_s.append(fb_last)
             first.append(await run_in_thread())
+            first_unkeyed.append(await run_in_thread(keyed=False))
             first_loop.append((await run("tcp", 1))[1])
         whole_tcp1 = statistics.median(results["tcp1"])
         raw.close()
@@ -289,6 +295,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     one = statistics.median(one_block_s)
     fb = statistics.median(first)
     fb_loop = statistics.median(first_loop)
+    fb_unkeyed = statistics.median(first_unkeyed)
     fb_byte = statistics.median(raw_first_byte_s)
     print(f"batch: {n} blocks × {BLOCK >> 20} MiB = {n * BLOCK >> 20} MiB, best of {reps}")
     print(f"raw socket pair     {raw_gbps:6.2f} GB/s (median {gb / statistics.median(raw_s):.2f})")
@@ -309,6 +316,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     print(f"raw block 0: first byte {fb_byte * 1e3:.2f} ms, last byte {one * 1e3:.2f} ms (median of {len(first)})")
     print(f"first block in I/O thread {fb * 1e3:.2f} ms (x{fb / one:.2f}); via event loop {fb_loop * 1e3:.2f} ms "
           f"(x{fb_loop / one:.2f}); whole batch {whole_tcp1 * 1e3:.1f} ms (first/whole {fb / whole_tcp1:.3f})")
+    print(f"first block in I/O thread, payload_mac off {fb_unkeyed * 1e3:.2f} ms (x{fb_unkeyed / one:.2f})")
     return {
         "bench": "transfer",
         "blocks": n,
@@ -332,6 +340,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "raw_one_block_ms": round(one * 1e3, 3),
         "raw_first_byte_ms": round(fb_byte * 1e3, 3),
         "first_block_ratio": round(fb / one, 3),
+        "first_block_unkeyed_ms": round(fb_unkeyed * 1e3, 3),
+        "first_block_unkeyed_ratio": round(fb_unkeyed / one, 3),
         "first_block_loop_ms": round(fb_loop * 1e3, 3),
         "first_block_loop_ratio": round(fb_loop / one, 3),
         # through the event loop, as engine/pd.py delivers blocks: the figure users see

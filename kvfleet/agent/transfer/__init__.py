@@ -15,6 +15,7 @@ module          cares about                                   in → out
 ``source``      where sent blocks come from                   hash → bytes
 ``metrics``     Prometheus series                             events → counters
 ``backoff``     retry delays: exponential, capped, jittered   attempt → seconds
+``handshake``   a server connection before its AUTH           socket → verified AUTH
 ``server``      serve blocks to authenticated peers           BlockSource → wire
 ``connection``  handshake, streams, credits, idle pool        peer → authenticated streams
 ``handle``      the asyncio face: in order, exactly once      landed blocks → Block

@@ -41,15 +41,14 @@ from kvfleet.agent.transfer import auth
 from kvfleet.agent.transfer.channel import Channel, PeerClosed
 from kvfleet.agent.transfer.errors import AuthError, FrameError, StreamError, TransferError
 from kvfleet.agent.transfer.frames import (
-    HEADER_SIZE,
     BlockHash,
     FrameType,
-    Header,
     checksum,
     decode_request,
     encode_control,
     encode_header,
 )
+from kvfleet.agent.transfer.handshake import _close, _Handshake, _peer_name, _RateLog
 from kvfleet.agent.transfer.metrics import TransferMetrics
 from kvfleet.agent.transfer.mooncake import MooncakeEngine, RegisteredRing
 from kvfleet.agent.transfer.mooncake import available as mooncake_available
@@ -66,95 +65,6 @@ def _te_hostname(host: str) -> str:
     if host in ("", "0.0.0.0", "::"):
         return socket.gethostbyname(socket.gethostname())
     return host
-
-
-class _Handshake:
-    """A connection between accept and a verified AUTH, driven by the handshake loop (no thread of its own)."""
-
-    __slots__ = ("body", "deadline", "hdr", "header", "nonce_s", "out", "peer", "sock")
-
-    def __init__(self, sock: socket.socket, peer: str, deadline: float, nonce_s: bytes, hello: bytes) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.deadline = deadline
-        self.nonce_s = nonce_s
-        self.out = memoryview(hello)  # what is left of the HELLO to send
-        self.hdr = bytearray()
-        self.header: Header | None = None
-        self.body = bytearray()
-
-    def flush(self) -> None:
-        """Send what the socket takes of the HELLO (it fits an empty send buffer: normally all of it)."""
-        while self.out:
-            try:
-                n = self.sock.send(self.out)
-            except (BlockingIOError, InterruptedError):
-                return
-            self.out = self.out[n:]
-
-    def read(self) -> bool:
-        """Read what has arrived of the AUTH frame, never past its end; True once it is complete.
-
-        The header is judged before its body is read (:func:`auth.check_auth_header`),
-        so an oversized or unexpected frame costs nothing. Raises
-        :class:`PeerClosed`, :class:`FrameError` or :class:`OSError`.
-        """
-        while True:
-            if self.header is None:
-                need = HEADER_SIZE - len(self.hdr)
-            else:
-                need = self.header.length - len(self.body)
-                if need == 0:
-                    return True
-            try:
-                chunk = self.sock.recv(need)
-            except (BlockingIOError, InterruptedError):
-                return False
-            if not chunk:
-                raise PeerClosed(f"connection closed by {self.peer} during the handshake")
-            if self.header is None:
-                self.hdr += chunk
-                if len(self.hdr) == HEADER_SIZE:
-                    self.header = auth.check_auth_header(self.hdr)
-            else:
-                self.body += chunk
-
-    def close(self) -> None:
-        _close(self.sock)
-
-
-def _close(sock: socket.socket) -> None:
-    """FIN first (what the peer sent and we did not read would otherwise turn the close into a reset)."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    with contextlib.suppress(OSError):
-        sock.close()
-
-
-class _RateLog:
-    """One warning per kind at most every ``every_s`` seconds, saying how many were not logged since."""
-
-    def __init__(self, every_s: float = 10.0) -> None:
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._quiet: dict[str, int] = {}
-
-    def warning(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.every_s:
-            self._quiet[kind] = self._quiet.get(kind, 0) + 1
-            return
-        self._last[kind] = now
-        quiet = self._quiet.pop(kind, 0)
-        if quiet:
-            log.warning(msg + " (and %d more since the last report)", *args, quiet)
-        else:
-            log.warning(msg, *args)
-
-
-def _peer_name(addr: Any) -> str:
-    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
 
 
 class _Conn:
@@ -282,7 +192,7 @@ class TransferServer:
         self._loop_thread: threading.Thread | None = None
         self._pending: OrderedDict[int, _Handshake] = OrderedDict()  # in accept order, i.e. deadline order
         self._accept_paused_until = 0.0
-        self._ratelog = _RateLog()
+        self._ratelog = _RateLog(log)
         self._threads: list[threading.Thread] = []
         self._conns: set[_Conn] = set()
         self._lock = threading.Lock()

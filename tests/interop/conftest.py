@@ -12,13 +12,21 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
 from kvfleet.config import Settings
+from kvfleet.config.operator import OperatorSettings
+from kvfleet.epp.envoy import free_port
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.ingest import PodEventApplier
+from kvfleet.epp.subscriber import EventSubscriber
+from kvfleet.operator.engines import kv_events_config
 from kvfleet.operator.manifests import ENGINE_CONTAINER, render_children
 from kvfleet.operator.spec import parse_spec
 
@@ -84,3 +92,77 @@ def run_checker(engine: str, version: str, script: str, cases: Mapping[str, list
     results = {r["id"]: r for r in (json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT "))}
     assert set(results) == set(cases), f"{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     return results
+
+
+# --- real engines' KV-event publishers into the EPP's subscriber ------------------------------------------
+
+
+class Driver:
+    """A driver script (tests/interop/*_publish.py) in ``engine`` ``version``'s venv, fed one JSON command a line; each
+    command is answered by one ``OK {json}`` line. Its publisher binds the ``--kv-events-config`` the operator renders,
+    on free ports."""
+
+    def __init__(self, engine: str, version: str, script: str, ports: tuple[int, int], tmp: Path, env: Mapping[str, str]) -> None:
+        config = kv_events_config(OperatorSettings(kv_events_port=ports[0], kv_events_replay_port=ports[1]))
+        self.config = config
+        self.proc = subprocess.Popen([str(engine_python(engine, version)), str(HERE / script)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=(tmp / f"{engine}-{time.monotonic_ns()}.log").open("wb"), text=True,
+                                     env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "PYTHONHASHSEED": "0", **env})
+
+    def cmd(self, **kw: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(kw) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line.startswith("OK "), f"publisher: {line!r} (exit {self.proc.poll()})"
+        out: dict[str, Any] = json.loads(line[3:])
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.cmd(op="exit")
+            self.proc.wait(30)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """``n`` deterministic token ids below 32,000."""
+    return [(seed * 7919 + i * 104729) % 32000 for i in range(n)]
+
+
+def held(idx: BlockIndex, hasher: BlockHasher, toks: Sequence[int], pod: str) -> int:
+    """How many leading full blocks of ``toks`` the index holds for ``pod``."""
+    m = idx.match(hashes_as_ints(hasher.hash_tokens(list(toks))), [pod]).get(pod)
+    return m.blocks if m else 0
+
+
+def wait(probe: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def join(sub: EventSubscriber, idx: BlockIndex, hasher: BlockHasher, ports: tuple[int, int], pod: str) -> PodEventApplier:
+    """The EPP subscribing to ``pod``'s publisher as it does in a cluster: recomputed keys, the rendered topic."""
+    applier = PodEventApplier(pod, idx, hasher, recompute_keys=True)
+    sub.add_pod(pod, f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", applier, topic="kv-events")
+    return applier
+
+
+@pytest.fixture(params=["sha256_cbor", "xxh3_64"])
+def algo(request: pytest.FixtureRequest) -> str:
+    """The pool's ``hashAlgo``: the picker's keys, recomputed from the events' token ids."""
+    return str(request.param)
+
+
+@pytest.fixture
+def ports() -> tuple[int, int]:
+    return free_port(), free_port()
+
+
+@pytest.fixture
+def subscriber() -> Iterator[EventSubscriber]:
+    sub = EventSubscriber(replay_timeout_s=2.0)
+    sub.start()
+    yield sub
+    sub.stop()

@@ -21,7 +21,12 @@ from typing import Any
 
 import pytest
 
-from kvfleet.operator.engines import SGLANG_CHAINED_EVENTS, SGLANG_MOONCAKE_TCP, SGLANG_TESTED, EngineVersionError
+from kvfleet.operator.engines import (
+    SGLANG_CHAINED_EVENTS,
+    SGLANG_MOONCAKE_TCP,
+    SGLANG_TESTED,
+    EngineVersionError,
+)
 from tests.interop.conftest import TINY, engine_args, release, run_checker
 
 VERSIONS = [".".join(map(str, v)) for v in SGLANG_TESTED]

@@ -16,9 +16,10 @@ Replay (ROUTER on the publisher, DEALER on the subscriber). The subscriber sends
 ``[b"", start_seq (8 bytes, big-endian)]``; the publisher answers, for every
 batch it still buffers with ``seq >= start_seq``, ``[b"", seq, payload]`` and
 ends with the marker ``[b"", -1 (8 bytes, signed big-endian), b""]``. That is
-exactly what vLLM and SGLang send (no topic frame in replay answers);
-:func:`parse_replay_answer` also reads the ``[b"", topic, seq, payload]`` form
-that kvfleet's publisher sent before.
+what vLLM and SGLang 0.5.3 send. SGLang 0.5.23 puts the topic frame in its
+replay answers (``[b"", topic, seq, payload]``, and ``[b"", b"", -1, b""]`` for
+the marker), as kvfleet's publisher did before: :func:`parse_replay_answer`
+reads both forms (tests/interop runs both engines' publishers against it).
 
 Restart semantics: a publisher that restarts counts from 0 again, and the first
 messages after a (re)connection may be lost (ZMQ's slow joiner). So any live

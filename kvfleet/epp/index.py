@@ -28,11 +28,12 @@ blocks sit in different tiers).
 
 **Holes** (a block removed while a later block of the same chain is still held:
 not produced by vLLM's tail-first eviction, but possible with lost or reordered
-events, or tier moves): when the candidates' longest prefixes total at most
-``exact_walk_blocks`` (default 1,024 block probes, ≈ 0.1–0.2 ms: a 1k-token
-prompt held by 16 pods), the found prefixes are verified by one batched probe of
-every position and cut at the first hole, with exact per-block tier weights (what
-the old walk did). Beyond that budget the search's answer stands: a pod may be
+events, or tier moves): when the prompt's blocks × candidate pods, or else the
+found prefixes' total, are at most ``exact_walk_blocks`` (default 1,024 block
+probes, ≈ 0.1–0.2 ms: a 1k-token prompt held by 16 pods), every position of each
+(found) prefix is probed in one batch and cut at the first hole, with exact
+per-block tier weights (what the old walk did; for small prompts this also skips
+the search's sequential steps). Beyond that budget the search's answer stands: a pod may be
 credited past a hole (the search settles on some held block followed by a missing
 one), by at most the blocks after the hole; such an over-prediction shows in
 ``kvfleet_epp_misprediction_tokens_total{direction="over"}``, and the engine
@@ -273,7 +274,7 @@ class BlockIndex:
         self._slot: dict[str, int] = {}
         self._names: list[str | None] = []
         self._free: deque[int] = deque()
-        self._count = np.zeros(0, dtype=np.int64)
+        self._count: list[int] = []  # entries per slot
         self._lock = threading.Lock()  # writers of the table
         self._spec: dict[int, dict[str, Lease]] = {}
         self._spec_n = 0
@@ -295,8 +296,7 @@ class BlockIndex:
             if s >= MAX_PODS:
                 raise RuntimeError(f"the block index holds at most {MAX_PODS} pods")
             self._names.append(pod)
-            if s >= len(self._count):
-                self._count = np.concatenate([self._count, np.zeros(max(64, len(self._count)), dtype=np.int64)])
+            self._count.append(0)
         self._slot[pod] = s
         return s
 
@@ -484,7 +484,8 @@ class BlockIndex:
         cand = [(p, s) for p in names if (s := self._slot.get(p)) is not None and s < len(count) and count[s] > 0]
         if n == 0 or not cand:
             return {}
-        arr = keys if isinstance(keys, np.ndarray) else None
+        small = n * len(cand) <= self.exact_walk_blocks  # cheaper to probe every (position, pod) in one batch
+        arr = keys if isinstance(keys, np.ndarray) else _u64(keys) if small else None
 
         def key_at(pos: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
             if arr is not None:
@@ -497,19 +498,24 @@ class BlockIndex:
             return np.where(at >= 0, m, 0)
 
         slots = np.array([s for _, s in cand], dtype=np.uint16)
-        pnames = np.array([p for p, _ in cand], dtype=object)
+        pnames = [p for p, _ in cand]
         c = len(slots)
+        if small:
+            assert arr is not None
+            length, weighted = self._walk(arr, table, slots, w)
+            return {p: PodMatch(blocks=b, weighted=x) for p, b, x in zip(pnames, length.tolist(), weighted.tolist(), strict=True) if b > 0}
         ends = masks_at(np.repeat(np.array([0, n - 1], dtype=np.int64), c), np.tile(slots, 2))
         m0, m_last = ends[:c], ends[c:]
         has = m0 > 0
         if not has.any():
             return {}
-        slots, pnames, m0, m_last = slots[has], pnames[has], m0[has], m_last[has]
+        slots, m0, m_last = slots[has], m0[has], m_last[has]
+        pnames = [p for p, h in zip(pnames, has.tolist(), strict=True) if h]
         length, last = self._search(masks_at, slots, m0, n, 0xFF, m_last)
         weighted = self._weigh(masks_at, slots, m0, last, length, w)
         if int(length.sum()) <= self.exact_walk_blocks:
             length, weighted = self._verify(key_at, table, slots, length, w)
-        return {str(p): PodMatch(blocks=int(b), weighted=float(x)) for p, b, x in zip(pnames, length, weighted, strict=True) if b > 0}
+        return {p: PodMatch(blocks=b, weighted=x) for p, b, x in zip(pnames, length.tolist(), weighted.tolist(), strict=True) if b > 0}
 
     @staticmethod
     def _search(
@@ -577,6 +583,21 @@ class BlockIndex:
             out += (lr - prev) * w[r]
             prev = lr
         return out
+
+    @staticmethod
+    def _walk(
+        keys: npt.NDArray[Any], table: _Table, slots: npt.NDArray[np.uint16], w: list[float]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+        """The old walk for a small prompt, batched: every (position, pod) probed at once, each pod's prefix cut at
+        its first missing block, each block weighted by its best tier."""
+        c, n = len(slots), len(keys)
+        at = table.find(np.broadcast_to(keys.astype(_U64, copy=False), (c, n)).ravel(), np.repeat(slots, n))
+        rank = np.where(at >= 0, _BEST_RANK[table.mask[at]], len(w)).reshape(c, n)
+        missing = rank == len(w)
+        length = np.where(missing.any(axis=1), missing.argmax(axis=1), n)
+        wt = np.append(np.asarray(w, dtype=np.float64), 0.0)[rank]
+        wt[np.arange(n) >= length[:, None]] = 0.0
+        return length.astype(np.int64), wt.sum(axis=1)
 
     @staticmethod
     def _verify(
@@ -656,7 +677,7 @@ class BlockIndex:
 
     def num_pod_keys(self, pod: str) -> int:
         slot = self._slot.get(pod)
-        return 0 if slot is None else int(self._count[slot])
+        return 0 if slot is None else self._count[slot]
 
     @property
     def num_speculative(self) -> int:

@@ -1,0 +1,71 @@
+"""The pick runs off the gRPC event loop: on the servicer's one-thread executor, while other streams move on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from kvfleet.epp.metrics import EppMetrics
+from kvfleet.epp.server import ExtProcServicer
+from tests.epp.test_scheduling import router
+
+
+def _messages(body: bytes) -> list[pb.ProcessingRequest]:
+    headers = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+        base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+    ]))
+    cfg = pb.ProtocolConfiguration(request_body_mode=processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED)
+    return [
+        pb.ProcessingRequest(request_headers=headers, protocol_config=cfg),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
+    ]
+
+
+async def _stream(svc: ExtProcServicer, msgs: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    async def it() -> AsyncIterator[pb.ProcessingRequest]:
+        for m in msgs:
+            yield m
+
+    return [r async for r in svc.Process(it(), None)]
+
+
+def test_the_pick_runs_on_the_route_thread_while_the_loop_serves_other_streams() -> None:
+    r = router()
+    svc = ExtProcServicer(r, EppMetrics(), 1 << 20)
+    threads: list[str] = []
+    release = threading.Event()
+    route = r.route
+
+    def slow_route(*a: Any, **kw: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        assert release.wait(10)
+        return route(*a, **kw)
+
+    r.route = slow_route  # type: ignore[method-assign]
+    body = json.dumps({"model": "m", "prompt": "hello " * 50}).encode()
+
+    async def main() -> None:
+        first = asyncio.ensure_future(_stream(svc, _messages(body)))
+        while not threads:  # the first stream's pick has started and blocks its thread
+            await asyncio.sleep(0.01)
+        # meanwhile the loop still answers another stream's messages (the headers need no pick)
+        headers_only = await asyncio.wait_for(_stream(svc, _messages(body)[:1]), 5)
+        assert headers_only == [] and not first.done()
+        release.set()
+        out = await asyncio.wait_for(first, 10)
+        assert out[0].request_headers.response.header_mutation.set_headers
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        svc.route_pool.shutdown(wait=True)
+    assert threads and all(t.startswith("epp-route") for t in threads)

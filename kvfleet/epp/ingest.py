@@ -45,6 +45,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from kvfleet.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 from kvfleet.cache.hashing import BlockHash, BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
@@ -52,6 +55,17 @@ from kvfleet.epp.index import BlockIndex
 
 log = logging.getLogger(__name__)
 _MASK = (1 << 64) - 1
+
+
+def _engine_keys(hashes: list[int | bytes]) -> npt.NDArray[np.uint64] | list[int]:
+    """:func:`to_int64` of every hash: one numpy conversion when they are all non-negative 64-bit ints (vLLM's
+    int hashes), else per hash (bytes hashes, negative ints)."""
+    try:
+        if hashes and type(hashes[0]) is int:
+            return np.array(hashes, dtype=np.uint64)
+    except (OverflowError, TypeError, ValueError):
+        pass
+    return [to_int64(h) for h in hashes]
 
 
 @dataclass
@@ -153,13 +167,13 @@ class PodEventApplier:
 
     def _stored(self, ev: BlockStored) -> None:
         tier = self._tier(ev.medium)
-        engine = [to_int64(h) for h in ev.block_hashes]
-        if not engine:
+        if not ev.block_hashes:
             return
         if not self.recompute_keys:
-            self.stats.stored += len(engine)
-            self.index.add(self.pod, engine, tier)
+            self.stats.stored += len(ev.block_hashes)
+            self.index.add(self.pod, _engine_keys(ev.block_hashes), tier)
             return
+        engine = [to_int64(h) for h in ev.block_hashes]
         n = len(engine)
         bs = self.hasher.block_size
         if ev.block_size != bs or len(ev.token_ids) < n * bs:
@@ -205,11 +219,11 @@ class PodEventApplier:
 
     def _removed(self, ev: BlockRemoved) -> None:
         tier = self._tier(ev.medium)
-        engine = [to_int64(h) for h in ev.block_hashes]
         if not self.recompute_keys:
-            self.stats.removed += len(engine)
-            self.index.remove(self.pod, engine, tier)
+            self.stats.removed += len(ev.block_hashes)
+            self.index.remove(self.pod, _engine_keys(ev.block_hashes), tier)
             return
+        engine = [to_int64(h) for h in ev.block_hashes]
         m = self._engine_to_key
         keys = [m[e][0] if e in m else e for e in engine]
         self.stats.removed += len(keys)

@@ -422,8 +422,11 @@ class Kvfleet(Policy):
             cpu_gbps=cfg.cpu_gbps, ssd_gbps=cfg.ssd_gbps, remote_gbps=cfg.ssd_gbps / 2,
         )
         settings = EppSettings(plugins=tuple(plugins), hotspot_beta=hotspot_beta, speculative_ttl_s=spec_ttl_s, cost=cost)
+        # every pod publishes KV events (the simulation delivers them): picks count as cached for
+        # speculative_ttl_s after their first token, not the approximate mode's approximate_ttl_s
         data = {"pools": [{"name": "pool", "models": ["m"], "pods": [
-            {"name": n, "address": "10.0.0.1", "port": 8000 + i} for i, n in enumerate(self.names)]}]}
+            {"name": n, "address": "10.0.0.1", "port": 8000 + i, "events": f"tcp://10.0.0.1:{5557 + i}"}
+            for i, n in enumerate(self.names)]}]}
         clock = lambda: self.now  # noqa: E731
         self.index = BlockIndex(clock=clock)
         cls = PrevRouter if prev else Router

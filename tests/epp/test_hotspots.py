@@ -41,8 +41,8 @@ class TestStorm:
         """One pod holds a 64-block prefix; a burst of requests sharing it (each with 10 blocks of its own)
         arrives before any first token. The holder takes them while its queue costs less than the prefix's
         prefill (what a miss on an idle pod costs on top), then the burst spreads. Decay off: the load term
-        alone. (With the hit valued by the candidates' mean queue, the holder's own growing queue raised its
-        own hit value, and all 30 piled onto it.)"""
+        alone. (With the load gain on the holder too, its own growing queue raised the candidates' mean
+        queue and with it its own hit value, and all 30 piled onto it.)"""
         r = router(4, beta=0.0)
         prefix = text("storm", 64)
         holder = "p0-2"

@@ -66,8 +66,8 @@ class TestScorers:
         return Candidate(pod=Pod(name=name, address="a", port=1), **kw)
 
     def test_formula(self) -> None:
-        """hit_s·(1+g·ρ)/(1+β·same_prefix) − (pending·t + n_pending·overhead) − w_kv·kv, each term checked;
-        ρ from the least-queued candidate's queue."""
+        """hit_s·gain/(1+β·same_prefix) − (pending·t + n_pending·overhead) − w_kv·kv, each term checked;
+        gain = 1 + g·ρ (ρ from the candidates' mean queue) where no request of the prefix is still queued, else 1."""
         prof = Profile([
             PluginSpec(type="prefix-cache-scorer", params={"load_gain": 2.0}),
             PluginSpec(type="queue-scorer", params={"overhead_s": 0.0}),
@@ -75,18 +75,19 @@ class TestScorers:
             PluginSpec(type="max-score-picker", params={"fallbacks": 5}),
         ])
         req = SchedulingRequest(num_tokens=1600, block_size=16, prefill_s_per_token=1e-4, hotspot_beta=0.5)
-        hit = self.cand("hit", hit_blocks=50, hit_weighted=50.0, same_prefix=2, pending_tokens=1600)
+        hot = self.cand("hot", hit_blocks=50, hit_weighted=50.0, same_prefix=2)
         busy = self.cand("busy", hit_blocks=100, hit_weighted=100.0, pending_tokens=4800)
-        kv = self.cand("kv", metrics=PodMetrics(kv_usage=1.0, scraped_at=0), pending_tokens=3200)
-        ranked = prof.run(req, [hit, busy, kv])
+        hit = self.cand("hit", hit_blocks=20, hit_weighted=20.0)
+        kv = self.cand("kv", metrics=PodMetrics(kv_usage=1.0, scraped_at=0))
+        ranked = prof.run(req, [hot, busy, hit, kv])
         scores = dict(zip((c.name for c in ranked.pods), ranked.scores, strict=True))
-        q_min = 1600 * 1e-4
-        gain = 1 + 2.0 * q_min / (q_min + 0.16)
-        assert gain == pytest.approx(2.0)
-        assert scores["hit"] == pytest.approx(50 * 16 * 1e-4 * gain / 2.0 - 0.16)
+        q_mean = 4800 / 4 * 1e-4
+        gain = 1 + 2.0 * q_mean / (q_mean + 0.16)
+        assert scores["hot"] == pytest.approx(50 * 16 * 1e-4 / 2.0)  # a burst of its prefix queued there: no gain
         assert scores["busy"] == pytest.approx(100 * 16 * 1e-4 * gain - 0.48)
-        assert scores["kv"] == pytest.approx(-0.05 - 0.32)
-        assert ranked.pods[0].name == "hit"  # −0.08 vs 0.32 − 0.48
+        assert scores["hit"] == pytest.approx(20 * 16 * 1e-4 * gain)
+        assert scores["kv"] == pytest.approx(-0.05)
+        assert [c.name for c in ranked.pods] == ["hit", "hot", "kv", "busy"]
 
     def test_idle_cluster_values_hits_at_their_latency(self) -> None:
         """With nothing queued (ρ = 0) the load gain does not apply: a hit is worth the prefill it saves."""

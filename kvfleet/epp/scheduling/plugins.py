@@ -45,24 +45,28 @@ def waiting_of(c: Candidate) -> float:
 
 @register("prefix-cache-scorer", "scorer")
 class PrefixCacheScorer:
-    """Prefill seconds the pod's cached prefix saves, damped on hot spots, valued more when no pod is free.
+    """Prefill seconds the pod's cached prefix saves, damped on hot spots, valued more under load
+    except where a burst of the prefix is already queued.
 
-    ``hit_s = hit_weighted · block_size · prefill_s_per_token · (1 + g·ρ) / (1 + β · same_prefix)``
+    ``hit_s = hit_weighted · block_size · prefill_s_per_token · gain / (1 + β · same_prefix)``
     where ``hit_weighted = Σ over matched prefix blocks of weight(tier)`` and
     ``weight(tier) = max(0, 1 − load_s_per_token(tier) / prefill_s_per_token)``
     (a CPU/SSD hit is worth what it saves after its load cost); ``same_prefix``
     the picker's requests on the pod for the same longest-matched prefix that are
     still waiting for their first token (the router's hot key; seed 5.4: without
     it every same-prefix request piles onto one pod), ``β`` = hotspot_beta
-    (param ``beta`` overrides it). ``ρ = q_min / (q_min + prefill_s(request))``
-    with ``q_min`` the queued prefill seconds of the *least*-queued candidate: the
-    cheapest place a miss could go. While some pod is free (ρ = 0) a hit is worth
-    the latency it saves, so a holder whose own queue costs more than a miss
-    elsewhere loses the request (a hot prefix spreads); only when every pod is
-    busy is a hit also worth the compute it keeps free for the queue and the KV
-    it does not duplicate (``g`` = param ``load_gain``, default 20). The holder's
-    own queue never raises its own hit value (the mean over candidates did: a
-    storm of one prefix piled onto its first holders).
+    (param ``beta`` overrides it).
+
+    ``gain = 1 + g·ρ`` on a pod with no such request (``same_prefix = 0``), with
+    ``ρ = q̄ / (q̄ + prefill_s(request))`` and ``q̄`` the candidates' mean queued
+    prefill seconds: idle, a hit is worth the latency it saves (ρ = 0); loaded,
+    also the compute it keeps free for the queue and the KV it does not duplicate
+    (``g`` = param ``load_gain``, default 20). ``gain = 1`` on a pod where requests
+    of this prefix are still queued (a burst): there the hit is worth its latency
+    only, so the holder keeps the burst while its queue costs less than a miss
+    elsewhere and the burst then spreads, pod by pod, to as many pods as keep
+    that true. (With the gain everywhere, the holder's own growing queue raised
+    ``q̄`` and with it its own hit value: a storm of one prefix piled onto its first holders.)
     """
 
     def __init__(self, params: Mapping[str, float]) -> None:
@@ -72,11 +76,12 @@ class PrefixCacheScorer:
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         beta = req.hotspot_beta if self.beta is None else float(self.beta)
         unit = req.block_size * req.prefill_s_per_token
+        gain = 1.0
         if self.load_gain and cands:
-            q = min(c.pending_tokens for c in cands) * req.prefill_s_per_token
+            q = sum(c.pending_tokens for c in cands) / len(cands) * req.prefill_s_per_token
             rho = q / (q + req.prefill_s) if q > 0 else 0.0
-            unit *= 1.0 + self.load_gain * rho
-        return [c.hit_weighted * unit / (1.0 + beta * c.same_prefix) for c in cands]
+            gain += self.load_gain * rho
+        return [c.hit_weighted * unit * (1.0 if c.same_prefix else gain) / (1.0 + beta * c.same_prefix) for c in cands]
 
 
 @register("queue-scorer", "scorer")

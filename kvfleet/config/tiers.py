@@ -34,7 +34,7 @@ class TierSpec:
     low_watermark: float = 0.75
     #: codec name: none, fp8_e4m3, int8, int4.
     codec: str = "none"
-    #: storage backend name (registry in kvfleet.agent.tiers.base); "" = the tier's default.
+    #: storage backend name (registry in kvfleet.agent.tiers.backends); "" = the tier's default.
     backend: str = ""
     read_gbps: float = 0.0
     write_gbps: float = 0.0

@@ -1,14 +1,20 @@
 """Tiered KV-block storage of the node agent: gpu → cpu → ssd → remote.
 
-:class:`TierManager` (``manager.py``) is the entry point; stores
-(``memory.py``, ``device.py`` (torch: CUDA HBM), ``slab.py``, ``ssd.py``, ``remote.py``) implement :class:`TierStore`
-(``base.py``); ``cost.py`` holds the promotion rule, ``record.py`` the on-disk
-/ on-wire record, ``metrics.py`` the Prometheus series. See docs/tiers.md.
+:class:`TierManager` (``manager.py``) is the entry point, a facade over:
+``index.py`` (hash → tier, LRU, bytes per tier, pins, KV events),
+``policy.py`` (placement, watermarks, the promotion rule of ``cost.py``),
+``moves.py`` (one block's move between two stores), ``movement.py`` (the
+migration threads and queues; ``staging.py`` their copy buffers) and the
+stores: ``memory.py``, ``device.py`` (torch: CUDA HBM), ``slab.py``,
+``ssd.py``, ``remote.py`` implement :class:`TierStore` (``base.py``), made
+by name in ``backends.py``. ``record.py`` is the on-disk / on-wire record,
+``metrics.py`` the Prometheus series. See docs/tiers.md ("Layout").
 """
 
 from __future__ import annotations
 
-from kvfleet.agent.tiers.base import BACKENDS, ScanReport, TierStore, open_store
+from kvfleet.agent.tiers.backends import BACKENDS, open_store
+from kvfleet.agent.tiers.base import ScanReport, TierStore
 from kvfleet.agent.tiers.cost import Action, CostModel, Decision, TierCost
 from kvfleet.agent.tiers.device import DeviceError
 from kvfleet.agent.tiers.errors import (

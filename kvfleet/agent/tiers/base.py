@@ -1,4 +1,4 @@
-"""The storage interface of one tier, and the name → backend registry.
+"""The storage interface of one tier (the name → backend registry is :mod:`~.backends`).
 
 A :class:`TierStore` holds encoded blocks keyed by block hash. It knows
 nothing about watermarks, LRU order or other tiers: that is the manager's
@@ -6,7 +6,7 @@ job (:mod:`kvfleet.agent.tiers.manager`). Stores are called from the
 manager's migration threads and from the engine's thread; implementations
 are thread-safe.
 
-Backends (``TierSpec.backend``; empty = the tier's default):
+Backends (``TierSpec.backend``; empty = the tier's default; :func:`~.backends.open_store`):
 
 =========  ==============================================  ==========================
 name       class                                           default for
@@ -18,25 +18,24 @@ files      :class:`~.ssd.FileStore` (file per block)
 redis      :class:`~.remote.RedisStore`                    remote
 =========  ==============================================  ==========================
 
-The gpu tier's default follows ``MemoryTierSpec.device`` (:func:`default_backend`):
+The gpu tier's default follows ``MemoryTierSpec.device`` (:func:`~.backends.default_backend`):
 ``torch`` when it resolves to a torch device (``auto`` with torch installed and
 CUDA available, ``cuda``, ``cuda:N``, ``cpu``), else ``arena``.
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
 from kvfleet.agent.codecs import Payload
-from kvfleet.agent.tiers.errors import TierFullError, UnknownBackendError
+from kvfleet.agent.tiers.errors import TierFullError
 from kvfleet.agent.tiers.record import PREFIX_SIZE, BlockMeta
 from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
@@ -103,6 +102,14 @@ class TierStore(ABC):
 
     def keys(self) -> Iterator[BlockHash]:
         return iter(())
+
+    #: whether :meth:`read_into` is implemented (record stores on disk): promotion then reads a record
+    #: straight into a reserved memory slot.
+    reads_into: ClassVar[bool] = False
+
+    def read_into(self, block_hash: BlockHash, alloc: Callable[[BlockMeta, int], Payload]) -> BlockMeta:
+        """Read the block's payload into ``alloc(meta, payload_len)``, checked; stores with :attr:`reads_into`."""
+        raise NotImplementedError(f"the {self.backend} backend does not read into a caller's buffer")
 
     def contains(self, block_hash: BlockHash) -> bool:
         """Whether the store holds the block (by its own bookkeeping, no I/O)."""
@@ -244,42 +251,3 @@ class SlotLeases:
         self._counts.clear()
         self._deferred.clear()
         self._keep.clear()
-
-#: backend name → (module, class), imported on first use.
-BACKENDS: dict[str, tuple[str, str]] = {
-    "arena": ("kvfleet.agent.tiers.memory", "ArenaStore"),
-    "files": ("kvfleet.agent.tiers.ssd", "FileStore"),
-    "slab": ("kvfleet.agent.tiers.slab", "SlabStore"),
-    "redis": ("kvfleet.agent.tiers.remote", "RedisStore"),
-    "torch": ("kvfleet.agent.tiers.device", "TorchDeviceStore"),
-}
-
-DEFAULT_BACKEND: dict[Tier, str] = {Tier.GPU: "arena", Tier.CPU: "arena", Tier.SSD: "slab", Tier.REMOTE: "redis"}
-
-
-def default_backend(tier: Tier, spec: TierSpec) -> str:
-    """The backend used when ``spec.backend`` is empty: for gpu, ``torch`` when ``spec.device`` is a torch device.
-
-    Device ``auto`` imports torch (when installed and a GPU driver is present) to ask whether CUDA is
-    available; ``host`` imports nothing.
-    Raises ``DeviceError`` (:mod:`~.device`) for ``cuda``/``cpu`` devices this machine cannot serve.
-    """
-    device = getattr(spec, "device", "host")
-    if tier is Tier.GPU and device != "host":
-        from kvfleet.agent.tiers.device import resolve_device  # imports torch only when needed
-
-        if resolve_device(device) is not None:
-            return "torch"
-    return DEFAULT_BACKEND[tier]
-
-
-def open_store(tier: Tier, spec: TierSpec) -> TierStore:
-    """Instantiate the backend ``spec.backend`` (or the tier's default) for ``tier``."""
-    name = spec.backend or default_backend(tier, spec)
-    try:
-        module, cls = BACKENDS[name]
-    except KeyError:
-        raise UnknownBackendError(f"unknown tier backend {name!r}; known: {', '.join(sorted(BACKENDS))}") from None
-    factory: Any = getattr(importlib.import_module(module), cls)
-    store: TierStore = factory(tier, spec)
-    return store

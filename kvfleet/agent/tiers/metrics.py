@@ -27,6 +27,8 @@ kvfleet_tier_reindexed_blocks_total                tier                    block
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 METRIC_NAMES: tuple[str, ...] = (
@@ -61,6 +63,7 @@ class TierMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.info = Gauge("kvfleet_tier_info", "Configured tier (1), its backend and whether it is a stand-in", ["tier", "backend", "stand_in"], registry=r)
         self.capacity = Gauge("kvfleet_tier_capacity_bytes", "Tier capacity in encoded bytes", ["tier"], registry=r)
@@ -81,3 +84,11 @@ class TierMetrics:
         self.errors = Counter(_strip("kvfleet_tier_errors_total"), "Tier errors by kind", ["tier", "kind"], registry=r)
         self.dropped = Counter(_strip("kvfleet_tier_dropped_records_total"), "Records dropped by the start-up rescan", ["tier", "reason"], registry=r)
         self.reindexed = Counter(_strip("kvfleet_tier_reindexed_blocks_total"), "Blocks re-indexed by the start-up rescan", ["tier"], registry=r)
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """The labelled child of ``metric``, cached (``labels()`` validates and locks on every call)."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child

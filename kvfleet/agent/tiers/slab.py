@@ -1,5 +1,11 @@
 """The SSD tier in slab files: many fixed-size block slots per preallocated file.
 
+Longer than the package's ~500-line norm on purpose: writing a slot, reading
+it back, the calibration probe and the restart scan all read and change the
+same slot geometry, free list and leases under one lock, and each must agree
+with the others on the on-disk layout below; split, that agreement would span
+files.
+
 Layout of ``spec.path``::
 
     slab-00000.kvs   4096-byte file header  "KVFS" | version u16 | flags u16 | slot_bytes u64 | slots u64
@@ -127,6 +133,7 @@ class SlabStore(TierStore):
     """Block records in fixed slots of preallocated slab files; capacity counts whole slots."""
 
     backend = "slab"
+    reads_into = True
 
     def __init__(self, tier: Tier, spec: TierSpec) -> None:
         super().__init__(tier, spec)

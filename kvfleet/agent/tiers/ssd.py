@@ -59,6 +59,7 @@ class FileStore(RecordStore):
     """A file per block under ``spec.path``; capacity counts whole record files."""
 
     backend = "files"
+    reads_into = True
 
     def __init__(self, tier: Tier, spec: TierSpec) -> None:
         super().__init__(tier, spec)

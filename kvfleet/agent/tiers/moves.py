@@ -1,0 +1,374 @@
+"""Moves: one block from one store into another, keeping the index right.
+
+Every method here is one block's I/O on the calling thread: read it (memory
+tiers: from a leased slot, so the slot is not reused meanwhile; ssd/remote:
+a checked record), re-encode it only when the two tiers' codecs differ,
+write it to the destination, then, under the index lock, switch the index
+over and drop the source copy (``BlockStored`` on the destination, then
+``BlockRemoved`` on the source). If the block was dropped, moved or pinned
+meanwhile, the copy just written is deleted again unless the index places
+the block there. A destination that fails is reported to the policy
+(:meth:`~.policy.TierPolicy.io_failed`) and the block stays where it was.
+
+Which blocks move, and where to, is the policy's (:mod:`~.policy`); which
+thread moves them, and when, is :mod:`~.movement`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfleet.agent.codecs import Codec, Payload, get_codec
+from kvfleet.agent.tiers.base import TierStore
+from kvfleet.agent.tiers.errors import (
+    BlockNotFoundError,
+    BlockTooLargeError,
+    CorruptBlockError,
+    TierError,
+    TierFullError,
+    TierIOError,
+)
+from kvfleet.agent.tiers.index import BlockIndex, Entry
+from kvfleet.agent.tiers.memory import SlotStore
+from kvfleet.agent.tiers.metrics import TierMetrics
+from kvfleet.agent.tiers.policy import MEMORY, TierPolicy
+from kvfleet.agent.tiers.record import BlockMeta, meta_for
+from kvfleet.cache.hashing import BlockHash
+from kvfleet.cache.tiers import Tier
+
+log = logging.getLogger(__name__)
+
+
+class Mover:
+    """Block moves between the open ``stores`` (see the module doc); thread-safe."""
+
+    def __init__(self, stores: dict[Tier, TierStore], codecs: dict[Tier, Codec], index: BlockIndex, policy: TierPolicy, metrics: TierMetrics) -> None:
+        self.stores = stores
+        self.codecs = codecs
+        self.index = index
+        self.policy = policy
+        self.metrics = metrics
+
+    # --------------------------------------------------------------- reads
+
+    def read_memory(self, h: BlockHash, e: Entry) -> npt.NDArray[Any]:
+        """Decode a memory-tier block (caller holds the lock): a view of its slot while pinned, else a copy."""
+        meta, payload = self.stores[e.tier].read(h)
+        block = get_codec(meta.codec).decode(payload, meta.dtype, meta.shape)
+        if e.pins > 0:
+            return block
+        return np.array(block, copy=True) if np.shares_memory(block, payload) else block
+
+    def read(self, tier: Tier, h: BlockHash) -> npt.NDArray[Any]:
+        """Read and decode from a slow tier (outside the lock); errors are logged and counted."""
+        meta, payload = self.read_raw(tier, h)
+        return get_codec(meta.codec).decode(payload, meta.dtype, meta.shape)
+
+    def read_raw(self, tier: Tier, h: BlockHash) -> tuple[BlockMeta, Payload]:
+        """The encoded block from ``tier``; a corrupt one is dropped from the index, a failing tier reported."""
+        try:
+            meta, payload = self.stores[tier].read(h)
+        except BlockNotFoundError:
+            raise
+        except CorruptBlockError as exc:
+            log.error("%s tier: block %r is corrupt (%s); dropping it", tier, h, exc)
+            self.metrics.child(self.metrics.errors, tier.value, "corrupt").inc()
+            with self.index.lock:
+                e = self.index.entries.get(h)
+                if e is not None and e.tier == tier:
+                    self.index.remove(h)
+                    self.stores[tier].delete(h)
+                    self.index.announce_removed(h, tier)
+            raise
+        except TierIOError as exc:
+            self.policy.io_failed(tier, exc)
+            raise
+        return meta, payload
+
+    def read_for_move(self, src: Tier, h: BlockHash) -> tuple[BlockMeta, Payload]:
+        """The encoded block as stored (memory tiers: a private copy, the slot may be reused)."""
+        if src in MEMORY:
+            with self.index.lock:
+                meta, payload = self.stores[src].read(h)
+                return meta, np.array(payload, copy=True)
+        return self.read_raw(src, h)
+
+    # ----------------------------------------------------- stores (put path)
+
+    def store_now(self, h: BlockHash, block: npt.NDArray[Any], tier: Tier, parent: BlockHash | None, toks: tuple[int, ...]) -> Tier:
+        """Store a new block in the memory tier ``tier`` on the caller's thread (TierFullError, BlockTooLargeError)."""
+        codec = self.codecs[tier]
+        meta = meta_for(h, block, codec.name, parent, toks)
+        store = self.stores[tier]
+        index = self.index
+        if isinstance(store, SlotStore) and not codec.lossless:
+            # A quantizing codec encodes straight into the slot: no temporary payload, no copy.
+            nbytes = codec.encoded_nbytes(block.dtype, block.shape)
+            slot, view = store.reserve(nbytes)
+            try:
+                codec.encode_into(block, view)
+            except BaseException:
+                store.abort(slot)
+                raise
+            with index.lock:
+                if h in index.entries:
+                    store.abort(slot)
+                    return index.entries[h].tier
+                charge = store.commit(slot, meta, nbytes)
+                index.add(h, tier, meta, charge)
+                index.announce_stored(meta, tier)
+                index.wake.notify_all()
+        else:
+            payload = codec.encode(block)
+            nbytes = payload.nbytes
+            with index.lock:
+                if h in index.entries:
+                    return index.entries[h].tier
+                charge = store.write(meta, payload)
+                index.add(h, tier, meta, charge)
+                index.announce_stored(meta, tier)
+                index.wake.notify_all()
+        m = self.metrics
+        m.child(m.stores, tier.value).inc()
+        m.child(m.codec_saved, tier.value, codec.name).inc(max(0, meta.raw_nbytes - nbytes))
+        return tier
+
+    def write_new(self, h: BlockHash, block: npt.NDArray[Any], meta: BlockMeta, dst: Tier) -> None:
+        """Write a spilled ``put`` (a staged copy) to ``dst`` or the next persistent tier with room, then index it."""
+        index = self.index
+        for t in self.policy.write_targets(dst):
+            if not self.policy.available(t):
+                continue
+            codec = self.codecs[t]
+            tmeta = BlockMeta(h, codec.name, meta.dtype, meta.shape, meta.raw_nbytes, meta.parent, meta.token_ids)
+            payload = codec.encode(block)
+            try:
+                charge = self.stores[t].write(tmeta, payload)
+            except (TierFullError, BlockTooLargeError):
+                continue
+            except TierIOError as exc:
+                self.policy.io_failed(t, exc)
+                continue
+            with index.lock:
+                e = index.entries.get(h)
+                if e is not None:  # put again meanwhile; same hash, same bytes
+                    if e.tier != t:
+                        quiet_delete(self.stores[t], h)
+                    return
+                if not self.stores[t].contains(h):  # evicted meanwhile
+                    continue
+                index.add(h, t, tmeta, charge)
+                index.announce_stored(tmeta, t)
+                index.wake.notify_all()
+            self.metrics.child(self.metrics.stores, t.value).inc()
+            return
+        log.warning("block %r not cached: every slow tier is full or failing", h)
+        self.metrics.child(self.metrics.errors, dst.value, "write_dropped").inc()
+
+    # --------------------------------------------------------------- moves
+
+    def write_moved(self, h: BlockHash, source: tuple[BlockMeta, Payload], src: Tier, dst: Tier, kind: str) -> bool:
+        """Write the block to ``dst`` then, if ``h`` is still in ``src`` and movable, switch it over.
+
+        The payload is re-encoded only when the two tiers use different codecs. ``False``: ``dst``
+        has no room or failed; ``True``: moved, or nothing left to do.
+        """
+        codec = self.codecs[dst]
+        store = self.stores[dst]
+        index = self.index
+        with index.lock:
+            e = index.entries.get(h)
+            if e is None or e.tier != src:
+                return True  # gone or moved meanwhile: nothing to do
+            meta = BlockMeta(h, codec.name, e.meta.dtype, e.meta.shape, e.meta.raw_nbytes, e.meta.parent, e.meta.token_ids)
+        src_meta, src_payload = source
+        if src_meta.codec == codec.name:
+            payload = src_payload
+        else:
+            block = get_codec(src_meta.codec).decode(src_payload, src_meta.dtype, src_meta.shape)
+            payload = codec.encode(block)
+        try:
+            charge = store.write(meta, payload)
+        except (TierFullError, BlockTooLargeError):
+            return False
+        except TierIOError as exc:
+            self.policy.io_failed(dst, exc)
+            return False
+        with index.lock:
+            e = index.entries.get(h)
+            if e is None or e.tier != src or (kind == "demote" and e.pins):
+                # Handled: gone, moved or pinned meanwhile. Stores are keyed by hash, so the copy
+                # just written is only ours to delete if the index does not place the block there.
+                if e is None or e.tier != dst:
+                    quiet_delete(store, h)
+                return True
+            if not store.contains(h):  # deleted by another mover's clean-up meanwhile
+                return False
+            self.switch(h, e, src, dst, meta, charge)
+        self.count_move(src, dst, kind, meta, payload.nbytes)
+        return True
+
+    def switch(self, h: BlockHash, e: Entry, src: Tier, dst: Tier, meta: BlockMeta, charge: int) -> None:
+        """Point the index at ``dst`` and drop the ``src`` copy (caller holds the lock)."""
+        self.index.relocate(h, e, dst, meta, charge)
+        try:
+            self.stores[src].forget(h)
+        except TierIOError as exc:
+            self.policy.io_failed(src, exc)
+        self.index.announce_stored(meta, dst)
+        self.index.announce_removed(h, src)
+        self.index.wake.notify_all()
+
+    def count_move(self, src: Tier, dst: Tier, kind: str, meta: BlockMeta, nbytes: int) -> None:
+        m = self.metrics
+        m.child(m.migrations, src.value, dst.value, kind).inc()
+        m.child(m.migrated_bytes, src.value, dst.value, kind).inc(nbytes)
+        m.child(m.codec_saved, dst.value, meta.codec).inc(max(0, meta.raw_nbytes - nbytes))
+
+    def move_down(self, src: Tier, h: BlockHash, lower: list[Tier]) -> int:
+        """Demote ``h`` from ``src`` into the first of ``lower`` with room; 1 if it moved (or needs nothing)."""
+        if not lower:
+            return 0
+        store = self.stores[src]
+        if isinstance(store, SlotStore):
+            # Write straight from the slot: the lease keeps it from being reused meanwhile.
+            try:
+                meta, view, slot = store.lease(h)
+            except BlockNotFoundError:
+                return 0
+            try:
+                return int(any(self.write_moved(h, (meta, view), src, dst, kind="demote") for dst in lower))
+            finally:
+                store.release(slot)
+        try:
+            source = self.read_for_move(src, h)
+        except TierError:
+            return 0
+        return int(any(self.write_moved(h, source, src, dst, kind="demote") for dst in lower))
+
+    def evict(self, tier: Tier, victims: list[BlockHash]) -> int:
+        """Drop ``victims`` from ``tier`` (the last tier, or a persistent one with every tier below failing)."""
+        n = 0
+        m = self.metrics
+        with self.index.lock:
+            for h in victims:
+                e = self.index.entries.get(h)
+                if e is None or e.tier != tier or e.pins:
+                    continue
+                self.index.remove(h)
+                try:
+                    self.stores[tier].delete(h)
+                except TierIOError as exc:
+                    self.policy.io_failed(tier, exc)
+                self.index.announce_removed(h, tier)
+                m.child(m.evictions, tier.value).inc()
+                m.child(m.evicted_bytes, tier.value).inc(e.charge)
+                n += 1
+        return n
+
+    def promote_direct(self, h: BlockHash, src: Tier, dst: Tier) -> bool | None:
+        """Read an ssd record straight into a free slot of a memory tier (same codec): one copy.
+
+        ``None`` when not applicable (other stores or codecs), else like :meth:`write_moved`.
+        """
+        src_store, dst_store = self.stores[src], self.stores[dst]
+        if not src_store.reads_into or not isinstance(dst_store, SlotStore):
+            return None
+        index = self.index
+        with index.lock:
+            e = index.entries.get(h)
+            if e is None or e.tier != src:
+                return True
+            if e.meta.codec != self.codecs[dst].name:
+                return None
+        reserved: list[tuple[int, int]] = []
+
+        def alloc(meta: BlockMeta, nbytes: int) -> Payload:
+            slot, view = dst_store.reserve(nbytes)
+            reserved.append((slot, nbytes))
+            return view
+
+        try:
+            meta = src_store.read_into(h, alloc)
+        except (TierFullError, BlockTooLargeError):
+            return False
+        except TierError:
+            for slot, _ in reserved:
+                dst_store.abort(slot)
+            self.read_raw(src, h)  # the normal path logs, counts and drops what is broken
+            return False
+        slot, nbytes = reserved[0]
+        with index.lock:
+            e = index.entries.get(h)
+            if e is None or e.tier != src:
+                dst_store.abort(slot)
+                return True
+            charge = dst_store.commit(slot, meta, nbytes)
+            self.switch(h, e, src, dst, meta, charge)
+        self.count_move(src, dst, "promote", meta, nbytes)
+        return True
+
+    def promote(self, h: BlockHash, block: npt.NDArray[Any] | None) -> None:
+        """Move ``h`` up to the fastest tier with room (``block``: its decoded bytes when already read)."""
+        index = self.index
+        with index.lock:
+            e = index.entries.get(h)
+            if e is None or e.moving or e.tier == self.policy.order[0]:
+                return
+            src = e.tier
+            e.moving = True
+        try:
+            faster = self.policy.faster(src)
+            if block is None:
+                for dst in faster:
+                    done = self.promote_direct(h, src, dst)
+                    if done is None:
+                        break
+                    if done:
+                        return
+            if block is not None:
+                plain = get_codec("none")
+                source = (BlockMeta(h, plain.name, block.dtype.name, block.shape), plain.encode(block))
+            else:
+                source = self.read_for_move(src, h)
+            for dst in faster:
+                if self.write_moved(h, source, src, dst, kind="promote"):
+                    return
+                with index.lock:
+                    index.wake.notify_all()  # make room upstream for the next try
+        except TierError as exc:
+            log.warning("%s tier: promotion of %r failed: %s", src, h, exc)
+        finally:
+            index.unmark(h)
+
+    def flush_memory(self) -> None:
+        """Write the memory tiers' blocks (most recently used first) to the persistent tiers while there is room."""
+        persistent = self.policy.persistent()
+        flushed = 0
+        for tier in (t for t in self.policy.order if t in MEMORY):
+            with self.index.lock:
+                hashes = list(reversed(self.index.lru[tier]))
+            for h in hashes:
+                try:
+                    source = self.read_for_move(tier, h)
+                except TierError:
+                    continue
+                if not any(self.write_moved(h, source, tier, dst, kind="demote") for dst in persistent):
+                    break  # no room left
+                flushed += 1
+        if flushed:
+            log.info("flushed %d block(s) from memory tiers to %s before closing", flushed, ", ".join(persistent))
+
+
+def quiet_delete(store: TierStore, h: BlockHash) -> None:
+    try:
+        store.delete(h)
+    except TierError as exc:
+        log.warning("%s tier: cannot delete %r: %s", store.tier, h, exc)
+
+
+__all__ = ["Mover", "quiet_delete"]

@@ -440,16 +440,17 @@ class BlockIndex:
             return self._expire(self.clock() if now is None else now)
 
     def _expire(self, t: float) -> int:
+        """Drop the entries of expired picks: O(picks), not O(entries) (every entry belongs to a listed pick)."""
         n = 0
-        for k in list(self._spec):
-            s = self._spec[k]
-            for pod in [p for p, e in s.items() if e.expiry <= t]:
-                s.pop(pod).owned -= 1
-                n += 1
-            if not s:
-                del self._spec[k]
-        self._spec_n -= n
-        self._spec_picks = deque(p for p in self._spec_picks if p[0].expiry > t and p[0].owned > 0)
+        keep: deque[tuple[Lease, str, list[int]]] = deque()
+        for pick in self._spec_picks:
+            lease = pick[0]
+            if lease.expiry <= t:
+                if lease.owned > 0:
+                    n += self._drop(*pick)
+            elif lease.owned > 0:
+                keep.append(pick)
+        self._spec_picks = keep
         return n
 
     # --- read path --------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from kvfleet.cache.events import AllBlocksCleared, KVEventBatch, decode_batch, removed, stored
@@ -9,7 +10,7 @@ from kvfleet.cache.hashing import BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
 from kvfleet.cache.tokens import salt_extra_keys
 from kvfleet.config.epp import CostModelSettings
-from kvfleet.epp.index import BlockIndex, spec_positions
+from kvfleet.epp.index import BlockIndex, Lease, spec_positions
 from kvfleet.epp.ingest import PodEventApplier
 from kvfleet.epp.router import tier_weights
 
@@ -125,6 +126,29 @@ class TestMatch:
         assert idx.num_speculative == 128 and idx.speculative_dropped == 0
         assert len(idx._spec_picks) <= 2 * 128 + 1024 + 1
         assert idx.expire(now=1000.0) == 128 and idx.num_speculative == 0 and not idx._spec_picks
+
+    def test_expiry_follows_the_owning_pick(self) -> None:
+        """Random overlapping picks, extended or not, then expiry at several instants: the entries left are exactly
+        those whose latest pick (the owner) has not expired, as a scan of every entry would find."""
+        rng = random.Random(3)
+        idx = BlockIndex(max_speculative=10**6)
+        model: dict[tuple[int, str], Lease] = {}
+        for i in range(300):
+            pod = rng.choice("abc")
+            start, n = rng.randrange(0, 40), rng.randrange(1, 90)
+            keys = list(range(1000 + start, 1000 + start + n))
+            lease = idx.add_speculative(pod, keys, ttl_s=rng.uniform(1, 50), now=float(i) / 10)
+            for k in (keys[j] for j in spec_positions(n)):
+                model[k, pod] = lease
+            if rng.random() < 0.3:
+                idx.extend(lease, rng.uniform(1, 50), now=float(i) / 10)
+        for t in (10.0, 30.0, 60.0, 100.0):
+            expected = {e for e, lease in model.items() if lease.expiry > t}
+            dropped = idx.expire(now=t)
+            got = {(k, p) for k, held in idx._spec.items() for p in held}
+            assert got == expected and idx.num_speculative == len(expected)
+            assert dropped == len(model) - len(expected)
+            model = {e: lease for e, lease in model.items() if e in expected}
 
     def test_clear_pod(self) -> None:
         idx = BlockIndex()

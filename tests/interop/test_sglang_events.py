@@ -168,8 +168,9 @@ def test_unchained_events_lose_follow_up_turns(version: str, ports: tuple[int, i
         wait(lambda: subscriber.stats[POD].ingest.stored >= 7, "the second turn's events")
         assert held(idx, hasher, follow, POD) == 4  # its three new pages were keyed as a prompt of their own
         branch = first[:2 * PAGE] + tokens(4, 2 * PAGE)
-        pub.cmd(op="insert", tokens=branch)  # splits the first node: its tail is removed and stored again, parentless
-        wait(lambda: held(idx, hasher, branch, POD) == 2, "the split")
-        assert held(idx, hasher, first, POD) == 2 and pub.cmd(op="match", tokens=first)["pages"] == 4
+        pub.cmd(op="insert", tokens=branch)  # splits the first node: its 4 pages removed, 2 + 2 stored again, 2 new ones
+        wait(lambda: subscriber.stats[POD].ingest.removed >= 4 and subscriber.stats[POD].ingest.stored >= 13, "the split's events")
+        assert pub.cmd(op="match", tokens=first)["pages"] == 4 and pub.cmd(op="match", tokens=branch)["pages"] == 4
+        assert held(idx, hasher, first, POD) == 2 and held(idx, hasher, branch, POD) == 2  # both tails stored parentless
     finally:
         pub.close()

@@ -40,7 +40,8 @@ class Candidate:
 
     ``hit_blocks``/``hit_weighted``: prefix blocks the pod holds (tier-weighted sum).
     ``inflight``: the picker's requests on the pod not yet finished;
-    ``same_prefix``: those sharing this request's prefix shard;
+    ``same_prefix``: those counted under this request's hot key (the key of the longest prefix any
+    candidate holds: :meth:`~kvfleet.epp.router.Router.hotspot_key`) still waiting for their first token;
     ``pending_tokens``/``pending_requests``: predicted uncached tokens (and requests)
     routed there whose first token has not come back yet (queued prefill work);
     ``metrics``: fresh model-server metrics, or ``None`` when stale/absent;

@@ -48,6 +48,7 @@ import aiohttp
 import msgspec
 import zmq
 
+from kvfleet.demo.envoy import envoy_binary
 from kvfleet.demo.stack import (
     Child,
     PodSpec,
@@ -59,7 +60,7 @@ from kvfleet.demo.stack import (
     pods_file,
     write_yaml,
 )
-from kvfleet.epp.envoy import envoy_binary, write_bootstrap
+from kvfleet.epp.envoy import write_bootstrap
 
 MODEL = "llama-3-8b"
 

@@ -59,7 +59,7 @@ from kvfleet.agent.publisher import ZmqPublisher
 from kvfleet.cache.events import AnyEvent, KVEventBatch, stored
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
 from kvfleet.cache.tokens import ByteTokenizer, salt_extra_keys
-from kvfleet.epp.envoy import EnvoyProcess, free_port
+from kvfleet.demo.envoy import EnvoyProcess, free_port
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.server import health_check
 

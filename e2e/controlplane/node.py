@@ -365,7 +365,7 @@ class Node:
         if image == self.image:
             return self.kvfleet
         if image.startswith(ENVOY_IMAGES):
-            from kvfleet.epp.envoy import envoy_binary
+            from kvfleet.demo.envoy import envoy_binary
 
             return envoy_binary()
         return None

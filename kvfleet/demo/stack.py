@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
+from kvfleet.demo.envoy import free_port as envoy_free_port
 from kvfleet.engine.peer import sign_request
-from kvfleet.epp.envoy import free_port as envoy_free_port
 
 
 class StackError(RuntimeError):
@@ -44,7 +44,7 @@ class PortTakenError(StackError):
 
 
 def free_port() -> int:
-    """A free loopback port below the ephemeral range (:func:`kvfleet.epp.envoy.free_port`)."""
+    """A free loopback port below the ephemeral range (:func:`kvfleet.demo.envoy.free_port`)."""
     return envoy_free_port("127.0.0.1")
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvfleet.epp.envoy import EnvoyProcess, envoy_binary, free_port
+from kvfleet.demo.envoy import EnvoyProcess, envoy_binary, free_port
 from kvfleet.epp.envoy import main as gateway_config
 from kvfleet.epp.protocol import CLIENT_STRIPPED_HEADERS
 from tests.chart.test_chart import _by, _template

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from e2e.controlplane.cluster import ControlPlane
-from kvfleet.epp.envoy import free_port
+from kvfleet.demo.envoy import free_port
 from tests.cluster.conftest import CHART, RESTRICTED, Kube, wait_for
 from tests.operator import samples
 

@@ -124,7 +124,8 @@ class Fleet:
 
 
 def start_fleet(workdir: Path) -> Iterator[Fleet]:
-    from kvfleet.epp.envoy import envoy_binary, write_bootstrap
+    from kvfleet.demo.envoy import envoy_binary
+    from kvfleet.epp.envoy import write_bootstrap
 
     with ProcessStack(workdir) as stack:
         fleet = Fleet(stack, plan_pods(4, 2, 1), workdir, secret=stack.transfer_secret)

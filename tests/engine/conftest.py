@@ -17,9 +17,9 @@ import pytest
 from aiohttp import web
 
 from kvfleet.config import load
+from kvfleet.demo.envoy import free_port as free_port  # re-exported for the engine tests
 from kvfleet.engine.peer import sign_request
 from kvfleet.engine.server import EngineServer
-from kvfleet.epp.envoy import free_port as free_port  # re-exported for the engine tests
 
 SECRET = b"test-pool-secret"
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from kvfleet.config import load
+from kvfleet.demo.envoy import EnvoyProcess
 from kvfleet.epp.app import Epp
 from kvfleet.epp.datastore import StaticDatastore
-from kvfleet.epp.envoy import EnvoyProcess
 from kvfleet.epp.server import health_check
 from tests.epp.pods import PodFleet
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from kvfleet.demo.envoy import EnvoyProcess, free_port
 from kvfleet.epp.app import Epp
-from kvfleet.epp.envoy import EnvoyProcess, free_port
 from tests.epp.conftest import wait_for
 from tests.epp.pods import PodFleet, post, request
 

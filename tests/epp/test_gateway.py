@@ -24,9 +24,9 @@ import grpc
 import pytest
 
 from kvfleet.config import load
+from kvfleet.demo.envoy import EnvoyProcess, free_port
 from kvfleet.epp.app import Epp
 from kvfleet.epp.datastore import StaticDatastore
-from kvfleet.epp.envoy import EnvoyProcess, free_port
 from kvfleet.epp.protocol import CLIENT_REFUSED_HEADERS, CLIENT_STRIPPED_HEADERS
 from kvfleet.epp.server import EXT_PROC_SERVICE, LIVENESS, READINESS, health_check
 from tests.epp.conftest import make_epp, wait_for

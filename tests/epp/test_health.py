@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from kvfleet.epp.envoy import EnvoyProcess, free_port
+from kvfleet.demo.envoy import EnvoyProcess, free_port
 from kvfleet.epp.podmetrics import MetricsScraper, MetricsStore
 from tests.epp.conftest import wait_for
 from tests.epp.pods import PodFleet, post

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from kvfleet.demo.envoy import free_port
 from kvfleet.epp.datastore import StaticDatastore
-from kvfleet.epp.envoy import free_port
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.main import main

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from kvfleet.config import load
+from kvfleet.demo.envoy import EnvoyProcess
 from kvfleet.epp.app import Epp
 from kvfleet.epp.datastore import PoolCache, StaticDatastore, pools_from_dict
-from kvfleet.epp.envoy import EnvoyProcess
 from kvfleet.epp.errors import DatastoreError
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.keycheck import KeyCheck

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvfleet.epp.envoy import EnvoyProcess, free_port
+from kvfleet.demo.envoy import EnvoyProcess, free_port
 from kvfleet.epp.server import health_check
 from tests.epp.conftest import wait_for
 from tests.epp.pods import PodFleet, post

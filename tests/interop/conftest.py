@@ -22,7 +22,7 @@ import pytest
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
 from kvfleet.config import Settings
 from kvfleet.config.operator import OperatorSettings
-from kvfleet.epp.envoy import free_port
+from kvfleet.demo.envoy import free_port
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.ingest import PodEventApplier
 from kvfleet.epp.subscriber import EventSubscriber

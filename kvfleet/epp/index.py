@@ -5,15 +5,10 @@ Write path (KV events, per pod, in order): :meth:`BlockIndex.add`,
 :meth:`BlockIndex.match` returns, per pod, the length of the longest prefix of a
 request's chained block keys the pod holds and its tier-weighted value.
 
-**Storage.** Pods get small integer slots (freed slots are reused, oldest freed
-first). Exact entries live in one open-addressing hash table of numpy arrays
-keyed by (block key, pod slot), linear probing: ``keys`` (uint64), ``pods``
-(uint16; two reserved values mark an empty and a deleted slot, so every 64-bit key
-is a valid key) and ``mask`` (uint8, bit ``Tier.rank`` per tier held): 11 bytes per
-slot, grown at load 0.7 to load ≤ 0.5 (≈ 16–31 bytes per (block, pod) entry; the
-old ``key → {pod: mask}`` dicts plus per-pod key sets cost ≈ 173–209). Writes are vectorized (one batch per
-event). The table is rebuilt into a new object, and the reference swapped, when
-live entries plus deleted slots pass the load limit.
+**Storage** is :class:`kvfleet.epp.table.PodKeyTable` (one numpy hash table of (block key, pod slot) → tier
+mask, ≈ 16–31 bytes per entry); pods get small integer slots, freed slots are reused oldest first. This module
+is one class over ~550 lines on purpose: the write path, the lookup and the speculative entries share the
+table reference, the pod slots and the locks described below.
 
 **Lookup: search, don't walk.** Keys are chained, so a pod holding the key at
 position ``i`` stored the whole prefix ``0..i`` when it stored it, and vLLM frees a
@@ -77,6 +72,17 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfleet.cache.tiers import Tier
+from kvfleet.epp.table import (
+    DELETED,
+    MAX_LOAD,
+    MAX_PODS,
+    MIN_CAPACITY,
+    REBUILD_CHUNK,
+    U64,
+    PodKeyTable,
+    as_u64,
+    capacity_for,
+)
 
 #: Speculative entries are kept for every block below SPEC_DENSE, then every SPEC_STRIDE-th block up to
 #: SPEC_FAR blocks, then on a grid whose spacing grows with the position (``p → p + p // SPEC_RESOLUTION``:
@@ -86,20 +92,6 @@ SPEC_STRIDE = 16
 SPEC_FAR = 1024
 SPEC_RESOLUTION = 64
 
-#: Pod-slot values that mark a free table slot: never used yet, or deleted (a "tombstone").
-EMPTY = 0xFFFF
-DELETED = 0xFFFE
-MAX_PODS = DELETED  # slots 0 .. MAX_PODS − 1
-MAX_LOAD = 0.7
-TARGET_LOAD = 0.5
-MIN_CAPACITY = 1 << 10
-WINDOW = 8  # slots probed per round (keys: one cache line)
-REBUILD_CHUNK = 1 << 18  # entries moved per batch when the table is rebuilt
-_MASK64 = (1 << 64) - 1
-_U64 = np.uint64
-_OFFSETS = np.arange(WINDOW, dtype=np.int64)
-_PHI, _S29 = _U64(0x9E3779B97F4A7C15), _U64(29)
-_SLOT_MIX = np.random.default_rng(0x6B7666).integers(0, np.iinfo(np.uint64).max, 1 << 16, dtype=np.uint64, endpoint=True)
 #: probes per pod per search step (a SEARCH_FANOUT-ary search: 13,750 blocks in 5 steps, 256 in 3)
 SEARCH_FANOUT = 8
 _FAN = np.arange(1, SEARCH_FANOUT, dtype=np.int64)
@@ -126,104 +118,6 @@ def spec_positions(n: int) -> Sequence[int]:
     return out if out[-1] == n - 1 else [*out, n - 1]
 
 
-def _u64(keys: Iterable[int]) -> npt.NDArray[np.uint64]:
-    if isinstance(keys, np.ndarray):
-        return keys.astype(_U64, copy=False)
-    seq = keys if isinstance(keys, (list, tuple)) else list(keys)
-    try:
-        return np.array(seq, dtype=_U64)
-    except OverflowError:  # negative ints: their 64-bit two's complement, as to_int64 gives
-        return np.array([k & _MASK64 for k in seq], dtype=_U64)
-
-
-def _hash(keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any], shift: np.uint64) -> npt.NDArray[np.int64]:
-    """Home position of (key, slot): Fibonacci hashing of key ⊕ a random word per slot, after folding the key's
-    high bits down (block keys may be small or sequential integers: tests, simulations). ``shift`` = 64 − log2
-    of the capacity; arrays wrap silently on overflow (only numpy scalars warn)."""
-    x = keys ^ _SLOT_MIX[slots]
-    x ^= x >> _S29
-    out: npt.NDArray[np.int64] = ((x * _PHI) >> shift).astype(np.int64)
-    return out
-
-
-class _Table:
-    """One open-addressing table; replaced whole (never resized in place) so readers need no lock."""
-
-    __slots__ = ("capacity", "deleted", "keys", "live", "mask", "pods", "shift", "wrap")
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.wrap = capacity - 1
-        self.shift = _U64(64 - (capacity.bit_length() - 1))
-        self.keys = np.zeros(capacity, dtype=_U64)
-        self.pods = np.full(capacity, EMPTY, dtype=np.uint16)
-        self.mask = np.zeros(capacity, dtype=np.uint8)
-        self.live = 0
-        self.deleted = 0
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.keys.nbytes + self.pods.nbytes + self.mask.nbytes)
-
-    def find(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
-        """Table position of each (key, slot), −1 where absent. Probes ``WINDOW`` slots per round: a pair is
-        settled at the first slot of its window that holds it or is empty."""
-        n = len(keys)
-        out = np.full(n, -1, dtype=np.int64)
-        if n == 0:
-            return out
-        slots = slots.astype(np.uint16, copy=False)
-        pos = _hash(keys, slots, self.shift)
-        idx = np.arange(n)
-        for _ in range(self.capacity // WINDOW + 1):
-            win = (pos[:, None] + _OFFSETS) & self.wrap
-            p = self.pods[win]  # the slot first: an entry is visible once its slot is written
-            stop = ((p == slots[:, None]) & (self.keys[win] == keys[:, None])) | (p == EMPTY)
-            j = stop.argmax(axis=1)
-            rows = np.arange(len(j))
-            at = win[rows, j]
-            settled = stop[rows, j]
-            hit = settled & (p[rows, j] != EMPTY)
-            out[idx[hit]] = at[hit]
-            if settled.all():
-                break
-            more = ~settled
-            idx, pos, keys, slots = idx[more], pos[more] + WINDOW, keys[more], slots[more]
-        return out
-
-    def insert(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any], masks: npt.NDArray[np.uint8]) -> None:
-        """Insert (key, slot) pairs known to be absent and distinct; the caller keeps the load below 1."""
-        n = len(keys)
-        if n == 0:
-            return
-        slots = slots.astype(np.uint16, copy=False)
-        pos = _hash(keys, slots, self.shift)
-        while len(keys):
-            win = (pos[:, None] + _OFFSETS) & self.wrap
-            free = self.pods[win] >= DELETED
-            has = free.any(axis=1)
-            target = win[np.arange(len(keys)), free.argmax(axis=1)]
-            cand = np.flatnonzero(has)
-            # several pairs may want one slot: the first of each wins, the others probe again
-            _, first = np.unique(target[cand], return_index=True)
-            won = cand[first]
-            at = target[won]
-            self.deleted -= int(np.count_nonzero(self.pods[at] == DELETED))
-            self.keys[at] = keys[won]
-            self.mask[at] = masks[won]
-            self.pods[at] = slots[won]  # last: publishes the entry
-            self.live += len(won)
-            rest = np.ones(len(keys), dtype=bool)
-            rest[won] = False
-            # a pair that found no free slot in its window moves on; a loser retries from its free slot
-            pos = np.where(has, target, pos + WINDOW)[rest]
-            keys, slots, masks = keys[rest], slots[rest], masks[rest]
-
-    def entries(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint16], npt.NDArray[np.uint8]]:
-        used = np.flatnonzero(self.pods < DELETED)
-        return self.keys[used], self.pods[used], self.mask[used]
-
-
 class Lease:
     """The expiry of one pick's speculative entries, shared by all of them: extending it is O(1).
     ``owned``: how many entries still name this lease (a later pick of the same key takes an entry over)."""
@@ -242,13 +136,6 @@ class PodMatch:
     blocks: int = 0
     weighted: float = 0.0
     speculative: int = 0
-
-
-def _capacity_for(n: int, floor: int = MIN_CAPACITY) -> int:
-    cap = floor
-    while n > cap * TARGET_LOAD:
-        cap <<= 1
-    return cap
 
 
 class BlockIndex:
@@ -270,7 +157,7 @@ class BlockIndex:
         self.max_speculative = max(1, max_speculative)
         self.exact_walk_blocks = exact_walk_blocks
         self._floor = 1 << max(4, (initial_capacity - 1).bit_length())  # a power of two ≥ 16
-        self._table = _Table(self._floor)
+        self._table = PodKeyTable(self._floor)
         self._slot: dict[str, int] = {}
         self._names: list[str | None] = []
         self._free: deque[int] = deque()
@@ -300,12 +187,12 @@ class BlockIndex:
         self._slot[pod] = s
         return s
 
-    def _reserve(self, extra: int) -> _Table:
+    def _reserve(self, extra: int) -> PodKeyTable:
         """The table to insert ``extra`` more entries into: rebuilt (and swapped) above the load limit."""
         t = self._table
         if t.live + t.deleted + extra <= t.capacity * MAX_LOAD:
             return t
-        new = _Table(_capacity_for(t.live + extra, self._floor))
+        new = PodKeyTable(capacity_for(t.live + extra, self._floor))
         k, s, m = t.entries()
         for i in range(0, len(k), REBUILD_CHUNK):  # bounded temporaries (a probe window is 8 × 8 bytes per pair)
             new.insert(k[i : i + REBUILD_CHUNK], s[i : i + REBUILD_CHUNK], m[i : i + REBUILD_CHUNK])
@@ -314,7 +201,7 @@ class BlockIndex:
 
     # --- write path -------------------------------------------------------------------
     def add(self, pod: str, keys: Iterable[int], tier: Tier = Tier.GPU) -> None:
-        k = np.unique(_u64(keys))
+        k = np.unique(as_u64(keys))
         if not len(k):
             return
         bit = np.uint8(1 << tier.rank)
@@ -340,7 +227,7 @@ class BlockIndex:
             slot = self._slot.get(pod)
             if slot is None:
                 return
-            k = np.unique(_u64(keys))
+            k = np.unique(as_u64(keys))
             t = self._table
             pos = t.find(k, np.full(len(k), slot, dtype=np.uint16))
             pos = pos[pos >= 0]
@@ -486,12 +373,12 @@ class BlockIndex:
         if n == 0 or not cand:
             return {}
         small = n * len(cand) <= self.exact_walk_blocks  # cheaper to probe every (position, pod) in one batch
-        arr = keys if isinstance(keys, np.ndarray) else _u64(keys) if small else None
+        arr = keys if isinstance(keys, np.ndarray) else as_u64(keys) if small else None
 
         def key_at(pos: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
             if arr is not None:
-                return arr[pos].astype(_U64, copy=False)
-            return _u64([keys[i] for i in pos.tolist()])
+                return arr[pos].astype(U64, copy=False)
+            return as_u64([keys[i] for i in pos.tolist()])
 
         def masks_at(pos: npt.NDArray[np.int64], slots: npt.NDArray[np.uint16]) -> npt.NDArray[np.int64]:
             at = table.find(key_at(pos), slots)
@@ -587,12 +474,12 @@ class BlockIndex:
 
     @staticmethod
     def _walk(
-        keys: npt.NDArray[Any], table: _Table, slots: npt.NDArray[np.uint16], w: list[float]
+        keys: npt.NDArray[Any], table: PodKeyTable, slots: npt.NDArray[np.uint16], w: list[float]
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
         """The old walk for a small prompt, batched: every (position, pod) probed at once, each pod's prefix cut at
         its first missing block, each block weighted by its best tier."""
         c, n = len(slots), len(keys)
-        at = table.find(np.broadcast_to(keys.astype(_U64, copy=False), (c, n)).ravel(), np.repeat(slots, n))
+        at = table.find(np.broadcast_to(keys.astype(U64, copy=False), (c, n)).ravel(), np.repeat(slots, n))
         rank = np.where(at >= 0, _BEST_RANK[table.mask[at]], len(w)).reshape(c, n)
         missing = rank == len(w)
         length = np.where(missing.any(axis=1), missing.argmax(axis=1), n)
@@ -603,7 +490,7 @@ class BlockIndex:
     @staticmethod
     def _verify(
         key_at: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.uint64]],
-        table: _Table,
+        table: PodKeyTable,
         slots: npt.NDArray[np.uint16],
         length: npt.NDArray[np.int64],
         w: list[float],
@@ -657,7 +544,7 @@ class BlockIndex:
         if slot is None:
             return set()
         table = self._table
-        at = int(table.find(_u64([key]), np.array([slot], dtype=np.uint16))[0])
+        at = int(table.find(as_u64([key]), np.array([slot], dtype=np.uint16))[0])
         mask = int(table.mask[at]) if at >= 0 else 0
         return {t for t in Tier if mask & (1 << t.rank)}
 

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvfleet.cache.tiers import Tier
-from kvfleet.epp.index import DELETED, EMPTY, BlockIndex
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.table import DELETED, EMPTY
 
 PODS = ["a", "b", "c", "d"]
 SPECIAL = [0, 1, EMPTY, DELETED, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, (1 << 64) - 2]

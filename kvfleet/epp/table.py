@@ -1,0 +1,148 @@
+"""The EPP index's storage: (block key, pod slot) → tier mask in one open-addressing hash table of numpy arrays.
+
+Pods get small integer slots (freed slots are reused, oldest freed
+first). Exact entries live in one open-addressing hash table of numpy arrays
+keyed by (block key, pod slot), linear probing: ``keys`` (uint64), ``pods``
+(uint16; two reserved values mark an empty and a deleted slot, so every 64-bit key
+is a valid key) and ``mask`` (uint8, bit ``Tier.rank`` per tier held): 11 bytes per
+slot, grown at load 0.7 to load ≤ 0.5 (≈ 16–31 bytes per (block, pod) entry; the
+old ``key → {pod: mask}`` dicts plus per-pod key sets cost ≈ 173–209). Writes are vectorized (one batch per
+event). The table is rebuilt into a new object, and the reference swapped, when
+live entries plus deleted slots pass the load limit.
+
+Linear probing ``WINDOW`` slots per round (one cache line of keys). A table is never resized in place: the
+index fills a new one and swaps its reference (:class:`kvfleet.epp.index.BlockIndex`), so readers need no lock.
+An insert writes the key and the mask before the pod slot (the slot is what makes an entry visible), and a
+slot only turns from empty to used, so probe chains never break under a reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+#: Pod-slot values that mark a free table slot: never used yet, or deleted (a "tombstone").
+EMPTY = 0xFFFF
+DELETED = 0xFFFE
+MAX_PODS = DELETED  # slots 0 .. MAX_PODS − 1
+MAX_LOAD = 0.7
+TARGET_LOAD = 0.5
+MIN_CAPACITY = 1 << 10
+WINDOW = 8  # slots probed per round (keys: one cache line)
+REBUILD_CHUNK = 1 << 18  # entries moved per batch when the table is rebuilt
+MASK64 = (1 << 64) - 1
+U64 = np.uint64
+_OFFSETS = np.arange(WINDOW, dtype=np.int64)
+_PHI, _S29 = U64(0x9E3779B97F4A7C15), U64(29)
+_SLOT_MIX = np.random.default_rng(0x6B7666).integers(0, np.iinfo(np.uint64).max, 1 << 16, dtype=np.uint64, endpoint=True)
+
+
+def as_u64(keys: Iterable[int]) -> npt.NDArray[np.uint64]:
+    """Block keys as uint64 (negative ints, the int64 form of a hash, as their two's complement)."""
+    if isinstance(keys, np.ndarray):
+        return keys.astype(U64, copy=False)
+    seq = keys if isinstance(keys, (list, tuple)) else list(keys)
+    try:
+        return np.array(seq, dtype=U64)
+    except OverflowError:  # negative ints: their 64-bit two's complement, as to_int64 gives
+        return np.array([k & MASK64 for k in seq], dtype=U64)
+
+
+def _hash(keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any], shift: np.uint64) -> npt.NDArray[np.int64]:
+    """Home position of (key, slot): Fibonacci hashing of key ⊕ a random word per slot, after folding the key's
+    high bits down (block keys may be small or sequential integers: tests, simulations). ``shift`` = 64 − log2
+    of the capacity; arrays wrap silently on overflow (only numpy scalars warn)."""
+    x = keys ^ _SLOT_MIX[slots]
+    x ^= x >> _S29
+    out: npt.NDArray[np.int64] = ((x * _PHI) >> shift).astype(np.int64)
+    return out
+
+
+class PodKeyTable:
+    """One open-addressing table; replaced whole (never resized in place) so readers need no lock."""
+
+    __slots__ = ("capacity", "deleted", "keys", "live", "mask", "pods", "shift", "wrap")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.wrap = capacity - 1
+        self.shift = U64(64 - (capacity.bit_length() - 1))
+        self.keys = np.zeros(capacity, dtype=U64)
+        self.pods = np.full(capacity, EMPTY, dtype=np.uint16)
+        self.mask = np.zeros(capacity, dtype=np.uint8)
+        self.live = 0
+        self.deleted = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.pods.nbytes + self.mask.nbytes)
+
+    def find(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+        """Table position of each (key, slot), −1 where absent. Probes ``WINDOW`` slots per round: a pair is
+        settled at the first slot of its window that holds it or is empty."""
+        n = len(keys)
+        out = np.full(n, -1, dtype=np.int64)
+        if n == 0:
+            return out
+        slots = slots.astype(np.uint16, copy=False)
+        pos = _hash(keys, slots, self.shift)
+        idx = np.arange(n)
+        for _ in range(self.capacity // WINDOW + 1):
+            win = (pos[:, None] + _OFFSETS) & self.wrap
+            p = self.pods[win]  # the slot first: an entry is visible once its slot is written
+            stop = ((p == slots[:, None]) & (self.keys[win] == keys[:, None])) | (p == EMPTY)
+            j = stop.argmax(axis=1)
+            rows = np.arange(len(j))
+            at = win[rows, j]
+            settled = stop[rows, j]
+            hit = settled & (p[rows, j] != EMPTY)
+            out[idx[hit]] = at[hit]
+            if settled.all():
+                break
+            more = ~settled
+            idx, pos, keys, slots = idx[more], pos[more] + WINDOW, keys[more], slots[more]
+        return out
+
+    def insert(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any], masks: npt.NDArray[np.uint8]) -> None:
+        """Insert (key, slot) pairs known to be absent and distinct; the caller keeps the load below 1."""
+        n = len(keys)
+        if n == 0:
+            return
+        slots = slots.astype(np.uint16, copy=False)
+        pos = _hash(keys, slots, self.shift)
+        while len(keys):
+            win = (pos[:, None] + _OFFSETS) & self.wrap
+            free = self.pods[win] >= DELETED
+            has = free.any(axis=1)
+            target = win[np.arange(len(keys)), free.argmax(axis=1)]
+            cand = np.flatnonzero(has)
+            # several pairs may want one slot: the first of each wins, the others probe again
+            _, first = np.unique(target[cand], return_index=True)
+            won = cand[first]
+            at = target[won]
+            self.deleted -= int(np.count_nonzero(self.pods[at] == DELETED))
+            self.keys[at] = keys[won]
+            self.mask[at] = masks[won]
+            self.pods[at] = slots[won]  # last: publishes the entry
+            self.live += len(won)
+            rest = np.ones(len(keys), dtype=bool)
+            rest[won] = False
+            # a pair that found no free slot in its window moves on; a loser retries from its free slot
+            pos = np.where(has, target, pos + WINDOW)[rest]
+            keys, slots, masks = keys[rest], slots[rest], masks[rest]
+
+    def entries(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint16], npt.NDArray[np.uint8]]:
+        used = np.flatnonzero(self.pods < DELETED)
+        return self.keys[used], self.pods[used], self.mask[used]
+
+
+def capacity_for(n: int, floor: int = MIN_CAPACITY) -> int:
+    cap = floor
+    while n > cap * TARGET_LOAD:
+        cap <<= 1
+    return cap
+
+

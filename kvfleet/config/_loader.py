@@ -1,18 +1,26 @@
 """Build nested settings dataclasses from plain mappings (YAML/JSON), strictly.
 
-Unknown keys are an error that names the full dotted path, so a typo in a
-config file never silently falls back to a default.
+Types are converted and checked by msgspec (``msgspec.convert``, strict): nested
+dataclasses, unions of several types, lists and tuples, dict keys and values,
+``Literal`` choices; each class's ``__post_init__`` checks run as part of it. Every
+error names the dotted path of the offending field (``epp.plugins[1].weight``).
+Unknown keys are an error that names their full dotted path and the known ones,
+so a typo in a config file never silently falls back to a default.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+import msgspec
+
 T = TypeVar("T")
+_AT = re.compile(r" - at `\$([^`]*)`$")
 
 
 class ConfigError(ValueError):
@@ -21,51 +29,57 @@ class ConfigError(ValueError):
 
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
     """Instantiate dataclass ``cls`` from ``data``, recursing into nested dataclasses."""
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path or '<root>'}: expected a mapping, got {type(data).__name__}")
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        where = f"{path}." if path else ""
-        raise ConfigError(f"unknown setting(s): {', '.join(where + k for k in unknown)}; known: {', '.join(sorted(fields))}")
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        kwargs[name] = _convert(hints[name], value, f"{path}.{name}" if path else name)
+    if data is None:
+        data = {}
+    _check_keys(cls, data, path)
     try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{path or '<root>'}: {exc}") from exc
+        out: T = msgspec.convert(data, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_located(str(exc), path)) from exc
+    return out
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
+def _located(message: str, path: str) -> str:
+    """msgspec's ``... - at `$.a[0].b``` as ``a[0].b: ...``, under ``path``."""
+    m = _AT.search(message)
+    where = (m.group(1) if m else "").lstrip(".")
+    if path:
+        where = f"{path}.{where}" if where and not where.startswith("[") else f"{path}{where}"
+    text = _AT.sub("", message)
+    return f"{where or '<root>'}: {text}"
+
+
+def _check_keys(tp: Any, value: Any, path: str) -> None:
+    """Unknown keys anywhere below ``tp``: msgspec ignores them in dataclasses, a config file must not."""
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path or '<root>'}: expected a mapping, got {type(value).__name__}")
+        fields = {f.name for f in dataclasses.fields(tp)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            where = f"{path}." if path else ""
+            raise ConfigError(f"unknown setting(s): {', '.join(where + str(k) for k in unknown)}; known: {', '.join(sorted(fields))}")
+        hints = typing.get_type_hints(tp)
+        for name, v in value.items():
+            _check_keys(hints[name], v, f"{path}.{name}" if path else name)
+        return
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return from_dict(tp, value, path)
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
+        classes = [a for a in typing.get_args(tp) if isinstance(a, type) and dataclasses.is_dataclass(a)]
+        if len(classes) == 1 and isinstance(value, Mapping):
+            _check_keys(classes[0], value, path)
+    elif origin in (list, tuple) and isinstance(value, list | tuple):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
         if len(args) == 1:
-            return _convert(args[0], value, path)
-        return value
-    if origin in (list, tuple):
-        (inner, *_) = typing.get_args(tp) or (Any,)
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
-        items = [_convert(inner, v, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict:
-        return dict(value)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp in (int, float, str, bool) and not isinstance(value, tp):
-        raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
-    return value
+            for i, v in enumerate(value):
+                _check_keys(args[0], v, f"{path}[{i}]")
+    elif origin is dict and isinstance(value, Mapping):
+        args = typing.get_args(tp)
+        if len(args) == 2:
+            for k, v in value.items():
+                _check_keys(args[1], v, f"{path}.{k}")
 
 
 def to_dict(obj: Any) -> Any:

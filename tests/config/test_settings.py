@@ -40,6 +40,18 @@ def test_wrong_type_and_invalid_value() -> None:
         load(overrides={"cache": {"block_size": 0}})
 
 
+def test_nested_lists_dict_values_and_unknown_keys_name_the_path() -> None:
+    """Types are checked everywhere, not only at the top of a class: a list element's field, a dict's values
+    (a scorer's params once passed through unchecked) and an unknown key inside a list element."""
+    with pytest.raises(ConfigError, match=r"^epp\.plugins\[1\]\.weight: Expected `float`, got `str`"):
+        load(overrides={"epp": {"plugins": [{"type": "queue-scorer"}, {"type": "prefix-cache-scorer", "weight": "high"}]}})
+    with pytest.raises(ConfigError, match=r"^epp\.plugins\[0\]\.params.*Expected `float`, got `str`"):
+        load(overrides={"epp": {"plugins": [{"type": "prefix-cache-scorer", "params": {"load_gain": "high"}}]}})
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\): epp\.plugins\[0\]\.wieght; known: params, type, weight"):
+        load(overrides={"epp": {"plugins": [{"type": "queue-scorer", "wieght": 1}]}})
+    assert load(overrides={"epp": {"plugins": [{"type": "queue-scorer", "weight": 2}]}}).epp.plugins[0].weight == 2.0
+
+
 def test_top_level_must_be_mapping(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("- 1\n")

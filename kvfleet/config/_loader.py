@@ -76,10 +76,10 @@ def _check_keys(tp: Any, value: Any, path: str) -> None:
             for i, v in enumerate(value):
                 _check_keys(args[0], v, f"{path}[{i}]")
     elif origin is dict and isinstance(value, Mapping):
-        args = typing.get_args(tp)
-        if len(args) == 2:
+        kv = typing.get_args(tp)
+        if len(kv) == 2:
             for k, v in value.items():
-                _check_keys(args[1], v, f"{path}.{k}")
+                _check_keys(kv[1], v, f"{path}.{k}")
 
 
 def to_dict(obj: Any) -> Any:

@@ -4,12 +4,17 @@ Covers: blocks demoted GPU → SSD (block files with checksummed headers) surviv
 SIGTERM + restart of ``kvfleet engine`` on the same directory; the same prompt is
 then served from SSD (``cached_tokens`` > 0, ``kvfleet_engine_tier_hit_blocks_total{tier="ssd"}``
 grows) with the same output; the restarted publisher re-announces the recovered
-blocks (BlockStored, medium SSD) in its replay buffer, which is how an EPP learns them.
+blocks (BlockStored, medium SSD) in its replay buffer, and an EPP subscriber that ran
+through the restart (the EPP's :class:`EventSubscriber` and :class:`PodEventApplier`,
+keys recomputed as the EPP runs) sees the new process, rebuilds the pod and then holds
+the prompt's recovered blocks for it in the SSD tier.
 """
 
 from __future__ import annotations
 
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +22,13 @@ import zmq
 
 from kvfleet.cache import kvwire
 from kvfleet.cache.events import BlockStored, decode_batch
+from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
+from kvfleet.cache.tiers import Tier
+from kvfleet.config import Settings
 from kvfleet.demo.stack import ProcessStack, plan_pods
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.ingest import PodEventApplier
+from kvfleet.epp.subscriber import EventSubscriber
 from tests.e2e.conftest import MODEL, Fleet, http_json, scrape
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -50,23 +61,56 @@ def test_restarted_engine_serves_from_its_ssd_tier(tmp_path: Path) -> None:
         pod = fleet.pods[0]
         tiers = {"tiers": {"cpu_blocks": 0, "ssd_dir": str(ssd)}, "num_gpu_blocks": 64}
         child = fleet.start_engine(pod, **tiers)
-        url = f"http://127.0.0.1:{pod.port}/v1/completions"
-        prompt = list(range(40_000, 40_000 + 640))  # 40 blocks
-        st, first, _ = http_json(url, {"model": MODEL, "prompt": prompt, "max_tokens": 6})
-        assert st == 200
-        for base in (90_000, 95_000):  # 63 blocks each: push every block of the first prompt out of the GPU to SSD
-            st, _, _ = http_json(url, {"model": MODEL, "prompt": list(range(base, base + 1000)), "max_tokens": 1})
+        cache = Settings().cache
+        hasher = BlockHasher(cache.block_size, cache.hash_algo, cache.hash_seed)
+        idx, sub = BlockIndex(), EventSubscriber(replay_timeout_s=2.0)
+        sub.start()
+        try:
+            sub.add_pod(pod.name, f"tcp://127.0.0.1:{pod.events_port}", f"tcp://127.0.0.1:{pod.replay_port}",
+                        PodEventApplier(pod.name, idx, hasher, recompute_keys=True))
+            url = f"http://127.0.0.1:{pod.port}/v1/completions"
+            prompt = list(range(40_000, 40_000 + 640))  # 40 blocks
+            keys = hashes_as_ints(hasher.hash_tokens(prompt))
+            st, first, _ = http_json(url, {"model": MODEL, "prompt": prompt, "max_tokens": 6})
             assert st == 200
-        assert len(list(ssd.glob("*.kvb"))) >= 30
-        assert fleet.stack.stop(child, sig=signal.SIGTERM) == 0
-        fleet.start_engine(pod, **tiers)
-        assert replayed_ssd_blocks(pod.replay_port) >= 30
-        st, again, _ = http_json(url, {"model": MODEL, "prompt": prompt, "max_tokens": 6})
-        assert st == 200
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 30 * 16
-        assert again["choices"][0]["text"] == first["choices"][0]["text"]
-        assert counter_tier(scrape(f"http://127.0.0.1:{pod.port}/metrics"), "ssd") >= 30
-        fleet.check_alive()
+            wait_index(lambda: held(idx, keys, pod.name) == 40, idx, keys, pod.name, sub)  # the EPP follows the first process
+            for base in (90_000, 95_000):  # 63 blocks each: push every block of the first prompt out of the GPU to SSD
+                st, _, _ = http_json(url, {"model": MODEL, "prompt": list(range(base, base + 1000)), "max_tokens": 1})
+                assert st == 200
+            assert len(list(ssd.glob("*.kvb"))) >= 30
+            assert fleet.stack.stop(child, sig=signal.SIGTERM) == 0
+            fleet.start_engine(pod, **tiers)
+            assert replayed_ssd_blocks(pod.replay_port) >= 30
+            # the EPP side, before the prompt is served again: the restart was seen (sequence numbers from 0 again), the
+            # pod rebuilt from what the new process announced, and the prompt's recovered blocks indexed on SSD for it
+            wait_index(lambda: sub.stats[pod.name].restarts + sub.stats[pod.name].resyncs >= 1 and on_ssd(idx, keys, pod.name) >= 30,
+                       idx, keys, pod.name, sub)
+            st, again, _ = http_json(url, {"model": MODEL, "prompt": prompt, "max_tokens": 6})
+            assert st == 200
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 30 * 16
+            assert again["choices"][0]["text"] == first["choices"][0]["text"]
+            assert counter_tier(scrape(f"http://127.0.0.1:{pod.port}/metrics"), "ssd") >= 30
+            fleet.check_alive()
+            # and the EPP's view after the prompt was served again: the whole prompt, on the pod
+            wait_index(lambda: held(idx, keys, pod.name) == 40, idx, keys, pod.name, sub)
+        finally:
+            sub.stop()
+
+
+def wait_index(probe: Callable[[], bool], idx: BlockIndex, keys: list[int], pod: str, sub: EventSubscriber) -> None:
+    deadline = time.monotonic() + 20
+    while not probe():
+        assert time.monotonic() < deadline, f"EPP index: {held(idx, keys, pod)} blocks held, {on_ssd(idx, keys, pod)} on SSD, {sub.stats[pod]}"
+        time.sleep(0.1)
+
+
+def on_ssd(idx: BlockIndex, keys: list[int], pod: str) -> int:
+    return sum(1 for k in keys if idx.pod_tiers(pod, k) == {Tier.SSD})
+
+
+def held(idx: BlockIndex, keys: list[int], pod: str) -> int:
+    m = idx.match(keys, [pod]).get(pod)
+    return m.blocks if m else 0
 
 
 def counter_tier(text: str, tier: str) -> float:

@@ -131,7 +131,6 @@ class TierManager:
         stores: dict[Tier, TierStore] | None = None,
     ) -> None:
         self.settings = settings or TierSettings()
-        self.sink = sink
         self.metrics = m = TierMetrics(registry)
         self.stores: dict[Tier, TierStore] = {}
         self.codecs: dict[Tier, Codec] = {}
@@ -166,6 +165,15 @@ class TierManager:
 
     # ----------------------------------------------------------------- setup
 
+
+    @property
+    def sink(self) -> EventSink:
+        """Where the KV events of every store, move and drop go (the index emits them); may be replaced."""
+        return self.index.sink
+
+    @sink.setter
+    def sink(self, value: EventSink) -> None:
+        self.index.sink = value
     def specs(self) -> dict[Tier, TierSpec]:
         return tier_specs(self.settings)
 

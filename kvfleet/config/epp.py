@@ -62,6 +62,10 @@ class EppSettings:
     ``max_speculative_entries``: bound on the index's speculative (pick) entries
     (≈ 200 bytes each; a 220 KB prompt's pick is ≈ 300): beyond it, expired picks
     and then the oldest are dropped and counted (``kvfleet_epp_speculative_dropped_total``).
+    ``gossip_port``: share this replica's picks with the other EPP replicas (ZMQ PUB on this port; 0 = off)
+    and apply theirs from ``gossip_peers`` (``host:port``; a name resolving to several addresses, such as
+    the chart's headless ``<epp>-replicas`` Service, means each) for ``gossip_ttl_s``; with
+    ``gossip_secret_file`` every message carries an HMAC-SHA256 tag under that secret (kvfleet/epp/gossip.py).
     ``prefix_shard_pools``: level 1 (prefix shard → pool by rendezvous hashing on
     the key of block ``prefix_shard_blocks``); ``false`` schedules over the serving
     pods of every pool in one cycle (what a plain load balancer does: baselines).
@@ -83,6 +87,10 @@ class EppSettings:
     speculative_ttl_s: float = 10.0
     approximate_ttl_s: float = 300.0
     max_speculative_entries: int = 1_000_000
+    gossip_port: int = 0
+    gossip_peers: tuple[str, ...] = ()
+    gossip_ttl_s: float = 30.0
+    gossip_secret_file: str = ""
     recompute_keys: bool = True
     scrape_interval_s: float = 0.5
     metrics_staleness_s: float = 5.0
@@ -102,3 +110,9 @@ class EppSettings:
             raise ValueError("max_body_bytes and prefix_shard_blocks must be > 0")
         if self.max_speculative_entries <= 0:
             raise ValueError("max_speculative_entries must be > 0")
+        if not 0 <= self.gossip_port <= 65535 or self.gossip_ttl_s <= 0:
+            raise ValueError("gossip_port must be 0..65535 and gossip_ttl_s > 0")
+        for peer in self.gossip_peers:
+            host, sep, port = peer.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(f"gossip_peers entries are host:port, got {peer!r}")

@@ -20,6 +20,7 @@ from prometheus_client import start_http_server
 
 from kvfleet.config import Settings
 from kvfleet.epp.datastore import Datastore, Pod, StaticDatastore
+from kvfleet.epp.gossip import PickGossip
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.ingest import PodEventApplier
@@ -71,6 +72,19 @@ class Epp:
         self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools, lambda: dict(self.subscriber.stats))
         self.servicer = ExtProcServicer(self.router, self.metrics, s.max_body_bytes, body_mode)
         self.appliers: dict[str, PodEventApplier] = {}
+        self._pod_names: frozenset[str] = frozenset()
+        self.gossip: PickGossip | None = None
+        if s.gossip_port or s.gossip_peers:
+            secret = b""
+            if s.gossip_secret_file:
+                with open(s.gossip_secret_file, "rb") as f:
+                    secret = f.read().strip()
+                if not secret:
+                    raise ValueError(f"epp.gossip_secret_file {s.gossip_secret_file} is empty")
+            self.gossip = PickGossip(self.index, host=s.host, port=s.gossip_port, peers=s.gossip_peers, ttl_s=s.gossip_ttl_s,
+                                     known_pod=lambda name: name in self._pod_names, secret=secret)
+            self.index.on_pick = self.gossip.publish
+            self.metrics.attach_gossip(self.gossip)
         self._grpc: grpc.aio.Server | None = None
         self._health: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -86,6 +100,7 @@ class Epp:
 
     def _on_pods(self, changed: Sequence[Pod], gone: Sequence[Pod]) -> None:
         s = self.settings.epp
+        self._pod_names = frozenset(p.name for pool in self.datastore.pools() for p in pool.pods)
         for pod in gone:
             self.subscriber.remove_pod(pod.name)
             self.scraper.set_target(pod.name, None)
@@ -105,6 +120,8 @@ class Epp:
         s = self.settings.epp
         self.subscriber.start()
         self.scraper.start()
+        if self.gossip is not None:
+            self.gossip.start()
         self.datastore.subscribe(self._on_pods)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="ext-proc-loop", daemon=True)
@@ -182,6 +199,8 @@ class Epp:
         self.servicer.route_pool.shutdown(wait=False)
         self.subscriber.stop()
         self.scraper.stop()
+        if self.gossip is not None:
+            self.gossip.stop()
         stop = getattr(self.datastore, "stop", None)
         if stop is not None:
             stop()

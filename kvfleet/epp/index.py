@@ -169,6 +169,9 @@ class BlockIndex:
         self._spec_lock = threading.Lock()
         #: speculative entries dropped by the ``max_speculative`` bound (expired ones do not count)
         self.speculative_dropped = 0
+        #: called with (pod, sampled keys) after each of this picker's own picks (:meth:`add_speculative`), not for
+        #: picks learned from other replicas (:meth:`add_speculative_sampled`): how picks are shared (epp/gossip.py)
+        self.on_pick: Callable[[str, list[int]], None] | None = None
 
     # --- slots -----------------------------------------------------------------------
     def _acquire(self, pod: str) -> int:
@@ -276,10 +279,19 @@ class BlockIndex:
         every entry still held by this pick at once (a later pick of the same key takes the entry over).
         Beyond ``max_speculative`` entries, expired picks and then the oldest picks are dropped.
         """
+        sampled = [keys[i] for i in spec_positions(len(keys))]
+        lease = self.add_speculative_sampled(pod, sampled, ttl_s, now)
+        if self.on_pick is not None:
+            self.on_pick(pod, sampled)
+        return lease
+
+    def add_speculative_sampled(self, pod: str, sampled: Sequence[int], ttl_s: float, now: float | None = None) -> Lease:
+        """:meth:`add_speculative` of a pick already sampled (the keys of a prompt at :func:`spec_positions` of its
+        length: positions are absolute, so the sample alone is the pick): how another replica's pick is recorded."""
         t = self.clock() if now is None else now
         lease = Lease(t + ttl_s)
         spec = self._spec
-        sampled = [keys[i] for i in spec_positions(len(keys))]
+        sampled = list(sampled)
         with self._spec_lock:
             for k in sampled:
                 held = spec.get(k)

@@ -30,6 +30,9 @@ kvfleet's own:
   ``kvfleet_epp_kv_event_orphans_total{pod}`` (blocks that could not be keyed),
   ``kvfleet_epp_kv_event_unknown_medium_total{pod}``, ``kvfleet_epp_kv_event_key_evictions_total{pod}``
   (engine-hash map bound); the ``pod`` label takes only the pods currently subscribed
+* ``kvfleet_epp_gossip_picks_total{direction="out"|"in", result}`` — picks shared with the other EPP
+  replicas (``sent``, ``dropped``) and received from them (``applied``, ``self``, ``unknown_pod``,
+  ``too_large``, ``malformed``, ``bad_tag``); present only with gossip on
 """
 
 from __future__ import annotations
@@ -41,10 +44,25 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvfleet.epp.datastore import Pool
+from kvfleet.epp.gossip import PickGossip
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.podmetrics import MetricsStore
 from kvfleet.epp.subscriber import FeedStats
+
+
+class _GossipCollector(Collector):
+    def __init__(self, gossip: PickGossip) -> None:
+        self.gossip = gossip
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily("kvfleet_epp_gossip_picks", "Picks shared with other EPP replicas (out) and received from them "
+                                  "(in), by result", labels=["direction", "result"])
+        for result in ("sent", "dropped"):
+            fam.add_metric(["out", result], self.gossip.out[result])
+        for result in ("applied", "self", "unknown_pod", "too_large", "malformed", "bad_tag"):
+            fam.add_metric(["in", result], self.gossip.received[result])
+        yield fam
 
 
 class _StateCollector(Collector):
@@ -157,6 +175,10 @@ class EppMetrics:
         feeds: Callable[[], dict[str, FeedStats]],
     ) -> None:
         self.registry.register(_StateCollector(index, tracker, store, pools, feeds))
+
+    def attach_gossip(self, gossip: PickGossip) -> None:
+        """``kvfleet_epp_gossip_picks_total{direction, result}``: picks shared with and learned from other replicas."""
+        self.registry.register(_GossipCollector(gossip))
 
     def observe_cached(self, predicted: int, reported: int) -> None:
         self.engine_cached.inc(reported)

@@ -236,6 +236,28 @@ def test_chart_epp_watches_kubernetes(helm: str) -> None:
     assert epp.service_name in services
 
 
+def test_epp_replicas_share_their_picks(helm: str) -> None:
+    """With several EPP replicas the config turns pick gossip on: every replica's address (the headless replicas
+    Service) as peers on the gossip port the pods declare, messages signed with the transfer secret they mount.
+    One replica: no gossip, no extra port or volume."""
+    docs = _template(helm, "-n", "ns1", "--set", "epp.replicas=3")
+    (cm,) = [d for d in docs if d.get("kind") == "ConfigMap" and "config.yaml" in d.get("data", {})]
+    settings = from_dict(Settings, yaml.safe_load(cm["data"]["config.yaml"]))
+    epp = settings.epp
+    assert epp.gossip_port == 9004 and epp.gossip_peers == (f"{epp.service_name}-replicas.ns1.svc:9004",)
+    assert _by(docs, "Service", f"{epp.service_name}-replicas")
+    (dep,) = _by(docs, "Deployment", epp.service_name)
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "gossip", "containerPort": 9004} in pod["containers"][0]["ports"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "gossip-secret"]
+    assert epp.gossip_secret_file == f"{mount['mountPath']}/secret"
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "gossip-secret"]
+    assert vol["secret"]["secretName"] == settings.operator.transfer_secret and vol["secret"]["items"] == [{"key": "secret", "path": "secret"}]
+    one = from_dict(Settings, yaml.safe_load(next(d for d in _template(helm, "-n", "ns1") if d.get("kind") == "ConfigMap"
+                                                   and "config.yaml" in d.get("data", {}))["data"]["config.yaml"])).epp
+    assert one.gossip_port == 0 and one.gossip_peers == ()
+
+
 # --- the InferencePool CRD's auto mode against an API server (lookup, capabilities) ---
 
 _VERBS = {"get", "list", "watch", "create", "patch", "delete"}

@@ -70,6 +70,7 @@ import heapq
 import json
 import os
 import random
+import re
 import sys
 import time
 from collections import OrderedDict, deque
@@ -462,6 +463,58 @@ class Kvfleet(Policy):
                 self.index.remove(name, keys, tier)
 
 
+class KvfleetReplicas(Policy):
+    """``n`` kvfleet pickers behind one gateway (active-active EPP replicas): streams go to them round-robin, as
+    Envoy spreads them; each has its own index, speculative picks and in-flight tickets (its own view of the
+    load); every pod's KV events reach all of them. With ``gossip`` a pick is shared with the others at once
+    (sim time) as a speculative entry for ``GOSSIP_TTL_S``, as kvfleet/epp/gossip.py does over ZMQ."""
+
+    GOSSIP_TTL_S = 30.0
+
+    def __init__(self, cfg: SimConfig, pods: list[SimPod], plugins: Sequence[PluginSpec], hotspot_beta: float, spec_ttl_s: float,
+                 n: int, gossip: bool) -> None:
+        super().__init__(cfg, pods)
+        self.reps = [Kvfleet(cfg, pods, plugins, hotspot_beta, spec_ttl_s) for _ in range(n)]
+        self.turn = 0
+        self._last: Any = None
+        if gossip:
+            for i, rep in enumerate(self.reps):
+                others = [o.index for j, o in enumerate(self.reps) if j != i]
+
+                def share(pod: str, sampled: list[int], others: list[BlockIndex] = others) -> None:
+                    for idx in others:
+                        idx.add_speculative_sampled(pod, sampled, self.GOSSIP_TTL_S)
+
+                rep.index.on_pick = share
+
+    def _at(self, now: float) -> None:
+        for rep in self.reps:
+            rep.now = now
+
+    def route(self, r: Req, now: float) -> int:
+        self._at(now)
+        rep = self.reps[self.turn % len(self.reps)]
+        self.turn += 1
+        pod = rep.route(r, now)
+        self._last = rep._last
+        return pod
+
+    def routed(self, r: Req, pod: int, now: float, finish: float) -> Any:
+        return self._last
+
+    def first_token(self, token: Any, now: float) -> None:
+        self._at(now)
+        token.first_byte()
+
+    def stream_end(self, token: Any, now: float) -> None:
+        self._at(now)
+        token.close()
+
+    def on_events(self, pod: int, events: list[tuple[str, list[int], Tier]]) -> None:
+        for rep in self.reps:
+            rep.on_events(pod, events)
+
+
 class PrevRouter(Router):
     """The router before issue 15: hot spots counted per prefix shard (with the tracker's
     ``hot_until_close``: until the stream's end)."""
@@ -772,6 +825,10 @@ def is_kvfleet(name: str) -> bool:
     return name.removesuffix("-tiered") in ("kvfleet", "kvfleet-prev")
 
 
+#: ``kvfleet-x3``: three EPP replicas sharing their picks; ``kvfleet-x3-nogossip``: each keeping its own
+_REPLICAS = re.compile(r"kvfleet-x(\d+)(-nogossip)?")
+
+
 def make_policy(name: str, knobs: Knobs) -> Callable[[SimConfig, list[SimPod]], Policy]:
     """The policy ``name``; a ``-tiered`` suffix names the same policy (its config gets the tiers)."""
     base = name.removesuffix("-tiered")
@@ -784,6 +841,16 @@ def make_policy(name: str, knobs: Knobs) -> Callable[[SimConfig, list[SimPod]], 
             return p
 
         return build_peer
+    if (m := _REPLICAS.fullmatch(name)) is not None:
+        n, gossip = int(m.group(1)), m.group(2) is None
+
+        def build_replicas(cfg: SimConfig, pods: list[SimPod]) -> Policy:
+            plugins = kvfleet_plugins(knobs.hit_weight, knobs.load_gain, seed=cfg.seed, affinity_s=knobs.affinity_s)
+            p = KvfleetReplicas(cfg, pods, plugins, knobs.beta, knobs.spec_ttl_s, n, gossip)
+            p.name = name
+            return p
+
+        return build_replicas
     if not is_kvfleet(name):
         raise ValueError(f"unknown policy {name!r}; known: {', '.join([*peers(), ORACLE, 'kvfleet', 'kvfleet-prev'])} "
                          "(each also with -tiered)")
@@ -869,6 +936,29 @@ def _best(runs: Sequence[Runs], q: str) -> Runs:
     return min(runs, key=lambda r: r.ttft(q).mean)
 
 
+def replica_figures(configs: Sequence[Config], by_config: Sequence[dict[str, Runs]], n: int) -> dict[str, Any]:
+    """``n`` EPP replicas against one, with and without pick gossip: the lowest hit ratio and the highest TTFT p90
+    ratio over the configs that ran them (paired seeds)."""
+    out: dict[str, Any] = {}
+    print(f"\n{n} EPP replicas against one (hit ratio, TTFT p90 ratio; paired seeds):")
+    for variant, suffix in (("", ""), ("-nogossip", "_nogossip")):
+        hits: list[float] = []
+        p90s: list[float] = []
+        for c, runs in zip(configs, by_config, strict=True):
+            one, many = runs.get("kvfleet"), runs.get(f"kvfleet-x{n}{variant}")
+            if one is None or many is None:
+                continue
+            h = many.hit().mean / max(one.hit().mean, 1e-9)
+            t = many.ttft("p90").mean / max(one.ttft("p90").mean, 1e-9)
+            hits.append(h)
+            p90s.append(t)
+            print(f"  {c.label:<40} {'gossip' if not variant else 'no gossip':<10} hit × {h:.3f}  p90 × {t:.3f}")
+        if hits:
+            out[f"replicas{n}_hit_vs_1{suffix}"] = round(min(hits), 4)
+            out[f"replicas{n}_p90_vs_1{suffix}"] = round(max(p90s), 4)
+    return out
+
+
 def figures(configs: Sequence[Config], by_config: Sequence[dict[str, Runs]], kv: str) -> dict[str, Any]:
     """The JSON figures of kvfleet variant ``kv`` (``kvfleet`` or ``kvfleet-prev``)."""
     out: dict[str, Any] = {}
@@ -940,6 +1030,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="utilisation of the multi-turn workload (no-cache work: at the ideal hit it is ≈ 0.2)")
     ap.add_argument("--prev", action="store_true", help="also run kvfleet-prev (the scorer and hot-spot counter before issue 15)")
     ap.add_argument("--only", type=str, default="", help="comma-separated config kinds to run (grid, storm, multiturn, tiered)")
+    ap.add_argument("--replicas", type=int, default=3,
+                    help="on the storm and multi-turn configs, also N EPP replicas with and without pick gossip (0: off)")
     ap.add_argument("--beta", type=float, default=0.1, help="hot-spot decay β of the prefix scorer (the EPP's default)")
     ap.add_argument("--hit-weight", type=float, default=1.0, help="weight of the prefix-cache scorer")
     ap.add_argument("--load-gain", type=float, default=20.0, help="load_gain of the prefix-cache scorer")
@@ -990,6 +1082,8 @@ def main(argv: list[str] | None = None) -> int:
             policies = [*peers(), *(f"{p}-tiered" for p in peers()), *kvs, *(f"{k}-tiered" for k in kvs)]
         else:
             policies = [*peers(), ORACLE, *kvs] + (["kvfleet-tiered"] if not args.quick and c.kind == "grid" else [])
+            if args.replicas > 1 and c.kind in GENERATED:
+                policies += [f"kvfleet-x{args.replicas}", f"kvfleet-x{args.replicas}-nogossip"]
         for name in policies:
             cl = tiers_of(c.cluster) if name.endswith("-tiered") else c.cluster
             for k in range(1 if name in DETERMINISTIC else (head_seeds if c.kind == "tiered" else args.seeds)):
@@ -1035,6 +1129,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prev:
         summary |= {f"prev_{k}": v for k, v in figures(configs, by_config, "kvfleet-prev").items()
                     if not k.endswith(("_spread", "_at")) and not isinstance(v, dict)}
+    if args.replicas > 1:
+        summary |= replica_figures(configs, by_config, args.replicas)
     summary |= {
         "rho": utils,
         "configs": sum(1 for c in configs if c.kind == "grid"),

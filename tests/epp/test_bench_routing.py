@@ -7,6 +7,7 @@ from bench.routing import (
     MT_APPS,
     MT_SYSTEM,
     Kvfleet,
+    KvfleetReplicas,
     Oracle,
     Req,
     SglangCacheAware,
@@ -102,3 +103,26 @@ class TestWorkloads:
         assert utilisation([r for r in storm if not r.group], cfg) > 0
         res = simulate(storm, cfg, Oracle)
         assert set(res.groups) == {"storm"} and res.groups["storm"]["p90"] > 0
+
+
+class TestReplicas:
+    """Several EPP replicas in the simulation: streams alternate between them; with gossip a pick made by one
+    is a speculative hit on the others (as kvfleet/epp/gossip.py shares it), without it each sees only its own."""
+
+    def policy(self, gossip: bool) -> KvfleetReplicas:
+        cfg, pods = cluster(4)
+        return KvfleetReplicas(cfg, pods, kvfleet_plugins(1.0, 20.0, seed=0), 0.1, 10.0, 3, gossip)
+
+    def test_gossip_shares_a_pick_with_every_other_replica(self) -> None:
+        blocks = list(range(1000, 1040))
+        for gossip in (True, False):
+            p = self.policy(gossip)
+            pod = p.route(req(blocks), 0.0)  # replica 0 picks
+            name = p.reps[0].names[pod]
+            held = [rep.index.match(blocks, [name], now=0.0).get(name) for rep in p.reps[1:]]
+            if gossip:
+                assert all(m is not None and m.blocks == 40 and m.speculative == 40 for m in held)
+                assert p.route(req(blocks), 0.0) == pod  # replica 1 routes the prefix to the same pod
+            else:
+                assert held == [None, None]
+            assert p.turn == (2 if gossip else 1)

@@ -4,7 +4,7 @@
 its GPU stand-in in the agent's tier manager (``tiers:`` settings: cpu slabs,
 ssd block files, Redis; codecs, watermarks, background migration, the
 promotion rule, restart rescan with re-announcement) instead of the small
-built-in :class:`~kvfleet.engine.kv.LocalTiers`. The manager's own GPU tier is
+built-in :class:`~kvfleet.engine.localtiers.LocalTiers`. The manager's own GPU tier is
 disabled: the engine's block manager is the GPU. Blocks cross the seam as
 fp16 arrays of the simulated KV bytes; with a lossy codec (fp8, int4) a
 promoted block differs from a recomputation, which changes the simulated
@@ -24,7 +24,7 @@ from kvfleet.cache.events import EventSink
 from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.tiers import TierSettings
-from kvfleet.engine.kv import SlowBlock
+from kvfleet.engine.localtiers import SlowBlock
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def below_gpu(settings: TierSettings) -> TierSettings:
 
 
 class AgentTiers:
-    """:class:`~kvfleet.engine.kv.SlowTiers` backed by a :class:`TierManager` (see the module doc)."""
+    """:class:`~kvfleet.engine.localtiers.SlowTiers` backed by a :class:`TierManager` (see the module doc)."""
 
     def __init__(self, settings: TierSettings, sink: EventSink) -> None:
         self.mgr = TierManager(below_gpu(settings), sink=sink)

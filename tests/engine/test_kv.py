@@ -24,7 +24,8 @@ import pytest
 from kvfleet.cache.events import AnyEvent, BlockRemoved, BlockStored
 from kvfleet.cache.tiers import Tier
 from kvfleet.config import load
-from kvfleet.engine.kv import EngineKV, LocalTiers, SlowBlock, project_block
+from kvfleet.engine.kv import EngineKV, project_block
+from kvfleet.engine.localtiers import LocalTiers, SlowBlock
 from tests.engine.conftest import EngineFactory
 
 

@@ -27,7 +27,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from kvfleet.engine.kv import SlowBlock
+from kvfleet.engine.localtiers import SlowBlock
 from kvfleet.engine.pd import PREFILLER_HEADER, TransferKVPuller
 from kvfleet.engine.peer import PrefillPeers
 from tests.engine.conftest import EngineFactory, RunningEngine, free_port

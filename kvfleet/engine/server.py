@@ -27,6 +27,11 @@ Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``:
 400 malformed JSON / bad fields / over the context limit / a malformed
 ``x-prefiller-host-port``, 403 an unsigned internal request or a prefiller
 outside the pool, 404 unknown model, 503 when the engine cannot take the request.
+
+Size: one ~700-line module on purpose: :class:`EngineServer`'s handlers share one state (the scheduler, the
+KV, the holds kept for decode engines, the publisher, the trust checks) and read top to bottom as the request
+flows (parse → trust → schedule → complete or stream); the KV, the scheduler, P/D and the metrics are their
+own modules.
 """
 
 from __future__ import annotations

@@ -34,6 +34,8 @@ from kvfleet.epp.subscriber import EventSubscriber
 from kvfleet.operator.engines import SGLANG_CHAINED_EVENTS, SGLANG_TESTED
 from tests.interop.conftest import Driver, held, join, release, tokens, wait
 
+pytestmark = pytest.mark.timeout(600)  # each SGLang process imports torch: tens of seconds on a busy machine
+
 PAGE = 16
 POD = "sglang-0"
 CHAINED = [".".join(map(str, v)) for v in SGLANG_TESTED if v >= SGLANG_CHAINED_EVENTS]

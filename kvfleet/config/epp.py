@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfleet.cache.cost import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_PREFILL_TOKENS_PER_S
+
 
 @dataclass(frozen=True)
 class PluginSpec:
@@ -34,8 +36,8 @@ class CostModelSettings:
     ``load_s_per_token = kv_bytes_per_token / bandwidth(tier)``.
     """
 
-    prefill_tokens_per_s: float = 10_000.0
-    kv_bytes_per_token: int = 131_072
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     cpu_gbps: float = 20.0
     ssd_gbps: float = 2.0
     remote_gbps: float = 1.0

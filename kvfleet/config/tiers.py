@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfleet.cache.cost import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_PREFILL_TOKENS_PER_S
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -115,8 +117,8 @@ class ModelProfile:
 
     name: str = "llama-3-8b-fp16"
     #: 2 (K,V) × layers × kv_heads × head_dim × bytes: 2·32·8·128·2 for Llama-3-8B.
-    kv_bytes_per_token: int = 131072
-    prefill_tokens_per_s: float = 8000.0
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
     block_size: int = 16
 
     def __post_init__(self) -> None:

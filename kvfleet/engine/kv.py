@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from kvfleet.cache import cost
 from kvfleet.cache.blocks import BlockManager
 from kvfleet.cache.events import AnyEvent, BlockRemoved, BlockStored, EventSink, null_sink, removed
 from kvfleet.cache.hashing import BlockHash, BlockHasher, ExtraKeys, as_tokens, to_int64
@@ -173,16 +174,16 @@ class EngineKV:
 
     # -- cost model ---------------------------------------------------------------------------
     def prefill_seconds(self, num_tokens: int) -> float:
-        return num_tokens / self.model.prefill_tokens_per_s
+        return cost.prefill_s(num_tokens, self.model.prefill_tokens_per_s)
 
     def read_seconds(self, tier: Tier, num_blocks: int) -> float:
         t = self.settings.tiers
         gbps = t.cpu_read_gbps if tier is Tier.CPU else t.ssd_read_gbps
-        return num_blocks * self.block_size * self.model.kv_bytes_per_token / (gbps * 1e9)
+        return cost.move_s(num_blocks * self.block_size * self.model.kv_bytes_per_token, gbps * 1e9)
 
     def promotion_pays(self, tier: Tier) -> bool:
-        """The seeds' rule: promote iff prefill of a block costs more than reading it (write to HBM ~free)."""
-        return self.prefill_seconds(self.block_size) > self.read_seconds(tier, 1)
+        """The seeds' rule (:func:`kvfleet.cache.cost.promotion`) with a free write into the GPU stand-in."""
+        return cost.promotion(self.prefill_seconds(self.block_size), self.read_seconds(tier, 1), 0.0) is cost.Action.PROMOTE
 
     # -- sequences ----------------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int] | npt.NDArray[Any], extra_keys: ExtraKeys = None) -> int:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from kvfleet.cache import cost
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
 from kvfleet.cache.tiers import Tier
 from kvfleet.cache.tokens import salt_extra_keys
@@ -55,14 +56,14 @@ PREFIX_SCORERS = frozenset({"prefix-cache-scorer", "prefix-affinity-scorer"})
 LOAD_SCORERS = frozenset({"queue-scorer", "kv-cache-utilization-scorer", "least-inflight-scorer"})
 
 
-def tier_weights(cost: CostModelSettings) -> list[float]:
-    """weight(tier) = max(0, 1 − load_s_per_token / prefill_s_per_token), by ``Tier.rank``."""
-    prefill = 1.0 / cost.prefill_tokens_per_s
-    gbps = {Tier.CPU: cost.cpu_gbps, Tier.SSD: cost.ssd_gbps, Tier.REMOTE: cost.remote_gbps}
+def tier_weights(model: CostModelSettings) -> list[float]:
+    """weight(tier) = :func:`kvfleet.cache.cost.hit_value` of one token read from the tier against its prefill
+    (``max(0, 1 − load_s_per_token / prefill_s_per_token)``), by ``Tier.rank``."""
+    prefill = cost.prefill_s(1, model.prefill_tokens_per_s)
+    gbps = {Tier.CPU: model.cpu_gbps, Tier.SSD: model.ssd_gbps, Tier.REMOTE: model.remote_gbps}
     out = [1.0] * len(Tier)
     for tier, bw in gbps.items():
-        load = cost.kv_bytes_per_token / (bw * 1e9)
-        out[tier.rank] = max(0.0, 1.0 - load / prefill)
+        out[tier.rank] = cost.hit_value(prefill, cost.move_s(model.kv_bytes_per_token, bw * 1e9))
     return out
 
 

@@ -1,4 +1,6 @@
-"""The promotion rule of the seeds (chapter 2.3): move a slow-tier hit up only when it pays.
+"""The promotion rule of the seeds (chapter 2.3) for the agent's tiers: move a slow-tier hit up only when it pays.
+
+The rule itself is :mod:`kvfleet.cache.cost` (one definition for every part); this module prices the tiers.
 
 For a block of ``t`` tokens found in tier ``slow`` (``n_slow`` encoded bytes)
 whose promotion target is ``fast`` (``n_fast`` bytes after its codec)::
@@ -20,20 +22,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from enum import StrEnum
 
 from kvfleet.agent.tiers.base import TierStore
 from kvfleet.agent.tiers.errors import TierError
+from kvfleet.cache import cost
+from kvfleet.cache.cost import Action as Action
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.tiers import NOMINAL_COSTS, ModelProfile, TierSpec
 
 log = logging.getLogger(__name__)
 
 
-class Action(StrEnum):
-    PROMOTE = "promote"
-    SERVE_IN_PLACE = "serve_in_place"
-    RECOMPUTE = "recompute"
 
 
 @dataclass(frozen=True)
@@ -46,10 +45,10 @@ class TierCost:
     source: str = "nominal"
 
     def read_s(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.read_bps
+        return cost.move_s(nbytes, self.read_bps, self.latency_s)
 
     def write_s(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.write_bps
+        return cost.move_s(nbytes, self.write_bps, self.latency_s)
 
 
 @dataclass(frozen=True)
@@ -91,16 +90,11 @@ class CostModel:
         self.costs = dict(costs)
 
     def prefill_s(self, tokens: int) -> float:
-        return tokens / self.profile.prefill_tokens_per_s
+        return cost.prefill_s(tokens, self.profile.prefill_tokens_per_s)
 
     def decide(self, src: Tier, dst: Tier, tokens: int, src_nbytes: int, dst_nbytes: int) -> Decision:
         prefill = self.prefill_s(tokens)
         read = self.costs[src].read_s(src_nbytes)
         write = self.costs[dst].write_s(dst_nbytes)
-        if prefill > read + write:
-            action = Action.PROMOTE
-        elif prefill > read:
-            action = Action.SERVE_IN_PLACE
-        else:
-            action = Action.RECOMPUTE
+        action = cost.promotion(prefill, read, write)
         return Decision(action=action, src=src, dst=dst, prefill_s=prefill, read_s=read, write_s=write)

@@ -82,13 +82,14 @@ from typing import Any
 import numpy as np
 
 from bench import _traces as traces
+from kvfleet.cache import cost
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.cache import CacheSettings
 from kvfleet.config.epp import CostModelSettings, EppSettings, PluginSpec
 from kvfleet.epp.datastore import StaticDatastore
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
-from kvfleet.epp.podmetrics import MetricsStore
+from kvfleet.epp.podmetrics import MetricsStore, PodMetrics
 from kvfleet.epp.router import Router
 from kvfleet.epp.scheduling import Candidate, SchedulingRequest
 from kvfleet.epp.scheduling.framework import register
@@ -99,7 +100,8 @@ BLOCK = traces.TRACE_BLOCK
 
 @dataclass(frozen=True)
 class SimConfig:
-    """One simulated cluster (cost model of an 8B model on one H100 per pod)."""
+    """One simulated cluster (cost model of an 8B model on one H100 per pod: a faster prefill than the product's
+    default profile, :data:`kvfleet.cache.cost.DEFAULT_PREFILL_TOKENS_PER_S`; the rule is the same module's)."""
 
     pods: int = 8
     gpu_blocks: int = 1000
@@ -117,11 +119,11 @@ class SimConfig:
 
     @property
     def block_prefill_s(self) -> float:
-        return BLOCK / self.prefill_tokens_per_s
+        return cost.prefill_s(BLOCK, self.prefill_tokens_per_s)
 
     def load_s(self, tier: Tier) -> float:
         bw = self.cpu_gbps if tier is Tier.CPU else self.ssd_gbps
-        return BLOCK * self.kv_bytes_per_token / (bw * 1e9)
+        return cost.move_s(BLOCK * self.kv_bytes_per_token, bw * 1e9)
 
 
 @dataclass
@@ -432,13 +434,26 @@ class Kvfleet(Policy):
         self.index = BlockIndex(clock=clock)
         cls = PrevRouter if prev else Router
         self.router = cls(
-            settings, CacheSettings(block_size=BLOCK), StaticDatastore(data=data), self.index, MetricsStore(),
+            settings, CacheSettings(block_size=BLOCK), StaticDatastore(data=data), self.index, MetricsStore(clock=clock),
             load_tokenizer("bytes"), InflightTracker(clock=clock, hot_until_close=prev),
         )
         self._last: Any = None
+        self._next_scrape = 0.0
+
+    def scrape(self, now: float) -> None:
+        """The EPP's metrics scrape (every ``SCRAPE_S``, as ``epp.scrape_interval_s``): each pod's waiting and running
+        requests and KV usage, as vLLM reports them, into the router's metrics store."""
+        if now < self._next_scrape:
+            return
+        for name, pod in zip(self.names, self.pods, strict=True):
+            waiting, running = pod.waiting_running(now)
+            usage = len(pod.gpu) / max(1, self.cfg.gpu_blocks)
+            self.router.metrics.put(name, PodMetrics(waiting=waiting, running=running, kv_usage=usage, scraped_at=now))
+        self._next_scrape = now + SCRAPE_S
 
     def route(self, r: Req, now: float) -> int:
         self.now = now
+        self.scrape(now)
         d = self.router.route_keys("m", r.blocks, r.tokens)
         self._last = d.ticket
         return self.pos[d.pod]
@@ -461,6 +476,10 @@ class Kvfleet(Policy):
                 self.index.add(name, keys, tier)
             else:
                 self.index.remove(name, keys, tier)
+
+
+#: the EPP's metrics scrape interval (``epp.scrape_interval_s``), in simulated seconds
+SCRAPE_S = 0.5
 
 
 class KvfleetReplicas(Policy):

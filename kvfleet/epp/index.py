@@ -552,13 +552,20 @@ class BlockIndex:
         return spec_len
 
     def pod_tiers(self, pod: str, key: int) -> set[Tier]:
-        slot = self._slot.get(pod)
-        if slot is None:
-            return set()
-        table = self._table
-        at = int(table.find(as_u64([key]), np.array([slot], dtype=np.uint16))[0])
-        mask = int(table.mask[at]) if at >= 0 else 0
+        mask = int(self.masks(pod, [key])[0])
         return {t for t in Tier if mask & (1 << t.rank)}
+
+    def masks(self, pod: str, keys: Sequence[int]) -> npt.NDArray[np.uint8]:
+        """The tier mask ``pod`` holds for each of ``keys`` (0: not held), in one batched probe."""
+        out = np.zeros(len(keys), dtype=np.uint8)
+        slot = self._slot.get(pod)
+        if slot is None or not len(keys):
+            return out
+        table = self._table
+        at = table.find(as_u64(keys), np.full(len(keys), slot, dtype=np.uint16))
+        hit = at >= 0
+        out[hit] = table.mask[at[hit]]
+        return out
 
     @property
     def num_entries(self) -> int:

@@ -115,18 +115,46 @@ class PodEventApplier:
         self._engine_to_key.clear()
 
     def apply(self, batch: KVEventBatch) -> int:
-        """Apply every event; returns how many failed (each skipped, see the module doc)."""
+        """Apply every event; returns how many failed (each skipped, see the module doc).
+
+        Engines publish one ``BlockRemoved`` per evicted block (vLLM, the simulator): a run of consecutive
+        removals of one medium is applied as one index operation; if that fails, its events are applied one
+        by one, so a bad one is still isolated."""
         failed = 0
-        for ev in batch.events:
-            try:
-                self._apply(ev)
-            except Exception as exc:  # one bad event must never stop the pod's feed
-                failed += 1
-                self.stats.rejected += 1
-                self._log(f"pod {self.pod}: KV event {type(ev).__name__} dropped: {exc}")
-                if not isinstance(ev, BlockStored):
-                    self.reset()
+        events = batch.events
+        i = 0
+        while i < len(events):
+            ev = events[i]
+            j = i + 1
+            if isinstance(ev, BlockRemoved):
+                while j < len(events):
+                    nxt = events[j]
+                    if not isinstance(nxt, BlockRemoved) or nxt.medium != ev.medium:
+                        break
+                    j += 1
+                if j - i > 1:
+                    run = [h for e in events[i:j] if isinstance(e, BlockRemoved) for h in e.block_hashes]
+                    try:
+                        self._removed(BlockRemoved(block_hashes=run, medium=ev.medium))
+                        i = j
+                        continue
+                    except Exception:  # isolate the bad one below
+                        j = i + 1
+            for one in events[i:j]:
+                failed += self._apply_one(one)
+            i = j
         return failed
+
+    def _apply_one(self, ev: KVCacheEvent) -> int:
+        try:
+            self._apply(ev)
+        except Exception as exc:  # one bad event must never stop the pod's feed
+            self.stats.rejected += 1
+            self._log(f"pod {self.pod}: KV event {type(ev).__name__} dropped: {exc}")
+            if not isinstance(ev, BlockStored):
+                self.reset()
+            return 1
+        return 0
 
     def _apply(self, ev: KVCacheEvent) -> None:
         if isinstance(ev, BlockStored):
@@ -228,6 +256,9 @@ class PodEventApplier:
         keys = [m[e][0] if e in m else e for e in engine]
         self.stats.removed += len(keys)
         self.index.remove(self.pod, keys, tier)
-        for e, k in zip(engine, keys, strict=True):
-            if e in m and not self.index.pod_tiers(self.pod, k):
-                del m[e]  # gone from every tier of the pod
+        known = [(e, k) for e, k in zip(engine, keys, strict=True) if e in m]
+        if known:
+            held = self.index.masks(self.pod, [k for _, k in known])
+            for (e, _), mask in zip(known, held.tolist(), strict=True):
+                if not mask:
+                    m.pop(e, None)  # gone from every tier of the pod

@@ -226,6 +226,7 @@ class EventSubscriber:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._beat = time.monotonic()  # alive while it works through a burst, not only between rounds
             try:
                 if kind == "live":
                     self._on_live(feed, frames)

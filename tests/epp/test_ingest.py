@@ -172,3 +172,34 @@ class TestBoundsAndIsolation:
         bad = removed(["not-a-hash"], "GPU")  # type: ignore[list-item]
         failed = ap.apply(KVEventBatch(ts=0.0, events=[bad, stored([6], None, [1, 2, 3, 4], 4, "GPU")]))
         assert failed == 1 and idx.pod_tiers("p", 5) == set() and idx.pod_tiers("p", 6) == {Tier.GPU}
+
+
+class TestRemovalRuns:
+    """Engines publish one BlockRemoved per evicted block: a run of them is one index operation, and a bad one in a
+    run is still isolated."""
+
+    def test_a_run_of_removals_is_applied_at_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(4), recompute_keys=True)
+        ap.apply(KVEventBatch(ts=0.0, events=[stored(list(range(100, 150)), None, list(range(200)), 4, "GPU")]))
+        calls: list[int] = []
+        real = idx.remove
+
+        def counted(pod: str, keys: Any, tier: Tier | None = Tier.GPU) -> None:
+            keys = list(keys)
+            calls.append(len(keys))
+            real(pod, keys, tier)
+
+        monkeypatch.setattr(idx, "remove", counted)
+        events: list[Any] = [removed([h], "GPU") for h in range(100, 140)]
+        failed = ap.apply(KVEventBatch(ts=0.0, events=[*events, removed([140], "CPU"), removed([141], "GPU")]))
+        assert failed == 0 and calls == [40, 1, 1]  # the GPU run of 40, then the CPU one (a different medium), then one
+        assert idx.num_pod_keys("p") == 9 and ap.stats.removed == 42 and len(ap) == 9
+
+    def test_a_bad_event_in_a_run_costs_only_itself(self) -> None:
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(4))
+        ap.apply(KVEventBatch(ts=0.0, events=[stored([5, 6], None, list(range(8)), 4, "GPU")]))
+        bad = removed(["not-a-hash"], "GPU")  # type: ignore[list-item]
+        failed = ap.apply(KVEventBatch(ts=0.0, events=[removed([6], "GPU"), bad, stored([7], None, [1, 2, 3, 4], 4, "GPU")]))
+        assert failed == 1 and ap.stats.rejected == 1 and idx.pod_tiers("p", 7) == {Tier.GPU}

@@ -7,7 +7,7 @@ request's chained block keys the pod holds and its tier-weighted value.
 
 **Storage** is :class:`kvfleet.epp.table.PodKeyTable` (one numpy hash table of (block key, pod slot) → tier
 mask, ≈ 16–31 bytes per entry); pods get small integer slots, freed slots are reused oldest first. This module
-is one class over ~550 lines on purpose: the write path, the lookup and the speculative entries share the
+is one class of ~600 lines on purpose: the write path, the lookup and the speculative entries share the
 table reference, the pod slots and the locks described below.
 
 **Lookup: search, don't walk.** Keys are chained, so a pod holding the key at

@@ -93,6 +93,7 @@ from kvfleet.epp.podmetrics import MetricsStore, PodMetrics
 from kvfleet.epp.router import Router
 from kvfleet.epp.scheduling import Candidate, SchedulingRequest
 from kvfleet.epp.scheduling.framework import register
+from kvfleet.epp.scheduling.plugins import mean_queue_rho
 from kvfleet.epp.tokenize import load_tokenizer
 
 BLOCK = traces.TRACE_BLOCK
@@ -554,10 +555,8 @@ class PrevPrefixCacheScorer:
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         beta = req.hotspot_beta if self.beta is None else float(self.beta)
         unit = req.block_size * req.prefill_s_per_token
-        if self.load_gain and cands:
-            q = sum(c.pending_tokens for c in cands) / len(cands) * req.prefill_s_per_token
-            rho = q / (q + req.prefill_s) if q > 0 else 0.0
-            unit *= 1.0 + self.load_gain * rho
+        if self.load_gain:
+            unit *= 1.0 + self.load_gain * mean_queue_rho(req, cands)
         return [c.hit_weighted * unit / (1.0 + beta * c.same_prefix) for c in cands]
 
 

@@ -43,6 +43,14 @@ def waiting_of(c: Candidate) -> float:
     return max(c.metrics.waiting, c.pending_requests) if c.metrics is not None else float(c.pending_requests)
 
 
+def mean_queue_rho(req: SchedulingRequest, cands: Sequence[Candidate]) -> float:
+    """``ρ = q̄ / (q̄ + prefill_s(request))`` with ``q̄`` the candidates' mean queued prefill seconds (0 when idle)."""
+    if not cands:
+        return 0.0
+    q = sum(c.pending_tokens for c in cands) / len(cands) * req.prefill_s_per_token
+    return q / (q + req.prefill_s) if q > 0 else 0.0
+
+
 @register("prefix-cache-scorer", "scorer")
 class PrefixCacheScorer:
     """Prefill seconds the pod's cached prefix saves, damped on hot spots, valued more under load
@@ -76,11 +84,7 @@ class PrefixCacheScorer:
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         beta = req.hotspot_beta if self.beta is None else float(self.beta)
         unit = req.block_size * req.prefill_s_per_token
-        gain = 1.0
-        if self.load_gain and cands:
-            q = sum(c.pending_tokens for c in cands) / len(cands) * req.prefill_s_per_token
-            rho = q / (q + req.prefill_s) if q > 0 else 0.0
-            gain += self.load_gain * rho
+        gain = 1.0 + self.load_gain * mean_queue_rho(req, cands) if self.load_gain else 1.0
         return [c.hit_weighted * unit * (1.0 if c.same_prefix else gain) / (1.0 + beta * c.same_prefix) for c in cands]
 
 

@@ -200,7 +200,7 @@ class PickGossip:
             version, replica, pod, keys = self._decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return "malformed"
-        if version != VERSION or not keys or any(not -(1 << 63) <= k < (1 << 64) for k in keys):
+        if version != VERSION or not keys:  # msgpack ints are int64/uint64: any decoded key is a valid block key
             return "malformed"
         if len(keys) > MAX_KEYS:
             return "too_large"

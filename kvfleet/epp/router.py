@@ -247,7 +247,9 @@ class Router:
                         hit_tokens = min(num_tokens, pranked.pods[0].hit_blocks * block_size)
                         uncached = num_tokens - hit_tokens
             picked = (best.name,) if prefiller is None else (best.name, prefiller.name)
-            ttl = {name: self.pick_ttl(pod) for name, pod in ((best.name, best.pod), *([(prefiller.name, prefiller)] if prefiller else []))}
+            ttl = {best.name: self.pick_ttl(best.pod)}
+            if prefiller is not None:
+                ttl[prefiller.name] = self.pick_ttl(prefiller)
 
             leases = {name: self.index.add_speculative(name, keys, self.tracker.max_age_s) for name in picked}
 

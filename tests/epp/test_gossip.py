@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,16 +23,10 @@ from kvfleet.epp.app import Epp
 from kvfleet.epp.gossip import MAX_BYTES, MAX_KEYS, PickGossip, resolve
 from kvfleet.epp.index import BlockIndex, spec_positions
 from kvfleet.epp.protocol import InferenceRequest
+from tests.epp.conftest import wait_for
 from tests.epp.pods import PodFleet
 
 PROMPT = "a long shared system prompt for the burst " * 30
-
-
-def _wait(probe: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Callable[..., Epp], fleet: PodFleet) -> None:
@@ -43,8 +36,8 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Ca
     assert a.gossip is not None and b.gossip is not None
     # ZMQ's slow joiner: probe picks from A until B applies one (B's SUB has connected to A's PUB)
     probe = [1, 2, 3]
-    _wait(lambda: a.index.add_speculative(fleet.pods[0].name, probe, 1.0) is not None and b.gossip is not None
-          and b.gossip.received["applied"] > 0, "B to hear A")
+    wait_for(lambda: a.index.add_speculative(fleet.pods[0].name, probe, 1.0) is not None and b.gossip is not None
+          and b.gossip.received["applied"] > 0, timeout=10.0, what="B to hear A")
 
     req = InferenceRequest(model="m", prompt=PROMPT)
     keys = b.router.keys_of(b.router.tokens_of(req), None)
@@ -52,7 +45,7 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Ca
     assert b.index.match(keys, pods) == {}  # nothing on B: no KV event exists, B made no pick
     first = a.router.route(req)
     assert first.predicted_hit_tokens == 0
-    _wait(lambda: getattr(b.index.match(keys, pods).get(first.pod), "blocks", 0) == len(keys), "A's pick on B")
+    wait_for(lambda: getattr(b.index.match(keys, pods).get(first.pod), "blocks", 0) == len(keys), timeout=10.0, what="A's pick on B")
     spec = b.index.match(keys, pods)[first.pod]
     assert spec.speculative == spec.blocks == len(keys) and set(b.index.match(keys, pods)) == {first.pod}
     again = b.router.route(req)
@@ -61,7 +54,7 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Ca
     text = _metrics(b)
     assert 'kvfleet_epp_gossip_picks_total{direction="in",result="applied"}' in text
     assert a.gossip.out["sent"] >= 2 and a.gossip.out["dropped"] == 0
-    _wait(lambda: b.gossip is not None and b.gossip.out["sent"] >= 1, "B's own pick shared")
+    wait_for(lambda: b.gossip is not None and b.gossip.out["sent"] >= 1, timeout=10.0, what="B's own pick shared")
 
 
 def _metrics(epp: Epp) -> str:

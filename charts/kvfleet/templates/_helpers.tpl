@@ -25,6 +25,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "kvfleet.eppName" -}}{{ include "kvfleet.fullname" . }}-epp{{- end -}}
+{{- /* Pick gossip between EPP replicas (kvfleet/epp/gossip.py): on with more than one replica ("true" or empty). */ -}}
+{{- define "kvfleet.gossip" -}}{{ if gt (int .Values.epp.replicas) 1 }}true{{ end }}{{- end -}}
 {{- define "kvfleet.gossipPort" -}}{{- $p := dig "epp" "gossip_port" 0 .Values.config | int -}}{{ if eq $p 0 }}9004{{ else }}{{ $p }}{{ end }}{{- end -}}
 {{- define "kvfleet.registryName" -}}{{ include "kvfleet.fullname" . }}-epp-pools{{- end -}}
 {{/* The transfer Secret every pod reads: transfer.secret.existingSecret when given (the chart then renders none), else the chart's. */}}
@@ -46,7 +48,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- /* in a cluster the EPP watches InferencePools and their Pods */ -}}
 {{- $_ := set $cfg.epp "datastore" "kubernetes" -}}
 {{- $_ := set $cfg.epp "service_name" (include "kvfleet.eppName" .) -}}
-{{- if gt (int .Values.epp.replicas) 1 -}}
+{{- if include "kvfleet.gossip" . -}}
 {{- /* several replicas share their picks (kvfleet/epp/gossip.py): peers are every replica's address, the messages signed with the transfer secret */ -}}
 {{- $port := include "kvfleet.gossipPort" . | int -}}
 {{- $_ := set $cfg.epp "gossip_port" $port -}}

@@ -72,7 +72,6 @@ async def run(tag: str) -> int:
                 "docker", "run", "-d", "--name", name, "--network", "host",
                 "--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
                 "-v", f"{kubeconfig}:/etc/kvfleet/kubeconfig:ro", "-e", "KUBECONFIG=/etc/kvfleet/kubeconfig",
-                "-e", "KVFLEET_NAMESPACE=kvfleet-system",
                 tag, "operator", "--liveness", liveness,
             ], check=True, stdout=subprocess.DEVNULL)
             api = ApiClient(kopf.ConnectionInfo(server=url, token="test"))

@@ -28,8 +28,6 @@ class OperatorSettings:
     #: The EPP Service that rendered InferencePools name in endpointPickerRef.
     epp_service: str = "kvfleet-epp"
     epp_port: int = 9002
-    #: ConfigMap (in the operator's namespace) listing InferencePools for the EPP.
-    pool_registry: str = "kvfleet-epp-pools"
     #: Secret holding the transfer engine's shared key, when a pool names none.
     transfer_secret: str = "kvfleet-transfer"
     transfer_secret_key: str = "secret"

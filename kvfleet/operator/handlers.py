@@ -1,7 +1,7 @@
-"""kopf handlers: KVCachePool reconciliation, status refresh, InferencePool registry.
+"""kopf handlers: KVCachePool reconciliation, status refresh, InferencePool checks.
 
 :func:`build_registry` returns a fresh :class:`kopf.OperatorRegistry` bound to one
-:class:`Runtime` (settings, the operator's namespace, the API client), so tests
+:class:`Runtime` (settings, the API client), so tests
 run the real kopf runtime with their own registry and nothing is global.
 
 Error policy (typed, never by message):
@@ -22,17 +22,15 @@ Error policy (typed, never by message):
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-import yaml
 
 from kvfleet.config import Settings
-from kvfleet.operator import registry as poolreg
+from kvfleet.operator import inferencepools
 from kvfleet.operator.apply import ForeignOwnerError, apply, controller_uid
 from kvfleet.operator.kube import ApiClient, NotFound, Rejected, Transient
 from kvfleet.operator.manifests import (
@@ -52,13 +50,13 @@ from kvfleet.operator.status import degraded_conditions, healthy_conditions, inv
 
 @dataclass
 class Runtime:
-    """What the handlers share: settings, where the registry lives, the API client."""
+    """What the handlers share: settings, the API client, the problems last reported per InferencePool."""
 
     settings: Settings = field(default_factory=Settings)
-    namespace: str = "default"
     connection: kopf.ConnectionInfo | None = None
     _api: ApiClient | None = None
-    registry_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: ``(namespace, name)`` → the problems last posted as Warning Events, so an unchanged pool is not reported again.
+    pool_problems: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def api(self) -> ApiClient:
@@ -230,45 +228,23 @@ async def refresh_status(rt: Runtime, body: kopf.Body) -> None:
         await _patch_status(rt, meta["namespace"], meta["name"], {"roles": roles, "conditions": new_conditions})
 
 
-async def _registry_write(rt: Runtime, key: str, value: dict[str, Any] | None) -> bool:
-    """Set (or with None remove) one pool in the registry ConfigMap; True when it changed."""
-    op = rt.settings.operator
-    async with rt.registry_lock:
-        live = await rt.api.get_or_none("ConfigMap", rt.namespace, op.pool_registry)
-        text = yaml.safe_dump(value, sort_keys=True) if value is not None else None
-        if live is None:
-            if value is None:
-                return False
-            await rt.api.create({
-                "apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": op.pool_registry, "namespace": rt.namespace,
-                             "labels": {"app.kubernetes.io/name": "kvfleet", "app.kubernetes.io/component": "pool-registry"}},
-                "data": {key: text},
-            })
-            return True
-        data = live.get("data") or {}
-        if data.get(key) == text:
-            return False
-        await rt.api.patch("ConfigMap", rt.namespace, op.pool_registry, {"data": {key: text}})
-        return True
-
-
-async def sync_inferencepool(rt: Runtime, event_type: str | None, body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
-    """Validate an InferencePool that names the kvfleet EPP and keep its registry entry current."""
+async def check_inferencepool(rt: Runtime, event_type: str | None, body: kopf.Body,
+                              logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """Check an InferencePool that names the kvfleet EPP; each new set of problems becomes Warning Events."""
     meta = body.get("metadata") or {}
-    key = poolreg.registry_key(meta.get("namespace", ""), meta.get("name", ""))
+    key = (meta.get("namespace", ""), meta.get("name", ""))
     op = rt.settings.operator
-    if event_type == "DELETED" or not poolreg.names_kvfleet_epp(body, op):
-        if await _registry_write(rt, key, None):
-            logger.info("removed from the EPP pool registry")
+    if event_type == "DELETED" or not inferencepools.names_kvfleet_epp(body, op):
+        rt.pool_problems.pop(key, None)
         return
     pods = await rt.api.list("Pod", meta.get("namespace"))
-    problems = poolreg.validate(body, pods, op)
-    record = poolreg.entry(body, pods, problems)
-    if await _registry_write(rt, key, record):
-        for problem in problems:
-            kopf.warn(body, reason="InvalidInferencePool", message=problem)
-        logger.info("EPP pool registry updated (%s)", "valid" if not problems else f"{len(problems)} problem(s)")
+    problems = tuple(inferencepools.validate(body, pods, op))
+    if rt.pool_problems.get(key) == problems:
+        return
+    rt.pool_problems[key] = problems
+    for problem in problems:
+        kopf.warn(body, reason="InvalidInferencePool", message=problem)
+    logger.info("InferencePool checked: %s", "sound" if not problems else f"{len(problems)} problem(s)")
 
 
 def build_registry(rt: Runtime, *, login: bool = True) -> kopf.OperatorRegistry:
@@ -278,6 +254,8 @@ def build_registry(rt: Runtime, *, login: bool = True) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # kopf keeps this finalizer on each KVCachePool while its status timer runs and releases it on
+        # deletion; the children go by garbage collection (owner references), no delete handler needed.
         settings.persistence.finalizer = "kvfleet.io/finalizer"
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvfleet.io")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kvfleet.io", key="last-handled-configuration")
@@ -306,22 +284,11 @@ def build_registry(rt: Runtime, *, login: bool = True) -> kopf.OperatorRegistry:
     async def kvcachepool_status(body: kopf.Body, **_: Any) -> None:
         await refresh_status(rt, body)
 
-    @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
-    async def kvcachepool_delete(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-        meta, status = body["metadata"], body.get("status") or {}
-        owned = dict.fromkeys([*(status.get("inferencePools") or []), inferencepool_name(meta["name"])])
-        try:
-            for pool in owned:
-                await _registry_write(rt, poolreg.registry_key(meta["namespace"], pool), None)
-        except Transient as exc:
-            raise _temporary(exc, op.retry_backoff_s) from exc
-        logger.info("deleted; owned children follow through garbage collection")
-
     @kopf.on.event(IP_GROUP, IP_VERSION, "inferencepools", registry=registry)
     async def inferencepool_event(type: str | None, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
         try:
-            await sync_inferencepool(rt, type, body, logger)
+            await check_inferencepool(rt, type, body, logger)
         except Transient as exc:
-            logger.warning("EPP pool registry not updated (will retry on the next event): %s", exc)
+            logger.warning("InferencePool not checked (will retry on the next event): %s", exc)
 
     return registry

@@ -9,7 +9,7 @@ client, with the same credentials kopf logged in with (:class:`kopf.ConnectionIn
   the rendering drops is removed by the API server, and fields other managers own
   (an HPA's ``replicas``, a mesh's injected annotation) are left alone;
 * owned children are found by **label selector** (``kvfleet.io/pool=<name>``);
-* status and the pool registry ConfigMap are JSON merge patches (several writers, one key each).
+* status is a JSON merge patch (several writers, one key each).
 
 HTTP failures become typed errors whose type decides what happens next
 (:class:`Transient` → retry with back-off, :class:`Rejected` → a permanent condition

@@ -3,15 +3,13 @@
 Options: ``--config`` (kvfleet Settings YAML; the ``operator`` section is used),
 ``--namespace`` (repeatable; default: all namespaces), ``--liveness`` (kopf's
 health endpoint, default ``http://0.0.0.0:<operator.liveness_port>/healthz``),
-``--verbose``. The operator's own namespace (where the EPP pool registry lives)
-comes from ``KVFLEET_NAMESPACE`` (the chart sets it from the downward API).
+``--verbose``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 import kopf
@@ -33,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvfleet operator: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    rt = Runtime(settings=settings, namespace=os.environ.get("KVFLEET_NAMESPACE", "default"))
+    rt = Runtime(settings=settings)
     liveness = args.liveness or f"http://0.0.0.0:{settings.operator.liveness_port}/healthz"
     kopf.run(
         registry=build_registry(rt),

@@ -115,7 +115,7 @@ def test_inferencepool_crd_skipped_when_cluster_has_it(helm: str) -> None:
 
 
 def test_config_names_the_rendered_objects(helm: str) -> None:
-    """The config.yaml all roles read loads as Settings; it names the EPP Service, registry and Secret the chart renders."""
+    """The config.yaml all roles read loads as Settings; it names the EPP Service and Secret the chart renders."""
     objs = _template(helm)
     (cm,) = _by(objs, "ConfigMap", "kvf-kvfleet-config")
     settings = from_dict(Settings, yaml.safe_load(cm["data"]["config.yaml"]))

@@ -122,8 +122,8 @@ def test_operator_watching_other_namespaces_gets_a_role_in_each(tools: Path) -> 
     objs = template(tools, "--set", "operator.watchNamespaces={team-a,team-b}")
     roles = {r["metadata"]["namespace"] for r in _by(objs, "Role", "kvf-kvfleet-operator")}
     bindings = {(b["metadata"]["namespace"], b["subjects"][0]["namespace"]) for b in _by(objs, "RoleBinding", "kvf-kvfleet-operator")}
-    assert roles == {"kvfleet", "team-a", "team-b"}  # its own namespace holds the EPP pool registry
-    assert bindings == {("kvfleet", "kvfleet"), ("team-a", "kvfleet"), ("team-b", "kvfleet")}
+    assert roles == {"team-a", "team-b"}  # nothing of the operator's lives in its own namespace
+    assert bindings == {("team-a", "kvfleet"), ("team-b", "kvfleet")}
     (op,) = _by(objs, "Deployment", "kvf-kvfleet-operator")
     args = op["spec"]["template"]["spec"]["containers"][0]["args"]
     assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=team-a", "--namespace=team-b"]

@@ -6,8 +6,9 @@
 * the real operator (``kvfleet operator``, kopf) runs as its ServiceAccount (a TokenRequest
   token) in a namespace enforcing Pod Security "restricted": it reconciles a KVCachePool (with
   the OwnerReferencesPermissionEnforcement admission plugin on), its Deployments' pods are
-  admitted, the EPP pool registry is written, and on deletion the finalizer is handled and the
-  garbage collector removes the children; its log has no permission error;
+  admitted, a user InferencePool naming the EPP is checked against its pods (a Warning Event), and
+  on deletion the finalizer is handled and the garbage collector removes the children; its log
+  has no permission error;
 * the EPP's Kubernetes datastore (``kvfleet.epp.kube.KubernetesDatastore``) runs as the EPP's
   ServiceAccount and follows an InferencePool and a Pod as the pod becomes ready and goes.
 """
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from e2e.controlplane.cluster import ControlPlane
 from kvfleet.demo.envoy import free_port
@@ -111,7 +111,7 @@ def _operator(kube: Kube, cp: ControlPlane, ns: str, tmp: Path) -> Iterator[Path
     config = tmp / "config.yaml"
     config.write_text(kube.get("configmap", "kvr-kvfleet-config", ns)["data"]["config.yaml"])
     port, log = free_port(), tmp / "operator.log"
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVFLEET_NAMESPACE": ns}
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kvfleet", "operator", f"--config={config}", f"--namespace={ns}",
                                  f"--liveness=http://127.0.0.1:{port}/healthz"], env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -136,11 +136,10 @@ def _operator(kube: Kube, cp: ControlPlane, ns: str, tmp: Path) -> Iterator[Path
                 proc.wait(5)
 
 
-def _registry(kube: Kube, ns: str) -> dict[str, Any]:
-    if not kube.exists("configmap", "kvr-kvfleet-epp-pools", ns):
-        return {}
-    data: dict[str, Any] = kube.get("configmap", "kvr-kvfleet-epp-pools", ns).get("data") or {}
-    return data
+def _warnings(kube: Kube, ns: str, name: str) -> list[str]:
+    """The operator's InvalidInferencePool Warning Events about InferencePool ``name``."""
+    events = kube.get("events", None, ns, "--field-selector", f"reason=InvalidInferencePool,involvedObject.name={name}")["items"]
+    return [e.get("message") or "" for e in events]
 
 
 def test_operator_reconciles_as_its_service_account(kube: Kube, control_plane: ControlPlane, release: dict[str, str], tmp_path: Path) -> None:
@@ -163,15 +162,17 @@ def test_operator_reconciles_as_its_service_account(kube: Kube, control_plane: C
             assert owners[0]["uid"] == live["metadata"]["uid"] and owners[0]["blockOwnerDeletion"] is True
         # its engine pods pass Pod Security "restricted" and ServiceAccount admission (created by the ReplicaSets)
         wait_for(lambda: len(kube.get("pods", None, ns, "-l", "kvfleet.io/pool=sim-pd")["items"]) == 2, "the pool's two pods")
-        wait_for(lambda: f"{ns}.sim-pd" in _registry(kube, ns), "the pool in the EPP registry")
-        assert yaml.safe_load(_registry(kube, ns)[f"{ns}.sim-pd"])["name"] == "sim-pd"
+        # it reads pods to check an InferencePool naming the EPP (here with a wrong EPP port) and posts a Warning Event
+        kube.apply([samples.inferencepool("user-pool", ns, selector={"matchLabels": {"kvfleet.io/pool": "sim-pd"}},
+                                          endpointPickerRef={"name": EPP, "port": {"number": 9999}})])
+        wait_for(lambda: any("9999" in m for m in _warnings(kube, ns, "user-pool")), "the operator's warning about user-pool")
+        assert _warnings(kube, ns, "sim-pd") == []  # its own InferencePool is sound
 
         kube.kubectl("delete", "kvcachepool", "sim-pd", "-n", ns, "--wait=false")
         wait_for(lambda: not kube.exists("kvcachepool", "sim-pd", ns), "the KVCachePool to go (finalizer released)", timeout_s=90)
         wait_for(lambda: not kube.exists("deployment", "sim-pd-p0-prefill", ns) and not kube.exists("inferencepool", "sim-pd", ns),
                  "garbage collection of the children", timeout_s=90)
-        wait_for(lambda: f"{ns}.sim-pd" not in _registry(kube, ns), "the registry entry to go")
-        time.sleep(1)
+        time.sleep(1)  # a time gap: the operator handles the deletions' last events before its log is read
     text = log.read_text()
     for bad in ("Forbidden", "forbidden", "Not enough permissions", "HTTP 403"):
         assert bad not in text, text[-4000:]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import kopf
@@ -22,20 +22,18 @@ from kvfleet.operator.handlers import Runtime, build_registry
 
 
 @contextlib.asynccontextmanager
-async def running_operator(settings: Settings, namespace: str, watch: Sequence[str] | None = None) -> AsyncIterator[Runtime]:
-    """kvfleet's registry under the real kopf runtime for the body of the ``async with``; fails loudly if it dies.
+async def running_operator(settings: Settings, namespace: str) -> AsyncIterator[Runtime]:
+    """kvfleet's handlers under the real kopf runtime for the body of the ``async with``; fails loudly if it dies.
 
-    ``namespace`` is the operator's own (its pool registry lives there); ``watch`` the namespaces
-    it serves (default: that one), as ``kvfleet operator --namespace`` runs. kopf logs in with
-    ``$KUBECONFIG``."""
-    rt = Runtime(settings=settings, namespace=namespace)
+    It serves ``namespace``, as ``kvfleet operator --namespace`` does. kopf logs in with ``$KUBECONFIG``."""
+    rt = Runtime(settings=settings)
     registry = build_registry(rt)
     stop, ready = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            asyncio.run(kopf.operator(registry=registry, namespaces=list(watch or [namespace]), standalone=True,
+            asyncio.run(kopf.operator(registry=registry, namespaces=[namespace], standalone=True,
                                       stop_flag=stop, ready_flag=ready))
         except asyncio.CancelledError:
             pass

@@ -22,6 +22,7 @@ import yaml
 
 from kvfleet.config import Settings, from_dict
 from kvfleet.operator.apply import ForeignOwnerError, check_owner
+from kvfleet.operator.inferencepools import selected_pods
 from kvfleet.operator.manifests import (
     AGENT_CONTAINER,
     ANN_CONFIG_HASH,
@@ -33,7 +34,6 @@ from kvfleet.operator.manifests import (
     pool_settings,
     render_children,
 )
-from kvfleet.operator.registry import selected_pods
 from kvfleet.operator.spec import parse_spec
 from tests.operator import samples
 from tests.operator.k8s import admit, load_crd, validate_builtin

@@ -28,7 +28,6 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- /* Pick gossip between EPP replicas (kvfleet/epp/gossip.py): on with more than one replica ("true" or empty). */ -}}
 {{- define "kvfleet.gossip" -}}{{ if gt (int .Values.epp.replicas) 1 }}true{{ end }}{{- end -}}
 {{- define "kvfleet.gossipPort" -}}{{- $p := dig "epp" "gossip_port" 0 .Values.config | int -}}{{ if eq $p 0 }}9004{{ else }}{{ $p }}{{ end }}{{- end -}}
-{{- define "kvfleet.registryName" -}}{{ include "kvfleet.fullname" . }}-epp-pools{{- end -}}
 {{/* The transfer Secret every pod reads: transfer.secret.existingSecret when given (the chart then renders none), else the chart's. */}}
 {{- define "kvfleet.transferSecret" -}}{{ .Values.transfer.secret.existingSecret | default (printf "%s-transfer" (include "kvfleet.fullname" .)) }}{{- end -}}
 
@@ -39,7 +38,6 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $op "image" (include "kvfleet.image" .) -}}
 {{- $_ := set $op "image_pull_policy" .Values.image.pullPolicy -}}
 {{- $_ := set $op "epp_service" (include "kvfleet.eppName" .) -}}
-{{- $_ := set $op "pool_registry" (include "kvfleet.registryName" .) -}}
 {{- $_ := set $op "transfer_secret" (include "kvfleet.transferSecret" .) -}}
 {{- $_ := set $op "epp_port" (dig "epp" "grpc_port" 9002 $cfg) -}}
 {{- $_ := set $cfg "operator" $op -}}

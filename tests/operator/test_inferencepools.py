@@ -1,4 +1,4 @@
-"""EPP pool registry validation and Kubernetes quantities (pure functions).
+"""Checks of InferencePools naming the kvfleet EPP, and Kubernetes quantities (pure functions).
 
 Covers: which InferencePools count as naming the kvfleet EPP; problems reported
 for a wrong EPP port, a non-HTTP protocol, pods without the agent sidecar and
@@ -14,7 +14,7 @@ from decimal import Decimal
 import pytest
 
 from kvfleet.config import Settings
-from kvfleet.operator import registry
+from kvfleet.operator import inferencepools
 from kvfleet.operator.manifests import render_children
 from kvfleet.operator.quantity import QuantityError, parse_quantity, to_bytes
 from kvfleet.operator.spec import parse_spec
@@ -38,10 +38,8 @@ def test_rendered_pool_with_its_pods_is_valid() -> None:
     pool = next(c for c in children if c["kind"] == "InferencePool")
     dep = next(c for c in children if c["kind"] == "Deployment")
     pod = {"metadata": {"name": "p", "labels": dep["spec"]["template"]["metadata"]["labels"]}, "spec": dep["spec"]["template"]["spec"]}
-    assert registry.names_kvfleet_epp(pool, OP)
-    assert registry.validate(pool, [pod], OP) == []
-    entry = registry.entry(pool, [pod], [])
-    assert entry["valid"] and entry["routing"]["blockSize"] == 16 and entry["failureMode"] == "FailClose"
+    assert inferencepools.names_kvfleet_epp(pool, OP)
+    assert inferencepools.validate(pool, [pod], OP) == []
 
 
 def test_problems_are_reported() -> None:
@@ -49,7 +47,7 @@ def test_problems_are_reported() -> None:
     pool = samples.inferencepool(endpointPickerRef={"name": "kvfleet-epp", "port": {"number": 9999}}, appProtocol="kubernetes.io/h2c")
     labels = {"app": "vllm", "kvfleet.io/agent": "true"}
     pods = [_pod("a", labels, agent=False), _pod("b", labels, port=8001), _pod("c", {"app": "other"}, agent=False)]
-    problems = registry.validate(pool, pods, OP)
+    problems = inferencepools.validate(pool, pods, OP)
     assert len(problems) == 4, problems
     assert any("9999" in p for p in problems) and any("HTTP" in p for p in problems)
     assert any("pod a" in p and "agent" in p for p in problems)
@@ -59,9 +57,9 @@ def test_problems_are_reported() -> None:
 
 def test_only_pools_naming_the_kvfleet_epp_are_ours() -> None:
     """Another name, kind or group in endpointPickerRef is somebody else's pool."""
-    assert registry.names_kvfleet_epp(samples.inferencepool(), OP)
+    assert inferencepools.names_kvfleet_epp(samples.inferencepool(), OP)
     for ref in ({"name": "other", "port": {"number": 9002}}, {"name": "kvfleet-epp", "kind": "Backend", "group": "x.io"}):
-        assert not registry.names_kvfleet_epp(samples.inferencepool(endpointPickerRef=ref), OP)
+        assert not inferencepools.names_kvfleet_epp(samples.inferencepool(endpointPickerRef=ref), OP)
 
 
 @pytest.mark.parametrize(("text", "value"), [("64Gi", 64 * 2**30), ("1Ti", 2**40), ("500M", 500 * 10**6), ("1e3", 1000), ("1.5Ki", 1536), (42, 42)])

@@ -1,26 +1,21 @@
-"""The EPP's pool registry: which InferencePools name the kvfleet EPP, and are they sound.
+"""Checks of InferencePools that name the kvfleet EPP: are they sound for it.
 
 The operator watches every InferencePool (its own and user-made ones). Those whose
-``endpointPickerRef`` names the kvfleet EPP Service are validated — the selected
-pods must carry the kvfleet agent sidecar and expose every target port, the EPP
-port must agree, the protocol must be HTTP — and written, one data key per pool
-(``<namespace>.<name>``), into a ConfigMap the EPP reads (``operator.pool_registry``
-in the operator's namespace). The EPP resolves pod IPs itself from the selector.
+``endpointPickerRef`` names the kvfleet EPP Service are checked: the selected pods
+must carry the kvfleet agent sidecar and expose every target port, the EPP port
+must agree, the protocol must be HTTP. Each problem becomes a Warning Event on the
+InferencePool; the EPP routes to a pool's ready pods whatever the check says (it
+resolves pools and pods from its own watch, :mod:`kvfleet.epp.kube`).
 Everything here is pure; :mod:`kvfleet.operator.handlers` does the I/O.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvfleet.config.operator import OperatorSettings
-from kvfleet.operator.manifests import AGENT_CONTAINER, ANN_MODEL, ANN_ROUTING, LABEL_AGENT
-
-
-def registry_key(namespace: str, name: str) -> str:
-    return f"{namespace}.{name}"
+from kvfleet.operator.manifests import AGENT_CONTAINER, LABEL_AGENT
 
 
 def names_kvfleet_epp(pool: Mapping[str, Any], op: OperatorSettings) -> bool:
@@ -66,27 +61,3 @@ def validate(pool: Mapping[str, Any], pods: Iterable[Mapping[str, Any]], op: Ope
                 problems.append(f"pod {pname} exposes no container port {number} (targetPorts)")
     return problems
 
-
-def entry(pool: Mapping[str, Any], pods: Iterable[Mapping[str, Any]], problems: list[str]) -> dict[str, Any]:
-    """The registry record of one InferencePool."""
-    meta = pool.get("metadata") or {}
-    spec = pool.get("spec") or {}
-    ann = meta.get("annotations") or {}
-    routing: dict[str, Any] = {}
-    if ANN_ROUTING in ann:
-        try:
-            routing = json.loads(ann[ANN_ROUTING])
-        except ValueError:
-            problems = [*problems, f"annotation {ANN_ROUTING} is not JSON; using default routing"]
-    return {
-        "namespace": meta.get("namespace"),
-        "name": meta.get("name"),
-        "model": ann.get(ANN_MODEL, ""),
-        "selector": (spec.get("selector") or {}).get("matchLabels") or {},
-        "targetPorts": [p.get("number") for p in spec.get("targetPorts") or []],
-        "appProtocol": spec.get("appProtocol", "http"),
-        "failureMode": (spec.get("endpointPickerRef") or {}).get("failureMode", "FailClose"),
-        "routing": routing,
-        "valid": not problems,
-        "problems": problems,
-    }

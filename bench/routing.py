@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import functools
 import heapq
+import itertools
 import json
 import os
 import random
@@ -88,7 +89,7 @@ from kvfleet.config.cache import CacheSettings
 from kvfleet.config.epp import CostModelSettings, EppSettings, PluginSpec
 from kvfleet.epp.datastore import StaticDatastore
 from kvfleet.epp.index import BlockIndex
-from kvfleet.epp.inflight import InflightTracker
+from kvfleet.epp.inflight import InflightTracker, Ticket, TicketEvent
 from kvfleet.epp.podmetrics import MetricsStore, PodMetrics
 from kvfleet.epp.router import Router
 from kvfleet.epp.scheduling import Candidate, SchedulingRequest
@@ -487,27 +488,55 @@ class KvfleetReplicas(Policy):
     """``n`` kvfleet pickers behind one gateway (active-active EPP replicas): streams go to them round-robin, as
     Envoy spreads them; each has its own index, speculative picks and in-flight tickets (its own view of the
     load); every pod's KV events reach all of them. With ``gossip`` a pick is shared with the others at once
-    (sim time) as a speculative entry for ``GOSSIP_TTL_S``, as kvfleet/epp/gossip.py does over ZMQ."""
+    (sim time) as a speculative entry for ``GOSSIP_TTL_S``, and every change of a ticket (open, first token,
+    close) as a peer's ticket in their in-flight trackers, as kvfleet/epp/gossip.py does over ZMQ."""
 
     GOSSIP_TTL_S = 30.0
+    #: a gossip message's delivery delay (sim seconds): a pick or ticket change reaches the other replicas this
+    #: much later (ZMQ on loopback or a LAN takes well under a millisecond; this leaves room for a busy thread)
+    GOSSIP_DELAY_S = 0.002
 
     def __init__(self, cfg: SimConfig, pods: list[SimPod], plugins: Sequence[PluginSpec], hotspot_beta: float, spec_ttl_s: float,
                  n: int, gossip: bool) -> None:
         super().__init__(cfg, pods)
         self.reps = [Kvfleet(cfg, pods, plugins, hotspot_beta, spec_ttl_s) for _ in range(n)]
         self.turn = 0
+        self.now = 0.0
         self._last: Any = None
+        self._mail: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
         if gossip:
             for i, rep in enumerate(self.reps):
-                others = [o.index for j, o in enumerate(self.reps) if j != i]
+                others = [o for j, o in enumerate(self.reps) if j != i]
 
-                def share(pod: str, sampled: list[int], others: list[BlockIndex] = others) -> None:
-                    for idx in others:
-                        idx.add_speculative_sampled(pod, sampled, self.GOSSIP_TTL_S)
+                def share(pod: str, sampled: list[int], others: list[Kvfleet] = others) -> None:
+                    def deliver() -> None:
+                        for o in others:
+                            o.index.add_speculative_sampled(pod, sampled, self.GOSSIP_TTL_S)
+                    self._send(deliver)
+
+                def tickets(event: TicketEvent, t: Ticket, moved: tuple[str, str] | None,
+                            others: list[Kvfleet] = others, origin: str = str(i)) -> None:
+                    pods, tid, prefix, tokens = moved or t.pods, t.id, t.prefix, t.tokens
+
+                    def deliver() -> None:
+                        for o in others:
+                            o.router.tracker.remote(origin, event, tid, pods, prefix, tokens)
+                    self._send(deliver)
 
                 rep.index.on_pick = share
+                rep.router.tracker.on_ticket = tickets
+
+    def _send(self, deliver: Callable[[], None]) -> None:
+        heapq.heappush(self._mail, (self.now + self.GOSSIP_DELAY_S, next(self._seq), deliver))
 
     def _at(self, now: float) -> None:
+        while self._mail and self._mail[0][0] <= now:
+            at, _, deliver = heapq.heappop(self._mail)
+            for rep in self.reps:
+                rep.now = at
+            deliver()
+        self.now = now
         for rep in self.reps:
             rep.now = now
 

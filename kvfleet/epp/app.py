@@ -20,7 +20,7 @@ from prometheus_client import start_http_server
 
 from kvfleet.config import Settings
 from kvfleet.epp.datastore import Datastore, Pod, StaticDatastore
-from kvfleet.epp.gossip import PickGossip
+from kvfleet.epp.gossip import ReplicaGossip
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.ingest import PodEventApplier
@@ -73,7 +73,7 @@ class Epp:
         self.servicer = ExtProcServicer(self.router, self.metrics, s.max_body_bytes, body_mode)
         self.appliers: dict[str, PodEventApplier] = {}
         self._pod_names: frozenset[str] = frozenset()
-        self.gossip: PickGossip | None = None
+        self.gossip: ReplicaGossip | None = None
         if s.gossip_port or s.gossip_peers:
             secret = b""
             if s.gossip_secret_file:
@@ -81,9 +81,10 @@ class Epp:
                     secret = f.read().strip()
                 if not secret:
                     raise ValueError(f"epp.gossip_secret_file {s.gossip_secret_file} is empty")
-            self.gossip = PickGossip(self.index, host=s.host, port=s.gossip_port, peers=s.gossip_peers, ttl_s=s.gossip_ttl_s,
-                                     known_pod=lambda name: name in self._pod_names, secret=secret)
+            self.gossip = ReplicaGossip(self.index, host=s.host, port=s.gossip_port, peers=s.gossip_peers, ttl_s=s.gossip_ttl_s,
+                                        known_pod=lambda name: name in self._pod_names, tracker=self.tracker, secret=secret)
             self.index.on_pick = self.gossip.publish
+            self.tracker.on_ticket = self.gossip.publish_ticket
             self.metrics.attach_gossip(self.gossip)
         self._grpc: grpc.aio.Server | None = None
         self._health: grpc.aio.Server | None = None

@@ -1,21 +1,35 @@
-"""Pick gossip: EPP replicas share their speculative picks, so a burst spread over replicas does not scatter.
+"""Replica gossip: EPP replicas share their picks and their in-flight load, so N replicas route as one.
 
 Every replica subscribes to every pod's KV events, so the exact index is the same on all of them. What
-each replica alone knows is its own picks: between a pick and the KV events of its prefill (a queue wait
-plus a prefill), a same-prefix request that the gateway sends to another replica sees no hit and may go
-elsewhere. Each replica therefore publishes its picks — the pod and the prompt's keys at
-:func:`~kvfleet.epp.index.spec_positions` (the positions are absolute, so the sample is the pick) — on a
-ZMQ PUB socket, and subscribes to its peers'. A received pick becomes a speculative entry on the named pod
-for ``gossip_ttl_s`` (:meth:`~kvfleet.epp.index.BlockIndex.add_speculative_sampled`); the pod's KV events
-take over from there, as they do for the replica's own picks.
+each replica alone knows is its own traffic: its picks (between a pick and the KV events of its prefill, a
+same-prefix request that the gateway sends to another replica sees no hit and may go elsewhere) and its
+tickets (requests in flight, prefill work pending, requests of a prefix still waiting for their first
+token: with N replicas each sees about 1/N of every pod's load between two metrics scrapes, and a burst
+piles onto the pod that looks idle to all of them). Each replica therefore publishes both on a ZMQ PUB
+socket and subscribes to its peers':
 
-Wire, one message per pick: ``[payload]`` or, with a secret, ``[payload, HMAC-SHA256(secret, payload)]``;
-``payload`` is msgpack ``[1, replica id, pod, [keys]]``. The port is a boundary like any other: a message
-larger than :data:`MAX_BYTES` or with more than :data:`MAX_KEYS` keys, undecodable, of another version,
-with a missing or wrong tag (when a secret is set), from this replica, or naming a pod the replica does not
-serve is dropped and counted by reason (``kvfleet_epp_gossip_picks_total{direction="in",result=...}``). The
-pick path never waits: picks go through a bounded queue (full: dropped, counted) to the gossip thread,
-which owns both sockets; ZMQ's high-water mark bounds what a slow peer can hold.
+* a pick — the pod and the prompt's keys at :func:`~kvfleet.epp.index.spec_positions` (absolute positions,
+  so the sample is the pick) — becomes a speculative entry on that pod for ``ttl_s``
+  (:meth:`~kvfleet.epp.index.BlockIndex.add_speculative_sampled`); the pod's KV events take over from there;
+* a ticket change (open, first token, close, move: :attr:`~kvfleet.epp.inflight.InflightTracker.on_ticket`)
+  is applied to the replica's tracker as the peer's ticket (:meth:`~kvfleet.epp.inflight.InflightTracker.remote`),
+  so its scorers see the whole fleet's in-flight load.
+
+A replica that sends nothing for :data:`SILENT_S` (it sends an empty message every :data:`HEARTBEAT_S`) is
+gone: its tickets are closed. A restarted replica has a new id, so its predecessor's tickets go the same way.
+
+Wire, one message per pick (with the ticket changes queued before it) or per batch of up to
+:data:`BATCH_TICKETS` ticket changes: ``[payload]`` or, with a secret, ``[payload, HMAC-SHA256(secret,
+payload)]``; ``payload`` is msgpack :class:`Message` ``[VERSION, replica id, [picks], [ticket changes]]``.
+The port is a boundary like any other. A whole message is dropped and counted
+(``kvfleet_epp_gossip_messages_total{direction="in",result}``) if larger than :data:`MAX_BYTES`,
+undecodable, of another version, with a missing or wrong tag (when a secret is set) or from this replica;
+inside a message each pick and ticket change is checked on its own (a pod the replica does not serve, more
+than :data:`MAX_KEYS` keys, an unknown event, a token count that is negative or not finite, more peer
+tickets than the tracker holds) and counted (``kvfleet_epp_gossip_picks_total`` /
+``kvfleet_epp_gossip_tickets_total``, ``direction="in"``). The pick path never waits: changes go through a
+bounded queue (full: dropped, counted) to the gossip thread, which owns both sockets and is woken through a
+pipe; ZMQ's high-water mark bounds what a slow peer can hold.
 
 Peers are ``host:port`` entries; a name that resolves to several addresses (the chart's headless
 ``<epp>-replicas`` Service) means each of them, and names are resolved again every :data:`REFRESH_S`,
@@ -24,9 +38,11 @@ so replicas that come and go are followed. A replica may list itself: its own me
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
+import math
 import os
 import queue
 import socket
@@ -34,19 +50,48 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import get_args
 
 import msgspec
 import zmq
 
 from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.inflight import InflightTracker, Ticket, TicketEvent
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2
 MAX_KEYS = 4096
 MAX_BYTES = 64 * 1024
+BATCH_TICKETS = 256
 REFRESH_S = 10.0
+HEARTBEAT_S = 1.0
+SILENT_S = 5.0
+MAX_TOKENS = 1e9
 _TAG = 32
+EVENTS: tuple[TicketEvent, ...] = get_args(TicketEvent)
+
+
+class Pick(msgspec.Struct, array_like=True, frozen=True):
+    pod: str
+    keys: list[int]
+
+
+class TicketChange(msgspec.Struct, array_like=True, frozen=True):
+    """``event`` indexes :data:`EVENTS`; ``pods`` are the ticket's pods (``open``) or (old, new) (``move``)."""
+
+    event: int
+    tid: int
+    pods: list[str]
+    prefix: int = 0
+    tokens: float = 0.0
+
+
+class Message(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    replica: str
+    picks: list[Pick]
+    tickets: list[TicketChange]
 
 
 def resolve(peers: Sequence[str]) -> set[str]:
@@ -65,8 +110,9 @@ def resolve(peers: Sequence[str]) -> set[str]:
     return out
 
 
-class PickGossip:
-    """One replica's gossip: publishes its picks on ``host:port``, applies its peers' to ``index``."""
+class ReplicaGossip:
+    """One replica's gossip: publishes its picks and ticket changes on ``host:port``, applies its peers' to
+    ``index`` and ``tracker`` (``tracker=None``: picks only)."""
 
     def __init__(
         self,
@@ -77,34 +123,63 @@ class PickGossip:
         peers: Sequence[str],
         ttl_s: float,
         known_pod: Callable[[str], bool],
+        tracker: InflightTracker | None = None,
         secret: bytes = b"",
         replica: str = "",
-        queue_size: int = 4096,
+        queue_size: int = 16384,
     ) -> None:
-        self.index, self.host, self.port, self.peers, self.ttl_s = index, host, port, tuple(peers), ttl_s
+        self.index, self.tracker, self.host, self.port, self.peers, self.ttl_s = index, tracker, host, port, tuple(peers), ttl_s
         self.known_pod, self.secret = known_pod, secret
         self.replica = replica or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
-        self.out: Counter[str] = Counter()
-        """Own picks: ``sent`` or ``dropped`` (the queue was full)."""
-        self.received: Counter[str] = Counter()
-        """Peers' messages by result: ``applied``, ``self``, ``unknown_pod``, ``too_large``, ``malformed``, ``bad_tag``."""
-        self._queue: queue.Queue[tuple[str, list[int]]] = queue.Queue(queue_size)
+        self.messages: Counter[str] = Counter()
+        """Peers' messages by result: ``ok``, ``self``, ``too_large``, ``malformed``, ``bad_tag``; own: ``sent``, ``dropped``."""
+        self.picks_out: Counter[str] = Counter()
+        """Own picks: ``sent`` or ``dropped`` (queue or socket full)."""
+        self.picks_in: Counter[str] = Counter()
+        """Peers' picks: ``applied``, ``unknown_pod``, ``too_large``, ``malformed``."""
+        self.tickets_out: Counter[str] = Counter()
+        self.tickets_in: Counter[str] = Counter()
+        """Peers' ticket changes: ``applied``, ``unknown_pod``, ``malformed``, ``refused`` (tracker full or repeated)."""
+        self.peers_gone = 0
+        self._heard: dict[str, float] = {}
+        self._queue: queue.Queue[Pick | TicketChange] = queue.Queue(queue_size)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._bound = threading.Event()
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(tuple[int, str, str, list[int]])
+        self._decoder = msgspec.msgpack.Decoder(Message)
 
     # --- the pick path -----------------------------------------------------------------
     def publish(self, pod: str, sampled: list[int]) -> None:
         """Queue one of this replica's picks (the index's ``on_pick``); never blocks."""
+        self._put(Pick(pod, sampled[:MAX_KEYS]), self.picks_out)
+
+    def publish_ticket(self, event: TicketEvent, t: Ticket, moved: tuple[str, str] | None) -> None:
+        """Queue a change of one of this replica's tickets (the tracker's ``on_ticket``); never blocks."""
+        change = TicketChange(EVENTS.index(event), t.id, list(moved or t.pods), t.prefix, t.tokens) if event == "open" or moved \
+            else TicketChange(EVENTS.index(event), t.id, [])
+        self._put(change, self.tickets_out)
+
+    def _put(self, item: Pick | TicketChange, counter: Counter[str]) -> None:
         try:
-            self._queue.put_nowait((pod, sampled))
+            self._queue.put_nowait(item)
         except queue.Full:
-            self.out["dropped"] += 1
+            counter["dropped"] += 1
+            return
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: the thread is awake already
+            os.write(self._wake_w, b"\0")
+
+    @property
+    def live_peers(self) -> int:
+        """Peer replicas heard from within :data:`SILENT_S`."""
+        now = time.monotonic()
+        return sum(1 for t in list(self._heard.values()) if now - t < SILENT_S)
 
     # --- the gossip thread -------------------------------------------------------------
-    def start(self) -> PickGossip:
+    def start(self) -> ReplicaGossip:
         self._thread = threading.Thread(target=self._run, name="epp-gossip", daemon=True)
         self._thread.start()
         if not self._bound.wait(10):
@@ -113,8 +188,13 @@ class PickGossip:
 
     def stop(self) -> None:
         self._stop.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
         if self._thread is not None:
             self._thread.join(5)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -133,24 +213,36 @@ class PickGossip:
                 self.port = pub.bind_to_random_port(f"tcp://{host}")
             self._bound.set()
             connected: set[str] = set()
-            next_refresh = 0.0
+            next_refresh = next_beat = 0.0
             poller = zmq.Poller()
             poller.register(sub, zmq.POLLIN)
+            poller.register(self._wake_r, zmq.POLLIN)
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_refresh:
                     connected = self._reconnect(sub, connected)
                     next_refresh = now + REFRESH_S
+                if now >= next_beat:
+                    self._send(pub, [], [])
+                    self._forget_silent(now)
+                    next_beat = now + HEARTBEAT_S
+                ready = dict(poller.poll(int(HEARTBEAT_S * 1000)))
+                if self._wake_r in ready:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
                 self._drain(pub)
-                if poller.poll(20):
+                if sub in ready:
                     for _ in range(1000):
                         try:
                             frames = sub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._receive(frames)
+                        self.messages[self.apply(frames)] += 1
             self._drain(pub)
-        except Exception:  # the thread must not die silently: log, picks then stay local
+        except Exception:  # the thread must not die silently: log, picks and load then stay local
             log.exception("gossip: stopped")
         finally:
             self._bound.set()
@@ -168,25 +260,47 @@ class PickGossip:
             log.info("gossip: %d peer address(es)", len(want))
         return want
 
+    def _forget_silent(self, now: float) -> None:
+        for replica, heard in list(self._heard.items()):
+            if now - heard >= SILENT_S:
+                del self._heard[replica]
+                self.peers_gone += 1
+                n = self.tracker.forget_origin(replica) if self.tracker is not None else 0
+                log.info("gossip: replica %s silent for %.0f s: its %d ticket(s) closed", replica, SILENT_S, n)
+
     def _drain(self, pub: zmq.Socket[bytes]) -> None:
+        tickets: list[TicketChange] = []
         while True:
             try:
-                pod, sampled = self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
-                return
-            payload = self._encoder.encode((VERSION, self.replica, pod, sampled[:MAX_KEYS]))
-            frames = [payload, hmac.new(self.secret, payload, hashlib.sha256).digest()] if self.secret else [payload]
-            try:
-                pub.send_multipart(frames, zmq.NOBLOCK)
-                self.out["sent"] += 1
-            except zmq.Again:
-                self.out["dropped"] += 1
+                break
+            if isinstance(item, Pick):
+                self._send(pub, [item], tickets)
+                tickets = []
+            else:
+                tickets.append(item)
+                if len(tickets) >= BATCH_TICKETS:
+                    self._send(pub, [], tickets)
+                    tickets = []
+        if tickets:
+            self._send(pub, [], tickets)
 
-    def _receive(self, frames: list[bytes]) -> None:
-        self.received[self.apply(frames)] += 1
+    def _send(self, pub: zmq.Socket[bytes], picks: list[Pick], tickets: list[TicketChange]) -> None:
+        payload = self._encoder.encode(Message(VERSION, self.replica, picks, tickets))
+        frames = [payload, hmac.new(self.secret, payload, hashlib.sha256).digest()] if self.secret else [payload]
+        try:
+            pub.send_multipart(frames, zmq.NOBLOCK)
+            result = "sent"
+        except zmq.Again:
+            result = "dropped"
+        self.messages[result] += 1
+        self.picks_out[result] += len(picks)
+        self.tickets_out[result] += len(tickets)
 
+    # --- a peer's message ----------------------------------------------------------------
     def apply(self, frames: Sequence[bytes]) -> str:
-        """Check one received message and record its pick; returns the result it is counted under."""
+        """Check one received message and apply what it carries; returns the result the message is counted under."""
         if not frames or len(frames) > 2 or len(frames[0]) > MAX_BYTES:
             return "too_large" if frames and len(frames[0]) > MAX_BYTES else "malformed"
         payload = bytes(frames[0])
@@ -197,16 +311,41 @@ class PickGossip:
         elif len(frames) != 1:
             return "malformed"
         try:
-            version, replica, pod, keys = self._decoder.decode(payload)
+            msg = self._decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return "malformed"
-        if version != VERSION or not keys:  # msgpack ints are int64/uint64: any decoded key is a valid block key
+        if msg.version != VERSION:
             return "malformed"
-        if len(keys) > MAX_KEYS:
-            return "too_large"
-        if replica == self.replica:
+        if msg.replica == self.replica:
             return "self"
-        if not self.known_pod(pod):
+        self._heard[msg.replica] = time.monotonic()
+        for change in msg.tickets:
+            self.tickets_in[self._apply_ticket(msg.replica, change)] += 1
+        for pick in msg.picks:
+            self.picks_in[self._apply_pick(pick)] += 1
+        return "ok"
+
+    def _apply_pick(self, pick: Pick) -> str:
+        if not pick.keys:  # msgpack ints are int64/uint64: any decoded key is a valid block key
+            return "malformed"
+        if len(pick.keys) > MAX_KEYS:
+            return "too_large"
+        if not self.known_pod(pick.pod):
             return "unknown_pod"
-        self.index.add_speculative_sampled(pod, keys, self.ttl_s)
+        self.index.add_speculative_sampled(pick.pod, pick.keys, self.ttl_s)
         return "applied"
+
+    def _apply_ticket(self, origin: str, c: TicketChange) -> str:
+        if self.tracker is None:
+            return "refused"
+        if not 0 <= c.event < len(EVENTS):
+            return "malformed"
+        event = EVENTS[c.event]
+        if event == "open" and not (1 <= len(c.pods) <= 2 and math.isfinite(c.tokens) and 0 <= c.tokens <= MAX_TOKENS):
+            return "malformed"
+        if event == "move" and len(c.pods) != 2:
+            return "malformed"
+        if not all(self.known_pod(p) for p in c.pods):
+            return "unknown_pod"
+        ok = self.tracker.remote(origin, event, c.tid, tuple(c.pods), c.prefix, c.tokens)
+        return "applied" if ok else "refused"

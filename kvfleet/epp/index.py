@@ -245,8 +245,10 @@ class BlockIndex:
             t.deleted += len(gone)
             self._count[slot] -= len(gone)
 
-    def clear_pod(self, pod: str) -> None:
-        """Forget everything ``pod`` holds (AllBlocksCleared, resync, pod gone); its slot is freed."""
+    def clear_pod(self, pod: str, picks: bool = True) -> None:
+        """Forget everything ``pod`` holds (AllBlocksCleared, resync, pod gone); its slot is freed. With
+        ``picks=False`` its speculative entries stay (they expire on their own): a new subscription to the pod's
+        events rebuilds what the engine holds, while picks not yet prefilled are in no replay."""
         with self._lock:
             slot = self._slot.pop(pod, None)
             if slot is not None:
@@ -259,6 +261,8 @@ class BlockIndex:
                 self._count[slot] = 0
                 self._names[slot] = None
                 self._free.append(slot)
+        if not picks:
+            return
         with self._spec_lock:
             for k in [k for k, s in self._spec.items() if pod in s]:
                 self._spec[k].pop(pod).owned -= 1

@@ -21,6 +21,14 @@ first-token times of the last ``history_s`` seconds. Only that many of the
 scraped waiting requests are the picker's own: comparing the gauge with the
 pending count *now* instead counted every request whose first token came back
 since the scrape as someone else's queued request (a phantom queue).
+
+Peers' tickets: with several EPP replicas behind one gateway each replica routes a share of the requests,
+so its own tickets are a share of each pod's load. :attr:`InflightTracker.on_ticket` reports every change
+of a local ticket (``open``, ``first``, ``close``, ``move``; :mod:`kvfleet.epp.gossip` publishes them) and
+:meth:`InflightTracker.remote` applies a peer's, keyed by (peer, ticket id): a peer's ticket counts in the
+in-flight, pending and hot-spot figures exactly as a local one (its start is the time it arrived). At most
+``max_remote`` of them are held (beyond: refused and counted by the caller); a silent peer's are dropped
+with :meth:`InflightTracker.forget_origin`; a lost close is reaped at ``max_age_s`` like a local one.
 """
 
 from __future__ import annotations
@@ -29,8 +37,11 @@ import itertools
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Literal
+
+TicketEvent = Literal["open", "first", "close", "move"]
 
 
 @dataclass
@@ -45,10 +56,13 @@ class Ticket:
 
     def __init__(
         self, tracker: InflightTracker, tid: int, pods: tuple[str, ...], prefix: int, tokens: float,
-        on_first_byte: Callable[[], None] | None = None,
+        on_first_byte: Callable[[], None] | None = None, origin: str | None = None,
     ) -> None:
         self.tracker, self.id, self.pods, self.prefix, self.tokens = tracker, tid, pods, prefix, tokens
         self.on_first_byte = on_first_byte
+        #: the peer replica that opened it (``None``: this replica)
+        self.origin = origin
+        self.key: Hashable = tid if origin is None else (origin, tid)
         self.started = tracker.clock()
         self.pending = True
         self.open = True
@@ -65,9 +79,13 @@ class Ticket:
 class InflightTracker:
     def __init__(
         self, max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic, history_s: float = 10.0,
-        hot_until_close: bool = False,
+        hot_until_close: bool = False, max_remote: int = 100_000,
     ) -> None:
         self.clock = clock
+        self.max_remote = max_remote
+        #: called (outside the lock) after each change of a local ticket: ``(event, ticket, moved)`` with
+        #: ``moved`` the (old, new) pods of a ``move``
+        self.on_ticket: Callable[[TicketEvent, Ticket, tuple[str, str] | None], None] | None = None
         self.hot_until_close = hot_until_close
         self.max_age_s = max_age_s
         self.history_s = history_s
@@ -75,7 +93,8 @@ class InflightTracker:
         self._recent: dict[str, deque[tuple[float, float]]] = defaultdict(deque)
         self._loads: dict[str, _Load] = defaultdict(_Load)
         self._prefix: dict[tuple[str, int], int] = defaultdict(int)
-        self._tickets: dict[int, Ticket] = {}
+        self._tickets: dict[Hashable, Ticket] = {}
+        self._remote: dict[str, set[int]] = defaultdict(set)
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -84,14 +103,22 @@ class InflightTracker:
     ) -> Ticket:
         t = Ticket(self, next(self._ids), pods, prefix, predicted_uncached_tokens, on_first_byte)
         with self._lock:
-            self._tickets[t.id] = t
-            for pod in pods:
-                load = self._loads[pod]
-                load.inflight += 1
-                load.pending_tokens += predicted_uncached_tokens
-                load.pending_requests += 1
-                self._prefix[(pod, prefix)] += 1
+            self._add(t)
+        self._emit("open", t)
         return t
+
+    def _add(self, t: Ticket) -> None:
+        self._tickets[t.key] = t
+        for pod in t.pods:
+            load = self._loads[pod]
+            load.inflight += 1
+            load.pending_tokens += t.tokens
+            load.pending_requests += 1
+            self._prefix[(pod, t.prefix)] += 1
+
+    def _emit(self, event: TicketEvent, t: Ticket, moved: tuple[str, str] | None = None) -> None:
+        if t.origin is None and self.on_ticket is not None:
+            self.on_ticket(event, t, moved)
 
     def _first_byte(self, t: Ticket) -> None:
         with self._lock:
@@ -111,6 +138,7 @@ class InflightTracker:
                 self._cool(t)
         if t.on_first_byte is not None:
             t.on_first_byte()
+        self._emit("first", t)
 
     def _close(self, t: Ticket) -> None:
         self._first_byte(t)
@@ -118,10 +146,13 @@ class InflightTracker:
             if not t.open:
                 return
             t.open = False
-            self._tickets.pop(t.id, None)
+            self._tickets.pop(t.key, None)
+            if t.origin is not None:
+                self._remote[t.origin].discard(t.id)
             for pod in t.pods:
                 self._loads[pod].inflight = max(0, self._loads[pod].inflight - 1)
             self._cool(t)
+        self._emit("close", t)
 
     def _cool(self, t: Ticket) -> None:
         """Takes ``t`` out of the hot-spot counter (idempotent; the caller holds the lock)."""
@@ -142,19 +173,62 @@ class InflightTracker:
         with self._lock:
             if old not in t.pods or new in t.pods:
                 return
-            t.pods = tuple(new if p == old else p for p in t.pods)
-            src, dst = self._loads[old], self._loads[new]
-            if t.open:
-                src.inflight = max(0, src.inflight - 1)
-                dst.inflight += 1
-            if t.hot:
-                self._uncount(old, t.prefix)
-                self._prefix[(new, t.prefix)] += 1
-            if t.pending:
-                src.pending_tokens = max(0.0, src.pending_tokens - t.tokens)
-                src.pending_requests = max(0, src.pending_requests - 1)
-                dst.pending_tokens += t.tokens
-                dst.pending_requests += 1
+            self._move(t, old, new)
+        self._emit("move", t, (old, new))
+
+    def _move(self, t: Ticket, old: str, new: str) -> None:
+        t.pods = tuple(new if p == old else p for p in t.pods)
+        src, dst = self._loads[old], self._loads[new]
+        if t.open:
+            src.inflight = max(0, src.inflight - 1)
+            dst.inflight += 1
+        if t.hot:
+            self._uncount(old, t.prefix)
+            self._prefix[(new, t.prefix)] += 1
+        if t.pending:
+            src.pending_tokens = max(0.0, src.pending_tokens - t.tokens)
+            src.pending_requests = max(0, src.pending_requests - 1)
+            dst.pending_tokens += t.tokens
+            dst.pending_requests += 1
+
+    # --- peers' tickets ------------------------------------------------------------------
+    def remote(
+        self, origin: str, event: TicketEvent, tid: int, pods: tuple[str, ...] = (), prefix: int = 0, tokens: float = 0.0,
+    ) -> bool:
+        """Apply a change of peer ``origin``'s ticket ``tid`` (``pods`` is the ticket's pods for ``open``, the
+        (old, new) pair for ``move``). False when refused: over ``max_remote``, or a repeated ``open``;
+        a change of a ticket this tracker does not hold (lost open, already closed) is ignored."""
+        if event == "open":
+            with self._lock:
+                if len(self._remote[origin]) >= self.max_remote or (origin, tid) in self._tickets:
+                    return False
+                self._remote[origin].add(tid)
+                self._add(Ticket(self, tid, pods, prefix, tokens, origin=origin))
+            return True
+        t = self._tickets.get((origin, tid))
+        if t is None:
+            return True
+        if event == "first":
+            t.first_byte()
+        elif event == "close":
+            t.close()
+        elif len(pods) == 2:
+            with self._lock:
+                if pods[0] in t.pods and pods[1] not in t.pods:
+                    self._move(t, pods[0], pods[1])
+        return True
+
+    def forget_origin(self, origin: str) -> int:
+        """Close every ticket of peer ``origin`` (it went silent); returns how many."""
+        with self._lock:
+            tids = self._remote.pop(origin, set())
+            tickets = [self._tickets[(origin, tid)] for tid in tids if (origin, tid) in self._tickets]
+        for t in tickets:
+            t.close()
+        return len(tickets)
+
+    def remote_count(self) -> int:
+        return sum(len(v) for v in self._remote.values())
 
     def reap(self) -> int:
         cutoff = self.clock() - self.max_age_s

@@ -109,9 +109,9 @@ class PodEventApplier:
         """Entries of the engine-hash map."""
         return len(self._engine_to_key)
 
-    def reset(self) -> None:
-        """Forget the pod's blocks (before a full resync)."""
-        self.index.clear_pod(self.pod)
+    def reset(self, picks: bool = True) -> None:
+        """Forget the pod's blocks (before a full resync), and with ``picks`` the picker's picks on it."""
+        self.index.clear_pod(self.pod, picks)
         self._engine_to_key.clear()
 
     def apply(self, batch: KVEventBatch) -> int:

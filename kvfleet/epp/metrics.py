@@ -30,9 +30,12 @@ kvfleet's own:
   ``kvfleet_epp_kv_event_orphans_total{pod}`` (blocks that could not be keyed),
   ``kvfleet_epp_kv_event_unknown_medium_total{pod}``, ``kvfleet_epp_kv_event_key_evictions_total{pod}``
   (engine-hash map bound); the ``pod`` label takes only the pods currently subscribed
-* ``kvfleet_epp_gossip_picks_total{direction="out"|"in", result}`` — picks shared with the other EPP
-  replicas (``sent``, ``dropped``) and received from them (``applied``, ``self``, ``unknown_pod``,
-  ``too_large``, ``malformed``, ``bad_tag``); present only with gossip on
+* replica gossip (present only with gossip on; kvfleet/epp/gossip.py):
+  ``kvfleet_epp_gossip_messages_total{direction="out"|"in", result}`` (out: ``sent``, ``dropped``; in:
+  ``ok``, ``self``, ``too_large``, ``malformed``, ``bad_tag``), ``kvfleet_epp_gossip_picks_total`` and
+  ``kvfleet_epp_gossip_tickets_total`` ``{direction, result}`` (out: ``sent``, ``dropped``; in:
+  ``applied``, ``unknown_pod``, ``malformed``, ``too_large`` / ``refused``), ``kvfleet_epp_gossip_peers``
+  (replicas heard from in the last 5 s), ``kvfleet_epp_remote_tickets`` (their requests in flight)
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvfleet.epp.datastore import Pool
-from kvfleet.epp.gossip import PickGossip
+from kvfleet.epp.gossip import ReplicaGossip
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.podmetrics import MetricsStore
@@ -52,17 +55,33 @@ from kvfleet.epp.subscriber import FeedStats
 
 
 class _GossipCollector(Collector):
-    def __init__(self, gossip: PickGossip) -> None:
+    def __init__(self, gossip: ReplicaGossip) -> None:
         self.gossip = gossip
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        fam = CounterMetricFamily("kvfleet_epp_gossip_picks", "Picks shared with other EPP replicas (out) and received from them "
-                                  "(in), by result", labels=["direction", "result"])
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        g = self.gossip
+        labels = ["direction", "result"]
+        fam = CounterMetricFamily("kvfleet_epp_gossip_messages", "Gossip messages sent to other EPP replicas (out) and received "
+                                  "from them (in), by result", labels=labels)
         for result in ("sent", "dropped"):
-            fam.add_metric(["out", result], self.gossip.out[result])
-        for result in ("applied", "self", "unknown_pod", "too_large", "malformed", "bad_tag"):
-            fam.add_metric(["in", result], self.gossip.received[result])
+            fam.add_metric(["out", result], g.messages[result])
+        for result in ("ok", "self", "too_large", "malformed", "bad_tag"):
+            fam.add_metric(["in", result], g.messages[result])
         yield fam
+        for name, what, out, into, results in (
+            ("picks", "Picks", g.picks_out, g.picks_in, ("applied", "unknown_pod", "too_large", "malformed")),
+            ("tickets", "In-flight ticket changes", g.tickets_out, g.tickets_in, ("applied", "unknown_pod", "malformed", "refused")),
+        ):
+            fam = CounterMetricFamily(f"kvfleet_epp_gossip_{name}", f"{what} shared with other EPP replicas (out) and received "
+                                      "from them (in), by result", labels=labels)
+            for result in ("sent", "dropped"):
+                fam.add_metric(["out", result], out[result])
+            for result in results:
+                fam.add_metric(["in", result], into[result])
+            yield fam
+        yield GaugeMetricFamily("kvfleet_epp_gossip_peers", "Other EPP replicas heard from in the last 5 s", value=g.live_peers)
+        yield GaugeMetricFamily("kvfleet_epp_remote_tickets", "Other replicas' requests in flight, as gossiped",
+                                value=g.tracker.remote_count() if g.tracker is not None else 0)
 
 
 class _StateCollector(Collector):
@@ -176,8 +195,8 @@ class EppMetrics:
     ) -> None:
         self.registry.register(_StateCollector(index, tracker, store, pools, feeds))
 
-    def attach_gossip(self, gossip: PickGossip) -> None:
-        """``kvfleet_epp_gossip_picks_total{direction, result}``: picks shared with and learned from other replicas."""
+    def attach_gossip(self, gossip: ReplicaGossip) -> None:
+        """The ``kvfleet_epp_gossip_*`` families and ``kvfleet_epp_remote_tickets``: what is shared with other replicas."""
         self.registry.register(_GossipCollector(gossip))
 
     def observe_cached(self, predicted: int, reported: int) -> None:

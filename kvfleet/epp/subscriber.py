@@ -107,7 +107,8 @@ class _Feed:
             self.owner._unsafe(self)
 
     def clear(self, reason: str) -> None:
-        self.applier.reset()
+        # a first subscription keeps the picks already made on the pod (by this replica or gossiped by others)
+        self.applier.reset(picks=reason != "subscribed")
         if reason != "subscribed":
             self.owner._log(self, "resync", f"pod {self.pod}: KV-event entries cleared: {reason}", logging.INFO)
 

@@ -107,7 +107,28 @@ class TestWorkloads:
 
 class TestReplicas:
     """Several EPP replicas in the simulation: streams alternate between them; with gossip a pick made by one
-    is a speculative hit on the others (as kvfleet/epp/gossip.py shares it), without it each sees only its own."""
+    is a speculative hit on the others and its ticket counts in their in-flight load until the stream ends (as
+    kvfleet/epp/gossip.py shares them), after the gossip delay; without it each sees only its own."""
+
+    def test_gossip_shares_in_flight_load_until_the_stream_ends(self) -> None:
+        p = self.policy(True)
+        pod = p.route(req(list(range(2000, 2040))), 0.0)
+        name, ticket = p.reps[0].names[pod], p.routed(req([]), pod, 0.0, 1.0)
+        own = p.reps[0].router.tracker.load(name)
+        assert own[0] == 1 and own[2] == 1
+        assert all(rep.router.tracker.load(name) == (0, 0.0, 0) for rep in p.reps[1:])  # in transit
+        p._at(0.01)
+        assert all(rep.router.tracker.load(name) == own for rep in p.reps[1:])
+        p.first_token(ticket, 0.5)
+        p._at(0.51)
+        assert all(rep.router.tracker.load(name) == (1, 0.0, 0) for rep in p.reps)
+        p.stream_end(ticket, 1.0)
+        p._at(1.01)
+        assert all(rep.router.tracker.load(name) == (0, 0.0, 0) for rep in p.reps)
+        quiet = self.policy(False)
+        pod = quiet.route(req(list(range(2000, 2040))), 0.0)
+        quiet._at(0.01)
+        assert all(rep.router.tracker.load(quiet.reps[0].names[pod]) == (0, 0.0, 0) for rep in quiet.reps[1:])
 
     def policy(self, gossip: bool) -> KvfleetReplicas:
         cfg, pods = cluster(4)
@@ -115,14 +136,17 @@ class TestReplicas:
 
     def test_gossip_shares_a_pick_with_every_other_replica(self) -> None:
         blocks = list(range(1000, 1040))
+        later = KvfleetReplicas.GOSSIP_DELAY_S * 2
         for gossip in (True, False):
             p = self.policy(gossip)
             pod = p.route(req(blocks), 0.0)  # replica 0 picks
             name = p.reps[0].names[pod]
-            held = [rep.index.match(blocks, [name], now=0.0).get(name) for rep in p.reps[1:]]
+            assert [rep.index.match(blocks, [name], now=0.0).get(name) for rep in p.reps[1:]] == [None, None]  # in transit
+            p._at(later)
+            held = [rep.index.match(blocks, [name], now=later).get(name) for rep in p.reps[1:]]
             if gossip:
                 assert all(m is not None and m.blocks == 40 and m.speculative == 40 for m in held)
-                assert p.route(req(blocks), 0.0) == pod  # replica 1 routes the prefix to the same pod
+                assert p.route(req(blocks), later) == pod  # replica 1 routes the prefix to the same pod
             else:
                 assert held == [None, None]
             assert p.turn == (2 if gossip else 1)

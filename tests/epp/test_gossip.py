@@ -1,11 +1,14 @@
-"""Pick gossip between EPP replicas: a pick made on one replica routes the same prefix on another; hostile messages.
+"""Replica gossip between EPP replicas: picks and in-flight load made on one replica count on another; hostile messages.
 
 Covers: two in-process pickers (the real :class:`Epp` assembly, ZMQ on loopback) configured as each other's
 peers: a pick made by replica A's router becomes a speculative entry on replica B, so B predicts the hit and
-routes the same prompt to the same pod before any KV event exists (without gossip B predicts nothing); the
-counters on /metrics. Each rule of the gossip port's boundary, through :meth:`PickGossip.apply`: an oversized
-message, too many keys, undecodable or wrong-version payloads, a missing or wrong HMAC tag when a secret is
-set, a replica's own messages and an unknown pod are dropped and counted, and the index is left unchanged.
+routes the same prompt to the same pod before any KV event exists (without gossip B predicts nothing); A's
+open requests count in B's in-flight and pending figures until A sees their first token and stream end, and
+a replica that goes silent has its requests closed on the others; the counters on /metrics. Each rule of the
+gossip port's boundary, through :meth:`ReplicaGossip.apply`: an oversized message, too many keys,
+undecodable or wrong-version payloads, a missing or wrong HMAC tag when a secret is set, a replica's own
+messages, an unknown pod, an unknown ticket event, a bad token count, and more peer tickets than the
+tracker holds are dropped and counted, leaving the index and tracker unchanged.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from typing import Any
 import msgspec
 import pytest
 
+import kvfleet.epp.gossip as gossip_mod
 from kvfleet.demo.envoy import free_port
 from kvfleet.epp.app import Epp
-from kvfleet.epp.gossip import MAX_BYTES, MAX_KEYS, PickGossip, resolve
+from kvfleet.epp.gossip import MAX_BYTES, MAX_KEYS, VERSION, ReplicaGossip, resolve
 from kvfleet.epp.index import BlockIndex, spec_positions
+from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.protocol import InferenceRequest
 from tests.epp.conftest import wait_for
 from tests.epp.pods import PodFleet
@@ -37,7 +42,7 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Ca
     # ZMQ's slow joiner: probe picks from A until B applies one (B's SUB has connected to A's PUB)
     probe = [1, 2, 3]
     wait_for(lambda: a.index.add_speculative(fleet.pods[0].name, probe, 1.0) is not None and b.gossip is not None
-          and b.gossip.received["applied"] > 0, timeout=10.0, what="B to hear A")
+          and b.gossip.picks_in["applied"] > 0, timeout=10.0, what="B to hear A")
 
     req = InferenceRequest(model="m", prompt=PROMPT)
     keys = b.router.keys_of(b.router.tokens_of(req), None)
@@ -53,8 +58,43 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Ca
     assert again.predicted_hit_tokens == len(keys) * 16 > 0  # B predicts the hit it learned from A
     text = _metrics(b)
     assert 'kvfleet_epp_gossip_picks_total{direction="in",result="applied"}' in text
-    assert a.gossip.out["sent"] >= 2 and a.gossip.out["dropped"] == 0
-    wait_for(lambda: b.gossip is not None and b.gossip.out["sent"] >= 1, timeout=10.0, what="B's own pick shared")
+    assert 'kvfleet_epp_gossip_peers 1.0' in text
+    assert a.gossip.picks_out["sent"] >= 2 and a.gossip.picks_out["dropped"] == 0
+    wait_for(lambda: b.gossip is not None and b.gossip.picks_out["sent"] >= 1, timeout=10.0, what="B's own pick shared")
+
+
+def test_in_flight_load_on_one_replica_counts_on_the_other(
+    epp_factory: Callable[..., Epp], fleet: PodFleet, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(gossip_mod, "SILENT_S", 2.0)
+    pa, pb = free_port(), free_port()
+    a = epp_factory(gossip_port=pa, gossip_peers=[f"127.0.0.1:{pb}"])
+    b = epp_factory(gossip_port=pb, gossip_peers=[f"127.0.0.1:{pa}"])
+    assert a.gossip is not None and b.gossip is not None
+    wait_for(lambda: b.gossip is not None and b.gossip.live_peers == 1, timeout=10.0, what="B to hear A's heartbeat")
+
+    decisions = [a.router.route(InferenceRequest(model="m", prompt=f"request {i} " * 50)) for i in range(6)]
+    mine = {d.pod: a.tracker.load(d.pod) for d in decisions}
+    assert sum(n for n, _, _ in mine.values()) == 6
+    # B has routed nothing, yet sees A's six requests in flight with their pending prefill work
+    wait_for(lambda: {pod: b.tracker.load(pod) for pod in mine} == mine, timeout=10.0, what="A's tickets on B")
+    assert b.tracker.remote_count() == 6 and "kvfleet_epp_remote_tickets 6.0" in _metrics(b)
+    for d in decisions[:3]:
+        assert d.ticket is not None
+        d.ticket.first_byte()  # prefill done: pending work ends, still in flight
+    wait_for(lambda: sum(b.tracker.load(p)[2] for p in mine) == 3, timeout=10.0, what="first tokens on B")
+    assert sum(b.tracker.load(p)[0] for p in mine) == 6
+    for d in decisions[:4]:
+        assert d.ticket is not None
+        d.ticket.close()
+    wait_for(lambda: b.tracker.remote_count() == 2, timeout=10.0, what="closes on B")
+    assert sum(b.tracker.load(p)[0] for p in mine) == 2
+    assert a.tracker.remote_count() == 0  # B sent no tickets of its own
+    # A stops (as a killed replica): after SILENT_S without a heartbeat, B closes A's remaining requests
+    assert a.gossip is not None
+    a.gossip.stop()
+    wait_for(lambda: b.tracker.remote_count() == 0, timeout=10.0, what="B to forget silent A")
+    assert all(b.tracker.load(p) == (0, 0.0, 0) for p in mine) and b.gossip.peers_gone == 1
 
 
 def _metrics(epp: Epp) -> str:
@@ -65,60 +105,105 @@ def _metrics(epp: Epp) -> str:
 
 
 class TestBoundary:
-    """Every message is checked before it can touch the index; each failure is counted by reason."""
+    """Every message is checked before it can touch the index or the tracker; each failure is counted by reason."""
 
-    def gossip(self, secret: bytes = b"") -> tuple[PickGossip, BlockIndex]:
+    def gossip(self, secret: bytes = b"", max_remote: int = 100) -> tuple[ReplicaGossip, BlockIndex]:
         idx = BlockIndex()
-        g = PickGossip(idx, host="127.0.0.1", port=0, peers=(), ttl_s=5.0, known_pod=lambda p: p == "pod-0", secret=secret,
-                       replica="me")
+        self.tracker = InflightTracker(max_remote=max_remote)
+        g = ReplicaGossip(idx, host="127.0.0.1", port=0, peers=(), ttl_s=5.0, known_pod=lambda p: p in ("pod-0", "pod-1"),
+                          tracker=self.tracker, secret=secret, replica="me")
         return g, idx
 
     @staticmethod
-    def payload(*fields: Any) -> bytes:
-        return msgspec.msgpack.encode(list(fields))
+    def payload(picks: list[Any] = (), tickets: list[Any] = (), version: int = VERSION, replica: str = "peer") -> bytes:  # type: ignore[assignment]
+        return msgspec.msgpack.encode([version, replica, list(picks), list(tickets)])
 
     def test_a_valid_pick_is_applied(self) -> None:
         g, idx = self.gossip()
         keys = list(range(100, 200))
         sampled = [keys[i] for i in spec_positions(len(keys))]
-        assert g.apply([self.payload(1, "peer", "pod-0", sampled)]) == "applied"
+        assert g.apply([self.payload([["pod-0", sampled]])]) == "ok"
+        assert g.picks_in["applied"] == 1
         assert idx.match(keys, ["pod-0"])["pod-0"].blocks == 100
+
+    def test_valid_ticket_changes_are_applied(self) -> None:
+        g, _ = self.gossip()
+        assert g.apply([self.payload(tickets=[[0, 7, ["pod-0"], 42, 300.0], [0, 8, ["pod-0", "pod-1"], 1, 10.0]])]) == "ok"
+        assert self.tracker.load("pod-0") == (2, 310.0, 2) and self.tracker.load("pod-1") == (1, 10.0, 1)
+        assert self.tracker.same_prefix("pod-0", 42) == 1
+        assert g.apply([self.payload(tickets=[[1, 7, []], [3, 8, ["pod-1", "pod-0"]]])]) == "ok"  # first token; a move
+        assert self.tracker.load("pod-0") == (2, 10.0, 1) and self.tracker.same_prefix("pod-0", 42) == 0
+        assert g.apply([self.payload(tickets=[[2, 7, []], [2, 8, []], [2, 99, []]])]) == "ok"  # closes; 99 is unknown
+        assert self.tracker.remote_count() == 0 and self.tracker.load("pod-0") == (0, 0.0, 0)
+        assert g.tickets_in["applied"] == 7
 
     @pytest.mark.parametrize(("frames", "result"), [
         ([b"\x00" * (MAX_BYTES + 1)], "too_large"),
-        ([msgspec.msgpack.encode([1, "peer", "pod-0", list(range(MAX_KEYS + 1))])], "too_large"),
         ([b"\xc1not msgpack"], "malformed"),
-        ([msgspec.msgpack.encode([2, "peer", "pod-0", [1, 2]])], "malformed"),
-        ([msgspec.msgpack.encode([1, "peer", "pod-0", []])], "malformed"),
-        ([msgspec.msgpack.encode([1, "peer", "pod-0", ["x"]])], "malformed"),
-        ([msgspec.msgpack.encode([1, "peer", "pod-0", [1.5]])], "malformed"),
-        ([msgspec.msgpack.encode([1, "peer", "pod-0", [1]]), b"extra"], "malformed"),
+        ([msgspec.msgpack.encode([1, "peer", "pod-0", [1, 2]])], "malformed"),  # the version-1 wire
+        ([msgspec.msgpack.encode([VERSION + 1, "peer", [], []])], "malformed"),
+        ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", ["x"]]], []])], "malformed"),
+        ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", [1.5]]], []])], "malformed"),
+        ([msgspec.msgpack.encode([VERSION, "peer", [], [[0, "id", ["pod-0"]]]])], "malformed"),
+        ([msgspec.msgpack.encode([VERSION, "peer", [], []]), b"extra"], "malformed"),
         ([], "malformed"),
-        ([msgspec.msgpack.encode([1, "me", "pod-0", [1, 2]])], "self"),
-        ([msgspec.msgpack.encode([1, "peer", "evil-pod", [1, 2]])], "unknown_pod"),
+        ([msgspec.msgpack.encode([VERSION, "me", [["pod-0", [1, 2]]], [[0, 1, ["pod-0"], 0, 1.0]]])], "self"),
     ])
     def test_refused_messages_touch_nothing(self, frames: list[bytes], result: str) -> None:
         g, idx = self.gossip()
         assert g.apply(frames) == result
-        assert idx.num_speculative == 0
+        assert idx.num_speculative == 0 and self.tracker.remote_count() == 0
+
+    @pytest.mark.parametrize(("picks", "tickets", "counter", "result"), [
+        ([["pod-0", list(range(MAX_KEYS + 1))]], [], "picks_in", "too_large"),
+        ([["pod-0", []]], [], "picks_in", "malformed"),
+        ([["evil-pod", [1, 2]]], [], "picks_in", "unknown_pod"),
+        ([], [[0, 1, ["evil-pod"], 0, 1.0]], "tickets_in", "unknown_pod"),
+        ([], [[9, 1, ["pod-0"], 0, 1.0]], "tickets_in", "malformed"),
+        ([], [[-1, 1, ["pod-0"], 0, 1.0]], "tickets_in", "malformed"),
+        ([], [[0, 1, [], 0, 1.0]], "tickets_in", "malformed"),
+        ([], [[0, 1, ["pod-0", "pod-1", "pod-0"], 0, 1.0]], "tickets_in", "malformed"),
+        ([], [[0, 1, ["pod-0"], 0, -5.0]], "tickets_in", "malformed"),
+        ([], [[0, 1, ["pod-0"], 0, float("nan")]], "tickets_in", "malformed"),
+        ([], [[0, 1, ["pod-0"], 0, float("inf")]], "tickets_in", "malformed"),
+        ([], [[0, 1, ["pod-0"], 0, 2e9]], "tickets_in", "malformed"),
+        ([], [[3, 1, ["pod-0"]]], "tickets_in", "malformed"),
+    ])
+    def test_refused_items_touch_nothing(self, picks: list[Any], tickets: list[Any], counter: str, result: str) -> None:
+        g, idx = self.gossip()
+        assert g.apply([self.payload(picks, tickets)]) == "ok"  # the message is sound; the item is not
+        assert getattr(g, counter)[result] == 1
+        assert idx.num_speculative == 0 and self.tracker.remote_count() == 0
+        assert self.tracker.load("pod-0") == (0, 0.0, 0)
+
+    def test_peer_tickets_are_bounded(self) -> None:
+        g, _ = self.gossip(max_remote=3)
+        opens = [[0, i, ["pod-0"], 0, 1.0] for i in range(5)]
+        assert g.apply([self.payload(tickets=opens)]) == "ok"
+        assert self.tracker.remote_count() == 3 and g.tickets_in["refused"] == 2
+        assert g.apply([self.payload(tickets=[[0, 0, ["pod-0"], 0, 1.0]], replica="other")]) == "ok"  # per peer
+        assert g.apply([self.payload(tickets=[[0, 0, ["pod-0"], 0, 1.0]], replica="other")]) == "ok"  # a repeated open
+        assert self.tracker.remote_count() == 4 and g.tickets_in["refused"] == 3
 
     def test_with_a_secret_every_message_needs_its_tag(self) -> None:
         g, idx = self.gossip(secret=b"s3cret")
-        body = self.payload(1, "peer", "pod-0", [1, 2, 3])
+        body = self.payload([["pod-0", [1, 2, 3]]])
         good = hmac.new(b"s3cret", body, hashlib.sha256).digest()
         wrong = hmac.new(b"other", body, hashlib.sha256).digest()
         assert g.apply([body]) == "bad_tag"
         assert g.apply([body, wrong]) == "bad_tag"
         assert g.apply([body, good[:-1]]) == "bad_tag"
         assert idx.num_speculative == 0
-        assert g.apply([body, good]) == "applied" and idx.num_speculative == 3
+        assert g.apply([body, good]) == "ok" and idx.num_speculative == 3
 
     def test_the_pick_path_never_blocks(self) -> None:
-        g, _ = self.gossip()
-        g = PickGossip(BlockIndex(), host="127.0.0.1", port=0, peers=(), ttl_s=5.0, known_pod=lambda p: True, queue_size=2)
-        for _ in range(5):  # the gossip thread is not running: the queue fills, then picks are dropped and counted
+        g = ReplicaGossip(BlockIndex(), host="127.0.0.1", port=0, peers=(), ttl_s=5.0, known_pod=lambda p: True, queue_size=2)
+        tracker = InflightTracker()
+        tracker.on_ticket = g.publish_ticket
+        for _ in range(3):  # the gossip thread is not running: the queue fills, then changes are dropped and counted
             g.publish("pod-0", [1, 2])
-        assert g.out["dropped"] == 3
+        tracker.open(("pod-0",), 0, 1.0)
+        assert g.picks_out["dropped"] == 1 and g.tickets_out["dropped"] == 1
 
 
 def test_peer_names_resolve_to_every_address() -> None:

@@ -157,6 +157,17 @@ class TestMatch:
         idx.clear_pod("a")
         assert idx.num_keys == 1 and idx.match([1], ["a", "b"]).keys() == {"b"}
 
+    def test_a_new_subscription_keeps_the_picks(self) -> None:
+        """Clearing a pod's exact entries for a first subscription leaves its picks; a resync or removal drops them."""
+        idx = BlockIndex()
+        idx.add("a", [1, 2])
+        idx.add_speculative("a", [1, 2, 3, 4], 30.0)
+        idx.clear_pod("a", picks=False)
+        m = idx.match([1, 2, 3, 4], ["a"])["a"]
+        assert m.blocks == 4 and m.speculative == 4 and idx.num_entries == 0
+        idx.clear_pod("a")
+        assert idx.match([1, 2, 3, 4], ["a"]) == {} and idx.num_speculative == 0
+
 
 class TestTierWeights:
     """Tier weights come from the cost model: what a hit saves after its load cost."""

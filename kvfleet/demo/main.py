@@ -10,7 +10,17 @@ process it started (also on Ctrl-C or SIGTERM).
 
 Policies are EPP scheduling profiles (``kvfleet.epp.scheduling`` plugins). A
 policy whose plugins this EPP build does not know is reported as not run, with
-the EPP's own error, never replaced by another policy's numbers.
+the EPP's own error, never replaced by another policy's numbers. ``gie-approx``
+is the Gateway API Inference Extension's default EPP (``kvfleet.epp.scheduling.gie``:
+its approximate prefix-cache, queue and KV-utilisation scorers at weights 3/2/2,
+its max-score picker, its 50 ms metrics refresh), with no level-1 sharding (GIE
+has one pool per EPP) and no KV events.
+
+Each EPP writes its decision log (``KVFLEET_EPP_DECISION_LOG``); the client tags
+every request with an ``x-request-id``, and ``summary.json`` joins the two into
+one record per request (pod, prompt group, predicted and reported cached
+tokens, TTFT). A workload of a single prompt group is warned about (console and
+``report.md``): prefix routing cannot differ from affinity on it.
 """
 
 from __future__ import annotations
@@ -29,7 +39,14 @@ from typing import Any
 
 from kvfleet.config import load
 from kvfleet.demo.replay import Outcome, replay
-from kvfleet.demo.report import PolicyResult, skipped, summarize, write_report
+from kvfleet.demo.report import (
+    PolicyResult,
+    load_decisions,
+    request_records,
+    skipped,
+    summarize,
+    write_report,
+)
 from kvfleet.demo.stack import (
     PodSpec,
     ProcessStack,
@@ -43,7 +60,16 @@ from kvfleet.demo.stack import (
     reset_engine,
     write_yaml,
 )
-from kvfleet.demo.workload import WorkItem, WorkloadError, default_trace, load_trace, synthetic
+from kvfleet.demo.workload import (
+    WorkItem,
+    WorkloadError,
+    default_trace,
+    load_trace,
+    synthetic,
+    workload_warnings,
+)
+from kvfleet.epp.scheduling.gie import default_profile as gie_default_profile
+from kvfleet.epp.server import DECISION_LOG_ENV
 
 MODEL = "llama-3-8b"
 
@@ -55,7 +81,8 @@ _MAX = {"type": "max-score-picker", "params": {"fallbacks": 0}}
 
 #: policy name → EPP settings overrides (``epp:`` section).
 #: The baselines are what a plain load balancer does: no level-1 prefix sharding, one pick over every pool's
-#: serving pods. kvfleet and approx-prefix keep the EPP's two levels.
+#: serving pods. gie-approx is GIE's default EPP (module doc): one scheduling cycle over every serving pod
+#: too, no KV events, metrics every 50 ms (GIE's ``--refresh-metrics-interval``). kvfleet keeps the EPP's two levels.
 POLICIES: dict[str, dict[str, Any]] = {
     "random": {"prefix_shard_pools": False, "plugins": [_READY, {"type": "random-picker", "params": {"fallbacks": 0}}]},
     "round-robin": {"prefix_shard_pools": False, "plugins": [_READY, {"type": "round-robin-picker", "params": {"fallbacks": 0}}]},
@@ -63,7 +90,9 @@ POLICIES: dict[str, dict[str, Any]] = {
         "prefix_shard_pools": False,
         "plugins": [_READY, {"type": "queue-scorer", "weight": 1.0}, {"type": "least-inflight-scorer", "weight": 1.0}, _MAX],
     },
-    "approx-prefix": {"events_enabled": False},
+    "gie-approx": {
+        "prefix_shard_pools": False, "events_enabled": False, "scrape_interval_s": 0.05, "plugins": gie_default_profile(),
+    },
     "kvfleet": {},
 }
 
@@ -123,6 +152,7 @@ class Demo:
         self.epp_ports = (free_port(), free_port(), free_port())
         self.secret = stack.transfer_secret
         self.admin_port = 0
+        self.runs = 0
 
     def log(self, msg: str) -> None:
         if not self.args.quiet:
@@ -156,9 +186,13 @@ class Demo:
         )
         self.stack.wait_http(child, f"http://127.0.0.1:{admin}/ready", timeout_s=60)
 
+    def decision_log(self, policy: str) -> Path:
+        return self.cfg_dir / f"epp-{policy}-{self.runs}.decisions.jsonl"
+
     def start_epp(self, policy: str) -> Any:
         grpc_port, health_port, metrics_port = self.epp_ports
-        pods_path = write_yaml(self.cfg_dir / "pods.yaml", pods_file(self.pods, MODEL))
+        # each engine's GPU blocks: level 1 weighs the prefix shards by capacity
+        pods_path = write_yaml(self.cfg_dir / "pods.yaml", pods_file(self.pods, MODEL, kv_blocks=self.args.gpu_blocks))
         epp: dict[str, Any] = {
             "host": "127.0.0.1", "grpc_port": grpc_port, "health_port": health_port, "metrics_port": metrics_port,
             "pods_file": str(pods_path),
@@ -170,7 +204,8 @@ class Demo:
             **POLICIES[policy],
         }
         path = write_yaml(self.cfg_dir / f"epp-{policy}.yaml", {"epp": epp})
-        child = self.stack.spawn_kvfleet(f"epp-{policy}", ["epp", "--config", str(path), "--log-level", "WARNING"])
+        child = self.stack.spawn_kvfleet(f"epp-{policy}", ["epp", "--config", str(path), "--log-level", "WARNING"],
+                                         {DECISION_LOG_ENV: str(self.decision_log(policy))})
         self.stack.wait_tcp(child, grpc_port, timeout_s=60)
         self.stack.wait_http(child, f"http://127.0.0.1:{metrics_port}/metrics", timeout_s=60)
         from kvfleet.demo.envoy import picker_healthy
@@ -194,6 +229,7 @@ class Demo:
 
     # -- one policy ---------------------------------------------------------------------------
     def run_policy(self, policy: str, items: list[WorkItem]) -> PolicyResult:
+        self.runs += 1
         self.reset_engines()
         try:
             epp = self.start_epp(policy)
@@ -218,12 +254,18 @@ class Demo:
         prefill_pods = [p.name for p in self.pods if p.role != "decode"]
         res = summarize(policy, outcomes, duration, engine_metrics, prefill_pods, self.block_size, epp_metrics)
         res.cpu_seconds = cpu
+        decisions = load_decisions(self.decision_log(policy))
+        res.records = request_records(outcomes, [i.group for i in items], decisions)
+        res.requests_joined = sum(1 for r in res.records if r["predicted"] is not None)
+        if res.requests_joined < res.ok:
+            self.log(f"[yellow]{policy}: the EPP's decision log names {res.requests_joined} of {res.ok} answered requests[/]")
         return res
 
     def _replay(self, policy: str, items: list[WorkItem]) -> tuple[list[Outcome], float]:
         url = f"http://127.0.0.1:{self.gateway_port}/v1/completions"
+        ids = f"{policy}.{self.runs}-"
         if self.args.quiet:
-            return asyncio.run(replay(url, MODEL, items))
+            return asyncio.run(replay(url, MODEL, items, id_prefix=ids))
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         with Progress(
@@ -240,7 +282,7 @@ class Demo:
                 hit = state["cached"] / state["prompt"] if state["prompt"] else 0.0
                 progress.update(task, advance=1, stats=f"hit {hit * 100:5.1f} %  errors {state['errors']}")
 
-            return asyncio.run(replay(url, MODEL, items, on_done=done))
+            return asyncio.run(replay(url, MODEL, items, on_done=done, id_prefix=ids))
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[WorkItem], str]:
@@ -273,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     console = Console(stderr=False)
+    warnings = workload_warnings(items)
+    for w in warnings:
+        console.print(f"[bold yellow]kvfleet demo: warning:[/] {w}")
 
     def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -301,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                 "pods": len(demo.pods), "pools": args.pools, "topology": topo,
                 "profile": H100["name"], "time_factor": args.time_factor,
                 "gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks, "block_size": demo.block_size,
-                "wall_s": round(time.monotonic() - t_start, 1),
+                "wall_s": round(time.monotonic() - t_start, 1), "warnings": warnings,
             }
     except KeyboardInterrupt:
         print("kvfleet demo: interrupted; every process it started was stopped", file=sys.stderr)

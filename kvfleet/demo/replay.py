@@ -4,7 +4,9 @@ Requests go out at their arrival times (open loop: a slow stack does not slow
 the arrivals down), as streaming ``/v1/completions`` with the prompt as token
 ids. For each one the client records the first-token time (first SSE chunk with
 text), the end, the serving pod (``x-kvfleet-pod``), the prompt and cached
-token counts from ``usage``, and the HTTP status or error.
+token counts from ``usage``, and the HTTP status or error. Each request carries
+an ``x-request-id`` (``<id_prefix><index>``), which the EPP writes in its decision
+log: the demo joins the two on it (the EPP's predicted cached tokens per request).
 """
 
 from __future__ import annotations
@@ -33,14 +35,17 @@ class Outcome:
     ttft_s: float | None = None
     latency_s: float | None = None
     error: str = ""
+    request_id: str = ""
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and not self.error
 
 
-async def _one(session: aiohttp.ClientSession, url: str, model: str, i: int, item: WorkItem, timeout_s: float) -> Outcome:
-    out = Outcome(i)
+async def _one(
+    session: aiohttp.ClientSession, url: str, model: str, i: int, item: WorkItem, timeout_s: float, id_prefix: str = "",
+) -> Outcome:
+    out = Outcome(i, request_id=f"{id_prefix}{i}")
     body = {
         "model": model,
         "prompt": list(item.prompt),
@@ -50,7 +55,8 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, i: int, ite
     }
     t0 = time.perf_counter()
     try:
-        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        headers = {"x-request-id": out.request_id}
+        async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             out.status = r.status
             out.pod = r.headers.get("x-kvfleet-pod", "")
             if r.status != 200:
@@ -93,8 +99,10 @@ async def replay(
     on_done: Callable[[Outcome], None] = lambda o: None,
     timeout_s: float = 120.0,
     max_connections: int = 256,
+    id_prefix: str = "",
 ) -> tuple[list[Outcome], float]:
-    """Send every item at its time; returns the outcomes (in item order) and the wall duration."""
+    """Send every item at its time; returns the outcomes (in item order) and the wall duration.
+    Request ids are ``id_prefix`` + the item's index."""
     conn = aiohttp.TCPConnector(limit=max_connections)
     async with aiohttp.ClientSession(connector=conn) as session:
         start = time.perf_counter()
@@ -103,7 +111,7 @@ async def replay(
             delay = item.at - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            o = await _one(session, url, model, i, item, timeout_s)
+            o = await _one(session, url, model, i, item, timeout_s, id_prefix)
             on_done(o)
             return o
 

@@ -11,7 +11,15 @@ Per policy:
 * ``throughput_rps`` / ``output_tokens_per_s`` over the replay's wall time;
 * ``imbalance`` — max / mean prefill tokens over the pods that prefill;
 * ``misprediction`` — the EPP's |predicted − reported| cached tokens / prompt
-  tokens (``kvfleet_epp_misprediction_tokens_total``), ``null`` when not exported.
+  tokens (``kvfleet_epp_misprediction_tokens_total``), ``null`` when not exported;
+* ``records`` — one compact record per request (:func:`request_records`): its
+  index, pod, prompt group, the EPP's predicted cached tokens (its decision log,
+  joined on the request id; ``null`` when it has no line for it), the cached
+  tokens the engine reported, and TTFT; ``requests_joined`` counts those with a
+  prediction.
+
+``meta.warnings`` (e.g. a workload of a single prompt group) head ``report.md``.
+``summary.json`` puts each record on one line (:func:`dump_json`).
 """
 
 from __future__ import annotations
@@ -68,6 +76,8 @@ class PolicyResult:
     duration_s: float | None = None
     first_error: str = ""
     cpu_seconds: dict[str, float] = field(default_factory=dict)
+    requests_joined: int = 0
+    records: list[dict[str, Any]] = field(default_factory=list)
 
 
 def summarize(
@@ -118,6 +128,43 @@ def summarize(
     return res
 
 
+def load_decisions(path: Path) -> dict[str, dict[str, Any]]:
+    """The EPP's decision log (``KVFLEET_EPP_DECISION_LOG``) by request id; a missing file is empty."""
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the EPP's stop
+        if isinstance(rec, dict) and rec.get("id"):
+            out[str(rec["id"])] = rec
+    return out
+
+
+def request_records(
+    outcomes: Sequence[Outcome], groups: Sequence[str], decisions: Mapping[str, Mapping[str, Any]],
+) -> list[dict[str, Any]]:
+    """Per request (outcome order): ``i``, ``pod``, ``group``, ``predicted`` (the EPP's decision log),
+    ``reported`` (the engine's ``cached_tokens``), ``ttft_ms``; ``error`` on a failed one."""
+    out = []
+    for o in outcomes:
+        d = decisions.get(o.request_id) if o.request_id else None
+        rec: dict[str, Any] = {
+            "i": o.index, "pod": o.pod, "group": groups[o.index] if o.index < len(groups) else "",
+            "predicted": None if d is None else d.get("predicted"),
+            "reported": o.cached_tokens if o.ok else None,
+            "ttft_ms": None if o.ttft_s is None else round(o.ttft_s * 1000, 1),
+        }
+        if not o.ok:
+            rec["error"] = f"HTTP {o.status}: {o.error}"[:120]
+        out.append(rec)
+    return out
+
+
 def skipped(policy: str, reason: str) -> PolicyResult:
     return PolicyResult(policy=policy, ran=False, note=reason)
 
@@ -139,6 +186,8 @@ def render_markdown(results: Sequence[PolicyResult], meta: Mapping[str, Any]) ->
         f"time factor {meta.get('time_factor')} (1 modelled second = {meta.get('time_factor')} s of wall time).",
         f"Per-pod cache: {meta.get('gpu_blocks')} GPU blocks + {meta.get('cpu_blocks')} CPU blocks of {meta.get('block_size')} tokens.",
         "",
+        *(f"**Warning:** {w}." for w in meta.get("warnings") or ()),
+        *([""] if meta.get("warnings") else []),
         "| policy | hit rate | GPU / CPU hits | TTFT p50 (ms) | p90 | p99 | req/s | out tok/s | imbalance | misprediction | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -210,5 +259,26 @@ def write_report(out_dir: Path, results: Sequence[PolicyResult], meta: Mapping[s
             for r in results
         },
     }
-    paths["summary"].write_text(json.dumps(summary, indent=2, sort_keys=False))
+    paths["summary"].write_text(dump_json(summary) + "\n")
     return paths
+
+
+def dump_json(obj: Any, indent: int = 0) -> str:
+    """JSON indented by two spaces, except that a list of records (mappings or lists of scalars) or of
+    scalars keeps each element on one line: the per-request records stay compact and greppable."""
+    pad, inner = "  " * indent, "  " * (indent + 1)
+    if isinstance(obj, Mapping) and obj:
+        items = [f"{inner}{json.dumps(str(k))}: {dump_json(v, indent + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(obj, list | tuple) and obj:
+        if all(not isinstance(v, Mapping | list | tuple) for v in obj):
+            return json.dumps(list(obj))
+        if all(_flat(v) for v in obj):
+            return "[\n" + ",\n".join(inner + json.dumps(v, separators=(",", ":")) for v in obj) + "\n" + pad + "]"
+        return "[\n" + ",\n".join(inner + dump_json(v, indent + 1) for v in obj) + "\n" + pad + "]"
+    return json.dumps(obj)
+
+
+def _flat(v: Any) -> bool:
+    values = v.values() if isinstance(v, Mapping) else v if isinstance(v, list | tuple) else None
+    return values is not None and all(not isinstance(x, Mapping | list | tuple) for x in values)

@@ -210,10 +210,11 @@ def plan_pods(num_pods: int = 4, num_pools: int = 2, pd_pools: int = 1) -> list[
     return pods
 
 
-def pods_file(pods: Sequence[PodSpec], model: str) -> dict[str, Any]:
+def pods_file(pods: Sequence[PodSpec], model: str, kv_blocks: int | None = None) -> dict[str, Any]:
     """The EPP's static pods/pools file (``kvfleet.epp.datastore`` format): one InferencePool ``pool``
     whose prefix shards are the planned pod groups (``shard: pool-a``, ``pool-b``, ...), as the
-    operator renders a KVCachePool."""
+    operator renders a KVCachePool. ``kv_blocks`` (each engine's GPU blocks) lets level 1 weigh the
+    shards by capacity in blocks (:mod:`kvfleet.epp.scheduling.pools`; else by pods)."""
     members = [
         {
             "name": p.name,
@@ -224,6 +225,7 @@ def pods_file(pods: Sequence[PodSpec], model: str) -> dict[str, Any]:
             "events": f"tcp://127.0.0.1:{p.events_port}",
             "replay": f"tcp://127.0.0.1:{p.replay_port}",
             "metrics": f"http://127.0.0.1:{p.port}/metrics",
+            **({"kv_blocks": kv_blocks} if kv_blocks else {}),
         }
         for p in pods
     ]

@@ -8,6 +8,11 @@ prefix). A row becomes token ids by giving id ``h`` the block
 trace's sharing is preserved exactly. Arrival times are the trace's, scaled by
 ``time_scale`` (the engines' time factor: the trace runs at its real rate in
 modelled time).
+
+Each item names its prompt group (``WorkItem.group``): the trace row's first two
+hash ids (its first 1,024 tokens: the conversation), or the synthetic tenant.
+:func:`workload_warnings` says when a workload cannot tell routing policies
+apart (a single group: prefix routing then equals affinity).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class WorkItem:
     prompt: tuple[int, ...]
     max_tokens: int
     tenant: str = ""
+    #: the prompt group (module doc): requests of one group share their opening tokens
+    group: str = ""
 
 
 def default_trace() -> Path:
@@ -116,7 +123,8 @@ def load_trace(
             raise WorkloadError(f"{path}:{n}: empty hash_ids or input_length")
         t0 = ts if t0 is None else t0
         at = (ts - t0) / 1000.0 / speedup * time_scale
-        items.append(WorkItem(at, trace_tokens(ids, length), max(1, min(out, max_tokens))))
+        group = "-".join(str(h) for h in ids[:2])
+        items.append(WorkItem(at, trace_tokens(ids, length), max(1, min(out, max_tokens)), group=group))
     if not items:
         raise WorkloadError(f"{path}: no rows from row {start}")
     return items
@@ -140,5 +148,17 @@ def synthetic(
         tenant = rng.choices(range(tenants), weights)[0]
         system = range(10_000_000 + tenant * system_tokens, 10_000_000 + (tenant + 1) * system_tokens)
         user = range(50_000_000 + r * user_tokens, 50_000_000 + (r + 1) * user_tokens)
-        items.append(WorkItem(t * time_scale, (*system, *user), max_tokens, tenant=f"tenant-{tenant}"))
+        items.append(WorkItem(t * time_scale, (*system, *user), max_tokens, tenant=f"tenant-{tenant}", group=f"tenant-{tenant}"))
     return items
+
+
+def workload_warnings(items: list[WorkItem]) -> list[str]:
+    """What makes the workload unfit to compare routing policies (empty when nothing does)."""
+    groups = {i.group for i in items}
+    if len(items) > 1 and len(groups) == 1:
+        return [
+            f"the replayed slice holds a single prompt group ({next(iter(groups)) or 'no group'}: all {len(items)} "
+            "requests open with the same tokens), so prefix-aware routing cannot differ from plain prefix affinity "
+            "here; replay more conversations (--slice sessions, more --requests or another --start)"
+        ]
+    return []

@@ -5,7 +5,7 @@ The file format (``pods_file``)::
     pools:
       - name: pool-a
         models: [llama]          # models this pool serves
-        weight: 1.0              # capacity weight when several pools serve one model
+        weight: 1.0              # multiplies the pool's capacity (level 1: kvfleet.epp.scheduling.pools)
         block_size: 16           # the pool's KV block size and hashing (default: the picker's cache settings)
         hash_algo: xxh3_64       # xxh3_64 | sha256_cbor
         hash_seed: vllm-none-hash
@@ -19,6 +19,7 @@ The file format (``pods_file``)::
             events: tcp://127.0.0.1:5557     # KV-event PUB endpoint (optional)
             replay: tcp://127.0.0.1:5558     # replay ROUTER endpoint (optional)
             metrics: http://127.0.0.1:8000/metrics  (optional)
+            kv_blocks: 8192      # the engine's GPU KV blocks (optional): level-1 capacity
 
 :meth:`StaticDatastore.reload` re-reads the file; listeners hear of pods that
 came and went, so the event subscriber and metrics scraper follow.
@@ -55,6 +56,8 @@ class Pod:
     replay: str | None = None
     metrics: str | None = None
     ready: bool = True
+    #: the engine's GPU KV blocks (pods file ``kv_blocks``, annotation ``kvfleet.io/kv-blocks``); ``None``: unknown
+    kv_blocks: int | None = None
 
     @property
     def endpoint(self) -> str:
@@ -92,7 +95,10 @@ class PoolCache:
 
 @dataclass(frozen=True)
 class Pool:
-    """A set of pods serving the same models (an InferencePool)."""
+    """A set of pods serving the same models (an InferencePool), or a prefix shard of one (a pod subset).
+
+    ``weight`` multiplies the capacity level 1 derives from the pods
+    (:func:`kvfleet.epp.scheduling.pools.capacity`)."""
 
     name: str = ""
     models: tuple[str, ...] = ()
@@ -203,7 +209,7 @@ def pools_from_dict(data: Any, source: str = "<config>") -> list[Pool]:
             pw = f"{where}.pods[{j}]"
             if not isinstance(rp, dict):
                 raise DatastoreError(f"{pw}: must be a mapping")
-            unknown = set(rp) - {"name", "address", "port", "role", "shard", "events", "replay", "metrics", "ready"}
+            unknown = set(rp) - {"name", "address", "port", "role", "shard", "events", "replay", "metrics", "ready", "kv_blocks"}
             if unknown:
                 raise DatastoreError(f"{pw}: unknown key(s) {sorted(unknown)}")
             try:
@@ -218,9 +224,12 @@ def pools_from_dict(data: Any, source: str = "<config>") -> list[Pool]:
                     replay=rp.get("replay"),
                     metrics=rp.get("metrics"),
                     ready=bool(rp.get("ready", True)),
+                    kv_blocks=None if rp.get("kv_blocks") is None else int(rp["kv_blocks"]),
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise DatastoreError(f"{pw}: needs name, address and an integer port ({exc})") from None
+            if pod.kv_blocks is not None and pod.kv_blocks <= 0:
+                raise DatastoreError(f"{pw}.kv_blocks must be > 0")
             if pod.role not in ROLES:
                 raise DatastoreError(f"{pw}.role must be one of {', '.join(ROLES)}")
             if pod.name in seen:

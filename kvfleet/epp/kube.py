@@ -12,7 +12,8 @@
   pool without one (or naming another picker) is skipped; without
   ``epp_service`` every pool is taken, with or without a ref;
 * models: the pool's annotation ``kvfleet.io/models`` (comma-separated; absent
-  means every model, ``*``); capacity weight: ``kvfleet.io/weight`` (default 1);
+  means every model, ``*``); weight (a multiplier of the capacity level 1 derives from the
+  pool's pods): ``kvfleet.io/weight`` (default 1);
   block size, hash algorithm and routing weights: ``kvfleet.io/routing`` (JSON, written by
   the operator; :func:`routing_cache`);
 * a Pod is ready when it has an IP, is not being deleted and its ``Ready``
@@ -22,7 +23,8 @@
   whose shards are pod subsets; absent: ``""``, the pool is one shard); KV
   events from annotation ``kvfleet.io/kv-events-port`` (default 5557) and
   ``kvfleet.io/kv-replay-port`` (optional); metrics from
-  ``kvfleet.io/metrics-port`` (default: the serving port) at ``/metrics``.
+  ``kvfleet.io/metrics-port`` (default: the serving port) at ``/metrics``; its GPU KV blocks (level-1
+  capacity, optional) from annotation ``kvfleet.io/kv-blocks``.
 
 :class:`KubernetesDatastore` keeps both lists current with two watch threads
 (list, then watch from the list's resourceVersion; on any error or expiry,
@@ -49,6 +51,7 @@ GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 ANN_MODELS, ANN_WEIGHT, ANN_ROUTING = "kvfleet.io/models", "kvfleet.io/weight", "kvfleet.io/routing"
 ANN_EVENTS, ANN_REPLAY, ANN_METRICS = "kvfleet.io/kv-events-port", "kvfleet.io/kv-replay-port", "kvfleet.io/metrics-port"
 LABEL_ROLE, LABEL_SHARD = "kvfleet.io/role", "kvfleet.io/shard"
+ANN_KV_BLOCKS = "kvfleet.io/kv-blocks"
 
 
 def _get(obj: Mapping[str, Any], *path: str) -> Any:
@@ -130,10 +133,20 @@ def pools_from_objects(
                 replay=f"tcp://{ip_addr}:{replay_port}" if ip_addr and replay_port else None,
                 metrics=f"http://{ip_addr}:{metrics_port}/metrics" if ip_addr else None,
                 ready=_pod_ready(p),
+                kv_blocks=_positive_int(pann.get(ANN_KV_BLOCKS)),
             ))
         out.append(Pool(name=name, models=models, weight=weight if weight > 0 else 1.0,
                         pods=tuple(sorted(members, key=lambda x: x.name)), cache=routing_cache(name, ann.get(ANN_ROUTING))))
     return out
+
+
+def _positive_int(value: Any) -> int | None:
+    """An annotation's positive integer, else ``None`` (absent or malformed: unknown)."""
+    try:
+        n = int(str(value))
+    except (TypeError, ValueError):
+        return None
+    return n if n > 0 else None
 
 
 def routing_cache(pool: str, annotation: str | None) -> PoolCache:

@@ -24,11 +24,15 @@ Response headers carry the endpoint that served the request (GIE protocol v1.0:
 attribute ``upstream.address``): when a fallback served it, the in-flight
 ticket and the speculative entry move to that pod. They also mark the prefill
 as done (pending work off the pod); a response body is passed through and its ``usage.prompt_tokens_details.cached_tokens``
-is compared with the predicted hit (misprediction metrics). With the environment
+is compared with the predicted hit (misprediction metrics). The predicted hit is the
+block index's, or, when a scheduling plugin keeps a prefix index of its own (GIE's
+approximate scorer), that plugin's: routing runs inside
+:func:`~kvfleet.epp.scheduling.routing_request`, which shows plugins the prompt and
+takes their prediction back. With the environment
 variable ``KVFLEET_EPP_DECISION_LOG`` set to a path, every answered request appends
-one JSON line there: the pick, each candidate's index hit (and its speculative
-part), the predicted and the engine-reported cached tokens (routing diagnosis;
-``docs/epp.md``). Every error ends
+one JSON line there: its ``x-request-id`` (set by Envoy, or by the client), the pick,
+each candidate's index hit (and its speculative part), the predicted and the
+engine-reported cached tokens (routing diagnosis; ``docs/epp.md``). Every error ends
 in an ImmediateResponse with a JSON body; the stream always ends.
 """
 
@@ -60,20 +64,24 @@ from kvfleet.epp.errors import (
 from kvfleet.epp.keycheck import KeyCheck
 from kvfleet.epp.metrics import EppMetrics
 from kvfleet.epp.router import Decision, Router
+from kvfleet.epp.scheduling import RequestContext, routing_request
 
 log = logging.getLogger(__name__)
 _Mode = processing_mode_pb2.ProcessingMode
 _MAX_RESPONSE_CAPTURE = 1 << 20
 DECISION_LOG_ENV = "KVFLEET_EPP_DECISION_LOG"
+#: the request's id in the decision log (Envoy sets it when the client does not)
+REQUEST_ID_HEADER = "x-request-id"
 #: the ``model_name`` label of requests for a model no pool serves
 UNKNOWN_MODEL = "unknown"
 
 
-def log_decision(path: str, d: Decision, reported: int | None) -> None:
-    """Append one decision as a JSON line (see the module doc)."""
+def log_decision(path: str, d: Decision, reported: int | None, request_id: str = "", predicted: int | None = None) -> None:
+    """Append one decision as a JSON line (see the module doc); ``predicted`` defaults to the decision's."""
     rec = {
-        "t": time.time(), "pod": d.pod, "pool": d.pool, "prefiller": d.prefiller, "tokens": d.num_tokens,
-        "predicted": d.predicted_hit_tokens, "reported": reported, "hits": [list(h) for h in d.hits],
+        "t": time.time(), "id": request_id, "pod": d.pod, "pool": d.pool, "prefiller": d.prefiller, "tokens": d.num_tokens,
+        "predicted": d.predicted_hit_tokens if predicted is None else predicted, "reported": reported,
+        "hits": [list(h) for h in d.hits],
     }
     try:
         with open(path, "a", encoding="utf-8") as f:
@@ -97,6 +105,9 @@ class _Stream:
         self.subset: list[str] | None = None
         self.response = bytearray()
         self.routed = False
+        self.request_id = ""
+        #: the predicted cached tokens the metrics and the decision log count (module doc)
+        self.predicted = 0
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -189,6 +200,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def _request_headers(self, st: _Stream, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
         hm = protocol.header_map(headers.headers)
         st.path = hm.get(":path", "")
+        st.request_id = hm.get(REQUEST_ID_HEADER, "")[:128]
         method = hm.get(":method", "POST").upper()
         st.kind, arg = protocol.classify_path(st.path)
         if st.kind == "internal":
@@ -237,11 +249,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         req = protocol.parse_request(st.path, body, self.max_body_bytes)
         st.model = req.model
         self.metrics.requests.labels(self._model_label(req.model)).inc()
-        d = self.router.route(req, st.subset)
+        ctx = RequestContext(request_id=st.request_id, model=req.model, prompt=req.prompt,
+                             prompt_token_ids=req.prompt_token_ids, cache_salt=req.cache_salt)
+        with routing_request(ctx):
+            d = self.router.route(req, st.subset)
         st.decision = d
+        st.predicted = d.predicted_hit_tokens if ctx.predicted_hit_tokens is None else ctx.predicted_hit_tokens
         self.metrics.pick_seconds.observe(time.perf_counter() - t0)
         self.metrics.prompt_tokens.inc(d.num_tokens)
-        self.metrics.predicted_hit.inc(d.predicted_hit_tokens)
+        self.metrics.predicted_hit.inc(st.predicted)
         headers = protocol.routing_headers(d.endpoints, d.prefiller)
         if st.request_mode == _Mode.FULL_DUPLEX_STREAMED:
             return [protocol.pick_headers_response(headers), *protocol.streamed_body_responses(body)]
@@ -266,11 +282,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             reported = protocol.cached_tokens_of(bytes(st.response))
             if reported is not None:
                 d = st.decision
-                self.metrics.observe_cached(d.predicted_hit_tokens, reported)
-                if d.pool and d.num_tokens:
+                self.metrics.observe_cached(st.predicted, reported)
+                if d.pool and d.num_tokens:  # the key check compares the block index's own prediction
                     self.keycheck.observe(d.pool, d.predicted_hit_tokens, reported, d.block_size)
             if self.decision_log:
-                log_decision(self.decision_log, st.decision, reported)
+                log_decision(self.decision_log, st.decision, reported, st.request_id, st.predicted)
         if st.response_mode == _Mode.FULL_DUPLEX_STREAMED:
             return [protocol.passthrough_body_response(body.body, body.end_of_stream, request=False)]
         return [protocol.buffered_body_ack(request=False)]

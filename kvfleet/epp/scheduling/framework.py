@@ -5,13 +5,22 @@ A scheduling cycle gets one :class:`SchedulingRequest` and the candidate pods
 request). Filters drop candidates, scorers return one number per candidate
 (multiplied by the plugin's weight and summed), the picker orders the
 survivors (the first is the pick, the rest are fallbacks).
+
+Plugins that read the prompt themselves (a GIE-style approximate prefix index,
+``kvfleet.epp.scheduling.gie``) find the request being routed in
+:func:`current_request` (a :class:`RequestContext` the ext_proc server sets around
+each routing call with :func:`routing_request`; ``None`` elsewhere), and a plugin
+with a ``pre_request`` method (:class:`PreRequest`) hears of each cycle's pick
+(GIE's PreRequest hook): the profile calls it once the picker has ordered the pods.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from kvfleet.epp.datastore import Pod
 from kvfleet.epp.errors import UnknownPluginError
@@ -66,6 +75,43 @@ class Candidate:
         return self.pod.name
 
 
+@dataclass
+class RequestContext:
+    """The request being routed, as a plugin that keys the prompt itself sees it (GIE's ``LLMRequest``).
+
+    Exactly one of ``prompt`` (text; chat already rendered) and ``prompt_token_ids`` is set.
+    ``predicted_hit_tokens``: a plugin that predicts the pick's cached tokens from an index of its own
+    writes it here, and the server then reports that prediction (decision log, misprediction metrics)
+    instead of the block index's; ``state``: per-plugin scratch for this request (GIE's plugin state).
+    """
+
+    request_id: str = ""
+    model: str = ""
+    prompt: str | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    cache_salt: str | None = None
+    predicted_hit_tokens: int | None = None
+    state: dict[object, Any] = field(default_factory=dict)
+
+
+_CURRENT: ContextVar[RequestContext | None] = ContextVar("kvfleet_routing_request", default=None)
+
+
+def current_request() -> RequestContext | None:
+    """The request being routed in this thread, or ``None`` (routing by keys only: ``Router.route_keys``)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def routing_request(ctx: RequestContext) -> Iterator[RequestContext]:
+    """``with routing_request(ctx): router.route(...)``: plugins see ``ctx`` during that call."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
 class Filter(Protocol):
     def filter(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[Candidate]: ...
 
@@ -76,6 +122,12 @@ class Scorer(Protocol):
 
 class Picker(Protocol):
     def pick(self, req: SchedulingRequest, cands: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]: ...
+
+
+class PreRequest(Protocol):
+    """A plugin told of each cycle's pick (the first of the picker's order), before the request is sent."""
+
+    def pre_request(self, req: SchedulingRequest, pick: Candidate) -> None: ...
 
 
 Plugin = Filter | Scorer | Picker

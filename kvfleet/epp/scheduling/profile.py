@@ -1,4 +1,5 @@
-"""A scheduling profile: the configured filters, weighted scorers and one picker, run as one cycle."""
+"""A scheduling profile: the configured filters, weighted scorers and one picker, run as one cycle;
+then the plugins with a ``pre_request`` hook hear of the pick."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ from dataclasses import dataclass
 
 from kvfleet.config.epp import PluginSpec
 from kvfleet.epp.errors import UnknownPluginError
+from kvfleet.epp.scheduling import gie as _gie  # noqa: F401  (registers the GIE-style plugins)
 from kvfleet.epp.scheduling import plugins as _builtin  # noqa: F401  (registers the built-ins)
-from kvfleet.epp.scheduling.framework import Candidate, Filter, Picker, SchedulingRequest, Scorer, create
+from kvfleet.epp.scheduling.framework import (
+    Candidate,
+    Filter,
+    Picker,
+    PreRequest,
+    SchedulingRequest,
+    Scorer,
+    create,
+)
 
 
 @dataclass(frozen=True)
@@ -25,9 +35,12 @@ class Profile:
     def __init__(self, specs: Sequence[PluginSpec]) -> None:
         self.filters: list[Filter] = []
         self.scorers: list[tuple[float, Scorer]] = []
+        self.hooks: list[PreRequest] = []
         picker: Picker | None = None
         for spec in specs:
             kind, plugin = create(spec.type, spec.params)
+            if callable(getattr(plugin, "pre_request", None)):
+                self.hooks.append(plugin)  # type: ignore[arg-type]
             if kind == "filter":
                 self.filters.append(plugin)  # type: ignore[arg-type]
             elif kind == "scorer":
@@ -52,5 +65,8 @@ class Profile:
             for i, s in enumerate(scorer.score(req, alive)):
                 totals[i] += weight * s
         order = self.picker.pick(req, alive, totals)
+        if order:
+            for hook in self.hooks:
+                hook.pre_request(req, order[0])
         pos = {id(c): i for i, c in enumerate(alive)}
         return Ranked(tuple(order), tuple(totals[pos[id(c)]] for c in order))

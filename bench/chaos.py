@@ -1,8 +1,10 @@
 """bench.chaos: the one-machine stack under steady load while its processes are killed and its inputs abused.
 
 The stack: four simulated engines (two unified pods and a prefill/decode pair, in one pool of two prefix
-shards, each with a CPU tier), two EPP replicas (each subscribes to every pod's KV events), one Envoy in
-front of both (ext_proc cluster health-checked, FailClose), all real processes on loopback. Clients stream
+shards, each with a CPU tier), two EPP replicas (each subscribes to every pod's KV events; they gossip their
+picks and in-flight load), one Envoy in front of both (ext_proc cluster health-checked, FailClose; pods
+reached by ``routing="override_host"``, so a pick onto a pod that just died is retried on the picker's next
+endpoint — the picker returns two fallbacks), all real processes on loopback. Clients stream
 chat-style requests that share a few long system prompts; TTFT is the time to the first SSE chunk.
 
 Faults, in this order (times after warm-up, ``--quick`` halves the gaps):
@@ -48,6 +50,7 @@ import aiohttp
 import msgspec
 import zmq
 
+from kvfleet.config.epp import EppSettings
 from kvfleet.demo.envoy import envoy_binary
 from kvfleet.demo.stack import (
     Child,
@@ -118,6 +121,7 @@ class Stack:
         self.engines: dict[str, Child] = {}
         self.epps: list[tuple[Child, tuple[int, int, int]]] = []
         self.epp_ports = [(free_port(), free_port(), free_port()) for _ in range(2)]
+        self.gossip_ports = [free_port() for _ in range(2)]
         self.rogue_port = free_port()
         self.rogue_events = free_port()
         self.gateway_port = free_port()
@@ -146,9 +150,15 @@ class Stack:
 
     def start_epp(self, i: int) -> Child:
         grpc, health, metrics = self.epp_ports[i]
+        plugins: list[dict[str, Any]] = [{"type": p.type, "weight": p.weight, "params": dict(p.params)} for p in EppSettings().plugins]
+        for p in plugins:
+            if p["type"] == "max-score-picker":
+                p["params"]["fallbacks"] = 2  # the gateway retries a dead pick on the next one (override_host)
         cfg = write_yaml(self.stack.workdir / f"epp-{i}.yaml", {"epp": {
             "host": "127.0.0.1", "grpc_port": grpc, "health_port": health, "metrics_port": metrics,
             "pods_file": str(self.pods_path), "prefix_shard_blocks": 64, "pool_saturation_queue": 4.0,
+            "plugins": plugins, "gossip_port": self.gossip_ports[i],
+            "gossip_peers": [f"127.0.0.1:{g}" for j, g in enumerate(self.gossip_ports) if j != i],
         }})
         child = self.stack.spawn_kvfleet(f"epp-{i}", ["epp", "--config", str(cfg), "--log-level", "WARNING"])
         self.stack.wait_http(child, f"http://127.0.0.1:{metrics}/metrics", timeout_s=60)
@@ -166,7 +176,9 @@ class Stack:
             self.start_epp(i)
         admin = free_port()
         path = write_bootstrap(self.stack.workdir / "envoy.yaml", listen_port=self.gateway_port, admin_port=admin,
-                               epp_endpoints=[f"127.0.0.1:{g}" for g, _, _ in self.epp_ports], body_mode="BUFFERED")
+                               epp_endpoints=[f"127.0.0.1:{g}" for g, _, _ in self.epp_ports], body_mode="BUFFERED",
+                               routing="override_host",
+                               pod_endpoints=[f"127.0.0.1:{p.port}" for p in self.pods] + [f"127.0.0.1:{self.rogue_port}"])
         envoy = self.stack.spawn("envoy", [envoy_binary(), "-c", str(path), "--base-id", str(admin), "-l", "warning",
                                            "--concurrency", "2", "--disable-hot-restart"])
         self.stack.wait_http(envoy, f"http://127.0.0.1:{admin}/ready", timeout_s=60)
@@ -306,8 +318,16 @@ def main(argv: list[str] | None = None) -> int:
         watcher = threading.Thread(target=freeze_watch, args=(watch_stop, freezes), daemon=True)
         watcher.start()
 
-        timeline.append("kill -9 EPP replica 0")
-        print(timeline[-1], file=sys.stderr, flush=True)
+        def step(what: str) -> None:
+            """A fault begins: note it with the RSS (MB) every process has now."""
+            rss = {"epp": [round(rss_mb(c.proc.pid), 1) for c, _ in st.epps],
+                   "engines": [round(rss_mb(c.proc.pid), 1) for c in st.engines.values()]}
+            timeline.append(what)
+            rss_timeline.append({"before": what, **rss})
+            print(f"{what}   (RSS MB: EPP {rss['epp']}, engines {rss['engines']})", file=sys.stderr, flush=True)
+
+        rss_timeline: list[dict[str, Any]] = []
+        step("kill -9 EPP replica 0")
         run.kills.append(("epp-0", time.monotonic()))
         st.kill(st.epps[0][0])
         at(2.0)
@@ -315,23 +335,20 @@ def main(argv: list[str] | None = None) -> int:
         at(gap)
 
         victim = next(p for p in st.pods if p.role == "both")
-        timeline.append(f"kill -9 engine {victim.name}")
-        print(timeline[-1], file=sys.stderr, flush=True)
+        step(f"kill -9 engine {victim.name}")
         run.kills.append((victim.name, time.monotonic()))
         st.kill(st.engines[victim.name])
         at(3.0)
         st.start_engine(victim)
         at(gap)
 
-        timeline.append("rogue publisher joins (bad token ids, garbage, wrong topic, 4 MiB batches)")
-        print(timeline[-1], file=sys.stderr, flush=True)
+        step("rogue publisher joins (bad token ids, garbage, wrong topic, 4 MiB batches)")
         rogue = threading.Thread(target=rogue_publisher, args=(st.rogue_events, rogue_stop), daemon=True)
         rogue.start()
         st.write_pods(rogue=True)  # the static datastore reloads the file within a second
         at(gap)
 
-        timeline.append(f"flood: {flood_n} distinct 4k-token prompts")
-        print(timeline[-1], file=sys.stderr, flush=True)
+        step(f"flood: {flood_n} distinct 4k-token prompts")
         flood_failed = asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n, 4 * args.clients, rng),
                                                         loop).result()
         at(gap)
@@ -345,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         watch_stop.set()
         watcher.join(5)
         rogue_stop.set()
+        step("end")
         rss1_epp = [rss_mb(c.proc.pid) for c, _ in st.epps]
         rss1_eng = {n: rss_mb(c.proc.pid) for n, c in st.engines.items()}
         texts = epp_metrics()
@@ -384,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         "epp_rss_growth": epp_growth, "engine_rss_growth": engine_growth,
         "epp_rss_mb": [round(x, 1) for x in rss1_epp], "engine_rss_mb": {n: round(x, 1) for n, x in rss1_eng.items()},
         "resyncs": int(resyncs), "ttft_p50_ms": pct(0.5), "ttft_p99_ms": pct(0.99), "all_alive": alive,
-        "timeline": timeline,
+        "timeline": timeline, "rss_timeline": rss_timeline,
     }
     print(f"{len(run.records)} requests, {len(failed)} failed, {lost} lost; index freezes {sum(freezes)}; "
           f"EPP RSS growth {epp_growth}, engine RSS growth {engine_growth}; TTFT p50 {pct(0.5)} ms, p99 {pct(0.99)} ms")

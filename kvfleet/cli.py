@@ -44,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvfleet: unknown role {role!r}; known roles: {', '.join(ROLES)}", file=sys.stderr)
         return 2
     module_name, _ = ROLES[role]
+    from kvfleet.cache import malloc
+
+    malloc.configure()  # before any role starts a thread
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

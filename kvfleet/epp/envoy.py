@@ -18,7 +18,14 @@ init container calls ``kvfleet gateway-config``, :func:`main`). What it does:
 * the route to the pods cluster matches on the picker's dynamic metadata
   (``envoy.lb`` → ``x-gateway-destination-endpoint``), which no client can set;
   the ``ORIGINAL_DST`` cluster takes its address from the picker's header
-  (``routing="header"``) or that metadata (``routing="metadata"``);
+  (``routing="header"``) or that metadata (``routing="metadata"``): one endpoint, so the picker must
+  return no fallbacks (``max-score-picker`` ``fallbacks: 0``, the default);
+* ``routing="override_host"`` (pods known up front: a pods file, the local stack): the pods cluster
+  lists ``pod_endpoints`` and Envoy's override-host load balancer takes the picker's ordered
+  ``ip:port,ip:port`` list from that metadata; a pod that refuses the connection or resets it before
+  its response began is retried on the next endpoint of the list (GIE protocol v0.4 fallbacks:
+  with the picker's ``fallbacks: 2``, a request picked onto a pod that just died is served by the
+  next-best pod instead of failing). An endpoint outside ``pod_endpoints`` is never used;
 * ``failure_mode_allow`` (GIE's FailOpen): with the picker unreachable, the
   request goes to the fallback cluster: ``fallback_endpoints`` (``ip:port``) or
   ``fallback_service`` (a DNS name such as a pool's headless Service, resolved to
@@ -63,6 +70,8 @@ from kvfleet.epp.protocol import (
 )
 
 _T = "type.googleapis.com/"
+#: how the gateway reaches the picked pod (:func:`bootstrap`)
+ROUTING_MODES = ("header", "metadata", "override_host")
 _JSON_503 = '{"error": {"code": 503, "type": "no_ready_endpoint", "message": "no endpoint was picked for this request"}}'
 _JSON_REFUSED = (
     '{"error": {"code": 400, "type": "invalid_request_error", "message": "the request sets a header that only the '
@@ -204,13 +213,20 @@ def bootstrap(
     epp_tls_sni: str = "",
     epp_endpoints: Sequence[str] = (),
     epp_health_interval_s: float = 0.5,
+    pod_endpoints: Sequence[str] = (),
+    pod_retries: int = 2,
 ) -> dict[str, Any]:
     """The bootstrap as a mapping (``yaml.safe_dump`` it, or :func:`write_bootstrap`).
 
     ``epp_endpoints`` (``host:port`` each) lists several picker replicas instead of ``epp_host``/``epp_port``.
     """
-    if routing not in ("header", "metadata"):
-        raise ValueError(f"routing must be 'header' or 'metadata', got {routing!r}")
+    if routing not in ROUTING_MODES:
+        raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
+    if (routing == "override_host") != bool(pod_endpoints):
+        raise ValueError("routing 'override_host' takes pod_endpoints (the pods' ip:port), and only it does")
+    pods = [split_endpoint(e) for e in pod_endpoints]
+    if any(not _is_ip(h) for h, _ in pods):
+        raise ValueError("pod_endpoints must be ip:port (the addresses the picker returns)")
     if body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
         raise ValueError(f"body_mode must be FULL_DUPLEX_STREAMED or BUFFERED, got {body_mode!r}")
     if fallback_endpoints and fallback_service:
@@ -274,9 +290,15 @@ def bootstrap(
                    "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
                    "typed_per_filter_config": no_ext_proc})
     if use_epp:
-        routes.append(
-            {"match": {"prefix": "/", "dynamic_metadata": [picked]}, "route": {"cluster": "kvfleet-pods", "timeout": timeout}}
-        )
+        to_pods: dict[str, Any] = {"cluster": "kvfleet-pods", "timeout": timeout}
+        if routing == "override_host" and pod_retries > 0:
+            # a pod that refuses the connection or resets it before any response header: nothing reached the
+            # client yet, so the next endpoint of the picker's list serves it (Envoy never retries once the
+            # response has begun; a pod that died mid-prefill costs that prefill twice, the client nothing)
+            to_pods["retry_policy"] = {"retry_on": "connect-failure,refused-stream,reset",
+                                       "num_retries": pod_retries,
+                                       "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"}}
+        routes.append({"match": {"prefix": "/", "dynamic_metadata": [picked]}, "route": to_pods})
     fallback = [split_endpoint(e) for e in fallback_endpoints]
     if fallback_service:
         fallback = [split_endpoint(fallback_service)]
@@ -323,15 +345,34 @@ def bootstrap(
                 },
             }
         clusters.append(epp)
-        clusters.append(
-            {
-                "name": "kvfleet-pods",
-                "type": "ORIGINAL_DST",
-                "lb_policy": "CLUSTER_PROVIDED",
-                "connect_timeout": "2s",
-                "original_dst_lb_config": odst,
-            }
-        )
+        if routing == "override_host":
+            pods_cluster = _cluster("kvfleet-pods", pods)
+            del pods_cluster["lb_policy"]
+            pods_cluster["connect_timeout"] = "2s"
+            pods_cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.override_host",
+                "typed_config": {
+                    "@type": _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                    "override_host_sources": [{"metadata": {"key": DEST_METADATA_NS, "path": [{"key": DEST_HEADER}]}}],
+                    # used only when no endpoint of the picker's list is in the cluster (a pods-file edit the
+                    # gateway has not been given yet): a pool member, never an address from the request
+                    "fallback_policy": {"policies": [{"typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.round_robin",
+                        "typed_config": {"@type": _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
+                    }}]},
+                },
+            }}]}
+            clusters.append(pods_cluster)
+        else:
+            clusters.append(
+                {
+                    "name": "kvfleet-pods",
+                    "type": "ORIGINAL_DST",
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "connect_timeout": "2s",
+                    "original_dst_lb_config": odst,
+                }
+            )
     if fallback:
         clusters.append(_cluster("kvfleet-fallback", fallback))
     listeners: list[dict[str, Any]] = []
@@ -382,7 +423,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--epp-tls-sni", default="", help="server name expected in the EPP's certificate (default: the EPP host)")
     p.add_argument("--failure-mode", choices=["FailClose", "FailOpen"], default="FailClose")
     p.add_argument("--fallback-service", default="", help="FailOpen target, HOST:PORT (e.g. a pool's headless Service)")
-    p.add_argument("--routing", choices=["header", "metadata"], default="header")
+    p.add_argument("--routing", choices=ROUTING_MODES, default="header")
+    p.add_argument("--pod-endpoint", action="append", default=[], dest="pod_endpoints",
+                   help="with --routing override_host: a pod's IP:PORT (repeat for each pod)")
     p.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED")
     p.add_argument("--upstream-timeout-s", type=float, default=300.0)
     return p
@@ -400,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             health_port=args.health_port, epp_host=epp_host, epp_port=epp_port, epp_tls_ca=args.epp_tls_ca,
             epp_tls_sni=args.epp_tls_sni, failure_mode_allow=args.failure_mode == "FailOpen",
             fallback_service=args.fallback_service, routing=args.routing, body_mode=args.body_mode,
-            upstream_timeout_s=args.upstream_timeout_s,
+            upstream_timeout_s=args.upstream_timeout_s, pod_endpoints=args.pod_endpoints,
         )
     except ValueError as exc:
         print(f"kvfleet gateway-config: {exc}", file=sys.stderr)

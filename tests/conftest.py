@@ -11,17 +11,25 @@ test needs them and they are missing, they are built at the end of collection, b
 test runs (so a cold build is not charged to one test's timeout). When they cannot be built
 (no Go, no module proxy) those tests skip with the reason, unless ``KVFLEET_REQUIRE_CLUSTER=1``
 (``make test-cluster``), where that is an error.
+
+``wait_for`` (and ``eventually``, its asyncio twin) is the one way tests wait for a condition.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar, overload
 
 import pytest
 
 from e2e.controlplane import cluster
+
+T = TypeVar("T")
 
 CONTROL_PLANE_FIXTURES = {"kube_apiserver", "control_plane"}
 _unavailable: list[str] = []
@@ -82,3 +90,68 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.
 def kube_apiserver(control_plane: cluster.ControlPlane) -> Path:
     """Path of an admin kubeconfig (client certificate in group system:masters) for the session's API server."""
     return control_plane.kubeconfig
+
+
+class _Waiting:
+    """The state of one wait: its deadline, the next pause, the probe's last answer."""
+
+    FIRST_PAUSE_S = 0.01
+
+    def __init__(self, what: str, timeout_s: float, interval_s: float) -> None:
+        self.what, self.timeout_s, self.interval_s = what, timeout_s, interval_s
+        self.deadline = time.monotonic() + timeout_s
+        self.pause = min(self.FIRST_PAUSE_S, interval_s)
+        self.last: object = None
+
+    def next_pause(self) -> float:
+        """The pause before the next probe (the last one falls on the deadline); once the time is up, an
+        AssertionError naming ``what``."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"timed out after {self.timeout_s:g} s waiting for {self.what}; last: {self.last!r}")
+        pause, self.pause = min(self.pause, left), min(self.pause * 2, self.interval_s)
+        return pause
+
+
+def wait_for(probe: Callable[[], T | None], what: str, timeout_s: float = 30.0, interval_s: float = 0.25) -> T:
+    """Call ``probe`` until it returns a truthy value, and return that value.
+
+    ``what`` names the awaited condition in the failure (an AssertionError after ``timeout_s``
+    with the probe's last answer; the last probe runs at the deadline, so "within ``timeout_s``"
+    is what passes). The pauses between probes start at 10 ms and double up to ``interval_s``,
+    so a quick condition is seen at once and a slow one (a probe that runs kubectl) is not
+    polled in a busy loop; a test that measures how long something took passes a small
+    ``interval_s``. An AssertionError raised by ``probe`` counts as "not yet" and is the last
+    answer; any other exception (or ``pytest.fail``) ends the wait.
+    """
+    waiting = _Waiting(what, timeout_s, interval_s)
+    while True:
+        try:
+            value = probe()
+            if value:
+                return value
+            waiting.last = value
+        except AssertionError as exc:
+            waiting.last = exc
+        time.sleep(waiting.next_pause())
+
+
+@overload
+async def eventually(probe: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = ..., interval_s: float = ...) -> T: ...
+@overload
+async def eventually(probe: Callable[[], T | None], what: str, timeout_s: float = ..., interval_s: float = ...) -> T: ...
+
+
+async def eventually(probe: Callable[[], Any], what: str, timeout_s: float = 30.0, interval_s: float = 0.25) -> Any:
+    """:func:`wait_for` inside an event loop: ``probe`` may be a coroutine function, and the loop runs between probes."""
+    waiting = _Waiting(what, timeout_s, interval_s)
+    while True:
+        try:
+            answer = probe()
+            value = await answer if inspect.isawaitable(answer) else answer
+            if value:
+                return value
+            waiting.last = value
+        except AssertionError as exc:
+            waiting.last = exc
+        await asyncio.sleep(waiting.next_pause())

@@ -27,10 +27,10 @@ import kopf
 import yaml
 
 from kvfleet.operator.kube import ApiClient
+from tests.conftest import eventually
 from tests.kmockapi import OPERATOR_RESOURCES as RESOURCES
 from tests.kmockapi import Emulator
 from tests.operator import samples
-from tests.operator.runtime import eventually
 
 NS = "default"
 
@@ -82,7 +82,7 @@ async def run(tag: str) -> int:
                     assert state == "true", "operator container exited"
                     return await asyncio.to_thread(_healthz, liveness)
 
-                await eventually(alive, timeout=60)
+                await eventually(alive, "the operator's liveness endpoint", timeout_s=60)
                 print(f"ok: operator liveness {liveness}")
                 for secret, key in (("kvfleet-transfer", "secret"), ("kv-redis", "url")):  # what the sample references
                     await api.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": NS},
@@ -97,14 +97,14 @@ async def run(tag: str) -> int:
                         assert obj["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
                     return True
 
-                await eventually(children, timeout=60)
+                await eventually(children, "the KVCachePool's children", timeout_s=60)
                 print("ok: operator rendered ConfigMap, Deployment, Service, InferencePool for KVCachePool llama")
 
                 async def status() -> dict[str, Any] | None:
                     obj = await api.get("KVCachePool", NS, "llama")
                     return obj if (obj.get("status") or {}).get("observedGeneration") == 1 else None
 
-                await eventually(status, timeout=60)
+                await eventually(status, "the KVCachePool's status", timeout_s=60)
                 print("ok: operator wrote KVCachePool status (observedGeneration 1)")
                 return 0
             except AssertionError as exc:

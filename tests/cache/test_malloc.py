@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from kvfleet.cache import malloc
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.skipif(malloc._glibc() is None, reason="not glibc: the helpers are no-ops")
 
@@ -54,22 +55,29 @@ def test_trim_returns_freed_heap_to_the_system() -> None:
 def test_limit_arenas_unless_the_environment_says() -> None:
     code = "from kvfleet.cache import malloc; print(malloc.limit_arenas())"
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
-    run = lambda e: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=60,  # noqa: E731
-                                   check=True).stdout.strip()
+
+    def run(e: dict[str, str]) -> str:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=60, check=True).stdout.strip()
+
     assert run(env) == "True"
     assert run({**env, "MALLOC_ARENA_MAX": "4"}) == "False"
 
 
 def test_the_trimmer_trims_until_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(malloc, "trim", lambda: calls.append(1) or True)
+
+    def trim() -> bool:
+        calls.append(1)
+        return True
+
+    monkeypatch.setattr(malloc, "trim", trim)
     stop = threading.Event()
     t = malloc.start_trimmer(0.01, stop)
     assert t is not None
-    deadline = threading.Event()
-    while len(calls) < 3 and not deadline.wait(0.01):
-        pass
-    stop.set()
+    try:
+        wait_for(lambda: len(calls) >= 3, "three trims", timeout_s=5)
+    finally:
+        stop.set()
     t.join(2)
     assert not t.is_alive() and len(calls) >= 3
 

@@ -25,7 +25,8 @@ from kvfleet.epp.envoy import main as gateway_config
 from kvfleet.epp.protocol import CLIENT_STRIPPED_HEADERS
 from tests.chart.test_chart import _by, _template
 from tests.chart.test_chart import helm as helm
-from tests.epp.conftest import make_epp, wait_for
+from tests.conftest import wait_for
+from tests.epp.conftest import make_epp
 from tests.epp.pods import PodFleet, post
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import pytest
 import yaml
 
 from e2e.controlplane.cluster import ControlPlane
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvfleet"
@@ -131,19 +131,8 @@ class Kube:
         name = f"{prefix}-{uuid.uuid4().hex[:6]}"
         self.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": dict(labels or {})}}])
         # Pods are admitted only once the namespace's default ServiceAccount exists (ServiceAccount admission).
-        wait_for(lambda: self.exists("serviceaccount", "default", name), f"ServiceAccount {name}/default")
+        wait_for(lambda: self.exists("serviceaccount", "default", name), f"ServiceAccount {name}/default", timeout_s=60)
         return name
-
-
-def wait_for(probe: Callable[[], Any], what: str, timeout_s: float = 60.0, interval_s: float = 0.3) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 @pytest.fixture(scope="session")

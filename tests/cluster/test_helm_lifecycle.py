@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import CHART, IP_CRD, KVCP_CRD, RESTRICTED, Kube, wait_for
+from tests.cluster.conftest import CHART, IP_CRD, KVCP_CRD, RESTRICTED, Kube
+from tests.conftest import wait_for
 from tests.operator import samples
 
 RELEASE = "kvf"
@@ -59,7 +60,7 @@ def test_install_admits_every_pod_under_restricted(kube: Kube, ns: str, installe
     """Installed without Pod Security warnings; the ReplicaSets create every pod (Pending) in a restricted namespace."""
     assert "PodSecurity" not in installed["stderr"], installed["stderr"]
     for name, component in DEPLOYMENTS.items():
-        wait_for(lambda c=component: len(_pods(kube, ns, c)) == 1, f"the {name} pod")  # type: ignore[misc]
+        wait_for(lambda c=component: len(_pods(kube, ns, c)) == 1, f"the {name} pod", timeout_s=60)  # type: ignore[misc]
     events = kube.get("events", None, ns, "--field-selector", "reason=FailedCreate")["items"]
     assert events == [], [e["message"] for e in events]
 
@@ -72,7 +73,7 @@ def test_install_serves_the_crds_and_disruption_budgets(kube: Kube, ns: str, ins
         ann = ip["metadata"]["annotations"]
         assert ann["helm.sh/resource-policy"] == "keep" and ann["meta.helm.sh/release-namespace"] == ns
     for name in DEPLOYMENTS:  # the disruption controller counts each Deployment's pod under its budget
-        wait_for(lambda n=name: kube.get("pdb", n, ns).get("status", {}).get("expectedPods") == 1, f"PDB {name} covering its pod")  # type: ignore[misc]
+        wait_for(lambda n=name: kube.get("pdb", n, ns).get("status", {}).get("expectedPods") == 1, f"PDB {name} covering its pod", timeout_s=60)  # type: ignore[misc]
 
 
 def test_pods_run_under_their_own_service_accounts(kube: Kube, ns: str, installed: dict[str, Any]) -> None:
@@ -98,7 +99,7 @@ def test_upgrade_keeps_crds_and_objects_and_rolls_on_a_changed_value(kube: Kube,
     assert after["metadata"]["generation"] == epp["metadata"]["generation"] + 1
     assert after["spec"]["template"]["metadata"]["annotations"]["checksum/config"] != epp["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
     wait_for(lambda: len(kube.get("replicasets", None, ns, "-l", "app.kubernetes.io/component=epp")["items"]) == 2,
-             "a second EPP ReplicaSet (the rollout)")
+             "a second EPP ReplicaSet (the rollout)", timeout_s=60)
     assert (_uid(kube, "crd", KVCP_CRD), _uid(kube, "crd", IP_CRD)) == before["crds"]
     assert (_uid(kube, "inferencepool", "user-pool", ns), _uid(kube, "kvcachepool", "llama", ns)) == before["objs"]
     assert _secret(kube, ns) == before["secret"]
@@ -119,7 +120,7 @@ def test_uninstall_removes_workloads_and_keeps_crds_objects_and_secret(kube: Kub
         assert not kube.exists("serviceaccount", name, ns)
     assert not kube.exists("role", "kvf-kvfleet-operator", ns) and not kube.exists("clusterrole", "kvf-kvfleet-operator")
     # garbage collection (the controller manager) removes the ReplicaSets' pods
-    wait_for(lambda: kube.get("pods", None, ns, "-l", f"app.kubernetes.io/instance={RELEASE}")["items"] == [], "the release's pods to go")
+    wait_for(lambda: kube.get("pods", None, ns, "-l", f"app.kubernetes.io/instance={RELEASE}")["items"] == [], "the release's pods to go", timeout_s=60)
     assert kube.exists("crd", KVCP_CRD) and kube.exists("crd", IP_CRD)
     assert kube.exists("kvcachepool", "kept", ns)
     assert _secret(kube, ns) == secret  # helm.sh/resource-policy: keep

@@ -36,8 +36,9 @@ from kvfleet.operator.handlers import Runtime
 from kvfleet.operator.kube import FIELD_MANAGER, ApiClient
 from kvfleet.operator.manifests import ANN_CONFIG_HASH, ANN_ROUTING, LABEL_AGENT, LABEL_POOL, LABEL_SHARD
 from tests.cluster.conftest import KVCP_CRD, Kube
+from tests.conftest import eventually
 from tests.operator import samples
-from tests.operator.runtime import eventually, running_operator
+from tests.operator.runtime import running_operator
 
 SECRETS = (("kvfleet-transfer", "secret"), ("kv-transfer", "secret"), ("kv-redis", "url"))
 
@@ -109,7 +110,7 @@ async def test_every_sample_reconciles_into_owned_applied_children(operator: Run
     name = body["metadata"]["name"]
     created = await api.create(body)
     uid = created["metadata"]["uid"]
-    pool = await eventually(lambda: _status_with(api, ns, name, "observedGeneration", 1))
+    pool = await eventually(lambda: _status_with(api, ns, name, "observedGeneration", 1), f"{name} reconciled")
     live = {}
     for kind, cname in _children(body["spec"], name):
         obj = await api.get(kind, ns, cname)
@@ -136,11 +137,11 @@ async def test_every_sample_reconciles_into_owned_applied_children(operator: Run
     async def checked_sound() -> bool:
         return operator.pool_problems.get((ns, name)) == ()
 
-    await eventually(checked_sound)
+    await eventually(checked_sound, f"InferencePool {name} checked, with no problem")
 
     # A resync (kopf's resume on a restart) applies the same rendering: no object gets a new revision.
     await api.patch("KVCachePool", ns, name, {"metadata": {"annotations": {"test/touch": "1"}}})
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(2.0)  # a time gap: the resync has had time to write, if it were going to
     for (kind, cname), rv in live.items():
         assert (await api.get(kind, ns, cname))["metadata"]["resourceVersion"] == rv, f"{kind}/{cname} rewritten in a steady state"
 
@@ -150,7 +151,7 @@ async def test_removed_tier_fields_disappear_and_foreign_fields_stay(operator: R
     tier settings go; an annotation another manager put on the Deployment stays (server-side apply field ownership)."""
     tiers = [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "1Gi"}, {"name": "ssd", "capacity": "4Gi"}]
     await api.create(samples.kvcachepool("conv", ns, tiers=tiers))
-    await eventually(lambda: _status_with(api, ns, "conv", "observedGeneration", 1))
+    await eventually(lambda: _status_with(api, ns, "conv", "observedGeneration", 1), "conv reconciled")
     dep = await api.get("Deployment", ns, "conv-p0-unified")
     vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     assert "sizeLimit" in vols["shm"]["emptyDir"] and "ssd" in vols
@@ -160,7 +161,7 @@ async def test_removed_tier_fields_disappear_and_foreign_fields_stay(operator: R
     before = dep["spec"]["template"]["metadata"]["annotations"][ANN_CONFIG_HASH]
 
     await api.patch("KVCachePool", ns, "conv", {"spec": {"tiers": [{"name": "gpu", "gpuShare": 0.8}]}})
-    await eventually(lambda: _status_with(api, ns, "conv", "observedGeneration", 2))
+    await eventually(lambda: _status_with(api, ns, "conv", "observedGeneration", 2), "conv's tier change reconciled")
     dep = await api.get("Deployment", ns, "conv-p0-unified")
     spec = dep["spec"]["template"]["spec"]
     vols = {v["name"]: v for v in spec["volumes"]}
@@ -178,7 +179,7 @@ async def test_fields_an_earlier_rendering_set_are_removed(operator: Runtime, ap
     operator version's annotation), and after an earlier kvfleet that wrote by merge patch (manager kvfleet-operator,
     operation Update, migrated to Apply as client-go's csaupgrade does). A merge patch of the rendering left both."""
     await api.create(samples.kvcachepool("old", ns))
-    await eventually(lambda: _status_with(api, ns, "old", "observedGeneration", 1))
+    await eventually(lambda: _status_with(api, ns, "old", "observedGeneration", 1), "old reconciled")
     pki = control_plane.pki
     older = ApiClient(kopf.ConnectionInfo(server=control_plane.server, ca_path=str(pki / "ca.crt"), certificate_path=str(pki / "admin.crt"),
                                           private_key_path=str(pki / "admin.key")), field_manager=FIELD_MANAGER)
@@ -193,7 +194,7 @@ async def test_fields_an_earlier_rendering_set_are_removed(operator: Runtime, ap
     cm = await api.get("ConfigMap", ns, "old-p0")
     assert {(m["manager"], m["operation"]) for m in cm["metadata"]["managedFields"]} >= {(FIELD_MANAGER, "Update")}
     await api.patch("KVCachePool", ns, "old", {"spec": {"roles": {"unified": {"replicas": 2}}}})
-    await eventually(lambda: _status_with(api, ns, "old", "observedGeneration", 2))
+    await eventually(lambda: _status_with(api, ns, "old", "observedGeneration", 2), "old's replica change reconciled")
     for kind in ("Service", "ConfigMap"):
         obj = await api.get(kind, ns, "old-p0")
         assert "kvfleet.io/rendered-by-v0" not in (obj["metadata"].get("annotations") or {}), (kind, obj["metadata"])
@@ -203,7 +204,7 @@ async def test_fields_an_earlier_rendering_set_are_removed(operator: Runtime, ap
 
 async def test_scale_down_prunes_the_extra_shard_by_label(operator: Runtime, api: ApiClient, ns: str) -> None:
     await api.create(samples.kvcachepool("llama", ns, pools=2))
-    await eventually(lambda: api.get_or_none("Deployment", ns, "llama-p1-unified"))
+    await eventually(lambda: api.get_or_none("Deployment", ns, "llama-p1-unified"), "the second shard's Deployment")
     await api.patch("KVCachePool", ns, "llama", {"spec": {"pools": 1, "roles": {"unified": {"replicas": 3}}}})
 
     async def scaled() -> bool:
@@ -213,7 +214,7 @@ async def test_scale_down_prunes_the_extra_shard_by_label(operator: Runtime, api
         assert yaml.safe_load(ip["metadata"]["annotations"][ANN_ROUTING])["shards"] == 1
         return bool((await api.get("Deployment", ns, "llama-p0-unified"))["spec"]["replicas"] == 3)
 
-    await eventually(scaled)
+    await eventually(scaled, "the scale-down to one shard")
     assert (await api.get("KVCachePool", ns, "llama"))["status"]["pools"] == 1
     # a labelled object that the pool does not control is never pruned
     assert await api.get_or_none("Service", ns, "llama-p0") is not None
@@ -245,7 +246,7 @@ async def test_upgrade_from_one_inferencepool_per_shard(ns: str, admin_env: Cont
             assert obj["status"]["inferencePools"] == ["llama"] and obj["status"]["pools"] == 2
             return True
 
-        await eventually(upgraded)
+        await eventually(upgraded, "one InferencePool in place of the per-shard ones")
         assert await api.get_or_none("InferencePool", ns, "llama-p2") is not None  # not ours: kept
         assert await api.get_or_none("Service", ns, "llama-p1") is not None  # shards stay pod subsets with their Services
 
@@ -262,12 +263,12 @@ async def test_child_name_taken_by_another_owner_is_left_alone(operator: Runtime
         obj = await api.get("KVCachePool", ns, "llama")
         return obj if _cond(obj, "Degraded").get("reason") == "ForeignOwner" else None
 
-    obj = await eventually(degraded)
+    obj = await eventually(degraded, "Degraded=ForeignOwner")
     assert "Service" in _cond(obj, "Degraded")["message"] and "llama-p0" in _cond(obj, "Degraded")["message"]
     svc = await api.get("Service", ns, "llama-p0")
     assert svc["metadata"]["labels"] == {"app": "theirs"} and svc["spec"]["ports"][0]["port"] == 80
     assert all(m["manager"] != FIELD_MANAGER for m in svc["metadata"].get("managedFields") or [])
-    await eventually(lambda: _events(api, ns, "ForeignOwner"))
+    await eventually(lambda: _events(api, ns, "ForeignOwner"), "a ForeignOwner Event")
 
 
 async def test_missing_secret_is_a_clear_condition(operator: Runtime, api: ApiClient, ns: str) -> None:
@@ -280,13 +281,13 @@ async def test_missing_secret_is_a_clear_condition(operator: Runtime, api: ApiCl
         obj = await api.get("KVCachePool", ns, "llama")
         return obj if _cond(obj, "Ready").get("reason") == "SecretNotFound" else None
 
-    obj = await eventually(blocked)
+    obj = await eventually(blocked, "Ready=False with reason SecretNotFound")
     msg = _cond(obj, "Degraded")["message"]
     assert "'late-redis'" in msg and "urlSecretRef" in msg and _cond(obj, "Degraded")["status"] == "True"
-    await eventually(lambda: _events(api, ns, "SecretNotFound"))
+    await eventually(lambda: _events(api, ns, "SecretNotFound"), "a SecretNotFound Event")
     assert await api.get_or_none("Deployment", ns, "llama-p0-unified") is None
     await api.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "late-redis", "namespace": ns}, "stringData": {"url": "x"}})
-    await eventually(lambda: api.get_or_none("Deployment", ns, "llama-p0-unified"))
+    await eventually(lambda: api.get_or_none("Deployment", ns, "llama-p0-unified"), "the Deployment once the Secret exists")
 
 
 @pytest.fixture()
@@ -325,10 +326,10 @@ async def test_spec_that_bypassed_admission_is_invalid_without_retry_loop(
         obj = await api.get("KVCachePool", ns, "llama")
         return obj if _cond(obj, "InvalidSpec").get("status") == "True" else None
 
-    pool = await eventually(invalid)
+    pool = await eventually(invalid, "InvalidSpec=True")
     assert message in _cond(pool, "InvalidSpec")["message"]
     assert _cond(pool, "Ready")["reason"] == "InvalidSpec"
-    await eventually(lambda: _events(api, ns, "InvalidSpec"))
+    await eventually(lambda: _events(api, ns, "InvalidSpec"), "an InvalidSpec Event")
     await asyncio.sleep(2.0)  # several status intervals and retry back-offs
     (event,) = await _events(api, ns, "InvalidSpec")
     assert int(event.get("count") or 1) == 1
@@ -340,18 +341,19 @@ async def test_spec_that_bypassed_admission_is_invalid_without_retry_loop(
         obj = await api.get("KVCachePool", ns, "llama")
         return obj if _cond(obj, "InvalidSpec").get("status") == "False" and obj["status"].get("observedGeneration") == 2 else None
 
-    await eventually(recovered)
+    await eventually(recovered, "the fixed spec reconciled")
     assert await api.get_or_none("Deployment", ns, "llama-p0-unified") is not None
 
 
 async def test_delete_releases_the_finalizer_and_garbage_collects_children(operator: Runtime, api: ApiClient, ns: str, kube: Kube) -> None:
     body = samples.kvcachepool("gc", ns, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, transfer={"backends": ["tcp"]})
     await api.create(body)
-    await eventually(lambda: _status_with(api, ns, "gc", "inferencePools"))
+    await eventually(lambda: _status_with(api, ns, "gc", "inferencePools"), "gc reconciled")
     children = _children(body["spec"], "gc")
     for kind, name in children:
         assert await api.get_or_none(kind, ns, name) is not None
-    await eventually(lambda: asyncio.to_thread(lambda: len(kube.get("replicasets", None, ns, "-l", f"{LABEL_POOL}=gc")["items"]) == 2))
+    await eventually(lambda: asyncio.to_thread(lambda: len(kube.get("replicasets", None, ns, "-l", f"{LABEL_POOL}=gc")["items"]) == 2),
+                     "gc's two ReplicaSets")
     await api.delete("KVCachePool", ns, "gc")
 
     async def collected() -> bool:
@@ -362,7 +364,7 @@ async def test_delete_releases_the_finalizer_and_garbage_collects_children(opera
         assert not replicasets["items"], "ReplicaSets not garbage-collected"
         return True
 
-    await eventually(collected, timeout=90)
+    await eventually(collected, "gc and its children gone", timeout_s=90)
 
 
 async def test_user_inferencepool_is_checked(operator: Runtime, api: ApiClient, ns: str) -> None:
@@ -378,7 +380,7 @@ async def test_user_inferencepool_is_checked(operator: Runtime, api: ApiClient, 
                     if (e.get("involvedObject") or {}).get("name") == "user-pool"]
         return messages if len(messages) >= 2 else None
 
-    messages = await eventually(warned)
+    messages = await eventually(warned, "two InvalidInferencePool Events on user-pool")
     assert any("9999" in m for m in messages), messages
     assert any("vllm-0" in m and "agent" in m for m in messages), messages
     await api.patch("InferencePool", ns, "user-pool", {"metadata": {"annotations": {"test/touch": "1"}}})
@@ -404,8 +406,8 @@ async def test_what_the_engine_version_cannot_do_is_an_invalid_spec(operator: Ru
         obj = await api.get("KVCachePool", ns, "mc")
         return obj if _cond(obj, "InvalidSpec").get("status") == "True" else None
 
-    msg = _cond(await eventually(invalid), "InvalidSpec")["message"]
+    msg = _cond(await eventually(invalid, "InvalidSpec=True"), "InvalidSpec")["message"]
     assert "transfer.backends" in msg and "MooncakeConnector" in msg and "0.11.0" in msg, msg
     assert await api.get_or_none("Deployment", ns, "mc-p0-prefill") is None
     await api.patch("KVCachePool", ns, "mc", {"spec": {"engine": {"image": "vllm/vllm-openai:v0.33.0"}}})
-    await eventually(lambda: api.get_or_none("Deployment", ns, "mc-p0-prefill"))
+    await eventually(lambda: api.get_or_none("Deployment", ns, "mc-p0-prefill"), "the pool on vLLM 0.33 rendered")

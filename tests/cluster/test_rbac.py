@@ -30,7 +30,8 @@ import pytest
 
 from e2e.controlplane.cluster import ControlPlane
 from kvfleet.demo.envoy import free_port
-from tests.cluster.conftest import CHART, RESTRICTED, Kube, wait_for
+from tests.cluster.conftest import CHART, RESTRICTED, Kube
+from tests.conftest import wait_for
 from tests.operator import samples
 
 RELEASE = "kvr"
@@ -119,7 +120,7 @@ def _operator(kube: Kube, cp: ControlPlane, ns: str, tmp: Path) -> Iterator[Path
         try:
             def alive() -> bool:
                 if proc.poll() is not None:
-                    raise AssertionError(f"the operator exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+                    pytest.fail(f"the operator exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
                 with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
                     return bool(r.status == 200)
                 return False
@@ -161,11 +162,11 @@ def test_operator_reconciles_as_its_service_account(kube: Kube, control_plane: C
             owners = kube.get(kind, name, ns)["metadata"]["ownerReferences"]
             assert owners[0]["uid"] == live["metadata"]["uid"] and owners[0]["blockOwnerDeletion"] is True
         # its engine pods pass Pod Security "restricted" and ServiceAccount admission (created by the ReplicaSets)
-        wait_for(lambda: len(kube.get("pods", None, ns, "-l", "kvfleet.io/pool=sim-pd")["items"]) == 2, "the pool's two pods")
+        wait_for(lambda: len(kube.get("pods", None, ns, "-l", "kvfleet.io/pool=sim-pd")["items"]) == 2, "the pool's two pods", timeout_s=60)
         # it reads pods to check an InferencePool naming the EPP (here with a wrong EPP port) and posts a Warning Event
         kube.apply([samples.inferencepool("user-pool", ns, selector={"matchLabels": {"kvfleet.io/pool": "sim-pd"}},
                                           endpointPickerRef={"name": EPP, "port": {"number": 9999}})])
-        wait_for(lambda: any("9999" in m for m in _warnings(kube, ns, "user-pool")), "the operator's warning about user-pool")
+        wait_for(lambda: any("9999" in m for m in _warnings(kube, ns, "user-pool")), "the operator's warning about user-pool", timeout_s=60)
         assert _warnings(kube, ns, "sim-pd") == []  # its own InferencePool is sound
 
         kube.kubectl("delete", "kvcachepool", "sim-pd", "-n", ns, "--wait=false")
@@ -199,14 +200,14 @@ def test_epp_watches_as_its_service_account(kube: Kube, control_plane: ControlPl
             found = [p for p in ds.pools() if p.name == "watched"]
             return list(found[0].pods) if found else None
 
-        wait_for(ds.has_synced, "the EPP's first lists")
-        wait_for(lambda: pods() is not None, "the InferencePool in the EPP")
+        wait_for(ds.has_synced, "the EPP's first lists", timeout_s=60)
+        wait_for(lambda: pods() is not None, "the InferencePool in the EPP", timeout_s=60)
         assert [p.ready for p in pods() or []] in ([], [False])
         kube.kubectl("patch", "pod", "engine-0", "-n", ns, "--subresource=status", "--type=merge", "-p",
                      '{"status": {"podIP": "10.1.2.3", "podIPs": [{"ip": "10.1.2.3"}], "conditions": [{"type": "Ready", "status": "True"}]}}')
         wait_for(lambda: [(p.address, p.port, p.role, p.ready) for p in pods() or []] == [("10.1.2.3", 8000, "decode", True)],
-                 "the pod ready in the EPP")
+                 "the pod ready in the EPP", timeout_s=60)
         kube.kubectl("delete", "pod", "engine-0", "-n", ns, "--grace-period=0", "--force")
-        wait_for(lambda: [p for p in pods() or [] if p.ready] == [], "the pod gone from the EPP")
+        wait_for(lambda: [p for p in pods() or [] if p.ready] == [], "the pod gone from the EPP", timeout_s=60)
     finally:
         ds.stop()

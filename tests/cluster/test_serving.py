@@ -25,7 +25,8 @@ import pytest
 from e2e.controlplane.cluster import ControlPlane, Unavailable
 from e2e.controlplane.node import Node
 from e2e.kind.check import cached, check_pd, check_prefix_routing, complete
-from tests.cluster.conftest import CHART, RESTRICTED, ROOT, Kube, wait_for
+from tests.cluster.conftest import CHART, RESTRICTED, ROOT, Kube
+from tests.conftest import wait_for
 
 RELEASE = "kvs"
 POOLS = ROOT / "e2e" / "kind" / "kvcachepool.yaml"

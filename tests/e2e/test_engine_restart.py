@@ -13,7 +13,6 @@ the prompt's recovered blocks for it in the SSD tier.
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from kvfleet.demo.stack import ProcessStack, plan_pods
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.ingest import PodEventApplier
 from kvfleet.epp.subscriber import EventSubscriber
+from tests.conftest import wait_for
 from tests.e2e.conftest import MODEL, Fleet, http_json, scrape
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -98,10 +98,11 @@ def test_restarted_engine_serves_from_its_ssd_tier(tmp_path: Path) -> None:
 
 
 def wait_index(probe: Callable[[], bool], idx: BlockIndex, keys: list[int], pod: str, sub: EventSubscriber) -> None:
-    deadline = time.monotonic() + 20
-    while not probe():
-        assert time.monotonic() < deadline, f"EPP index: {held(idx, keys, pod)} blocks held, {on_ssd(idx, keys, pod)} on SSD, {sub.stats[pod]}"
-        time.sleep(0.1)
+    def indexed() -> bool:
+        assert probe(), f"EPP index: {held(idx, keys, pod)} blocks held, {on_ssd(idx, keys, pod)} on SSD, {sub.stats.get(pod)}"
+        return True
+
+    wait_for(indexed, f"the EPP's index of {pod}", timeout_s=20, interval_s=0.1)
 
 
 def on_ssd(idx: BlockIndex, keys: list[int], pod: str) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import wait_for
 from tests.e2e.conftest import MODEL, Fleet, http_json, scrape
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -49,20 +50,20 @@ def wait_routed_with_cache(fleet: Fleet, prefix: list[int], want_pod: str, timeo
     """Send prefix + a new suffix until the EPP predicts a hit and the answer comes from ``want_pod``
     with cached tokens (so the pick was prefix-aware, not luck); returns the wait."""
     t0 = time.monotonic()
-    last: tuple[int, object, dict[str, str]] = (0, None, {})
-    while time.monotonic() - t0 < timeout_s:
+
+    def routed() -> tuple[dict[str, str], Any]:
         predicted = predicted_hits(fleet)
         st, body, hdrs = fleet.complete(prefix + fresh_prompt(20))
-        last = (st, body, hdrs)
-        if (
+        assert (
             st == 200
             and hdrs.get("x-kvfleet-pod") == want_pod
             and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             and predicted_hits(fleet) > predicted
-        ):
-            return time.monotonic() - t0, hdrs, body
-        time.sleep(0.2)
-    raise AssertionError(f"not routed to {want_pod} with a cache hit within {timeout_s}s; last answer {last}")
+        ), f"answer {(st, body, hdrs)}"
+        return hdrs, body
+
+    hdrs, body = wait_for(routed, f"a request routed to {want_pod} with a cache hit", timeout_s=timeout_s, interval_s=0.2)
+    return time.monotonic() - t0, hdrs, body
 
 
 def test_shared_prefix_lands_on_its_pod_and_is_cached(fleet: Fleet) -> None:
@@ -137,7 +138,7 @@ def test_client_supplied_pd_controls_are_refused(fleet: Fleet) -> None:
             st, body, _ = http_json(f"http://127.0.0.1:{p.port}/v1/completions", {"model": MODEL, "prompt": fresh_prompt(40),
                                     "max_tokens": 1}, headers={"x-prefiller-host-port": attacker})
             assert st == 403 if p.role != "prefill" else st == 200, body
-        time.sleep(0.3)
+        time.sleep(0.3)  # a time gap: a connection to the attacker, had one been made, would have arrived
         assert accepted == [], "an engine connected to a prefiller outside its pool"
     finally:
         stop.set()
@@ -159,10 +160,15 @@ def test_epp_down_fails_closed_then_restart_rebuilds_the_index(fleet: Fleet, cap
     t0 = time.monotonic()
     fleet.start_epp()
     waited, _, _ = wait_routed_with_cache(fleet, prefix, holder, timeout_s=30)
-    while counter(fleet.epp_metrics(), "kvfleet_epp_index_entries") < len(prefix) // 16:
-        assert time.monotonic() - t0 < 30, "the EPP did not rebuild its index from the engines' KV events"
+
+    def index_rebuilt() -> bool:
+        if counter(fleet.epp_metrics(), "kvfleet_epp_index_entries") >= len(prefix) // 16:
+            return True
         fleet.complete(fresh_prompt(20))  # an idle pod publishes nothing; any event lets the EPP see its gap
-        time.sleep(0.2)
+        return False
+
+    wait_for(index_rebuilt, "the EPP's index rebuilt from the engines' KV events", timeout_s=max(0.0, 30 - (time.monotonic() - t0)),
+             interval_s=0.2)
     wait_routed_with_cache(fleet, prefix, holder, timeout_s=10)
     rebuilt = time.monotonic() - t0
     with capsys.disabled():

@@ -140,7 +140,7 @@ async def test_a_non_member_prefiller_is_refused_without_a_connection(
         assert out["error"]["type"] == "permission_error" and out["error"]["param"] == PREFILLER_HEADER
         assert "engine.prefill_peers" in out["error"]["message"]
         assert eng.server.sched.stats.prompt_tokens == 0
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a time gap: a connection to the prefiller, had one been made, would have arrived
     assert listener.accepted == 0
 
 
@@ -153,7 +153,7 @@ async def test_without_a_transfer_secret_pd_is_refused(
     st, out, _ = await decode.post("/v1/completions", body(range(64)), headers={PREFILLER_HEADER: listener.host_port})
     assert st == 403 and is_openai_error(out, 403), out
     assert "transfer secret" in out["error"]["message"] and "KVFLEET_TRANSFER_SECRET" in out["error"]["message"]
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a time gap: a connection to the prefiller, had one been made, would have arrived
     assert listener.accepted == 0
 
 
@@ -184,7 +184,7 @@ async def test_hostile_header_values_are_a_400(make_engine: EngineFactory, pool_
     ) as r:
         assert r.status == 400
     assert decode.server.sched.stats.prompt_tokens == 0
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a time gap: a connection to the prefiller, had one been made, would have arrived
     assert listener.accepted == 0
 
 

@@ -16,8 +16,9 @@ import zmq.asyncio
 
 from kvfleet.agent.publisher import END_SEQ
 from kvfleet.cache import kvwire
-from kvfleet.cache.events import BlockStored, decode_batch
+from kvfleet.cache.events import BlockStored, KVEventBatch, decode_batch
 from kvfleet.cache.hashing import BlockHasher
+from tests.conftest import eventually
 from tests.engine.conftest import EngineFactory
 
 
@@ -82,7 +83,7 @@ async def test_reset_drops_older_history_from_replay(make_engine: EngineFactory,
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(f"tcp://127.0.0.1:{es.kv_events_replay_port}")
     try:
-        for _ in range(50):  # the publisher thread applies the reset asynchronously
+        async def replay_from_the_reset() -> list[tuple[int, KVEventBatch]] | None:
             await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             batches = []
             while True:
@@ -90,9 +91,11 @@ async def test_reset_drops_older_history_from_replay(make_engine: EngineFactory,
                 if seq == kvwire.END:
                     break
                 batches.append((seq, decode_batch(payload)))
-            if batches and any(isinstance(e, AllBlocksCleared) for e in batches[0][1].events):
-                break
-            await asyncio.sleep(0.05)
+            return batches if batches and any(isinstance(e, AllBlocksCleared) for e in batches[0][1].events) else None
+
+        # the publisher thread applies the reset asynchronously
+        batches = await eventually(replay_from_the_reset, "a replay starting at the reset's AllBlocksCleared", timeout_s=5,
+                                   interval_s=0.05)
         assert batches[0][0] > 0, "sequence numbers keep counting across a reset"
         first = batches[0][1].events
         cleared = next(i for i, e in enumerate(first) if isinstance(e, AllBlocksCleared))

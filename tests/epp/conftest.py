@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,12 +62,3 @@ def envoy_factory() -> Iterator[Callable[..., EnvoyProcess]]:
         if e.proc is not None and e.proc.poll() is not None and e.proc.returncode not in (0, -15):
             pytest.fail(f"envoy died with {e.proc.returncode}: {e.log()[-2000:]}")
         e.stop()
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")

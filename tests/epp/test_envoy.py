@@ -19,7 +19,7 @@ import pytest
 
 from kvfleet.demo.envoy import EnvoyProcess, free_port
 from kvfleet.epp.app import Epp
-from tests.epp.conftest import wait_for
+from tests.conftest import wait_for
 from tests.epp.pods import PodFleet, post, request
 
 pytestmark = pytest.mark.e2e

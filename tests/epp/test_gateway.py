@@ -29,7 +29,8 @@ from kvfleet.epp.app import Epp
 from kvfleet.epp.datastore import StaticDatastore
 from kvfleet.epp.protocol import CLIENT_REFUSED_HEADERS, CLIENT_STRIPPED_HEADERS
 from kvfleet.epp.server import EXT_PROC_SERVICE, LIVENESS, READINESS, health_check
-from tests.epp.conftest import make_epp, wait_for
+from tests.conftest import wait_for
+from tests.epp.conftest import make_epp
 from tests.epp.pods import PodFleet, post
 
 pytestmark = pytest.mark.e2e

@@ -38,7 +38,7 @@ from kvfleet.epp.scheduling.gie import (
     prompt_bytes,
 )
 from kvfleet.epp.tokenize import load_tokenizer
-from tests.epp.conftest import wait_for
+from tests.conftest import wait_for
 from tests.epp.pods import PodFleet, post
 
 BLOCK = 16 * 4  # GIE's default block: 16 tokens × 4 characters

@@ -28,7 +28,7 @@ from kvfleet.epp.gossip import MAX_BYTES, MAX_KEYS, VERSION, ReplicaGossip, reso
 from kvfleet.epp.index import BlockIndex, spec_positions
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.protocol import InferenceRequest
-from tests.epp.conftest import wait_for
+from tests.conftest import wait_for
 from tests.epp.pods import PodFleet
 
 PROMPT = "a long shared system prompt for the burst " * 30
@@ -42,7 +42,7 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Ca
     # ZMQ's slow joiner: probe picks from A until B applies one (B's SUB has connected to A's PUB)
     probe = [1, 2, 3]
     wait_for(lambda: a.index.add_speculative(fleet.pods[0].name, probe, 1.0) is not None and b.gossip is not None
-          and b.gossip.picks_in["applied"] > 0, timeout=10.0, what="B to hear A")
+          and b.gossip.picks_in["applied"] > 0, timeout_s=10.0, what="B to hear A")
 
     req = InferenceRequest(model="m", prompt=PROMPT)
     keys = b.router.keys_of(b.router.tokens_of(req), None)
@@ -50,7 +50,7 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Ca
     assert b.index.match(keys, pods) == {}  # nothing on B: no KV event exists, B made no pick
     first = a.router.route(req)
     assert first.predicted_hit_tokens == 0
-    wait_for(lambda: getattr(b.index.match(keys, pods).get(first.pod), "blocks", 0) == len(keys), timeout=10.0, what="A's pick on B")
+    wait_for(lambda: getattr(b.index.match(keys, pods).get(first.pod), "blocks", 0) == len(keys), timeout_s=10.0, what="A's pick on B")
     spec = b.index.match(keys, pods)[first.pod]
     assert spec.speculative == spec.blocks == len(keys) and set(b.index.match(keys, pods)) == {first.pod}
     again = b.router.route(req)
@@ -60,7 +60,7 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Ca
     assert 'kvfleet_epp_gossip_picks_total{direction="in",result="applied"}' in text
     assert 'kvfleet_epp_gossip_peers 1.0' in text
     assert a.gossip.picks_out["sent"] >= 2 and a.gossip.picks_out["dropped"] == 0
-    wait_for(lambda: b.gossip is not None and b.gossip.picks_out["sent"] >= 1, timeout=10.0, what="B's own pick shared")
+    wait_for(lambda: b.gossip is not None and b.gossip.picks_out["sent"] >= 1, timeout_s=10.0, what="B's own pick shared")
 
 
 def test_in_flight_load_on_one_replica_counts_on_the_other(
@@ -71,29 +71,29 @@ def test_in_flight_load_on_one_replica_counts_on_the_other(
     a = epp_factory(gossip_port=pa, gossip_peers=[f"127.0.0.1:{pb}"])
     b = epp_factory(gossip_port=pb, gossip_peers=[f"127.0.0.1:{pa}"])
     assert a.gossip is not None and b.gossip is not None
-    wait_for(lambda: b.gossip is not None and b.gossip.live_peers == 1, timeout=10.0, what="B to hear A's heartbeat")
+    wait_for(lambda: b.gossip is not None and b.gossip.live_peers == 1, timeout_s=10.0, what="B to hear A's heartbeat")
 
     decisions = [a.router.route(InferenceRequest(model="m", prompt=f"request {i} " * 50)) for i in range(6)]
     mine = {d.pod: a.tracker.load(d.pod) for d in decisions}
     assert sum(n for n, _, _ in mine.values()) == 6
     # B has routed nothing, yet sees A's six requests in flight with their pending prefill work
-    wait_for(lambda: {pod: b.tracker.load(pod) for pod in mine} == mine, timeout=10.0, what="A's tickets on B")
+    wait_for(lambda: {pod: b.tracker.load(pod) for pod in mine} == mine, timeout_s=10.0, what="A's tickets on B")
     assert b.tracker.remote_count() == 6 and "kvfleet_epp_remote_tickets 6.0" in _metrics(b)
     for d in decisions[:3]:
         assert d.ticket is not None
         d.ticket.first_byte()  # prefill done: pending work ends, still in flight
-    wait_for(lambda: sum(b.tracker.load(p)[2] for p in mine) == 3, timeout=10.0, what="first tokens on B")
+    wait_for(lambda: sum(b.tracker.load(p)[2] for p in mine) == 3, timeout_s=10.0, what="first tokens on B")
     assert sum(b.tracker.load(p)[0] for p in mine) == 6
     for d in decisions[:4]:
         assert d.ticket is not None
         d.ticket.close()
-    wait_for(lambda: b.tracker.remote_count() == 2, timeout=10.0, what="closes on B")
+    wait_for(lambda: b.tracker.remote_count() == 2, timeout_s=10.0, what="closes on B")
     assert sum(b.tracker.load(p)[0] for p in mine) == 2
     assert a.tracker.remote_count() == 0  # B sent no tickets of its own
     # A stops (as a killed replica): after SILENT_S without a heartbeat, B closes A's remaining requests
     assert a.gossip is not None
     a.gossip.stop()
-    wait_for(lambda: b.tracker.remote_count() == 0, timeout=10.0, what="B to forget silent A")
+    wait_for(lambda: b.tracker.remote_count() == 0, timeout_s=10.0, what="B to forget silent A")
     assert all(b.tracker.load(p) == (0, 0.0, 0) for p in mine) and b.gossip.peers_gone == 1
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from kvfleet.demo.envoy import EnvoyProcess, free_port
 from kvfleet.epp.podmetrics import MetricsScraper, MetricsStore
-from tests.epp.conftest import wait_for
+from tests.conftest import wait_for
 from tests.epp.pods import PodFleet, post
 
 pytestmark = pytest.mark.e2e
@@ -73,7 +73,7 @@ def test_dead_pod_is_out_within_two_seconds_and_back_when_it_answers(
     started = time.monotonic()
     epp = Epp(settings, datastore=StaticDatastore(data=data)).start()
     try:
-        wait_for(lambda: epp.store.down("ghost"), timeout=2.0, what="the dead pod out of rotation")
+        wait_for(lambda: epp.store.down("ghost"), timeout_s=2.0, what="the dead pod out of rotation", interval_s=0.02)
         out_after = time.monotonic() - started
         print(f"[health] dead pod out of rotation {out_after:.2f}s after the picker started")
         env = envoy_factory(epp_port=epp.grpc_port)
@@ -84,7 +84,7 @@ def test_dead_pod_is_out_within_two_seconds_and_back_when_it_answers(
         server = ThreadingHTTPServer(("127.0.0.1", ghost_port), Revenant)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
-            wait_for(lambda: not epp.store.down("ghost"), timeout=3.0, what="the pod back in rotation")
+            wait_for(lambda: not epp.store.down("ghost"), timeout_s=3.0, what="the pod back in rotation")
             got = [post(url, {"model": "m", "prompt": f"again {i}"}) for i in range(8)]
             assert "ghost" in {h.get("x-pod") for _, h, _ in got} and Revenant.served
         finally:
@@ -166,7 +166,7 @@ def test_a_dropped_kv_event_connection_takes_the_pod_out_at_once(fleet: PodFleet
         assert not epp.store.down("doomed")
         pub.close(0)
         t0 = time.monotonic()
-        wait_for(lambda: epp.store.down("doomed"), timeout=2.0, what="the pod out of rotation")
+        wait_for(lambda: epp.store.down("doomed"), timeout_s=2.0, what="the pod out of rotation", interval_s=0.02)
         print(f"[health] out of rotation {1000 * (time.monotonic() - t0):.0f} ms after its KV-event socket closed")
     finally:
         epp.stop()

@@ -16,8 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import socket
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import pytest
 import yaml
 
 from kvfleet.epp.kube import KubernetesDatastore, pools_from_objects
+from tests.conftest import eventually
 from tests.kmockapi import serve
 
 GIE_NO_REF = Path(__file__).parents[1] / "operator/data/gie-v1.6.0/conformance/tests/inferencepool_missing_epp_ref.yaml"
@@ -53,13 +53,6 @@ def pod(name: str, ip: str, ready: bool = True, labels: dict[str, str] | None = 
     }
 
 
-async def eventually(pred: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "datastore did not follow the API"
-        await asyncio.sleep(0.05)
-
-
 async def test_pools_follow_the_api(kubeconfig: Path) -> None:
     """Pools appear from InferencePools, pods join and leave as they are created and deleted."""
     from kubernetes import client, config
@@ -76,13 +69,13 @@ async def test_pools_follow_the_api(kubeconfig: Path) -> None:
     await asyncio.to_thread(core.create_namespaced_pod, "ns", pod("a", "10.0.0.1"))  # type: ignore[arg-type]
     ds = await asyncio.to_thread(KubernetesDatastore, "ns", 0.2, api)
     try:
-        await eventually(lambda: bool(ds.pools()) and [p.name for p in ds.pools()[0].pods] == ["a"])
-        await eventually(ds.has_synced)
+        await eventually(lambda: bool(ds.pools()) and [p.name for p in ds.pools()[0].pods] == ["a"], "the pool with pod a")
+        await eventually(ds.has_synced, "the datastore's first lists")
         assert ds.pools()[0].models == ("m",) and ds.pools()[0].pods[0].endpoint == "10.0.0.1:8000"
         await asyncio.to_thread(core.create_namespaced_pod, "ns", pod("b", "10.0.0.2"))  # type: ignore[arg-type]
-        await eventually(lambda: [p.name for p in ds.pools()[0].pods] == ["a", "b"])
+        await eventually(lambda: [p.name for p in ds.pools()[0].pods] == ["a", "b"], "pod b joining")
         await asyncio.to_thread(core.delete_namespaced_pod, "a", "ns")
-        await eventually(lambda: [p.name for p in ds.pools()[0].pods] == ["b"])
+        await eventually(lambda: [p.name for p in ds.pools()[0].pods] == ["b"], "pod a leaving")
     finally:
         ds.stop()
 
@@ -98,7 +91,7 @@ async def test_not_synced_until_both_lists_are_in() -> None:
     cfg.retries = 0
     ds = await asyncio.to_thread(KubernetesDatastore, "ns", 0.1, client.ApiClient(cfg))
     try:
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # a time gap: several failed lists (back-off 0.1 s)
         assert not ds.has_synced() and ds.pools() == ()
     finally:
         ds.stop()
@@ -167,8 +160,9 @@ async def test_watch_keeps_only_this_pickers_pools(kubeconfig: Path) -> None:
     await asyncio.to_thread(core.create_namespaced_pod, "ns", pod("a", "10.0.0.1", labels={"kvfleet.io/shard": "1"}))  # type: ignore[arg-type]
     ds = await asyncio.to_thread(KubernetesDatastore, "ns", 0.2, api, "kvfleet-epp")
     try:
-        await eventually(lambda: [(p.name, [(x.name, x.shard) for x in p.pods]) for p in ds.pools()] == [("ours", [("a", "1")])])
+        await eventually(lambda: [(p.name, [(x.name, x.shard) for x in p.pods]) for p in ds.pools()] == [("ours", [("a", "1")])],
+                         "only our pool, with pod a of shard 1")
         await asyncio.to_thread(custom.delete_namespaced_custom_object, "inference.networking.k8s.io", "v1", "ns", "inferencepools", "ours")
-        await eventually(lambda: not ds.pools())
+        await eventually(lambda: not ds.pools(), "no pool left")
     finally:
         ds.stop()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvfleet.demo.envoy import free_port
@@ -17,6 +17,7 @@ from kvfleet.epp.main import main
 from kvfleet.epp.metrics import EppMetrics
 from kvfleet.epp.podmetrics import MetricsStore
 from kvfleet.epp.server import health_check
+from tests.conftest import wait_for
 
 GOLDEN_METRICS = sorted([
     "inference_extension_scheduler_e2e_duration_seconds",
@@ -78,11 +79,12 @@ def test_process_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 20
-        while not health_check(f"127.0.0.1:{health}", 0.5):
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            assert time.monotonic() < deadline, "epp never became healthy"
-            time.sleep(0.1)
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                pytest.fail(f"the EPP exited ({proc.returncode}): {proc.stderr.read().decode() if proc.stderr else ''}")
+            return health_check(f"127.0.0.1:{health}", 0.5)
+
+        wait_for(healthy, "the EPP's gRPC health SERVING", timeout_s=20, interval_s=0.1)
         proc.terminate()
         assert proc.wait(10) == 0
     finally:

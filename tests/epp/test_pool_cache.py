@@ -29,7 +29,7 @@ from kvfleet.epp.podmetrics import MetricsStore
 from kvfleet.epp.protocol import InferenceRequest
 from kvfleet.epp.router import Router
 from kvfleet.epp.tokenize import load_tokenizer
-from tests.epp.conftest import wait_for
+from tests.conftest import wait_for
 from tests.epp.pods import PodFleet, post
 
 PROMPT = "Per-pool block sizes and hashes decide what the index can match. " * 12

@@ -14,6 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvfleet.epp.metrics import EppMetrics
 from kvfleet.epp.server import ExtProcServicer
+from tests.conftest import eventually
 from tests.epp.test_scheduling import router
 
 
@@ -54,8 +55,7 @@ def test_the_pick_runs_on_the_route_thread_while_the_loop_serves_other_streams()
 
     async def main() -> None:
         first = asyncio.ensure_future(_stream(svc, _messages(body)))
-        while not threads:  # the first stream's pick has started and blocks its thread
-            await asyncio.sleep(0.01)
+        await eventually(lambda: threads, "the first stream's pick blocking its thread", timeout_s=10)
         # meanwhile the loop still answers another stream's messages (the headers need no pick)
         headers_only = await asyncio.wait_for(_stream(svc, _messages(body)[:1]), 5)
         assert headers_only == [] and not first.done()

@@ -3,6 +3,7 @@ restarts, holes, isolation of bad input, and pods that never stall each other.""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 
@@ -16,7 +17,7 @@ from kvfleet.cache.tiers import Tier
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.ingest import PodEventApplier
 from kvfleet.epp.subscriber import EventSubscriber
-from tests.epp.conftest import wait_for
+from tests.conftest import wait_for
 from tests.epp.pods import KVEventPublisher
 
 H = BlockHasher(4)
@@ -60,15 +61,22 @@ def connect(
     ap = PodEventApplier(pod, idx, H, recompute_keys=recompute)
     sub.add_pod(pod, pub.endpoint, pub.replay_endpoint if replay else None, ap, **kw)  # type: ignore[arg-type]
     # PUB/SUB joins asynchronously: publish probes until one of them is indexed.
-    deadline = time.monotonic() + 10
-    while True:
-        i = next(_PROBE)
-        pub.publish(batch(i))
-        try:
-            wait_for(lambda i=i: bool(idx.match([key(i)], [pod])), timeout=0.1)  # type: ignore[misc]
-            return ap
-        except AssertionError:
-            assert time.monotonic() < deadline, "subscriber never connected"
+    wait_for(_publishing_probes(pub, idx, pod), f"the subscriber joined to {pod}'s publisher", timeout_s=10, interval_s=0.1)
+    return ap
+
+
+def _publishing_probes(pub: KVEventPublisher, idx: BlockIndex, pod: str, probes: Iterator[int] = _PROBE) -> Callable[[], bool]:
+    """A probe for :func:`wait_for` that publishes a new probe batch each time until one of them is indexed."""
+    sent: list[int] = []
+
+    def probe() -> bool:
+        if any(indexed(idx, i, pod) for i in sent):
+            return True
+        sent.append(next(probes))
+        pub.publish(batch(sent[-1]))
+        return False
+
+    return probe
 
 
 def indexed(idx: BlockIndex, i: int, pod: str = "p") -> bool:
@@ -137,7 +145,7 @@ class TestFeed:
         for i in range(20, 25):
             pub.publish(batch(i), drop=True)
         pub.publish(batch(25))
-        wait_for(lambda: all(indexed(idx, i) for i in range(20, 26)), timeout=3, what="gap of 5 replayed")
+        wait_for(lambda: all(indexed(idx, i) for i in range(20, 26)), timeout_s=3, what="gap of 5 replayed")
         assert sub.stats["p"].replay_timeouts == 0 and sub.stats["p"].resyncs == 0
 
 
@@ -242,9 +250,10 @@ class TestNoStall:
                     i += 2
                     t0 = time.monotonic()
                     fast.publish(batch(i))
-                    wait_for(lambda i=i: indexed(idx, i, "fast"), timeout=5, what="fast pod batch")  # type: ignore[misc]
+                    wait_for(lambda i=i: indexed(idx, i, "fast"), timeout_s=5, interval_s=0.02,  # type: ignore[misc]
+                             what="fast pod batch")
                     latencies.append(time.monotonic() - t0)
-                    time.sleep(0.05)
+                    time.sleep(0.05)  # pacing: the fast pod publishes about 20 batches a second
             assert max(latencies) < 0.5, f"fast pod stalled: max {max(latencies):.2f} s"
             assert sub.stats["slow"].replay_timeouts >= 1 and len(slow.replay_requests) >= 1
             assert sub.healthy()
@@ -270,7 +279,7 @@ class TestConsistency:
         pub.replay_skip.add(seq)
         pub.publish(batch(2))
         wait_for(lambda: indexed(idx, 2), what="batch after the hole")
-        time.sleep(0.2)
+        time.sleep(0.2)  # a time gap: a phantom, if any, would show by now
         assert not indexed(idx, 1), "phantom: a block whose removal was lost is still indexed"
         st = sub.stats["p"]
         assert st.resyncs >= 1 and st.replay_holes + st.gaps >= 1 and sub.healthy()
@@ -315,17 +324,12 @@ class TestConsistency:
             ports = (int(pub.endpoint.rsplit(":", 1)[1]), int(pub.replay_endpoint.rsplit(":", 1)[1]))
             last = pub.seq
             pub.close()
-            time.sleep(0.3)
+            time.sleep(0.3)  # a time gap: the subscriber's connection drops before the new publisher binds the ports
             pub = KVEventPublisher(ports=ports)
             for i in range(last + 3):  # lost while reconnecting
                 pub.publish(batch(200 + i), drop=True)
-            probe = 500
-            deadline = time.monotonic() + 10
-            while not indexed(idx, probe):
-                assert time.monotonic() < deadline, "never reconnected"
-                probe += 1
-                pub.publish(batch(probe))
-                time.sleep(0.1)
+            wait_for(_publishing_probes(pub, idx, "p", itertools.count(501)), "the subscriber reconnected", timeout_s=10,
+                     interval_s=0.1)
             wait_for(lambda: indexed(idx, 200) and not indexed(idx, 1), what="rebuilt after the reconnection")
         finally:
             sub.stop()

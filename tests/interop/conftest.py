@@ -135,13 +135,6 @@ def held(idx: BlockIndex, hasher: BlockHasher, toks: Sequence[int], pod: str) ->
     return m.blocks if m else 0
 
 
-def wait(probe: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def join(sub: EventSubscriber, idx: BlockIndex, hasher: BlockHasher, ports: tuple[int, int], pod: str) -> PodEventApplier:
     """The EPP subscribing to ``pod``'s publisher as it does in a cluster: recomputed keys, the rendered topic."""
     applier = PodEventApplier(pod, idx, hasher, recompute_keys=True)

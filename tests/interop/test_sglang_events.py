@@ -21,7 +21,6 @@ images and the EPP routes their pods on its own picks (docs/operator.md).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,8 @@ from kvfleet.cache.hashing import BlockHasher
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.subscriber import EventSubscriber
 from kvfleet.operator.engines import SGLANG_CHAINED_EVENTS, SGLANG_TESTED
-from tests.interop.conftest import Driver, held, join, release, tokens, wait
+from tests.conftest import wait_for
+from tests.interop.conftest import Driver, held, join, release, tokens
 
 pytestmark = pytest.mark.timeout(600)  # each SGLang process imports torch: tens of seconds on a busy machine
 
@@ -101,12 +101,12 @@ def test_turns_splits_decode_and_evictions_match_sglang(version: str, ports: tup
         expected = [4, 7, 8, 4]
         for i, p in enumerate(prompts):
             assert pub.cmd(op="insert", tokens=p)["events"] >= 1
-            wait(lambda p=p, n=expected[i]: all(e.held(p) == n for e in epps), f"prompt {i}: {expected[i]} blocks indexed")  # type: ignore[misc]
-            wait(lambda: _agrees(epps, pub, prompts), f"the index agreeing with SGLang after prompt {i}")
+            wait_for(lambda p=p, n=expected[i]: all(e.held(p) == n for e in epps), f"prompt {i}: {expected[i]} blocks indexed")  # type: ignore[misc]
+            wait_for(lambda: _agrees(epps, pub, prompts), f"the index agreeing with SGLang after prompt {i}")
         assert all(e.idx.num_pod_keys(e.pod) == 10 for e in epps)
         for n in (PAGE, 3 * PAGE, 100 * PAGE):  # LRU leaves, then everything
             pub.cmd(op="evict", tokens=n)
-            wait(lambda: _agrees(epps, pub, prompts), f"the index agreeing with SGLang after evicting {n} tokens")
+            wait_for(lambda: _agrees(epps, pub, prompts), f"the index agreeing with SGLang after evicting {n} tokens")
         assert all(e.idx.num_pod_keys(e.pod) == 0 for e in epps)
         for e in epps:
             stats = subscriber.stats[e.pod]
@@ -126,7 +126,7 @@ def test_late_epp_replays_and_restart_rebuilds(version: str, ports: tuple[int, i
             pub.cmd(op="insert", tokens=prompt)
         for e in epps:
             e.join(subscriber, ports)
-        wait(lambda: all(e.held(t) == 2 for t in old for e in epps), "the history, from SGLang's replay endpoint")
+        wait_for(lambda: all(e.held(t) == 2 for t in old for e in epps), "the history, from SGLang's replay endpoint")
         for e in epps:
             stats = subscriber.stats[e.pod]
             assert e.idx.num_pod_keys(e.pod) == 6 and stats.resyncs == 0 and stats.replayed >= 3, stats
@@ -137,13 +137,19 @@ def test_late_epp_replays_and_restart_rebuilds(version: str, ports: tuple[int, i
     try:
         fresh = [tokens(99 + k, 3 * PAGE) for k in range(200)]
         k = 0
-        deadline = time.monotonic() + 20
-        while not all(e.held(fresh[0]) == 3 for e in epps):  # new prompts until the reconnected SUBs see one (slow joiner)
-            assert time.monotonic() < deadline and k < len(fresh), f"restart not rebuilt: {subscriber.stats}"
+
+        def rebuilt() -> bool:  # new prompts until the reconnected SUBs see one (slow joiner)
+            nonlocal k
+            if all(e.held(fresh[0]) == 3 for e in epps):
+                return True
+            if k == len(fresh):
+                pytest.fail(f"restart not rebuilt after {k} prompts: {subscriber.stats}")
             pub.cmd(op="insert", tokens=fresh[k])
             k += 1
-            time.sleep(0.3)
-        wait(lambda: _agrees(epps, pub, old + fresh[:k]), "the index equal to the new SGLang's tree")
+            raise AssertionError(f"not rebuilt yet: {subscriber.stats}")
+
+        wait_for(rebuilt, "the restarted SGLang's pages indexed", timeout_s=20, interval_s=0.3)
+        wait_for(lambda: _agrees(epps, pub, old + fresh[:k]), "the index equal to the new SGLang's tree")
         for e in epps:
             assert all(e.held(t) == 0 for t in old)
             assert subscriber.stats[e.pod].restarts + subscriber.stats[e.pod].resyncs >= 1
@@ -163,15 +169,15 @@ def test_unchained_events_lose_follow_up_turns(version: str, ports: tuple[int, i
         join(subscriber, idx, hasher, ports, POD)
         first = tokens(1, 4 * PAGE)
         pub.cmd(op="insert", tokens=first)
-        wait(lambda: held(idx, hasher, first, POD) == 4, "the first turn")
+        wait_for(lambda: held(idx, hasher, first, POD) == 4, "the first turn")
         follow = first + tokens(2, 3 * PAGE)
         pub.cmd(op="insert", tokens=follow)
         assert pub.cmd(op="match", tokens=follow)["pages"] == 7  # SGLang holds the whole second turn
-        wait(lambda: subscriber.stats[POD].ingest.stored >= 7, "the second turn's events")
+        wait_for(lambda: subscriber.stats[POD].ingest.stored >= 7, "the second turn's events")
         assert held(idx, hasher, follow, POD) == 4  # its three new pages were keyed as a prompt of their own
         branch = first[:2 * PAGE] + tokens(4, 2 * PAGE)
         pub.cmd(op="insert", tokens=branch)  # splits the first node: its 4 pages removed, 2 + 2 stored again, 2 new ones
-        wait(lambda: subscriber.stats[POD].ingest.removed >= 4 and subscriber.stats[POD].ingest.stored >= 13, "the split's events")
+        wait_for(lambda: subscriber.stats[POD].ingest.removed >= 4 and subscriber.stats[POD].ingest.stored >= 13, "the split's events")
         assert pub.cmd(op="match", tokens=first)["pages"] == 4 and pub.cmd(op="match", tokens=branch)["pages"] == 4
         assert held(idx, hasher, first, POD) == 2 and held(idx, hasher, branch, POD) == 2  # both tails stored parentless
     finally:

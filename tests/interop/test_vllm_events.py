@@ -13,13 +13,13 @@ no stale block left.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from kvfleet.cache.hashing import BlockHasher
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.subscriber import EventSubscriber
-from tests.interop.conftest import Driver, held, join, tokens, wait
+from tests.conftest import wait_for
+from tests.interop.conftest import Driver, held, join, tokens
 
 VERSION = "0.33.0"
 BS = 16
@@ -44,16 +44,16 @@ def test_real_publisher_turns_decode_and_eviction(algo: str, ports: tuple[int, i
         first = tokens(1, 4 * BS + 5)  # 4 full blocks and a partial one (never hashed)
         # ZMQ's slow joiner: the first batches may go before the SUB is connected; the replay fills them in
         assert pub.cmd(op="store", tokens=first)["blocks"] == 4
-        wait(lambda: held(idx, hasher, first, POD) == 4, "the first turn's 4 blocks")
+        wait_for(lambda: held(idx, hasher, first, POD) == 4, "the first turn's 4 blocks")
         follow = first[:4 * BS] + tokens(2, 3 * BS)  # the next turn: 3 new blocks chained on the first 4
         assert pub.cmd(op="store", tokens=follow, cached=4 * BS)["blocks"] == 3
-        wait(lambda: held(idx, hasher, follow, POD) == 7, "the follow-up turn chained on its parent")
+        wait_for(lambda: held(idx, hasher, follow, POD) == 7, "the follow-up turn chained on its parent")
         decoded = follow + tokens(3, BS)  # one decode block
         pub.cmd(op="store", tokens=decoded, cached=7 * BS)
-        wait(lambda: held(idx, hasher, decoded, POD) == 8, "the decode block")
+        wait_for(lambda: held(idx, hasher, decoded, POD) == 8, "the decode block")
         assert idx.num_pod_keys(POD) == 8  # exactly what vLLM stored, nothing more
         pub.cmd(op="remove", tokens=decoded, blocks=2)
-        wait(lambda: idx.num_pod_keys(POD) == 6, "the two evicted blocks gone")
+        wait_for(lambda: idx.num_pod_keys(POD) == 6, "the two evicted blocks gone")
         assert held(idx, hasher, decoded, POD) == 6 and held(idx, hasher, first, POD) == 4
         stats = subscriber.stats[POD]
         assert stats.resyncs == 0 and stats.restarts == 0, stats
@@ -69,7 +69,7 @@ def test_late_epp_replays_and_restart_rebuilds(algo: str, ports: tuple[int, int]
         for prompt in old:  # published before any EPP listens
             pub.cmd(op="store", tokens=prompt)
         join(subscriber, idx, hasher, ports, POD)
-        wait(lambda: all(held(idx, hasher, t, POD) == 2 for t in old), "the history, from vLLM's replay endpoint")
+        wait_for(lambda: all(held(idx, hasher, t, POD) == 2 for t in old), "the history, from vLLM's replay endpoint")
         assert idx.num_pod_keys(POD) == 6
         stats = subscriber.stats[POD]
         assert stats.resyncs == 0 and stats.replayed >= 3, stats
@@ -79,12 +79,15 @@ def test_late_epp_replays_and_restart_rebuilds(algo: str, ports: tuple[int, int]
     pub = VllmPublisher(algo, ports, tmp_path)
     try:
         fresh = tokens(99, 3 * BS)
-        deadline = time.monotonic() + 20
-        while held(idx, hasher, fresh, POD) != 3:  # re-publish until the reconnected SUB sees it (slow joiner)
-            assert time.monotonic() < deadline, f"restart not rebuilt: {subscriber.stats['vllm-0']}"
+
+        def rebuilt() -> bool:  # re-publish until the reconnected SUB sees it (slow joiner)
+            if held(idx, hasher, fresh, POD) == 3:
+                return True
             pub.cmd(op="store", tokens=fresh)
-            time.sleep(0.3)
-        wait(lambda: idx.num_pod_keys(POD) == 3, "no stale block of the previous process")
+            raise AssertionError(f"not rebuilt yet: {subscriber.stats[POD]}")
+
+        wait_for(rebuilt, "the restarted vLLM's blocks indexed", timeout_s=20, interval_s=0.3)
+        wait_for(lambda: idx.num_pod_keys(POD) == 3, "no stale block of the previous process")
         assert all(held(idx, hasher, t, POD) == 0 for t in old)
         assert subscriber.stats[POD].restarts + subscriber.stats[POD].resyncs >= 1
     finally:

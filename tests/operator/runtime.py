@@ -1,5 +1,5 @@
 """The real kopf runtime running kvfleet's handlers, for tests (against the real API server in
-tests/cluster/test_operator.py), and a polling helper.
+tests/cluster/test_operator.py).
 
 kopf runs in its own thread and event loop (as ``kvfleet operator`` runs in its own process):
 on stop it cancels every task of its loop that it did not start with, which must not include
@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import kopf
 import pytest
@@ -56,18 +55,3 @@ async def running_operator(settings: Settings, namespace: str) -> AsyncIterator[
     if not alive_during_test or errors:
         pytest.fail(f"kopf died during the test: {errors!r}")
 
-
-async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 30.0, interval: float = 0.2) -> Any:
-    """Poll ``check`` until it returns a truthy value; fail with the last value/exception on timeout."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = await check()
-            if last:
-                return last
-        except AssertionError as exc:
-            last = exc
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s; last: {last!r}")
-        await asyncio.sleep(interval)

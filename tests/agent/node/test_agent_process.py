@@ -8,10 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import zmq
 
 from kvfleet.agent.main import Agent
@@ -20,6 +20,7 @@ from kvfleet.cache.events import BlockStored, decode_batch
 from kvfleet.cache.tiers import Tier
 from kvfleet.config import Settings
 from tests.agent.tiers.conftest import make_block, small_settings
+from tests.conftest import wait_for
 
 SECRET = b"pool-secret"
 
@@ -96,15 +97,15 @@ def test_agent_process_serves_metrics_and_stops_on_sigterm(tmp_path: Path) -> No
         "--kv-events-replay-port", str(free_port()),
     )  # fmt: skip
     try:
-        body = ""
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        def metrics() -> str | None:
+            if proc.poll() is not None:
+                pytest.fail(f"the agent exited ({proc.returncode}): {proc.stderr.read() if proc.stderr else ''!r}")
             try:
-                body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1).read().decode()
-                break
+                return str(urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1).read().decode())
             except OSError:
-                time.sleep(0.2)
+                return None
+
+        body = wait_for(metrics, "the agent's /metrics", timeout_s=20)
         assert "kvfleet_tier_" in body and "kvfleet_transfer_" in body
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0

@@ -4,8 +4,6 @@ vLLM's replay frames, bootstrap of an idle pod, a gap filled, and a restarted pu
 from __future__ import annotations
 
 import socket
-import time
-from collections.abc import Callable
 
 import zmq
 
@@ -16,6 +14,7 @@ from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.ingest import PodEventApplier
 from kvfleet.epp.subscriber import EventSubscriber
+from tests.conftest import wait_for
 
 H = BlockHasher(4)
 
@@ -34,22 +33,30 @@ def batch(i: int) -> KVEventBatch:
     return KVEventBatch(ts=0.0, events=[stored([key(i)], None, [i, 1, 2, 3], 4, "CPU")])
 
 
-def wait_for(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def restarted(ep: str, rep: str) -> ZmqPublisher:
     """A new publisher on the old ports (ZMQ releases a closed socket's port asynchronously)."""
-    deadline = time.monotonic() + 5
-    while True:
+
+    def bound() -> ZmqPublisher | None:
         try:
             return ZmqPublisher(ep, rep)
         except PortInUseError:
-            assert time.monotonic() < deadline, "ports never released"
-            time.sleep(0.05)
+            return None
+
+    return wait_for(bound, "the closed publisher's ports released", timeout_s=5)
+
+
+def publish_until_indexed(pub: ZmqPublisher, idx: BlockIndex, first: int, what: str) -> None:
+    """Publish batches ``first``, ``first + 1``, … until one of them is in the index (a live subscription is up)."""
+    sent: list[int] = []
+
+    def probe() -> bool:
+        if any(idx.match([key(i)], ["a"]) for i in sent):
+            return True
+        sent.append(first + len(sent))
+        pub.publish(batch(sent[-1]))
+        return False
+
+    wait_for(probe, what, timeout_s=10, interval_s=0.05)
 
 
 def test_replay_answer_is_vllms_frames() -> None:
@@ -91,18 +98,10 @@ def test_subscriber_follows_kvfleet_publisher_through_a_restart() -> None:
     try:
         sub.add_pod("a", ep, rep, PodEventApplier("a", idx, H, recompute_keys=True))
         wait_for(lambda: all(idx.match([key(i)], ["a"]) for i in range(3)), what="bootstrap")
-        i = 10
-        while not idx.match([key(i)], ["a"]):  # the live subscription is up once a new batch arrives
-            i += 1
-            pub.publish(batch(i))
-            time.sleep(0.05)
+        publish_until_indexed(pub, idx, 11, "the live subscription")
         pub.close()
         pub = restarted(ep, rep)  # the engine restarts: sequence numbers from 0, empty buffer
-        j = 1000
-        while not idx.match([key(j)], ["a"]):
-            j += 1
-            pub.publish(batch(j))
-            time.sleep(0.05)
+        publish_until_indexed(pub, idx, 1001, "the restarted publisher's batches")
         wait_for(lambda: not idx.match([key(0)], ["a"]), what="stale blocks of the old engine cleared")
         assert sub.healthy() and sub.stats["a"].rejected == 0
     finally:

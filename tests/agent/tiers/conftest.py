@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import redis
 from kvfleet.agent.tiers import TierManager
 from kvfleet.cache.events import EventBuffer
 from kvfleet.config.tiers import MemoryTierSpec, ModelProfile, RemoteTierSpec, SsdTierSpec, TierSettings
+from tests.conftest import wait_for
 
 Factory = Callable[..., TierManager]
 """``manager_factory(settings, **kw)`` → a TierManager closed at teardown."""
@@ -102,19 +102,22 @@ class RedisServer:
             stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(port=self.port, socket_timeout=0.5)
-        deadline = time.monotonic() + 10
-        while True:
+
+        def answers() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
             try:
-                client.ping()
-                break
+                return bool(client.ping())
             except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("redis-server did not become ready") from None
-                time.sleep(0.05)
-        client.close()
+                return False
+
+        try:
+            wait_for(answers, "redis-server answering PING", timeout_s=10)
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            client.close()
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, socket_timeout=1.0)

@@ -25,6 +25,7 @@ from kvfleet.agent.transfer.client import _connect
 from kvfleet.agent.transfer.frames import HEADER_SIZE, VERSION, FrameType, encode_control
 from kvfleet.config.transfer import TransferSettings
 from tests.agent.transfer.conftest import SECRET, peer
+from tests.conftest import eventually
 
 
 class OneShot:
@@ -128,10 +129,7 @@ async def test_a_stalled_receiver_slows_the_sender_instead_of_buffering(
     async with TransferServer(store, SECRET, settings=s) as srv:
         client = TransferClient(SECRET, settings=s)
         handle = client.pull(peer(srv), hashes, backends=["tcp"])
-        for _ in range(200):
-            if srv.sent_blocks >= 4:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: srv.sent_blocks >= 4, "streams × window blocks sent", timeout_s=2)
         await asyncio.sleep(0.8)  # longer than the stall timeout: a starved stream is not a stalled one
         assert srv.sent_blocks == 4
         blocks = await handle.collect()
@@ -183,10 +181,7 @@ async def test_malformed_frames_close_only_that_connection_and_are_counted(
     with pytest.raises(StreamError):
         await asyncio.to_thread(ch.recv_header)
     ch.close()
-    for _ in range(100):
-        if server.metrics.errors.labels("frame")._value.get() >= 4:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: server.metrics.errors.labels("frame")._value.get() >= 4, "four frame errors counted", timeout_s=2)
     assert server.metrics.errors.labels("frame")._value.get() == 4
     assert len(await client.pull(peer(server), hashes[:4]).collect()) == 4
 
@@ -206,8 +201,5 @@ async def test_a_failing_consumer_ends_the_transfer_with_its_error(
         await handle.wait()
     assert handle.state == "failed" and len(seen) == 3
     assert handle._task is not None
-    for _ in range(100):  # the driver stops and closes its streams instead of waiting forever
-        if handle._task.done():
-            break
-        await asyncio.sleep(0.01)
-    assert handle._task.done()
+    task = handle._task
+    await eventually(task.done, "the driver stopped (its streams closed instead of waiting forever)", timeout_s=1)

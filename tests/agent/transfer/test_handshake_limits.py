@@ -24,6 +24,7 @@ from kvfleet.agent.transfer import MemoryBlockStore, TransferClient, TransferSer
 from kvfleet.agent.transfer.frames import FrameType, encode_control, encode_header
 from kvfleet.config.transfer import TransferSettings
 from tests.agent.transfer.conftest import SECRET, peer
+from tests.conftest import eventually
 
 
 def _rss_bytes() -> int:
@@ -170,14 +171,6 @@ def _open_idle(srv: TransferServer, n: int) -> list[socket.socket]:
     return [_connect(srv) for _ in range(n)]
 
 
-async def _wait_for(cond: object, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.timeout(60)
 async def test_400_idle_connections_take_no_thread_each_and_the_cap_refuses_the_rest(
     store: MemoryBlockStore, hashes: list[int], settings: TransferSettings
@@ -189,12 +182,12 @@ async def test_400_idle_connections_take_no_thread_each_and_the_cap_refuses_the_
         threads0 = threading.active_count()
         idle = await asyncio.to_thread(_open_idle, srv, 400)
         try:
-            await _wait_for(lambda: srv.accepted >= 401)
+            await eventually(lambda: srv.accepted >= 401, "401 connections accepted", timeout_s=10)
             threads = threading.active_count()
             assert threads - threads0 < 10, f"{threads - threads0} threads for 400 idle connections"
             # the pooled connection still works during the flood
             await _transfer_during(client, srv, hashes, store, streams=1)
-            await _wait_for(lambda: sum(map(_closed, idle)) >= 400 - 63)
+            await eventually(lambda: sum(map(_closed, idle)) >= 400 - 63, "the connections over the cap closed", timeout_s=10)
             closed = sum(map(_closed, idle))
             assert srv.pending_handshakes + srv.connections == 64
             assert _errors(srv, "max_connections") == 400 - 63
@@ -215,13 +208,14 @@ async def test_at_max_handshakes_the_oldest_makes_room_for_a_peer_that_answers(
         idle = await asyncio.to_thread(_open_idle, srv, 100)
         client = TransferClient(SECRET, settings=s)
         try:
-            await _wait_for(lambda: srv.accepted >= 100)
+            await eventually(lambda: srv.accepted >= 100, "100 connections accepted", timeout_s=10)
             threads = threading.active_count()
             assert threads - threads0 < 10, f"{threads - threads0} threads for 100 idle connections"
             # a fresh peer (no pooled connection) gets in while the idle ones fill every handshake slot
             await _transfer_during(client, srv, hashes, store, streams=2)
             assert srv.connections == 2
-            await _wait_for(lambda: sum(map(_closed, idle)) + srv.pending_handshakes >= 100)
+            await eventually(lambda: sum(map(_closed, idle)) + srv.pending_handshakes >= 100, "every idle connection closed or pending",
+                             timeout_s=10)
             closed = sum(map(_closed, idle))
             assert closed >= 100 - 16 and _errors(srv, "max_handshakes") == closed
             assert closed + srv.pending_handshakes == 100 and srv.pending_handshakes <= 16

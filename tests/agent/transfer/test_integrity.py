@@ -21,6 +21,7 @@ from kvfleet.agent.transfer import (
 from kvfleet.agent.transfer.frames import FrameType, checksum, encode_control
 from kvfleet.config.transfer import TransferSettings
 from tests.agent.transfer.conftest import SECRET, peer
+from tests.conftest import eventually
 
 
 class Tamper:
@@ -133,10 +134,7 @@ async def test_a_wrong_session_key_is_rejected_by_the_sender(
     with pytest.raises(StreamError):
         await handle.collect()
     assert handle.delivered == 0 and server.sent_blocks == 0  # the REQUEST's tag failed: nothing was sent
-    for _ in range(100):
-        if server.metrics.errors.labels("mac")._value.get() >= 1:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: server.metrics.errors.labels("mac")._value.get() >= 1, "a MAC error counted", timeout_s=2)
     assert server.metrics.errors.labels("mac")._value.get() == client.settings.max_retries + 1
 
 
@@ -185,9 +183,6 @@ async def test_an_old_client_is_refused_and_counted(server: TransferServer, clie
             return s.recv(100)
 
     assert await asyncio.to_thread(old_client) == b""  # closed, nothing misread
-    for _ in range(100):
-        if server.metrics.errors.labels("version")._value.get() >= 1:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: server.metrics.errors.labels("version")._value.get() >= 1, "a version error counted", timeout_s=2)
     assert server.metrics.errors.labels("version")._value.get() == 1
     assert len(await client.pull(peer(server), hashes[:3]).collect()) == 3

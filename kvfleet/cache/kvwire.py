@@ -18,8 +18,8 @@ batch it still buffers with ``seq >= start_seq``, ``[b"", seq, payload]`` and
 ends with the marker ``[b"", -1 (8 bytes, signed big-endian), b""]``. That is
 what vLLM and SGLang 0.5.3 send. SGLang 0.5.23 puts the topic frame in its
 replay answers (``[b"", topic, seq, payload]``, and ``[b"", b"", -1, b""]`` for
-the marker), as kvfleet's publisher did before: :func:`parse_replay_answer`
-reads both forms (tests/interop runs both engines' publishers against it).
+the marker): :func:`parse_replay_answer` reads both forms (tests/interop runs
+both engines' publishers against it).
 
 Restart semantics: a publisher that restarts counts from 0 again, and the first
 messages after a (re)connection may be lost (ZMQ's slow joiner). So any live
@@ -120,7 +120,7 @@ def parse_replay_answer(frames: Sequence[bytes]) -> tuple[int, bytes]:
         parts = parts[1:]
     if len(parts) == 2:
         seq_raw, payload = parts
-    elif len(parts) == 3:  # [topic, seq, payload]: kvfleet's earlier publisher
+    elif len(parts) == 3:  # [topic, seq, payload]: SGLang 0.5.23's form (its end marker has an empty topic)
         _, seq_raw, payload = parts
     else:
         raise KVWireError(f"replay answer of {len(frames)} frames")

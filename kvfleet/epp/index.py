@@ -27,7 +27,7 @@ events, or tier moves): when the prompt's blocks × candidate pods, or else the
 found prefixes' total, are at most ``exact_walk_blocks`` (default 1,024 block
 probes, ≈ 0.1–0.2 ms: a 1k-token prompt held by 16 pods), every position of each
 (found) prefix is probed in one batch and cut at the first hole, with exact
-per-block tier weights (what the old walk did; for small prompts this also skips
+per-block tier weights (the exact walk; for small prompts this also skips
 the search's sequential steps). Beyond that budget the search's answer stands: a pod may be
 credited past a hole (the search settles on some held block followed by a missing
 one), by at most the blocks after the hole; such an over-prediction shows in
@@ -492,7 +492,7 @@ class BlockIndex:
     def _walk(
         keys: npt.NDArray[Any], table: PodKeyTable, slots: npt.NDArray[np.uint16], w: list[float]
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-        """The old walk for a small prompt, batched: every (position, pod) probed at once, each pod's prefix cut at
+        """The exact walk for a small prompt, batched: every (position, pod) probed at once, each pod's prefix cut at
         its first missing block, each block weighted by its best tier."""
         c, n = len(slots), len(keys)
         at = table.find(np.broadcast_to(keys.astype(U64, copy=False), (c, n)).ravel(), np.repeat(slots, n))
@@ -511,7 +511,7 @@ class BlockIndex:
         length: npt.NDArray[np.int64],
         w: list[float],
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-        """The old walk, batched: probe every block of each found prefix, cut at the first hole, weigh each
+        """The exact walk over the found prefixes, batched: probe every block of each, cut at the first hole, weigh each
         block by its best tier."""
         total = int(length.sum())
         owner = np.repeat(np.arange(len(slots)), length)

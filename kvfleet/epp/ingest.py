@@ -82,10 +82,6 @@ class IngestStats:
     key_evictions: int = 0
     """Engine-hash map entries dropped by the ``max_keys`` bound."""
 
-    @property
-    def bad_medium(self) -> int:  # the name before unknown mediums were indexed
-        return self.unknown_medium
-
 
 class PodEventApplier:
     """Applies one pod's batches, in sequence order, to the shared index."""

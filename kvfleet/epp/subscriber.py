@@ -65,10 +65,6 @@ class FeedStats(SequenceStats):
     """Messages or events dropped as invalid (frames, topic, size, msgpack, event type, fields)."""
     ingest: IngestStats = field(default_factory=IngestStats)
 
-    @property
-    def decode_errors(self) -> int:  # the name before every kind of rejection was counted here
-        return self.rejected
-
 
 class _Feed:
     """One pod's sockets and state; the :class:`~kvfleet.cache.kvwire.FeedSink` of its sequencer."""

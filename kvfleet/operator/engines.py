@@ -203,8 +203,8 @@ def vllm_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> EngineCo
 #: The first SGLang with ``--disaggregation-transfer-backend mooncake_tcp`` known here (0.5.3 lacks it).
 SGLANG_MOONCAKE_TCP: Version = (0, 5, 23)
 #: The first SGLang whose KV events place a page in its prompt: a position-aware hash chain and the parent link of a
-#: node's first page (0.5.6). Before, a page was hashed by its tokens alone and every radix node's first page had no
-#: parent, so follow-up turns and split nodes could not be indexed (tests/interop/test_sglang_events.py): those
+#: node's first page (0.5.6). Older releases hash a page by its tokens alone and give every radix node's first page
+#: no parent, so follow-up turns and split nodes cannot be indexed (tests/interop/test_sglang_events.py): those
 #: images publish no KV events and the EPP keeps their picks as an approximate index instead.
 SGLANG_CHAINED_EVENTS: Version = (0, 5, 6)
 #: SGLang releases whose rendered flags are checked against SGLang's own ServerArgs (tests/interop).

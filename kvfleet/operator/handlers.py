@@ -96,12 +96,12 @@ CHILD_KINDS = ("Deployment", "Service", "ConfigMap", "InferencePool")
 async def _delete_stale(
     rt: Runtime, body: Mapping[str, Any], desired: set[tuple[str, str]], old_inference_pools: Sequence[str] = (),
 ) -> list[str]:
-    """Delete owned children that the current spec no longer renders (fewer pools, other roles).
+    """Delete owned children that the current spec does not render (fewer pools, other roles).
 
     Children are found by label selector (``kvfleet.io/pool=<name>``) and deleted only when
-    this KVCachePool controls them. Also any InferencePool the old status listed (the
-    per-shard ``<pool>-p<i>`` of the layout before one InferencePool per KVCachePool), so an
-    upgrade leaves exactly one.
+    this KVCachePool controls them. So are the InferencePools its status lists that the
+    rendering lacks: a pool reconciled under the per-shard layout (one ``<pool>-p<i>`` per
+    shard) lists those, and is left with exactly one.
     """
     meta = body["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid")

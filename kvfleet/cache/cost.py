@@ -2,7 +2,7 @@
 
 Every part that weighs a cached block against recomputing it uses these functions: the agent's tier manager
 (:mod:`kvfleet.agent.tiers.cost`: promote a slow-tier hit or not), the engine simulator (the same rule for its
-own tiers), the EPP's scorers (:func:`kvfleet.epp.router.tier_weights`: what a hit in a slow tier is worth) and
+own tiers), the EPP's scorers (:func:`kvfleet.epp.scheduling.candidates.tier_weights`: what a hit in a slow tier is worth) and
 the routing simulation (``bench/routing.py``)::
 
     prefill  = tokens / prefill_tokens_per_s

@@ -1,0 +1,293 @@
+"""The director: one request's lifecycle around scheduling, as GIE's ``pkg/epp/requestcontrol/director.go``.
+
+:meth:`Director.handle` (an inference request) and :meth:`Director.handle_keys` (a request already keyed):
+
+1. keys: tokenize (byte-level or HF) and key the prompt's full blocks with the invoked pool's block hasher
+   (:meth:`Director.hasher_for`: its block size, algorithm and seed) and the core's chained hash
+   (``cache_salt`` → the extra key ``(salt,)`` of block 0, exactly as vLLM and the engine simulator key it:
+   :func:`~kvfleet.cache.tokens.salt_extra_keys`);
+2. the pool and its shard (:class:`~kvfleet.epp.requestcontrol.locator.Locator`): the invoked pool, then
+   level 1's prefix shard(s), over the ready pods of the subset hint;
+3. the candidates (:class:`~kvfleet.epp.scheduling.candidates.CandidateBuilder`) of the serving pods, then
+   admission: shed (:class:`~kvfleet.epp.errors.SheddingError`) when every candidate waits ≥ ``shed_queue``;
+4. scheduling (:class:`~kvfleet.epp.scheduling.scheduler.Scheduler`): the profile's pick and fallbacks, the
+   P/D prefill pod, the predicted hit;
+5. PreRequest: a speculative index entry on each chosen pod, all under one :class:`~kvfleet.epp.index.Lease`
+   per pod whose TTL (:meth:`Director.pick_ttl`) counts from the first token (the ticket's ``on_first_byte``
+   refresh), and an in-flight ticket (load, pending prefill, hot-spot decay under the request's hot key);
+6. served: when the gateway reports that a fallback served the request, :meth:`Decision.served` moves the
+   ticket and the speculative entry there.
+
+Steps 3–5 run under one lock: the candidates see every earlier pick's ticket and entries.
+:meth:`Director.handle_any` routes a request that is not an inference (least-loaded ready pod, a ticket only).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
+from kvfleet.cache.tokens import salt_extra_keys
+from kvfleet.config.cache import CacheSettings
+from kvfleet.config.epp import EppSettings
+from kvfleet.epp.datastore import Datastore, Pod, Pool
+from kvfleet.epp.errors import NoEndpointError, SheddingError, UnknownModelError
+from kvfleet.epp.index import BlockIndex, Lease
+from kvfleet.epp.inflight import InflightTracker, Ticket
+from kvfleet.epp.podmetrics import MetricsStore
+from kvfleet.epp.protocol import InferenceRequest
+from kvfleet.epp.requestcontrol.locator import Locator
+from kvfleet.epp.scheduling import Candidate, SchedulingRequest
+from kvfleet.epp.scheduling.candidates import CandidateBuilder
+from kvfleet.epp.scheduling.plugins import waiting_of
+from kvfleet.epp.scheduling.scheduler import Scheduler, SchedulingResult, serving_pods
+from kvfleet.epp.tokenize import Tokenizer
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The routing result: ``endpoints`` (pick first, then fallbacks), optional prefill pod."""
+
+    endpoints: tuple[str, ...] = ()
+    pod: str = ""
+    pool: str = ""
+    prefiller: str | None = None
+    num_tokens: int = 0
+    predicted_hit_tokens: int = 0
+    scores: tuple[float, ...] = ()
+    #: every serving candidate's (name, hit blocks, of which speculative, engine-reported waiting or −1 when
+    #: stale, the picker's pending requests) at the pick: the decision log's evidence
+    hits: tuple[tuple[str, int, int, float, int], ...] = ()
+    ticket: Ticket | None = field(default=None, compare=False)
+    #: the prefix shard (pod subset of ``pool``) level 1 chose; "" when the pool has one
+    shard: str = ""
+    #: the pool's block size (tokens), which ``predicted_hit_tokens`` counts in
+    block_size: int = 16
+    on_served: Callable[[str], bool] | None = field(default=None, compare=False)
+
+    def served(self, endpoint: str) -> bool:
+        """The gateway says ``endpoint`` served the request; ``True`` if that moved the accounting
+        off the pick (a fallback served it)."""
+        if self.on_served is None or not self.endpoints or endpoint == self.endpoints[0]:
+            return False
+        return self.on_served(endpoint)
+
+
+def evidence(cands: Sequence[Candidate]) -> tuple[tuple[str, int, int, float, int], ...]:
+    """:attr:`Decision.hits` of the serving candidates."""
+    return tuple(
+        (c.name, c.hit_blocks, c.spec_blocks, -1.0 if c.metrics is None else c.metrics.waiting, c.pending_requests)
+        for c in cands
+    )
+
+
+class Director:
+    """Keys a request, locates its pool and shard, admits it, has it scheduled and records the pick."""
+
+    def __init__(
+        self,
+        settings: EppSettings,
+        cache: CacheSettings,
+        datastore: Datastore,
+        index: BlockIndex,
+        metrics: MetricsStore,
+        tokenizer: Tokenizer,
+        tracker: InflightTracker,
+        scheduler: Scheduler,
+    ) -> None:
+        self.settings = settings
+        self.datastore = datastore
+        self.index = index
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.tracker = tracker
+        self.scheduler = scheduler
+        self.candidates: CandidateBuilder = scheduler.candidates
+        self.locator = Locator(settings, datastore, metrics, tracker)
+        self.hasher = BlockHasher(cache.block_size, cache.hash_algo, cache.hash_seed)
+        self._cache = cache
+        self._hashers: dict[tuple[int, str, str], BlockHasher] = {
+            (cache.block_size, cache.hash_algo, cache.hash_seed): self.hasher}
+        self.prefill_s_per_token = 1.0 / settings.cost.prefill_tokens_per_s
+        self._lock = threading.Lock()
+
+    # --- keys ---------------------------------------------------------------------------------
+
+    def tokens_of(self, req: InferenceRequest) -> np.ndarray:
+        if req.prompt_token_ids is not None:
+            return np.asarray(req.prompt_token_ids, dtype=np.uint32)
+        return self.tokenizer.encode(req.prompt or "")
+
+    def hasher_for(self, pool: Pool | None) -> BlockHasher:
+        """The block hasher of ``pool``'s engines: its block size, algorithm and seed, else the picker's."""
+        if pool is None:
+            return self.hasher
+        c, d = pool.cache, self._cache
+        key = (c.block_size or d.block_size, c.hash_algo or d.hash_algo, c.hash_seed or d.hash_seed)
+        h = self._hashers.get(key)
+        if h is None:
+            h = self._hashers[key] = BlockHasher(*key)
+        return h
+
+    def keys_of(self, tokens: np.ndarray, cache_salt: str | None, pool: Pool | None = None) -> list[int]:
+        hasher = self.hasher_for(pool)
+        return hashes_as_ints(hasher.hash_tokens(tokens, extra_keys=salt_extra_keys(cache_salt)))
+
+    # --- the request --------------------------------------------------------------------------
+
+    def handle(self, req: InferenceRequest, subset: Sequence[str] | None = None) -> Decision:
+        """An inference request: tokens and the pool first (its engines decide how blocks are keyed), then
+        :meth:`handle_keys`."""
+        pools = self.locator.serving_pools(req.model)
+        if not pools:
+            raise UnknownModelError(f"no pool serves model {req.model!r}")
+        tokens = self.tokens_of(req)
+        pool = pools[0]
+        if len(pools) > 1 or subset is not None:  # the pool first: its engines decide how blocks are keyed
+            head = tokens[: self.settings.prefix_shard_blocks * self.hasher.block_size]
+            allowed = None if subset is None else set(subset)
+            pool = self.locator.invoked_pool(req.model, xxhash.xxh3_64_intdigest(head.tobytes()), pools, allowed)
+        keys = self.keys_of(tokens, req.cache_salt, pool)
+        return self.handle_keys(req.model, keys, len(tokens), [pool], subset, tail=tokens)
+
+    def handle_any(self, model: str | None, subset: Sequence[str] | None = None) -> Decision:
+        """A request that is not an inference (``/tokenize``, ``/health``...): the least-loaded ready pod
+        of the invoked pool (of ``model``'s pool when the body names one). Counted in flight, no cache state."""
+        loc = self.locator
+        pools = loc.serving_pools(model) if model else sorted(self.datastore.pools(), key=lambda p: p.name)
+        if not pools:
+            raise UnknownModelError(f"no pool serves model {model!r}")
+        pool = loc.invoked_pool(model or "", 0, pools, None if subset is None else set(subset))
+        pods = [p for p in pool.pods if loc.up(p) and (subset is None or p.endpoint in subset)]
+        if not pods:
+            raise NoEndpointError(f"no ready endpoint in pool {pool.name!r}")
+        best = min(pods, key=lambda p: (loc.waiting(p), self.tracker.load(p.name)[0], p.name))
+        ticket = self.tracker.open((best.name,), 0, 0.0)
+        return Decision(endpoints=(best.endpoint,), pod=best.name, pool=pool.name, shard=best.shard, ticket=ticket)
+
+    def handle_keys(
+        self,
+        model: str,
+        keys: Sequence[int],
+        num_tokens: int,
+        pools: Sequence[Pool] | None = None,
+        subset: Sequence[str] | None = None,
+        tail: np.ndarray | None = None,
+    ) -> Decision:
+        """Steps 2–6 for a request already keyed: ``keys`` of its full blocks, ``num_tokens`` in all.
+
+        ``pools`` defaults to those serving ``model``; ``tail`` (the token ids) shards a prompt shorter
+        than one block. The routing simulation (``bench.routing``) drives this with trace block ids.
+        """
+        if pools is None:
+            pools = self.locator.serving_pools(model)
+            if not pools:
+                raise UnknownModelError(f"no pool serves model {model!r}")
+        k = min(self.settings.prefix_shard_blocks, len(keys))
+        shard = keys[k - 1] if k else xxhash.xxh3_64_intdigest(b"" if tail is None else tail.tobytes())
+        allowed = set(subset) if subset is not None else None
+        invoked = self.locator.invoked_pool(model, shard, pools, allowed)
+        block_size = self.hasher_for(invoked).block_size
+        beta = invoked.cache.hotspot_decay
+        sreq = SchedulingRequest(
+            num_tokens=num_tokens,
+            block_size=block_size,
+            prefill_s_per_token=self.prefill_s_per_token,
+            hotspot_beta=self.settings.hotspot_beta if beta is None else beta,
+            shard=shard,
+        )
+        profile = self.scheduler.profile_for(invoked.cache)
+        groups = self.locator.shards(model, shard, invoked, allowed)
+        serving = serving_pods(groups)
+        with self._lock:
+            cands, hot = self.candidates.build(serving, keys, shard)
+            self._admit(invoked, cands)
+            result = self.scheduler.schedule(sreq, profile, cands, groups, keys, hot)
+            if result is None:
+                raise NoEndpointError(f"no endpoint of pool {invoked.name!r} passed the filters")
+            ticket, leases, ttl = self._pre_request(result, keys, hot)
+        best = result.pick
+        return Decision(
+            endpoints=tuple(c.pod.endpoint for c in result.ranked.pods),
+            pod=best.name,
+            pool=invoked.name,
+            prefiller=None if result.prefiller is None else result.prefiller.endpoint,
+            num_tokens=num_tokens,
+            predicted_hit_tokens=result.hit_tokens,
+            scores=result.ranked.scores,
+            hits=evidence(cands),
+            ticket=ticket,
+            shard=best.pod.shard,
+            block_size=block_size,
+            on_served=self._on_served(result, keys, ticket, leases, ttl),
+        )
+
+    def _admit(self, pool: Pool, cands: Sequence[Candidate]) -> None:
+        """Shedding: refuse the request when every candidate waits ≥ ``shed_queue`` (0: never)."""
+        if self.settings.shed_queue > 0 and all(waiting_of(c) >= self.settings.shed_queue for c in cands):
+            raise SheddingError(f"every pod of pool {pool.name!r} is above the shedding threshold")
+
+    # --- PreRequest: the pick's speculative entries and ticket ---------------------------------
+
+    def _pre_request(
+        self, result: SchedulingResult, keys: Sequence[int], hot: int,
+    ) -> tuple[Ticket, dict[str, Lease], dict[str, float]]:
+        """Speculative entries on the chosen pod(s), one lease each, and the in-flight ticket, whose first
+        byte starts the leases' TTL (a long queue must not expire the entries)."""
+        best, prefiller = result.pick.pod, result.prefiller
+        picked = (best.name,) if prefiller is None else (best.name, prefiller.name)
+        ttl = {best.name: self.pick_ttl(best)}
+        if prefiller is not None:
+            ttl[prefiller.name] = self.pick_ttl(prefiller)
+
+        leases = {name: self.index.add_speculative(name, keys, self.tracker.max_age_s) for name in picked}
+
+        def refresh() -> None:  # the TTL counts from the first token: a long queue must not expire the entry
+            for name, lease in leases.items():
+                self.index.extend(lease, ttl.get(name, self.settings.speculative_ttl_s))
+
+        ticket = self.tracker.open(picked, hot, float(result.uncached), on_first_byte=refresh)
+        return ticket, leases, ttl
+
+    def _on_served(
+        self, result: SchedulingResult, keys: Sequence[int], ticket: Ticket, leases: dict[str, Lease], ttl: dict[str, float],
+    ) -> Callable[[str], bool]:
+        """:attr:`Decision.on_served`: when a fallback served, its pod gets the ticket and a speculative entry
+        (in the ``leases``/``ttl`` the ticket's first-byte refresh reads) and the pick's entry expires."""
+        by_endpoint = {c.pod.endpoint: c.pod for c in result.ranked.pods}
+        best = result.pick.name
+
+        def served(endpoint: str) -> bool:
+            """A fallback served the request: its pod, not the pick, holds the prefix and carries the load."""
+            pod = by_endpoint.get(endpoint)
+            if pod is None or pod.name in leases:
+                return False
+            leases[best].expiry = 0.0
+            leases[pod.name] = self.index.add_speculative(pod.name, keys, self.tracker.max_age_s)
+            ttl[pod.name] = self.pick_ttl(pod)
+            self.tracker.move(ticket, best, pod.name)
+            return True
+
+        return served
+
+    # --- the pick's lifetime and the gateway's reports ------------------------------------------
+
+    def pick_ttl(self, pod: Pod) -> float:
+        """How long after its first token a pick on ``pod`` counts as cached there: until the pod's KV events
+        take over (``speculative_ttl_s``), or, for a pod whose engine publishes none (events off, or an engine
+        whose events cannot be indexed: the operator leaves its events annotation empty), ``approximate_ttl_s``."""
+        s = self.settings
+        return s.speculative_ttl_s if s.events_enabled and pod.events else s.approximate_ttl_s
+
+    def unreachable(self, d: Decision, endpoint: str) -> None:
+        """The gateway found nothing listening at ``endpoint`` (one of ``d``'s): out of rotation until a metrics
+        scrape reaches the pod again."""
+        names = {p.endpoint: p.name for pool in self.datastore.pools() for p in pool.pods}
+        name = names.get(endpoint) or (d.pod if endpoint in ("", "-") else None)
+        if name is not None:
+            self.metrics.mark_down(name)

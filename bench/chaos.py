@@ -21,7 +21,9 @@ killed process at its kill — for a killed EPP replica, a stream opened on it i
 could see it gone counts as in flight; ``lost_to_dead_engine`` counts the lost requests the gateway sent to
 the killed engine within 1 s, before anything could know it was gone), ``failed_requests`` (all of them), ``index_freezes`` (a replica's KV-event batch counter for the live pods
 standing still for ≥ 3 s while requests complete), ``epp_rss_growth`` and ``engine_rss_growth`` (the largest
-RSS growth of any replica / engine from the end of warm-up to the end, as a fraction), ``resyncs`` (KV-event
+RSS growth of any replica / engine from the end of warm-up to the end, as a fraction; both taken
+``SETTLE_S`` after the last flood, under the steady load: past the speculative TTL and the heap trim
+interval, so what counts is memory a process keeps, not the flood's working set), ``resyncs`` (KV-event
 resyncs over both replicas), ``ttft_p99_ms``, ``ttft_p50_ms``.
 
 Last line: ``{"bench": "chaos", "lost_requests", "failed_requests", "index_freezes", "epp_rss_growth",
@@ -109,6 +111,11 @@ def metric_sum(text: str, name: str, exclude: str = "") -> float:
             with contextlib.suppress(ValueError):
                 total += float(line.split()[-1])
     return total
+
+
+#: seconds of steady load between a flood and an RSS reading: longer than the EPP's speculative TTL (10 s)
+#: and the heap trim interval (kvfleet/cache/malloc.py, 10 s)
+SETTLE_S = 12.0
 
 
 class Stack:
@@ -310,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         at(2 * gap)
         asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n, 4 * args.clients, random.Random(-1)),
                                          loop).result()
-        at(gap)
+        at(max(gap, SETTLE_S))
         rss0_epp = [rss_mb(c.proc.pid) for c, _ in st.epps]
         rss0_eng = {n: rss_mb(c.proc.pid) for n, c in st.engines.items()}
         freezes = [0, 0]
@@ -320,11 +327,15 @@ def main(argv: list[str] | None = None) -> int:
 
         def step(what: str) -> None:
             """A fault begins: note it with the RSS (MB) every process has now."""
-            rss = {"epp": [round(rss_mb(c.proc.pid), 1) for c, _ in st.epps],
-                   "engines": [round(rss_mb(c.proc.pid), 1) for c in st.engines.values()]}
+            rss: dict[str, Any] = {"epp": [round(rss_mb(c.proc.pid), 1) for c, _ in st.epps],
+                                   "engines": [round(rss_mb(c.proc.pid), 1) for c in st.engines.values()]}
+            text = epp_metrics()[-1]  # the replica that is never killed: what it holds
+            rss["epp_state"] = {m: metric_sum(text, m) for m in (
+                "kvfleet_epp_index_entries", "kvfleet_epp_index_speculative_blocks", "kvfleet_epp_engine_hash_map_entries")}
             timeline.append(what)
             rss_timeline.append({"before": what, **rss})
-            print(f"{what}   (RSS MB: EPP {rss['epp']}, engines {rss['engines']})", file=sys.stderr, flush=True)
+            print(f"{what}   (RSS MB: EPP {rss['epp']}, engines {rss['engines']}; EPP 1 holds {rss['epp_state']})",
+                  file=sys.stderr, flush=True)
 
         rss_timeline: list[dict[str, Any]] = []
         step("kill -9 EPP replica 0")
@@ -351,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         step(f"flood: {flood_n} distinct 4k-token prompts")
         flood_failed = asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n, 4 * args.clients, rng),
                                                         loop).result()
-        at(gap)
+        at(max(gap, SETTLE_S))
 
         loop.call_soon_threadsafe(stop_load.set)
         for c in clients:

@@ -69,7 +69,8 @@ class Epp:
         self.subscriber = EventSubscriber(on_disconnect=lambda pod: self.store.mark_down(pod, "dropped its KV-event connection"))
         self.router = Router(s, self.settings.cache, self.datastore, self.index, self.store, load_tokenizer(s.tokenizer), self.tracker)
         self.metrics = EppMetrics()
-        self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools, lambda: dict(self.subscriber.stats))
+        self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools, lambda: dict(self.subscriber.stats),
+                                  lambda: sum(len(a) for a in list(self.appliers.values())))
         self.servicer = ExtProcServicer(self.router, self.metrics, s.max_body_bytes, body_mode)
         self.appliers: dict[str, PodEventApplier] = {}
         self._pod_names: frozenset[str] = frozenset()

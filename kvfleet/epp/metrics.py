@@ -17,10 +17,10 @@ kvfleet's own:
 * ``kvfleet_epp_misprediction_tokens_total{direction="over"|"under"}`` — |predicted − reported| hit
   tokens, split by sign (router misprediction, seed 5.7)
 * ``kvfleet_epp_index_entries`` — (block, pod) entries in the index (a block held by three pods counts
-  three times; until the compact index this was ``kvfleet_epp_index_blocks``, distinct block keys),
-  ``kvfleet_epp_index_bytes`` — bytes of its table, ``kvfleet_epp_index_speculative_blocks`` — speculative
-  (pick) entries, ``kvfleet_epp_speculative_dropped_total`` — speculative entries dropped by
-  ``max_speculative_entries`` (expired ones not counted)
+  three times), ``kvfleet_epp_index_bytes`` — bytes of its table, ``kvfleet_epp_index_speculative_blocks`` —
+  speculative (pick) entries, ``kvfleet_epp_speculative_dropped_total`` — speculative entries dropped by
+  ``max_speculative_entries`` (expired ones not counted), ``kvfleet_epp_engine_hash_map_entries`` — engine
+  block hashes mapped to the picker's keys (kvfleet/epp/ingest.py; at most ``1 << 18`` per pod)
 * ``kvfleet_epp_pod_inflight{pod}``, ``kvfleet_epp_pod_pending_tokens{pod}`` — the picker's load view
 * ``kvfleet_epp_kv_event_batches_total{pod}``, ``kvfleet_epp_kv_event_gaps_total{pod}``,
   ``kvfleet_epp_kv_event_resyncs_total{pod}`` — the event feed, and its faults:
@@ -92,8 +92,10 @@ class _StateCollector(Collector):
         store: MetricsStore,
         pools: Callable[[], Sequence[Pool]],
         feeds: Callable[[], dict[str, FeedStats]],
+        key_map: Callable[[], int] = lambda: 0,
     ) -> None:
         self.index, self.tracker, self.store, self.pools, self.feeds = index, tracker, store, pools, feeds
+        self.key_map = key_map
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily("kvfleet_epp_index_entries", "(block, pod) entries in the global index", value=self.index.num_entries)
@@ -106,6 +108,9 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "kvfleet_epp_index_speculative_blocks", "Speculative (pick-based) index entries", value=self.index.num_speculative
         )
+        yield GaugeMetricFamily("kvfleet_epp_engine_hash_map_entries",
+                                "Engine block hashes mapped to the picker's keys, over every pod (bounded per pod)",
+                                value=self.key_map())
         inflight = GaugeMetricFamily("kvfleet_epp_pod_inflight", "Requests routed to the pod and not finished", labels=["pod"])
         pending = GaugeMetricFamily(
             "kvfleet_epp_pod_pending_tokens", "Predicted uncached tokens routed to the pod, first token not back", labels=["pod"]
@@ -192,8 +197,9 @@ class EppMetrics:
         store: MetricsStore,
         pools: Callable[[], Sequence[Pool]],
         feeds: Callable[[], dict[str, FeedStats]],
+        key_map: Callable[[], int] = lambda: 0,
     ) -> None:
-        self.registry.register(_StateCollector(index, tracker, store, pools, feeds))
+        self.registry.register(_StateCollector(index, tracker, store, pools, feeds, key_map))
 
     def attach_gossip(self, gossip: ReplicaGossip) -> None:
         """The ``kvfleet_epp_gossip_*`` families and ``kvfleet_epp_remote_tickets``: what is shared with other replicas."""

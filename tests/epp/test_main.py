@@ -27,6 +27,7 @@ GOLDEN_METRICS = sorted([
     "inference_pool_average_queue_size",
     "inference_pool_ready_pods",
     "kvfleet_epp_engine_cached_tokens",
+    "kvfleet_epp_engine_hash_map_entries",
     "kvfleet_epp_index_bytes",
     "kvfleet_epp_index_entries",
     "kvfleet_epp_index_speculative_blocks",

@@ -238,6 +238,9 @@ class TestPools:
         hits = r.index.match(keys, [d.pod, name])
         assert d.pod not in hits and hits[name].blocks == len(keys)
         assert d.ticket is not None
+        d.ticket.first_byte()  # the same response headers: the TTL refresh must not bring the pick's entry back
+        hits = r.index.match(keys, [d.pod, name])
+        assert d.pod not in hits and hits[name].blocks == len(keys)
         d.ticket.close()
         assert r.tracker.load(name)[0] == 0 and not d.served("10.9.9.9:1")
 

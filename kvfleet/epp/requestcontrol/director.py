@@ -267,7 +267,7 @@ class Director:
             pod = by_endpoint.get(endpoint)
             if pod is None or pod.name in leases:
                 return False
-            leases[best].expiry = 0.0
+            leases.pop(best).expiry = 0.0  # out of the refresh too: the fallback holds the prefix
             leases[pod.name] = self.index.add_speculative(pod.name, keys, self.tracker.max_age_s)
             ttl[pod.name] = self.pick_ttl(pod)
             self.tracker.move(ticket, best, pod.name)

@@ -53,7 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.name and exc.name.startswith("kvfleet"):
             print(f"kvfleet: role {role!r} is not available in this build ({exc.name})", file=sys.stderr)
             return 2
-        print(f"kvfleet: role {role!r} needs the Python package {exc.name!r}: pip install 'kvfleet[local]'", file=sys.stderr)
+        print(f"kvfleet: role {role!r} needs the Python package {exc.name!r}: pip install 'kvfleet[local]'",
+              file=sys.stderr)
         return 2
     rc: int = module.main(rest)
     return rc

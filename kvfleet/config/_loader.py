@@ -60,7 +60,8 @@ def _check_keys(tp: Any, value: Any, path: str) -> None:
         unknown = sorted(set(value) - fields)
         if unknown:
             where = f"{path}." if path else ""
-            raise ConfigError(f"unknown setting(s): {', '.join(where + str(k) for k in unknown)}; known: {', '.join(sorted(fields))}")
+            raise ConfigError(f"unknown setting(s): {', '.join(where + str(k) for k in unknown)}; known: "
+                              f"{', '.join(sorted(fields))}")
         hints = typing.get_type_hints(tp)
         for name, v in value.items():
             _check_keys(hints[name], v, f"{path}.{name}" if path else name)

@@ -9,7 +9,8 @@ from kvfleet.cache.cost import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_PREFILL_TOKEN
 
 @dataclass(frozen=True)
 class PluginSpec:
-    """One scheduling plugin of the profile: its registered ``type``, a ``weight`` (scorers) and parameters."""
+    """One scheduling plugin of the profile: its registered ``type``, a ``weight`` (scorers) and
+    parameters."""
 
     type: str = ""
     weight: float = 1.0

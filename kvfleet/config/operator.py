@@ -46,15 +46,17 @@ class OperatorSettings:
     retry_backoff_s: float = 5.0
 
     def __post_init__(self) -> None:
-        names = ("epp_port", "engine_port", "kv_events_port", "kv_events_replay_port", "agent_metrics_port", "transfer_port",
-                 "agent_transfer_port", "agent_kv_events_port", "liveness_port")
+        names = ("epp_port", "engine_port", "kv_events_port", "kv_events_replay_port", "agent_metrics_port",
+                 "transfer_port", "agent_transfer_port", "agent_kv_events_port", "liveness_port")
         for name in names:
             port = getattr(self, name)
             if not 1 <= port <= 65535:
                 raise ValueError(f"{name} must be a port number in 1..65535, got {port}")
-        pod_ports = [self.engine_port, self.kv_events_port, self.kv_events_replay_port, self.agent_metrics_port, self.transfer_port,
-                     self.agent_transfer_port, self.agent_kv_events_port, self.agent_kv_events_port + 1]
+        pod_ports = [self.engine_port, self.kv_events_port, self.kv_events_replay_port,
+                     self.agent_metrics_port, self.transfer_port, self.agent_transfer_port,
+                     self.agent_kv_events_port, self.agent_kv_events_port + 1]
         if len(set(pod_ports)) != len(pod_ports):
-            raise ValueError(f"an engine pod's ports must differ (its containers share one network namespace): {pod_ports}")
+            raise ValueError("an engine pod's ports must differ (its containers share one network "
+                             f"namespace): {pod_ports}")
         if self.status_interval_s <= 0 or self.retry_backoff_s <= 0:
             raise ValueError("status_interval_s and retry_backoff_s must be > 0")

@@ -47,7 +47,8 @@ class TierSpec:
             raise ValueError(f"capacity_bytes must be >= 0, got {self.capacity_bytes}")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ValueError(
-                f"watermarks must satisfy 0 < low <= high <= 1, got low={self.low_watermark} high={self.high_watermark}"
+                f"watermarks must satisfy 0 < low <= high <= 1, got low={self.low_watermark} "
+                f"high={self.high_watermark}"
             )
         if self.read_gbps < 0 or self.write_gbps < 0:
             raise ValueError("read_gbps/write_gbps must be >= 0 (0 = calibrate)")
@@ -73,11 +74,14 @@ class MemoryTierSpec(TierSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.device not in MEMORY_DEVICES and not _is_cuda_index(self.device):
-            raise ValueError(f"device must be one of {', '.join(MEMORY_DEVICES)} or cuda:N, got {self.device!r}")
+            raise ValueError(
+                f"device must be one of {', '.join(MEMORY_DEVICES)} or cuda:N, got {self.device!r}")
         if self.backend == "torch" and self.device == "host":
-            raise ValueError("backend 'torch' needs a torch device (device auto, cuda, cuda:N or cpu), got device 'host'")
+            raise ValueError(
+                "backend 'torch' needs a torch device (device auto, cuda, cuda:N or cpu), got device 'host'")
         if self.backend not in ("", "torch") and self.device not in ("auto", "host"):
-            raise ValueError(f"device {self.device!r} needs backend 'torch' (or the default ''), got backend {self.backend!r}")
+            raise ValueError(f"device {self.device!r} needs backend 'torch' (or the default ''), got backend "
+                             f"{self.backend!r}")
 
 
 def _is_cuda_index(device: str) -> bool:
@@ -87,7 +91,8 @@ def _is_cuda_index(device: str) -> bool:
 
 @dataclass(frozen=True)
 class SsdTierSpec(TierSpec):
-    """The local-disk tier under ``path``: slab files of block slots (backend ``slab``, the default) or a file per block (``files``)."""
+    """The local-disk tier under ``path``: slab files of block slots (backend ``slab``, the default) or a file
+    per block (``files``)."""
 
     capacity_bytes: int = 16 * GiB
     path: str = "/var/lib/kvfleet/ssd"
@@ -154,6 +159,8 @@ class TierSettings:
 
     def __post_init__(self) -> None:
         if min(self.migration_batch, self.queue_depth, self.promotion_workers, self.demotion_workers) <= 0:
-            raise ValueError("migration_batch, queue_depth, promotion_workers and demotion_workers must be > 0")
+            raise ValueError(
+                "migration_batch, queue_depth, promotion_workers and demotion_workers must be > 0")
         if self.cpu.device not in ("auto", "host"):
-            raise ValueError(f"the cpu tier is host memory: device applies to the gpu tier only, got cpu device {self.cpu.device!r}")
+            raise ValueError("the cpu tier is host memory: device applies to the gpu tier only, got cpu "
+                             f"device {self.cpu.device!r}")

@@ -34,19 +34,22 @@ def controller_uid(obj: Mapping[str, Any]) -> str | None:
 
 
 def check_owner(live: Mapping[str, Any] | None, wanted: Mapping[str, Any]) -> None:
-    """Raise :class:`ForeignOwnerError` when ``live`` is controlled by another object than ``wanted`` names."""
+    """Raise :class:`ForeignOwnerError` when ``live`` is controlled by another object than ``wanted``
+    names."""
     if live is None:
         return
     owner, live_owner = controller_uid(wanted), controller_uid(live)
     if live_owner is not None and owner is not None and live_owner != owner:
         meta = wanted["metadata"]
-        raise ForeignOwnerError(f"{wanted['kind']} {meta['namespace']}/{meta['name']} is controlled by another object (uid {live_owner})")
+        raise ForeignOwnerError(f"{wanted['kind']} {meta['namespace']}/{meta['name']} is controlled by "
+                                f"another object (uid {live_owner})")
 
 
 def _union(a: Any, b: Any) -> Any:
     """The union of two ``fieldsV1`` trees (nested maps of ``f:``/``k:``/``v:``/``i:`` keys, ``.`` leaves)."""
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return {k: _union(a.get(k), b.get(k)) if k in a and k in b else (a[k] if k in a else b[k]) for k in {**a, **b}}
+        return {k: _union(a.get(k), b.get(k)) if k in a and k in b else (a[k] if k in a else b[k])
+                for k in {**a, **b}}
     return a if a is not None else b
 
 
@@ -54,10 +57,12 @@ def upgraded_managed_fields(live: Mapping[str, Any], manager: str) -> list[dict[
     """``live``'s managedFields with ``manager``'s ``Update`` entry (main resource) merged into its ``Apply``
     entry, or None when there is nothing to migrate."""
     entries = [dict(e) for e in (live.get("metadata") or {}).get("managedFields") or []]
-    update = next((e for e in entries if e.get("manager") == manager and e.get("operation") == "Update" and not e.get("subresource")), None)
+    update = next((e for e in entries if e.get("manager") == manager and e.get("operation") == "Update"
+                   and not e.get("subresource")), None)
     if update is None:
         return None
-    applied = next((e for e in entries if e.get("manager") == manager and e.get("operation") == "Apply" and not e.get("subresource")), None)
+    applied = next((e for e in entries if e.get("manager") == manager and e.get("operation") == "Apply"
+                    and not e.get("subresource")), None)
     rest = [e for e in entries if e is not update and e is not applied]
     merged = {**update, "operation": "Apply",
               "fieldsV1": _union((applied or {}).get("fieldsV1") or {}, update.get("fieldsV1") or {})}
@@ -73,7 +78,8 @@ async def apply(api: ApiClient, obj: Mapping[str, Any]) -> str:
         migrated = upgraded_managed_fields(live, api.field_manager)
         if migrated is not None:
             rv = (live.get("metadata") or {}).get("resourceVersion")
-            await api.patch(obj["kind"], meta["namespace"], meta["name"], {"metadata": {"managedFields": migrated, "resourceVersion": rv}})
+            await api.patch(obj["kind"], meta["namespace"], meta["name"],
+                            {"metadata": {"managedFields": migrated, "resourceVersion": rv}})
     result = await api.apply(obj)
     if live is None:
         return "created"

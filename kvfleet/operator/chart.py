@@ -119,14 +119,17 @@ def _type_schema(tp: Any) -> dict[str, Any]:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         inner = _type_schema(args[0]) if len(args) == 1 else {}
         if len(args) == 1 and "type" in inner:
-            inner = {**inner, "type": [inner["type"], "null"] if isinstance(inner["type"], str) else [*inner["type"], "null"]}
+            inner = {**inner, "type": [inner["type"], "null"] if isinstance(inner["type"], str)
+                     else [*inner["type"], "null"]}
         return inner
     if origin in (list, tuple):
         items = typing.get_args(tp)
-        return {"type": "array", "items": _type_schema(items[0]) if items and items[0] is not Ellipsis else {}}
+        return {"type": "array",
+                "items": _type_schema(items[0]) if items and items[0] is not Ellipsis else {}}
     if origin is dict or tp is dict:
         return {"type": "object"}
-    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"}, str: {"type": "string"}}.get(tp, {})
+    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
+            str: {"type": "string"}}.get(tp, {})
 
 
 def dataclass_schema(cls: type) -> dict[str, Any]:
@@ -149,11 +152,13 @@ def values_schema() -> dict[str, Any]:
         "required": ["image", "config"],
         "properties": {
             "image": {"type": "object", "required": ["repository", "tag"],
-                      "properties": {"repository": str_, "tag": str_, "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}},
+                      "properties": {"repository": str_, "tag": str_,
+                                     "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}},
             "imagePullSecrets": {"type": "array"},
             "crds": {"type": "object", "properties": {"inferencePool": {"enum": ["auto", True, False]}}},
             "operator": {"type": "object", "properties": {"enabled": {"type": "boolean"},
-                                                          "watchNamespaces": {"type": "array", "items": str_}, "resources": obj}},
+                                                          "watchNamespaces": {"type": "array", "items": str_},
+                                                          "resources": obj}},
             "clusterDomain": {"type": "string", "minLength": 1},
             "epp": {"type": "object", "properties": {
                 "replicas": {"type": "integer", "minimum": 1}, "resources": obj,
@@ -161,8 +166,8 @@ def values_schema() -> dict[str, Any]:
                         "properties": {"enabled": {"type": "boolean"}, "secretName": str_}}}},
             "envoy": {"type": "object", "properties": {
                 "enabled": {"type": "boolean"}, "image": str_, "replicas": {"type": "integer", "minimum": 0},
-                "port": {"type": "integer"}, "adminPort": {"type": "integer"}, "healthPort": {"type": "integer"},
-                "failureMode": {"enum": ["FailOpen", "FailClose"]},
+                "port": {"type": "integer"}, "adminPort": {"type": "integer"},
+                "healthPort": {"type": "integer"}, "failureMode": {"enum": ["FailOpen", "FailClose"]},
                 "fallbackService": {"type": "string", "pattern": "^$|^[^\\s:]+:[0-9]{1,5}$"},
                 "bodyMode": {"enum": ["BUFFERED", "FULL_DUPLEX_STREAMED"]},
                 "routing": {"enum": ["header", "metadata"]},
@@ -172,12 +177,15 @@ def values_schema() -> dict[str, Any]:
                 "port": {"type": "integer"}, "inferencePool": str_,
                 "routes": {"type": "array", "items": {
                     "type": "object", "required": ["model", "inferencePool"], "additionalProperties": False,
-                    "properties": {"model": {"type": "string", "minLength": 1}, "inferencePool": {"type": "string", "minLength": 1},
-                                   "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63}}}}}},
+                    "properties": {"model": {"type": "string", "minLength": 1},
+                                   "inferencePool": {"type": "string", "minLength": 1},
+                                   "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                                            "maxLength": 63}}}}}},
             "transfer": obj,
             "grafana": obj,
             "serviceMonitor": obj,
-            "samplePool": {"type": "object", "properties": {"enabled": {"type": "boolean"}, "name": str_, "spec": obj}},
+            "samplePool": {"type": "object",
+                           "properties": {"enabled": {"type": "boolean"}, "name": str_, "spec": obj}},
             "config": dataclass_schema(Settings),
         },
     }
@@ -188,7 +196,8 @@ def values_schema_json() -> str:
 
 
 def expected_files() -> dict[Path, bytes]:
-    files = {CHART / "values.yaml": values_yaml().encode(), CHART / "values.schema.json": values_schema_json().encode()}
+    files = {CHART / "values.yaml": values_yaml().encode(),
+             CHART / "values.schema.json": values_schema_json().encode()}
     for src, dst in CRD_COPIES.items():
         files[CHART / dst] = (ROOT / "crds" / src).read_bytes()
     return files
@@ -199,7 +208,8 @@ def stale_files() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvfleet.operator.chart", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="python -m kvfleet.operator.chart",
+                                     description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("command", choices=["values", "schema", "sync", "check"])
     args = parser.parse_args(argv)
     if args.command == "values":
@@ -215,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         stale = stale_files()
         for p in stale:
-            print(f"out of date: {p.relative_to(ROOT)} (run: python -m kvfleet.operator.chart sync)", file=sys.stderr)
+            print(f"out of date: {p.relative_to(ROOT)} (run: python -m kvfleet.operator.chart sync)",
+                  file=sys.stderr)
         return 1 if stale else 0
     return 0
 

@@ -89,8 +89,8 @@ VLLM_MOONCAKE: Version = (0, 13, 0)
 
 
 def image_version(image: str) -> Version | None:
-    """The release an image tag names (``vllm/vllm-openai:v0.11.0`` → (0, 11, 0), ``…:v0.5.3-cu126`` → (0, 5, 3)),
-    None for a tag that names none (``latest``, a digest, no tag)."""
+    """The release an image tag names (``vllm/vllm-openai:v0.11.0`` → (0, 11, 0),
+    ``…:v0.5.3-cu126`` → (0, 5, 3)), None for a tag that names none (``latest``, a digest, no tag)."""
     name = image.split("@", 1)[0]
     last = name.rsplit("/", 1)[-1]
     if ":" not in last:
@@ -146,14 +146,18 @@ def _lmcache_env(spec: PoolSpec) -> list[dict[str, Any]]:
     return env
 
 
-def vllm_connectors(spec: PoolSpec, version: Version | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The KV connectors (vLLM KVTransferConfig dicts) and the env they need, in order, for vLLM ``version``."""
+def vllm_connectors(spec: PoolSpec,
+                    version: Version | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The KV connectors (vLLM KVTransferConfig dicts) and the env they need, in order, for vLLM
+    ``version``."""
     connectors: list[dict[str, Any]] = []
     env: list[dict[str, Any]] = []
     if spec.disaggregated:
-        name = "NixlConnector" if "nixl" in spec.transfer.backends or "mooncake" not in spec.transfer.backends else "MooncakeConnector"
+        backends = spec.transfer.backends
+        name = "NixlConnector" if "nixl" in backends or "mooncake" not in backends else "MooncakeConnector"
         if name == "MooncakeConnector" and not _at_least(version, VLLM_MOONCAKE):
-            raise EngineVersionError("transfer.backends", f"vLLM {_dotted(version)} has no MooncakeConnector (it came in "
+            raise EngineVersionError("transfer.backends",
+                                     f"vLLM {_dotted(version)} has no MooncakeConnector (it came in "
                                      "0.13): list nixl in transfer.backends or use a newer engine.image")
         connectors.append({"kv_connector": name, "kv_role": "kv_both"})
     cpu: TierSpec | None = spec.tier("cpu")
@@ -165,8 +169,10 @@ def vllm_connectors(spec: PoolSpec, version: Version | None = None) -> tuple[lis
             extra: dict[str, Any] = {"cpu_bytes_to_use": cpu.capacity_bytes}
         else:
             block_bytes = spec.model.profile.kv_bytes_per_token * spec.block_size
-            extra = {"num_cpu_blocks": max(1, cpu.capacity_bytes // block_bytes), "block_size": spec.block_size}
-        connectors.append({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
+            extra = {"num_cpu_blocks": max(1, cpu.capacity_bytes // block_bytes),
+                     "block_size": spec.block_size}
+        connectors.append(
+            {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
     return connectors, env
 
 
@@ -194,7 +200,8 @@ def vllm_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> EngineCo
     if len(connectors) == 1:
         args += ["--kv-transfer-config", json.dumps(connectors[0], separators=(",", ":"))]
     elif connectors:
-        multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": connectors}}
+        multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"connectors": connectors}}
         args += ["--kv-transfer-config", json.dumps(multi, separators=(",", ":"))]
     args += list(spec.engine.args)
     return EngineContainer(image=image, command=("vllm", "serve"), args=tuple(args), env=tuple(env))
@@ -202,25 +209,27 @@ def vllm_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> EngineCo
 
 #: The first SGLang with ``--disaggregation-transfer-backend mooncake_tcp`` known here (0.5.3 lacks it).
 SGLANG_MOONCAKE_TCP: Version = (0, 5, 23)
-#: The first SGLang whose KV events place a page in its prompt: a position-aware hash chain and the parent link of a
-#: node's first page (0.5.6). Older releases hash a page by its tokens alone and give every radix node's first page
-#: no parent, so follow-up turns and split nodes cannot be indexed (tests/interop/test_sglang_events.py): those
-#: images publish no KV events and the EPP keeps their picks as an approximate index instead.
+#: The first SGLang whose KV events place a page in its prompt: a position-aware hash chain and the parent
+#: link of a node's first page (0.5.6). Older releases hash a page by its tokens alone and give every radix
+#: node's first page no parent, so follow-up turns and split nodes cannot be indexed
+#: (tests/interop/test_sglang_events.py): those images publish no KV events and the EPP keeps their picks as
+#: an approximate index instead.
 SGLANG_CHAINED_EVENTS: Version = (0, 5, 6)
 #: SGLang releases whose rendered flags are checked against SGLang's own ServerArgs (tests/interop).
 SGLANG_TESTED: tuple[Version, ...] = ((0, 5, 3), (0, 5, 23))
 
 
 def sglang_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> EngineContainer:
-    """``sglang.launch_server``: page size, KV events, hierarchical cache (cpu tier, ssd tier as HiCache's ``file``
-    storage), P/D mode. SGLang's decode mode runs without the radix cache, which HiCache needs, so decode
-    pods keep the GPU tier only; SGLang has no Redis storage backend, so a remote tier is refused."""
+    """``sglang.launch_server``: page size, KV events, hierarchical cache (cpu tier, ssd tier as HiCache's
+    ``file`` storage), P/D mode. SGLang's decode mode runs without the radix cache, which HiCache needs, so
+    decode pods keep the GPU tier only; SGLang has no Redis storage backend, so a remote tier is refused."""
     gpu, cpu, ssd = spec.tier("gpu"), spec.tier("cpu"), spec.tier("ssd")
     image = spec.engine.image or settings.sglang_image
     version = image_version(image)
     if spec.tier("remote") is not None:
-        raise EngineVersionError("tiers", "SGLang has no Redis storage backend for a remote tier (its HiCache storage: file, "
-                                 "mooncake, hf3fs, nixl): drop the remote tier or use engine.kind vllm")
+        raise EngineVersionError("tiers", "SGLang has no Redis storage backend for a remote tier "
+                                          "(its HiCache storage: file, mooncake, hf3fs, nixl): drop the "
+                                          "remote tier or use engine.kind vllm")
     args = [
         "--model-path", spec.model.name,
         "--host", "0.0.0.0",
@@ -240,8 +249,9 @@ def sglang_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> Engine
         args.append("--enable-hierarchical-cache")
         if cpu is not None and cpu.capacity_bytes:
             if cpu.capacity_bytes % GiB:
-                raise EngineVersionError("tiers[cpu].capacity", f"SGLang's --hicache-size takes whole GiB; {cpu.capacity_bytes} bytes "
-                                         "is not (write the capacity in Gi)")
+                raise EngineVersionError("tiers[cpu].capacity",
+                                         f"SGLang's --hicache-size takes whole GiB; {cpu.capacity_bytes} "
+                                         "bytes is not (write the capacity in Gi)")
             args += ["--hicache-size", str(cpu.capacity_bytes // GiB)]
         if ssd is not None:
             args += ["--hicache-storage-backend", "file"]
@@ -255,12 +265,14 @@ def sglang_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> Engine
         elif _at_least(version, SGLANG_MOONCAKE_TCP):
             backend = "mooncake_tcp"
         else:
-            raise EngineVersionError("transfer.backends", f"SGLang {_dotted(version)} has no TCP transfer backend "
-                                     "(mooncake_tcp came by 0.5.23): list nixl or mooncake, or use a newer engine.image")
+            raise EngineVersionError("transfer.backends",
+                                     f"SGLang {_dotted(version)} has no TCP transfer backend "
+                                     "(mooncake_tcp came by 0.5.23): list nixl or mooncake, or use a newer "
+                                     "engine.image")
         args += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", backend]
     args += list(spec.engine.args)
-    return EngineContainer(image=image, command=("python3", "-m", "sglang.launch_server"), args=tuple(args), env=tuple(env),
-                           kv_events=events)
+    return EngineContainer(image=image, command=("python3", "-m", "sglang.launch_server"), args=tuple(args),
+                           env=tuple(env), kv_events=events)
 
 
 def sim_args(spec: PoolSpec, role: str, settings: OperatorSettings) -> EngineContainer:
@@ -280,5 +292,6 @@ def render_engine(spec: PoolSpec, role: str, settings: OperatorSettings) -> Engi
     try:
         renderer = RENDERERS[spec.engine.kind]
     except KeyError:
-        raise UnknownEngineError(f"unknown engine kind {spec.engine.kind!r}; known: {', '.join(sorted(RENDERERS))}") from None
+        raise UnknownEngineError(
+            f"unknown engine kind {spec.engine.kind!r}; known: {', '.join(sorted(RENDERERS))}") from None
     return renderer(spec, role, settings)

@@ -55,7 +55,8 @@ class Runtime:
     settings: Settings = field(default_factory=Settings)
     connection: kopf.ConnectionInfo | None = None
     _api: ApiClient | None = None
-    #: ``(namespace, name)`` → the problems last posted as Warning Events, so an unchanged pool is not reported again.
+    #: ``(namespace, name)`` → the problems last posted as Warning Events, so an unchanged pool is not
+    #: reported again.
     pool_problems: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
 
     @property
@@ -80,7 +81,8 @@ async def _patch_status(rt: Runtime, namespace: str, name: str, status: Mapping[
     await rt.api.patch("KVCachePool", namespace, name, {"status": dict(status)}, subresource="status")
 
 
-async def _deployments(rt: Runtime, namespace: str, name: str, spec: PoolSpec) -> dict[str, dict[str, Any] | None]:
+async def _deployments(rt: Runtime, namespace: str, name: str,
+                       spec: PoolSpec) -> dict[str, dict[str, Any] | None]:
     out: dict[str, dict[str, Any] | None] = {}
     for i in range(spec.pools):
         for r in spec.roles:
@@ -94,7 +96,8 @@ CHILD_KINDS = ("Deployment", "Service", "ConfigMap", "InferencePool")
 
 
 async def _delete_stale(
-    rt: Runtime, body: Mapping[str, Any], desired: set[tuple[str, str]], old_inference_pools: Sequence[str] = (),
+    rt: Runtime, body: Mapping[str, Any], desired: set[tuple[str, str]],
+    old_inference_pools: Sequence[str] = (),
 ) -> list[str]:
     """Delete owned children that the current spec does not render (fewer pools, other roles).
 
@@ -150,7 +153,8 @@ async def missing_secrets(rt: Runtime, namespace: str, spec: PoolSpec) -> list[s
     return out
 
 
-async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any]) -> dict[str, Any]:
+async def reconcile(rt: Runtime, body: kopf.Body,
+                    logger: logging.Logger | logging.LoggerAdapter[Any]) -> dict[str, Any]:
     """Make a KVCachePool's children match its spec and report status."""
     meta, status = body["metadata"], body.get("status") or {}
     namespace, name = meta["namespace"], meta["name"]
@@ -158,9 +162,12 @@ async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | loggi
     conditions = list(status.get("conditions") or [])
     try:
         spec = parse_spec(body.get("spec"), name)
-        children = render_children(body, spec, rt.settings)  # pure; what the engine version cannot do is invalid too
+        # pure; what the engine version cannot do is invalid too
+        children = render_children(body, spec, rt.settings)
     except InvalidSpecError as exc:
-        await _patch_status(rt, namespace, name, {"observedGeneration": generation, "conditions": invalid_conditions(conditions, str(exc), generation)})
+        await _patch_status(rt, namespace, name,
+                            {"observedGeneration": generation,
+                             "conditions": invalid_conditions(conditions, str(exc), generation)})
         kopf.warn(body, reason="InvalidSpec", message=str(exc))
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
     backoff = rt.settings.operator.retry_backoff_s
@@ -171,7 +178,8 @@ async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | loggi
     if missing:
         msg = "; ".join(missing)
         await _patch_status(rt, namespace, name, {"observedGeneration": generation,
-                                                  "conditions": degraded_conditions(conditions, "SecretNotFound", msg, generation)})
+                                                  "conditions": degraded_conditions(
+                                                      conditions, "SecretNotFound", msg, generation)})
         kopf.warn(body, reason="SecretNotFound", message=msg)
         raise kopf.TemporaryError(msg, delay=backoff)
     results: dict[str, int] = {"created": 0, "patched": 0, "unchanged": 0}
@@ -185,7 +193,9 @@ async def reconcile(rt: Runtime, body: kopf.Body, logger: logging.Logger | loggi
         raise _temporary(exc, backoff) from exc
     except (Rejected, ForeignOwnerError) as exc:
         reason = "ChildRejected" if isinstance(exc, Rejected) else "ForeignOwner"
-        await _patch_status(rt, namespace, name, {"observedGeneration": generation, "conditions": degraded_conditions(conditions, reason, str(exc), generation)})
+        await _patch_status(rt, namespace, name,
+                            {"observedGeneration": generation,
+                             "conditions": degraded_conditions(conditions, reason, str(exc), generation)})
         kopf.warn(body, reason=reason, message=str(exc))
         if isinstance(exc, Rejected):
             raise kopf.PermanentError(str(exc)) from exc
@@ -225,7 +235,8 @@ async def refresh_status(rt: Runtime, body: kopf.Body) -> None:
     roles = role_counts(meta["name"], spec, deployments)
     new_conditions = healthy_conditions(conditions, meta["name"], spec, deployments, generation)
     if roles != status.get("roles") or new_conditions != conditions:
-        await _patch_status(rt, meta["namespace"], meta["name"], {"roles": roles, "conditions": new_conditions})
+        await _patch_status(rt, meta["namespace"], meta["name"],
+                            {"roles": roles, "conditions": new_conditions})
 
 
 async def check_inferencepool(rt: Runtime, event_type: str | None, body: kopf.Body,
@@ -258,7 +269,8 @@ def build_registry(rt: Runtime, *, login: bool = True) -> kopf.OperatorRegistry:
         # deletion; the children go by garbage collection (owner references), no delete handler needed.
         settings.persistence.finalizer = "kvfleet.io/finalizer"
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvfleet.io")
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kvfleet.io", key="last-handled-configuration")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="kvfleet.io", key="last-handled-configuration")
         settings.posting.level = logging.WARNING
         settings.watching.server_timeout = 300
         settings.queueing.error_delays = [1, 2, 5, 10, 30]

@@ -21,7 +21,8 @@ from kvfleet.operator.manifests import AGENT_CONTAINER, LABEL_AGENT
 def names_kvfleet_epp(pool: Mapping[str, Any], op: OperatorSettings) -> bool:
     """Whether the InferencePool's endpointPickerRef points at the kvfleet EPP Service."""
     ref = (pool.get("spec") or {}).get("endpointPickerRef") or {}
-    return bool(ref.get("name") == op.epp_service and (ref.get("kind") or "Service") == "Service" and not ref.get("group"))
+    return bool(ref.get("name") == op.epp_service and (ref.get("kind") or "Service") == "Service"
+                and not ref.get("group"))
 
 
 def selects(selector: Mapping[str, str], labels: Mapping[str, str] | None) -> bool:
@@ -43,7 +44,8 @@ def validate(pool: Mapping[str, Any], pods: Iterable[Mapping[str, Any]], op: Ope
     ref = spec.get("endpointPickerRef") or {}
     port = (ref.get("port") or {}).get("number")
     if port != op.epp_port:
-        problems.append(f"endpointPickerRef.port.number is {port}, the kvfleet EPP serves ext_proc on {op.epp_port}")
+        problems.append(
+            f"endpointPickerRef.port.number is {port}, the kvfleet EPP serves ext_proc on {op.epp_port}")
     if spec.get("appProtocol", "http") != "http":
         problems.append(f"appProtocol {spec.get('appProtocol')!r}: kvfleet engines speak HTTP/1.1 (http)")
     selector = (spec.get("selector") or {}).get("matchLabels") or {}
@@ -53,9 +55,11 @@ def validate(pool: Mapping[str, Any], pods: Iterable[Mapping[str, Any]], op: Ope
     for pod in selected_pods(pool, pods):
         pname = (pod.get("metadata") or {}).get("name")
         containers = (pod.get("spec") or {}).get("containers") or []
-        if not any(c.get("name") == AGENT_CONTAINER for c in containers) or ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_AGENT) != "true":
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if not any(c.get("name") == AGENT_CONTAINER for c in containers) or labels.get(LABEL_AGENT) != "true":
             problems.append(f"pod {pname} matches the selector but carries no kvfleet agent sidecar")
-        exposed = {p.get("containerPort") for c in containers if c.get("name") != AGENT_CONTAINER for p in c.get("ports") or []}
+        exposed = {p.get("containerPort") for c in containers if c.get("name") != AGENT_CONTAINER
+                   for p in c.get("ports") or []}
         for number in targets:
             if number not in exposed:
                 problems.append(f"pod {pname} exposes no container port {number} (targetPorts)")

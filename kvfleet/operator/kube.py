@@ -36,7 +36,8 @@ from lightkube.types import CascadeType, PatchType
 FIELD_MANAGER = "kvfleet-operator"
 
 KVCachePool = create_namespaced_resource("kvfleet.io", "v1alpha1", "KVCachePool", "kvcachepools")
-InferencePool = create_namespaced_resource("inference.networking.k8s.io", "v1", "InferencePool", "inferencepools")
+InferencePool = create_namespaced_resource("inference.networking.k8s.io", "v1", "InferencePool",
+                                           "inferencepools")
 
 #: kind → lightkube resource of what the operator reads and writes.
 RESOURCES: dict[str, Any] = {
@@ -131,7 +132,8 @@ def _plain(obj: Any) -> dict[str, Any]:
 class ApiClient:
     """The operator's API client (one lightkube :class:`AsyncClient`, opened on first use)."""
 
-    def __init__(self, info: kopf.ConnectionInfo, timeout_s: float = 30.0, field_manager: str = FIELD_MANAGER) -> None:
+    def __init__(self, info: kopf.ConnectionInfo, timeout_s: float = 30.0,
+                 field_manager: str = FIELD_MANAGER) -> None:
         self.info = info
         self.field_manager = field_manager
         self._timeout_s = timeout_s
@@ -141,13 +143,14 @@ class ApiClient:
     def client(self) -> AsyncClient:
         if self._client is None:
             config = KubeConfig.from_dict(kubeconfig(self.info))
-            self._client = AsyncClient(config=config, timeout=_httpx.Timeout(self._timeout_s), field_manager=self.field_manager,
-                                       trust_env=bool(self.info.trust_env))
+            self._client = AsyncClient(config=config, timeout=_httpx.Timeout(self._timeout_s),
+                                       field_manager=self.field_manager, trust_env=bool(self.info.trust_env))
         return self._client
 
     @staticmethod
     def _error(what: str, exc: Exception) -> ApiError:
-        """The typed error of a failed request: by HTTP status (Status body or not), else no answer (:class:`Transient`)."""
+        """The typed error of a failed request: by HTTP status (Status body or not), else no answer
+        (:class:`Transient`)."""
         if not isinstance(exc, _httpx.HTTPStatusError):
             return Transient(0, f"{what}: {exc!r}")
         status = exc.response.status_code
@@ -175,10 +178,13 @@ class ApiClient:
         except NotFound:
             return None
 
-    async def list(self, kind: str, namespace: str | None, labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-        """Every ``kind`` in ``namespace`` (all namespaces when None), filtered by a label selector (equality)."""
+    async def list(self, kind: str, namespace: str | None,
+                   labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+        """Every ``kind`` in ``namespace`` (all namespaces when None), filtered by a label selector
+        (equality)."""
         try:
-            return [_plain(o) async for o in self.client.list(resource(kind), namespace=namespace or "*", labels=dict(labels or {}) or None)]
+            return [_plain(o) async for o in self.client.list(resource(kind), namespace=namespace or "*",
+                                                              labels=dict(labels or {}) or None)]
         except (_LightkubeError, _httpx.HTTPError, OSError) as exc:
             raise self._error(f"LIST {kind} {namespace}", exc) from exc
 
@@ -187,7 +193,9 @@ class ApiClient:
         meta = obj["metadata"]
         try:
             created = codecs.from_dict(dict(obj))
-            return _plain(await self.client.create(created, namespace=meta.get("namespace")))  # type: ignore[call-overload]
+            result = await self.client.create(  # type: ignore[call-overload]
+                created, namespace=meta.get("namespace"))
+            return _plain(result)
         except (_LightkubeError, _httpx.HTTPError, OSError) as exc:
             raise self._error(f"POST {obj['kind']} {meta.get('namespace')}/{meta.get('name')}", exc) from exc
 
@@ -195,27 +203,34 @@ class ApiClient:
         """Server-side apply of ``obj`` as this client's field manager; creates it when absent."""
         meta = obj["metadata"]
         try:
-            result = await self.client.patch(resource(obj["kind"]), meta["name"], dict(obj), namespace=meta.get("namespace"),
-                                             patch_type=PatchType.APPLY, field_manager=self.field_manager, force=force)
+            result = await self.client.patch(resource(obj["kind"]), meta["name"], dict(obj),
+                                             namespace=meta.get("namespace"),
+                                             patch_type=PatchType.APPLY, field_manager=self.field_manager,
+                                             force=force)
         except (_LightkubeError, _httpx.HTTPError, OSError) as exc:
             raise self._error(f"APPLY {obj['kind']} {meta.get('namespace')}/{meta['name']}", exc) from exc
         return _plain(result)
 
-    async def patch(self, kind: str, namespace: str | None, name: str, body: Mapping[str, Any], subresource: str | None = None) -> dict[str, Any]:
-        """JSON merge patch (RFC 7386): maps merge, lists and scalars replace, null deletes. ``subresource``: ``status``."""
+    async def patch(self, kind: str, namespace: str | None, name: str, body: Mapping[str, Any],
+                    subresource: str | None = None) -> dict[str, Any]:
+        """JSON merge patch (RFC 7386): maps merge, lists and scalars replace, null deletes. ``subresource``:
+        ``status``."""
         res = resource(kind)
         if subresource == "status":
             res = res.Status
         elif subresource is not None:
             raise ValueError(f"unsupported subresource {subresource!r}")
         try:
-            return _plain(await self.client.patch(res, name, dict(body), namespace=namespace, patch_type=PatchType.MERGE))
+            return _plain(await self.client.patch(res, name, dict(body), namespace=namespace,
+                                                  patch_type=PatchType.MERGE))
         except (_LightkubeError, _httpx.HTTPError, OSError) as exc:
-            raise self._error(f"PATCH {kind}{'/' + subresource if subresource else ''} {namespace}/{name}", exc) from exc
+            raise self._error(f"PATCH {kind}{'/' + subresource if subresource else ''} {namespace}/{name}",
+                              exc) from exc
 
     async def delete(self, kind: str, namespace: str | None, name: str) -> None:
         try:
-            await self.client.delete(resource(kind), name, namespace=namespace, cascade=CascadeType.BACKGROUND)
+            await self.client.delete(resource(kind), name, namespace=namespace,
+                                     cascade=CascadeType.BACKGROUND)
         except (_LightkubeError, _httpx.HTTPError, OSError) as exc:
             raise self._error(f"DELETE {kind} {namespace}/{name}", exc) from exc
 

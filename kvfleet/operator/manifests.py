@@ -68,8 +68,8 @@ ENGINE_CONTAINER = "engine"
 
 #: Pod Security "restricted" for every engine pod: non-root (the kvfleet image's uid 10001, also for
 #: vLLM and SGLang images), the runtime's default seccomp profile, volumes group-owned by 10001.
-POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
-                                "seccompProfile": {"type": "RuntimeDefault"}}
+POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
 #: ... and for each container: no privilege escalation, no capabilities.
 CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
@@ -122,7 +122,8 @@ def _labels(pool_name: str, shard: int | None, role: str | None, component: str)
     }
 
 
-def _meta(obj: Mapping[str, Any], name: str, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict[str, Any]:
+def _meta(obj: Mapping[str, Any], name: str, labels: dict[str, str],
+          annotations: dict[str, str] | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "name": name,
         "namespace": obj["metadata"]["namespace"],
@@ -157,8 +158,10 @@ def shard_service_host(pool_name: str, shard: int, namespace: str) -> str:
     return f"{shard_name(pool_name, shard)}.{namespace}.svc"
 
 
-def prefill_peers(spec: PoolSpec, pool_name: str, shard: int, namespace: str, op: OperatorSettings) -> list[str]:
-    """``engine.prefill_peers`` of a simulated engine: the shard's headless Service at the engine port in a P/D pool, else none.
+def prefill_peers(spec: PoolSpec, pool_name: str, shard: int, namespace: str,
+                  op: OperatorSettings) -> list[str]:
+    """``engine.prefill_peers`` of a simulated engine: the shard's headless Service at the engine port in a
+    P/D pool, else none.
 
     A name counts for every address it resolves to, so every ready pod of the
     shard (the Service selects the whole shard, prefill and decode pods alike)
@@ -230,7 +233,8 @@ def pool_descriptor(spec: PoolSpec, pool_name: str, shard: int) -> dict[str, Any
         "kvcachepool": pool_name,
         "shard": shard,
         "shards": spec.pools,
-        "model": {"name": spec.model.name, "tokenizer": spec.model.tokenizer, **dataclasses.asdict(spec.model.profile)},
+        "model": {"name": spec.model.name, "tokenizer": spec.model.tokenizer,
+                  **dataclasses.asdict(spec.model.profile)},
         "block_size": spec.block_size,
         "hash_algo": spec.hash_algo,
         "engine": spec.engine.kind,
@@ -285,7 +289,8 @@ def _env_common(spec: PoolSpec, op: OperatorSettings) -> list[dict[str, Any]]:
     ]
     remote = spec.tier("remote")
     if remote is not None and remote.redis_url is not None:
-        env.append({"name": "KVFLEET_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": remote.redis_url.name, "key": remote.redis_url.key}}})
+        env.append({"name": "KVFLEET_REDIS_URL", "valueFrom": {
+            "secretKeyRef": {"name": remote.redis_url.name, "key": remote.redis_url.key}}})
     return env
 
 
@@ -313,13 +318,15 @@ def _volumes(spec: PoolSpec, config_name: str) -> tuple[list[dict[str, Any]], li
         {"name": "shm", "mountPath": "/dev/shm"},
     ]
     if ssd is not None:
-        source: dict[str, Any] = dict(ssd.volume) if ssd.volume else {"emptyDir": {"sizeLimit": str(ssd.capacity_bytes)}}
+        source: dict[str, Any] = dict(ssd.volume) if ssd.volume else {
+            "emptyDir": {"sizeLimit": str(ssd.capacity_bytes)}}
         volumes.append({"name": "ssd", **source})
         mounts.append({"name": "ssd", "mountPath": SSD_MOUNT})
     return volumes, mounts
 
 
-def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: str, base: Settings, config_hash: str) -> dict[str, Any]:
+def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: str, base: Settings,
+                      config_hash: str) -> dict[str, Any]:
     op = base.operator
     name = obj["metadata"]["name"]
     replicas = next(r for r in spec.roles if r.name == role)
@@ -329,8 +336,10 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
     env = _env_common(spec, op)
     config_mounts = [*mounts]
     # Each role reads its own settings file from the shard's ConfigMap as /etc/kvfleet/config.yaml.
-    config_mounts[0] = {"name": "config", "mountPath": CONFIG_PATH, "subPath": f"{role}.yaml", "readOnly": True}
-    pool_mount = {"name": "config", "mountPath": "/etc/kvfleet/pool.yaml", "subPath": "pool.yaml", "readOnly": True}
+    config_mounts[0] = {"name": "config", "mountPath": CONFIG_PATH, "subPath": f"{role}.yaml",
+                        "readOnly": True}
+    pool_mount = {"name": "config", "mountPath": "/etc/kvfleet/pool.yaml", "subPath": "pool.yaml",
+                  "readOnly": True}
     # Non-root (POD_SECURITY): vLLM and SGLang images keep caches under $HOME, which uid 10001 has none of.
     home = [{"name": "HOME", "value": "/tmp"}] if spec.engine.kind != "sim" else []
     engine_container: dict[str, Any] = {
@@ -344,12 +353,15 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
             {"name": "http", "containerPort": op.engine_port, "protocol": "TCP"},
             {"name": "kv-events", "containerPort": op.kv_events_port, "protocol": "TCP"},
             # the simulator serves its P/D KV itself (kvfleet's transfer engine)
-            *([{"name": "transfer", "containerPort": op.transfer_port, "protocol": "TCP"}] if spec.engine.kind == "sim" else []),
+            *([{"name": "transfer", "containerPort": op.transfer_port, "protocol": "TCP"}]
+              if spec.engine.kind == "sim" else []),
         ],
         "volumeMounts": [*config_mounts, pool_mount],
         "resources": _resources(spec, replicas.resources),
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 30},
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                           "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 30},
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
     }
     agent: dict[str, Any] = {
@@ -358,8 +370,11 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
         "imagePullPolicy": op.image_pull_policy,
         "command": ["kvfleet", "agent"],
         # its own ports: the engine container shares the pod's network namespace
-        "args": ["--config", CONFIG_PATH, "--transfer-port", str(op.agent_transfer_port), "--metrics-port", str(op.agent_metrics_port),
-                 "--kv-events-port", str(op.agent_kv_events_port), "--kv-events-replay-port", str(op.agent_kv_events_port + 1)],
+        "args": ["--config", CONFIG_PATH,
+                 "--transfer-port", str(op.agent_transfer_port),
+                 "--metrics-port", str(op.agent_metrics_port),
+                 "--kv-events-port", str(op.agent_kv_events_port),
+                 "--kv-events-replay-port", str(op.agent_kv_events_port + 1)],
         "env": env,
         "ports": [
             {"name": "agent-metrics", "containerPort": op.agent_metrics_port, "protocol": "TCP"},
@@ -367,7 +382,8 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
         ],
         "volumeMounts": [*config_mounts, pool_mount],
         "readinessProbe": {"tcpSocket": {"port": "agent-transfer"}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "agent-metrics"}, "periodSeconds": 10, "failureThreshold": 6},
+        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "agent-metrics"}, "periodSeconds": 10,
+                          "failureThreshold": 6},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
     }
@@ -385,7 +401,8 @@ def render_deployment(obj: Mapping[str, Any], spec: PoolSpec, shard: int, role: 
                     "annotations": {
                         ANN_CONFIG_HASH: config_hash,
                         ANN_MODEL: spec.model.name,
-                        # "": the engine publishes no KV events the EPP can index (it keeps this pod's picks instead)
+                        # "": the engine publishes no KV events the EPP can index (it keeps the pod's
+                        # picks instead)
                         ANN_EVENTS: str(op.kv_events_port) if engine.kv_events else "",
                         ANN_REPLAY: str(op.kv_events_replay_port) if engine.kv_events else "",
                         "prometheus.io/scrape": "true",
@@ -416,10 +433,14 @@ def render_service(obj: Mapping[str, Any], spec: PoolSpec, shard: int, base: Set
             "selector": selector_labels(name, shard),
             "ports": [
                 {"name": "http", "port": op.engine_port, "targetPort": "http", "protocol": "TCP"},
-                {"name": "kv-events", "port": op.kv_events_port, "targetPort": "kv-events", "protocol": "TCP"},
-                *([{"name": "transfer", "port": op.transfer_port, "targetPort": "transfer", "protocol": "TCP"}] if spec.engine.kind == "sim" else []),
-                {"name": "agent-transfer", "port": op.agent_transfer_port, "targetPort": "agent-transfer", "protocol": "TCP"},
-                {"name": "agent-metrics", "port": op.agent_metrics_port, "targetPort": "agent-metrics", "protocol": "TCP"},
+                {"name": "kv-events", "port": op.kv_events_port, "targetPort": "kv-events",
+                 "protocol": "TCP"},
+                *([{"name": "transfer", "port": op.transfer_port, "targetPort": "transfer",
+                    "protocol": "TCP"}] if spec.engine.kind == "sim" else []),
+                {"name": "agent-transfer", "port": op.agent_transfer_port, "targetPort": "agent-transfer",
+                 "protocol": "TCP"},
+                {"name": "agent-metrics", "port": op.agent_metrics_port, "targetPort": "agent-metrics",
+                 "protocol": "TCP"},
             ],
         },
     }
@@ -460,7 +481,8 @@ def render_inferencepool(obj: Mapping[str, Any], spec: PoolSpec, base: Settings)
 def config_hash(spec: PoolSpec, base: Settings) -> str:
     """Hash of everything a pod reads at start (not replicas): a change rolls the pods."""
     material = {
-        "spec": dataclasses.asdict(dataclasses.replace(spec, roles=tuple(dataclasses.replace(r, replicas=0) for r in spec.roles))),
+        "spec": dataclasses.asdict(
+            dataclasses.replace(spec, roles=tuple(dataclasses.replace(r, replicas=0) for r in spec.roles))),
         "settings": to_dict(base),
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:16]

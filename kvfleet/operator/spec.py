@@ -149,7 +149,8 @@ def _int(m: Mapping[str, Any], key: str, default: int, path: str, lo: int, hi: i
     return v
 
 
-def _num(m: Mapping[str, Any], key: str, default: float, path: str, lo: float, hi: float, lo_open: bool = False) -> float:
+def _num(m: Mapping[str, Any], key: str, default: float, path: str, lo: float, hi: float,
+         lo_open: bool = False) -> float:
     v = m.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise InvalidSpecError(f"{path}{key}", f"must be a number, got {v!r}")
@@ -183,7 +184,8 @@ def _roles(value: Any) -> tuple[RoleSpec, ...]:
     m = _map(value, "roles") if value is not None else {"unified": {}}
     unknown = sorted(set(m) - {"unified", "prefill", "decode"})
     if unknown:
-        raise InvalidSpecError("roles", f"unknown role(s) {', '.join(unknown)}; known: unified, prefill, decode")
+        raise InvalidSpecError("roles",
+                               f"unknown role(s) {', '.join(unknown)}; known: unified, prefill, decode")
     if ("prefill" in m) != ("decode" in m):
         raise InvalidSpecError("roles", "prefill and decode must be given together")
     if ("unified" in m) == ("prefill" in m):
@@ -206,7 +208,8 @@ def _tier(value: Any, i: int) -> TierSpec:
     name = _enum(m, "name", "", f"{path}.", TIER_ORDER)
     if name == "gpu":
         if "gpuShare" not in m or "capacity" in m:
-            raise InvalidSpecError(path, "the gpu tier takes gpuShare; cpu, ssd and remote tiers take capacity")
+            raise InvalidSpecError(path,
+                                   "the gpu tier takes gpuShare; cpu, ssd and remote tiers take capacity")
     elif "capacity" not in m or "gpuShare" in m:
         raise InvalidSpecError(path, "the gpu tier takes gpuShare; cpu, ssd and remote tiers take capacity")
     capacity: int | None = None
@@ -227,7 +230,8 @@ def _tier(value: Any, i: int) -> TierSpec:
     if "volume" in m and name != "ssd":
         raise InvalidSpecError(path, "volume is only for the ssd tier")
     if ("redis" in m) != (name == "remote"):
-        raise InvalidSpecError(path, "the remote tier needs redis.urlSecretRef" if name == "remote" else "redis is only for the remote tier")
+        raise InvalidSpecError(path, "the remote tier needs redis.urlSecretRef" if name == "remote"
+                               else "redis is only for the remote tier")
     redis = _map(m.get("redis"), f"{path}.redis")
     return TierSpec(
         name=name,
@@ -236,7 +240,8 @@ def _tier(value: Any, i: int) -> TierSpec:
         codec=_enum(m, "codec", "none", f"{path}.", CODECS),
         watermarks=watermarks,
         volume=dict(_map(m.get("volume"), f"{path}.volume")) if "volume" in m else None,
-        redis_url=_secret(redis.get("urlSecretRef"), f"{path}.redis.urlSecretRef", "url") if name == "remote" else None,
+        redis_url=(_secret(redis.get("urlSecretRef"), f"{path}.redis.urlSecretRef", "url")
+                   if name == "remote" else None),
     )
 
 
@@ -249,14 +254,16 @@ def _tiers(value: Any) -> tuple[TierSpec, ...]:
     ranks = [TIER_ORDER.index(t.name) for t in tiers]
     if ranks != sorted(set(ranks)) or ranks[0] != 0:
         raise InvalidSpecError(
-            "tiers", "tiers must start with gpu (the engine's own KV memory) and be ordered gpu, cpu, ssd, remote, each at most once")
+            "tiers", "tiers must start with gpu (the engine's own KV memory) and be ordered gpu, cpu, ssd, "
+                     "remote, each at most once")
     return tiers
 
 
 def parse_spec(spec: Mapping[str, Any] | None, name: str = "") -> PoolSpec:
     """Validate and default a KVCachePool spec; raise :class:`InvalidSpecError` on the first problem."""
     if len(name) > MAX_NAME_LEN:
-        raise InvalidSpecError("metadata.name", f"must be at most {MAX_NAME_LEN} characters (children add suffixes)")
+        raise InvalidSpecError("metadata.name",
+                               f"must be at most {MAX_NAME_LEN} characters (children add suffixes)")
     s = _map(spec, "<root>")
     model = _map(s.get("model"), "model")
     profile = _map(model.get("profile"), "model.profile")
@@ -281,8 +288,10 @@ def parse_spec(spec: Mapping[str, Any] | None, name: str = "") -> PoolSpec:
             tokenizer=_str(model, "tokenizer", "model."),
             profile=ModelProfile(
                 kv_bytes_per_token=_int(profile, "kvBytesPerToken", 131072, "model.profile.", 1, 2**40),
-                prefill_tokens_per_second=_int(profile, "prefillTokensPerSecond", 10000, "model.profile.", 1, 2**40),
-                decode_ms_per_token=_num(profile, "decodeMsPerToken", 20.0, "model.profile.", 0.0, 1e9, lo_open=True),
+                prefill_tokens_per_second=_int(profile, "prefillTokensPerSecond", 10000, "model.profile.", 1,
+                                               2**40),
+                decode_ms_per_token=_num(profile, "decodeMsPerToken", 20.0, "model.profile.", 0.0, 1e9,
+                                         lo_open=True),
             ),
         ),
         block_size=_int(s, "blockSize", 16, "", 1, 1024),
@@ -299,7 +308,8 @@ def parse_spec(spec: Mapping[str, Any] | None, name: str = "") -> PoolSpec:
         transfer=TransferSpec(
             backends=tuple(backends),
             streams=_int(transfer, "streams", 4, "transfer.", 1, 64),
-            secret=_secret(transfer["secretRef"], "transfer.secretRef", "secret") if "secretRef" in transfer else None,
+            secret=(_secret(transfer["secretRef"], "transfer.secretRef", "secret")
+                    if "secretRef" in transfer else None),
         ),
         routing=RoutingSpec(
             prefix_weight=_num(weights, "prefix", 1.0, "routing.weights.", 0.0, 1e9),
@@ -309,9 +319,13 @@ def parse_spec(spec: Mapping[str, Any] | None, name: str = "") -> PoolSpec:
         ),
     )
     if out.engine.kind == "vllm" and out.block_size not in VLLM_BLOCK_SIZES:
-        raise InvalidSpecError("blockSize", f"vLLM supports blockSize {', '.join(map(str, VLLM_BLOCK_SIZES))}")
+        raise InvalidSpecError("blockSize",
+                               f"vLLM supports blockSize {', '.join(map(str, VLLM_BLOCK_SIZES))}")
     if out.disaggregated and all(b == "shm" for b in out.transfer.backends):
-        raise InvalidSpecError("transfer.backends", "prefill/decode roles need a network transfer backend (tcp, nixl or mooncake), not shm alone")
-    if out.engine.kind == "vllm" and out.disaggregated and not any(b in ("nixl", "mooncake") for b in out.transfer.backends):
-        raise InvalidSpecError("transfer.backends", "vLLM prefill/decode needs the nixl or mooncake backend (vLLM's NixlConnector/MooncakeConnector)")
+        raise InvalidSpecError("transfer.backends", "prefill/decode roles need a network transfer backend "
+                                                    "(tcp, nixl or mooncake), not shm alone")
+    vllm_backend = any(b in ("nixl", "mooncake") for b in out.transfer.backends)
+    if out.engine.kind == "vllm" and out.disaggregated and not vllm_backend:
+        raise InvalidSpecError("transfer.backends", "vLLM prefill/decode needs the nixl or mooncake backend "
+                                                    "(vLLM's NixlConnector/MooncakeConnector)")
     return out

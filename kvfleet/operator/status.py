@@ -52,7 +52,8 @@ def set_condition(
             "reason": reason,
             "message": message,
             "observedGeneration": generation,
-            "lastTransitionTime": (now or now_iso()) if changed else cond.get("lastTransitionTime") or now or now_iso(),
+            "lastTransitionTime": (now or now_iso()) if changed
+            else cond.get("lastTransitionTime") or now or now_iso(),
         })
     if not found:
         out.append({"type": type_, "status": value, "reason": reason, "message": message,
@@ -65,7 +66,8 @@ def deployment_names(pool_name: str, spec: PoolSpec) -> list[str]:
     return [f"{shard_name(pool_name, i)}-{r.name}" for i in range(spec.pools) for r in spec.roles]
 
 
-def role_counts(pool_name: str, spec: PoolSpec, deployments: Mapping[str, Mapping[str, Any] | None]) -> dict[str, dict[str, int]]:
+def role_counts(pool_name: str, spec: PoolSpec,
+                deployments: Mapping[str, Mapping[str, Any] | None]) -> dict[str, dict[str, int]]:
     """Desired and ready pods per role, summed over prefix shards (a missing Deployment counts 0 ready)."""
     counts: dict[str, dict[str, int]] = {r.name: {"desired": 0, "ready": 0} for r in spec.roles}
     for i in range(spec.pools):
@@ -92,16 +94,20 @@ def healthy_conditions(
     summary = ", ".join(f"{role} {c['ready']}/{c['desired']}" for role, c in counts.items())
     out = set_condition(conditions, "InvalidSpec", False, "Valid", "spec accepted", generation, now)
     if missing:
-        out = set_condition(out, "Degraded", True, "ChildMissing", f"missing Deployment(s): {', '.join(missing)}", generation, now)
+        out = set_condition(out, "Degraded", True, "ChildMissing",
+                            f"missing Deployment(s): {', '.join(missing)}", generation, now)
     else:
         out = set_condition(out, "Degraded", False, "AsExpected", "all children present", generation, now)
-    out = set_condition(out, "Progressing", bool(behind), "RollingOut" if behind else "Complete", f"ready pods: {summary}", generation, now)
+    out = set_condition(out, "Progressing", bool(behind), "RollingOut" if behind else "Complete",
+                        f"ready pods: {summary}", generation, now)
     ready = not behind and not missing
-    out = set_condition(out, "Ready", ready, "AllReplicasReady" if ready else "ReplicasNotReady", f"ready pods: {summary}", generation, now)
+    out = set_condition(out, "Ready", ready, "AllReplicasReady" if ready else "ReplicasNotReady",
+                        f"ready pods: {summary}", generation, now)
     return out
 
 
-def invalid_conditions(conditions: Sequence[Mapping[str, Any]], message: str, generation: int, now: str | None = None) -> list[dict[str, Any]]:
+def invalid_conditions(conditions: Sequence[Mapping[str, Any]], message: str, generation: int,
+                       now: str | None = None) -> list[dict[str, Any]]:
     """Conditions of a spec that cannot be realised: InvalidSpec True, Ready False, nothing in progress."""
     out = set_condition(conditions, "InvalidSpec", True, "InvalidSpec", message, generation, now)
     out = set_condition(out, "Ready", False, "InvalidSpec", message, generation, now)
@@ -109,6 +115,7 @@ def invalid_conditions(conditions: Sequence[Mapping[str, Any]], message: str, ge
     return out
 
 
-def degraded_conditions(conditions: Sequence[Mapping[str, Any]], reason: str, message: str, generation: int, now: str | None = None) -> list[dict[str, Any]]:
+def degraded_conditions(conditions: Sequence[Mapping[str, Any]], reason: str, message: str, generation: int,
+                        now: str | None = None) -> list[dict[str, Any]]:
     out = set_condition(conditions, "Degraded", True, reason, message, generation, now)
     return set_condition(out, "Ready", False, reason, message, generation, now)

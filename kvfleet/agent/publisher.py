@@ -1,4 +1,5 @@
-"""KV events over ZMQ, framed exactly as vLLM's ``ZmqEventPublisher`` frames them (:mod:`kvfleet.cache.kvwire`).
+"""KV events over ZMQ, framed exactly as vLLM's ``ZmqEventPublisher`` frames them
+(:mod:`kvfleet.cache.kvwire`).
 
 * PUB socket (``tcp://HOST:kv_events_port``): each batch is three frames
   ``[topic, seq (8-byte big-endian, from 0, +1 per batch), msgpack KVEventBatch]``.
@@ -77,7 +78,8 @@ class ZmqPublisher:
             self._pub.close(0)
             if self._router is not None:
                 self._router.close(0)
-            raise PortInUseError(f"cannot bind KV-event endpoint: {exc} ({endpoint}, {replay_endpoint})") from exc
+            raise PortInUseError(
+                f"cannot bind KV-event endpoint: {exc} ({endpoint}, {replay_endpoint})") from exc
         self.published = 0
         self.replayed = 0
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -129,7 +131,8 @@ class ZmqPublisher:
             self._seq += 1
             self._buffer.append((seq, payload))
             self.buffer_bytes += len(payload)
-            while len(self._buffer) > 1 and (len(self._buffer) > self._buffer_steps or self.buffer_bytes > self._buffer_cap):
+            while len(self._buffer) > 1 and (len(self._buffer) > self._buffer_steps
+                                             or self.buffer_bytes > self._buffer_cap):
                 self.buffer_bytes -= len(self._buffer.popleft()[1])
             try:
                 self._pub.send_multipart(kvwire.live_frames(self.topic, seq, payload), copy=False)

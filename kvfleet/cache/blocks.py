@@ -169,7 +169,8 @@ class BlockManager:
     def sequence_hashes(self, seq_id: Any) -> list[BlockHash]:
         return list(self._get(seq_id).hashes)
 
-    def num_cached_prefix_tokens(self, token_ids: Sequence[int] | npt.NDArray[Any], extra_keys: ExtraKeys = None) -> int:
+    def num_cached_prefix_tokens(self, token_ids: Sequence[int] | npt.NDArray[Any],
+                                 extra_keys: ExtraKeys = None) -> int:
         """How many leading tokens are cached (lookup only: no refcount, no LRU touch)."""
         hashes = self.hasher.hash_tokens(token_ids, extra_keys=extra_keys)
         n = 0
@@ -180,7 +181,8 @@ class BlockManager:
         return n * self.block_size
 
     # -- mutations -------------------------------------------------------
-    def allocate(self, seq_id: Any, token_ids: Sequence[int] | npt.NDArray[Any], extra_keys: ExtraKeys = None) -> Allocation:
+    def allocate(self, seq_id: Any, token_ids: Sequence[int] | npt.NDArray[Any],
+                 extra_keys: ExtraKeys = None) -> Allocation:
         """Give a new sequence its block table, reusing the longest cached prefix.
 
         Every cached full block counts; an engine that must recompute the last
@@ -216,7 +218,8 @@ class BlockManager:
         seq = _Seq(tokens=tokens.tolist(), blocks=blocks, hashes=hashes, extra_keys=extra_keys)
         self._seqs[seq_id] = seq
         self._register(seq, new_full)
-        return Allocation(block_ids=list(blocks), num_cached_tokens=len(hit_blocks) * self.block_size, block_hashes=list(hashes))
+        return Allocation(block_ids=list(blocks), num_cached_tokens=len(hit_blocks) * self.block_size,
+                          block_hashes=list(hashes))
 
     def append_tokens(self, seq_id: Any, token_ids: Sequence[int]) -> AppendResult:
         """Append decoded tokens; opens a block at each boundary, copy-on-write on shared partials."""
@@ -247,7 +250,8 @@ class BlockManager:
         n_full = len(seq.tokens) // bs
         if n_full > first_new_full:
             parent = seq.hashes[-1] if seq.hashes else None
-            more = self.hasher.hash_tokens(seq.tokens[first_new_full * bs : n_full * bs], parent=parent).tolist()
+            more = self.hasher.hash_tokens(seq.tokens[first_new_full * bs : n_full * bs],
+                                           parent=parent).tolist()
             seq.hashes.extend(more)
             self._register(seq, list(range(first_new_full, n_full)))
         return AppendResult(new_block_ids=new_ids, copies=copies)
@@ -259,7 +263,8 @@ class BlockManager:
         p = self._get(parent_seq)
         for b in p.blocks:
             self._incref(b)
-        self._seqs[child_seq] = _Seq(tokens=list(p.tokens), blocks=list(p.blocks), hashes=list(p.hashes), extra_keys=p.extra_keys)
+        self._seqs[child_seq] = _Seq(tokens=list(p.tokens), blocks=list(p.blocks), hashes=list(p.hashes),
+                                     extra_keys=p.extra_keys)
 
     def free(self, seq_id: Any) -> None:
         """Drop a sequence; its blocks go to the free queue tail-first, cached ones stay cached."""
@@ -330,7 +335,8 @@ class BlockManager:
                 if i != prev + 1:
                     parent = seq.hashes[start - 1] if start > 0 else None
                     self.sink(
-                        stored(seq.hashes[start : prev + 1], parent, seq.tokens[start * bs : (prev + 1) * bs], bs, self.medium)
+                        stored(seq.hashes[start : prev + 1], parent, seq.tokens[start * bs : (prev + 1) * bs],
+                               bs, self.medium)
                     )
                     start = i
                 prev = i

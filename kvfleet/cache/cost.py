@@ -2,8 +2,8 @@
 
 Every part that weighs a cached block against recomputing it uses these functions: the agent's tier manager
 (:mod:`kvfleet.agent.tiers.cost`: promote a slow-tier hit or not), the engine simulator (the same rule for its
-own tiers), the EPP's scorers (:func:`kvfleet.epp.scheduling.candidates.tier_weights`: what a hit in a slow tier is worth) and
-the routing simulation (``bench/routing.py``)::
+own tiers), the EPP's scorers (:func:`kvfleet.epp.scheduling.candidates.tier_weights`: what a hit in a slow
+tier is worth) and the routing simulation (``bench/routing.py``)::
 
     prefill  = tokens / prefill_tokens_per_s
     read     = latency(slow) + bytes / read_bandwidth(slow)
@@ -25,7 +25,8 @@ from enum import StrEnum
 
 #: Prefill throughput of the default model profile (tokens/s): the one default every settings class uses.
 DEFAULT_PREFILL_TOKENS_PER_S = 8000.0
-#: KV bytes per token of the default model: 2 (K,V) × 32 layers × 8 KV heads × 128 × 2 bytes (Llama-3-8B, fp16).
+#: KV bytes per token of the default model: 2 (K,V) × 32 layers × 8 KV heads × 128 × 2 bytes (Llama-3-8B,
+#: fp16).
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072
 
 
@@ -46,8 +47,8 @@ def move_s(nbytes: float, bytes_per_s: float, latency_s: float = 0.0) -> float:
 
 
 def promotion(prefill: float, read: float, write: float) -> Action:
-    """The seeds' inequality: promote a slow-tier hit iff recomputing costs more than reading it and writing it
-    into the fast tier; serve it in place iff it costs more than reading it; else recompute."""
+    """The seeds' inequality: promote a slow-tier hit iff recomputing costs more than reading it and writing
+    it into the fast tier; serve it in place iff it costs more than reading it; else recompute."""
     if prefill > read + write:
         return Action.PROMOTE
     if prefill > read:

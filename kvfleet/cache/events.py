@@ -238,7 +238,8 @@ class EventBuffer:
             if not self._events:
                 return None
             events, self._events = self._events, []
-        return KVEventBatch(ts=time.time() if ts is None else ts, events=events, data_parallel_rank=self.data_parallel_rank)
+        return KVEventBatch(ts=time.time() if ts is None else ts, events=events,
+                            data_parallel_rank=self.data_parallel_rank)
 
 
 def stored(

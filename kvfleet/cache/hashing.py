@@ -96,8 +96,10 @@ class _Powers:
         if n > len(self.pos):
             size = max(n, 2 * len(self.pos), 1024)
             with np.errstate(over="ignore"):
-                self.pos = np.concatenate(([np.uint64(1)], np.cumprod(np.full(size - 1, _P, dtype=np.uint64))))
-                self.neg = np.concatenate(([np.uint64(1)], np.cumprod(np.full(size - 1, _P_INV, dtype=np.uint64))))
+                self.pos = np.concatenate(
+                    ([np.uint64(1)], np.cumprod(np.full(size - 1, _P, dtype=np.uint64))))
+                self.neg = np.concatenate(
+                    ([np.uint64(1)], np.cumprod(np.full(size - 1, _P_INV, dtype=np.uint64))))
         return self.pos[:n], self.neg[:n]
 
 
@@ -147,7 +149,8 @@ class Xxh3Chain:
             return np.empty(0, dtype=np.uint64)
         if not isinstance(parent, int):
             raise TypeError("xxh3_64 chains continue from an int parent hash")
-        rows = np.ascontiguousarray(tokens[: n * block_size], dtype="<u4").view(np.dtype(("V", 4 * block_size)))
+        words = np.ascontiguousarray(tokens[: n * block_size], dtype="<u4")
+        rows = words.view(np.dtype(("V", 4 * block_size)))
         blocks: list[bytes] = rows.tolist()
         if extra_keys:
             for i, extra in enumerate(extra_keys[:n]):
@@ -202,7 +205,8 @@ def get_algorithm(name: str) -> HashAlgorithm:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        raise UnknownAlgorithmError(f"unknown hash algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}") from None
+        raise UnknownAlgorithmError(
+            f"unknown hash algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}") from None
 
 
 def as_tokens(token_ids: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.uint32]:

@@ -114,7 +114,8 @@ def replay_end(ident: bytes) -> list[bytes]:
 
 
 def parse_replay_answer(frames: Sequence[bytes]) -> tuple[int, bytes]:
-    """``(seq, payload)`` of one replay frame set received on a DEALER; ``seq`` is :data:`END` for the end marker."""
+    """``(seq, payload)`` of one replay frame set received on a DEALER; ``seq`` is :data:`END` for the end
+    marker."""
     parts = list(frames)
     if parts and parts[0] == b"":
         parts = parts[1:]
@@ -239,7 +240,8 @@ class FeedSequencer:
         return None if r is None else min(r.deadline, r.hard_deadline)
 
     def start(self, now: float) -> None:
-        """A new subscription: the pod's entries are rebuilt from the replay buffer (or from the next batch)."""
+        """A new subscription: the pod's entries are rebuilt from the replay buffer (or from the next
+        batch)."""
         self.sink.clear("subscribed")
         self.expected = None
         if self._replay_usable(now):
@@ -358,7 +360,8 @@ class FeedSequencer:
             return
         self._pending[seq] = payload
         self._pending_bytes += len(payload)
-        if self._replay is not None and (len(self._pending) > self.max_pending or self._pending_bytes > self.max_pending_bytes):
+        if self._replay is not None and (len(self._pending) > self.max_pending
+                                         or self._pending_bytes > self.max_pending_bytes):
             self._give_up(now, "too many live batches waiting for the replay answer")
 
     def _drop_pending(self) -> None:

@@ -59,7 +59,8 @@ def trim() -> bool:
     return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
-def start_trimmer(interval_s: float = TRIM_INTERVAL_S, stop: threading.Event | None = None) -> threading.Thread | None:
+def start_trimmer(interval_s: float = TRIM_INTERVAL_S,
+                  stop: threading.Event | None = None) -> threading.Thread | None:
     """:func:`trim` every ``interval_s`` on a daemon thread until ``stop`` is set (``None`` without glibc)."""
     if _glibc() is None:
         return None

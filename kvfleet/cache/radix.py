@@ -165,7 +165,8 @@ class LockReceipt:
 class RadixTree:
     """Block-aligned prefix index with leaf-LRU eviction and path locks (see module doc)."""
 
-    def __init__(self, block_size: int = 16, hasher: BlockHasher | None = None, sink: EventSink = null_sink) -> None:
+    def __init__(self, block_size: int = 16, hasher: BlockHasher | None = None,
+                 sink: EventSink = null_sink) -> None:
         self.block_size = block_size
         self.hasher = hasher or BlockHasher(block_size=block_size)
         if self.hasher.block_size != block_size:
@@ -203,7 +204,8 @@ class RadixTree:
             self._push(node)
         return self._result(pos, parts, node)
 
-    def _descend(self, qb: bytes, n: int, tick: int | None, count_hits: bool) -> tuple[Node, int, list[tuple[Node, int]]]:
+    def _descend(self, qb: bytes, n: int, tick: int | None,
+                 count_hits: bool) -> tuple[Node, int, list[tuple[Node, int]]]:
         """Walk from the root along the ``n`` blocks of ``qb``: (deepest node, blocks matched, path).
 
         With a ``tick``, every node on the path gets it as its last access, and a
@@ -300,13 +302,15 @@ class RadixTree:
         self._push(leaf)
         if self.sink is not null_sink:
             parent_wire = None if parent_hash is None else parent_hash
-            self.sink(stored(new_hashes.tolist(), parent_wire, q[pos * bs : n * bs].tolist(), bs, tier.medium))
+            self.sink(
+                stored(new_hashes.tolist(), parent_wire, q[pos * bs : n * bs].tolist(), bs, tier.medium))
         return InsertResult(existing, n - pos, new_hashes, new_ids, leaf)
 
     def _split(self, child: Node, m: int) -> Node:
         """Cut ``child`` after ``m`` blocks; returns the new upper node (which keeps recency)."""
         bb = self._bb
-        upper = Node(child.key[: m * bb], child.hashes[:m], child.block_ids[:m], child.tiers[:m], child.parent, child.last_access)
+        upper = Node(child.key[: m * bb], child.hashes[:m], child.block_ids[:m], child.tiers[:m],
+                     child.parent, child.last_access)
         upper.lock_count = child.lock_count
         upper.hit_count = child.hit_count
         parent = child.parent

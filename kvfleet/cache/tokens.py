@@ -56,9 +56,10 @@ def _content_text(content: Any, index: int) -> str:
     if isinstance(content, list):
         parts: list[str] = []
         for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            text = part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else None
+            if not isinstance(text, str):
                 raise ChatFormatError(f"messages[{index}].content[{j}]: only text parts are supported")
-            parts.append(part["text"])
+            parts.append(text)
         return "".join(parts)
     if content is None:
         return ""

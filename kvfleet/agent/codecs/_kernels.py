@@ -234,7 +234,8 @@ def _fp8_pair(uint: type[np.unsignedinteger[Any]], mant: int, sign_shift: int, i
                     v = bits[s + i]
                     a = _I32(_I32(v & U(mag)) - sub) >> _I32(sh)
                     sign = _I32(_I32(v >> U(sign_shift)) << _I32(7))
-                    codes[s + i] = _U8((a if a >= _I32(8) else _I32(0)) | sign)  # below e4m3's normal range: 0
+                    # below e4m3's normal range: 0
+                    codes[s + i] = _U8((a if a >= _I32(8) else _I32(0)) | sign)
         return -1
 
     @_jit
@@ -334,7 +335,8 @@ def _int_pair(qmax: int, nibbles: bool, rep: str) -> tuple[Any, Any]:
         gb = _UI(g // 2 if nibbles else g)
         for k in range(out.size // g):
             p = 4 * k
-            u = _U32(heads[p]) | _U32(_U32(heads[p + 1]) << _U32(8)) | _U32(_U32(heads[p + 2]) << _U32(16)) | _U32(_U32(heads[p + 3]) << _U32(24))
+            u = (_U32(heads[p]) | _U32(_U32(heads[p + 1]) << _U32(8))
+                 | _U32(_U32(heads[p + 2]) << _U32(16)) | _U32(_U32(heads[p + 3]) << _U32(24)))
             scale = _f32_from_bits(u)
             s = _UI(k) * ug
             cs = _UI(k) * gb
@@ -401,7 +403,8 @@ def kernels(codec: str, dtype: np.dtype[Any]) -> tuple[Any, Any]:
     return pair
 
 
-def encode(codec: str, dtype: np.dtype[Any], values: np.ndarray[Any, Any], g: int, out: np.ndarray[Any, Any]) -> int:
+def encode(codec: str, dtype: np.dtype[Any], values: np.ndarray[Any, Any], g: int,
+           out: np.ndarray[Any, Any]) -> int:
     """Encode the flat ``values`` (``dtype``'s blocks as :func:`element_dtype` views them) into the
     payload ``out`` (exactly its encoded size). Returns -1, or the index of a group holding inf/nan."""
     enc = kernels(codec, dtype)[0]
@@ -421,7 +424,8 @@ def encode(codec: str, dtype: np.dtype[Any], values: np.ndarray[Any, Any], g: in
     return -1
 
 
-def decode(codec: str, dtype: np.dtype[Any], payload: np.ndarray[Any, Any], g: int, out: np.ndarray[Any, Any]) -> None:
+def decode(codec: str, dtype: np.dtype[Any], payload: np.ndarray[Any, Any], g: int,
+           out: np.ndarray[Any, Any]) -> None:
     """Decode ``payload`` (checked length) into the flat ``out`` (``dtype``'s blocks as
     :func:`element_dtype` views them; the padding of the last group is dropped)."""
     dec = kernels(codec, dtype)[1]

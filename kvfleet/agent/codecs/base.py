@@ -64,7 +64,8 @@ class Codec(ABC):
         """
 
     @abstractmethod
-    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike,
+               shape: tuple[int, ...]) -> npt.NDArray[Any]:
         """The block back, with ``dtype`` and ``shape`` (raises :class:`CorruptPayloadError`)."""
 
     @abstractmethod
@@ -108,7 +109,8 @@ class GroupedCodec(Codec):
         return self._kern is not None
 
     def _set_groups(self, group_size: int, chunk_values: int) -> None:
-        """Use groups of ``group_size`` (checked by the caller) and chunks of about ``chunk_values`` values."""
+        """Use groups of ``group_size`` (checked by the caller) and chunks of about ``chunk_values``
+        values."""
         self.group_size = group_size
         self._chunk = max(group_size, (chunk_values // group_size) * group_size)
 
@@ -142,7 +144,8 @@ def load_kernels(kernels: bool | None = None) -> ModuleType | None:
             raise ImportError(f"codec kernels unavailable: {exc}") from exc
         if not _kernels_failed:
             _kernels_failed = True
-            log.warning("codec kernels unavailable (%s): using the numpy implementations (pip install 'kvfleet[kernels]')", exc)
+            log.warning("codec kernels unavailable (%s): using the numpy implementations (pip install "
+                        "'kvfleet[kernels]')", exc)
         return None
     return _kernels
 

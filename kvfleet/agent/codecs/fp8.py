@@ -107,7 +107,8 @@ class Fp8E4M3Codec(GroupedCodec):
         return self._encode(block, dest)
 
     def _encode(self, block: npt.NDArray[Any], out: Payload) -> Payload:
-        src = block if block.dtype.isnative and block.dtype.name in _FORMATS else block.astype(_work_dtype(block.dtype))
+        native = block.dtype.isnative and block.dtype.name in _FORMATS
+        src = block if native else block.astype(_work_dtype(block.dtype))
         fmt = _FORMATS[src.dtype.name]
         n, ng, n_pad = self._layout(block.shape)
         bits = np.ascontiguousarray(src).reshape(-1).view(fmt.uint)
@@ -160,7 +161,8 @@ class Fp8E4M3Codec(GroupedCodec):
             code |= sign
         return out
 
-    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike,
+               shape: tuple[int, ...]) -> npt.NDArray[Any]:
         dt = np.dtype(dtype)
         work = _work_dtype(dt)
         fmt = _FORMATS[work.name]

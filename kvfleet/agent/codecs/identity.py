@@ -20,7 +20,8 @@ class IdentityCodec(Codec):
         """A byte view of ``block`` (a copy only when it is not contiguous)."""
         return np.ascontiguousarray(block).reshape(-1).view(np.uint8)
 
-    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike,
+               shape: tuple[int, ...]) -> npt.NDArray[Any]:
         dt = np.dtype(dtype)
         buf = as_payload(payload)
         if buf.size != num_values(shape) * dt.itemsize:

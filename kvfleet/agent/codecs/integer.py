@@ -115,7 +115,8 @@ class _GroupIntCodec(GroupedCodec):
             raise CodecInputError(f"codec {self.name!r} cannot encode inf/nan values")
         return out
 
-    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike,
+               shape: tuple[int, ...]) -> npt.NDArray[Any]:
         dt = np.dtype(dtype)
         n, ng, n_pad = self._layout(shape)
         buf = as_payload(payload)
@@ -147,7 +148,8 @@ class _GroupIntCodec(GroupedCodec):
         assert self._kern is not None
         buf = as_payload(payload)
         if buf.size != self.encoded_nbytes(out.dtype, out.shape):
-            raise CorruptPayloadError(f"{self.name} payload of {buf.size} bytes cannot hold {out.shape} {out.dtype}")
+            raise CorruptPayloadError(
+                f"{self.name} payload of {buf.size} bytes cannot hold {out.shape} {out.dtype}")
         self._kern.decode(self.name, out.dtype, buf, self.group_size, out.reshape(-1).view(view))
         return out
 

@@ -71,7 +71,8 @@ def payload_digest(data: bytes | bytearray | memoryview) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def session_keys(secret: bytes, nonce_s: bytes, nonce_c: bytes, backend: str, payload_mac: bool) -> tuple[bytes, bytes]:
+def session_keys(secret: bytes, nonce_s: bytes, nonce_c: bytes, backend: str,
+                 payload_mac: bool) -> tuple[bytes, bytes]:
     """``(server → client, client → server)`` frame keys of one connection.
 
     HKDF-SHA256 (RFC 5869): extract with both nonces as the salt and the pool
@@ -106,7 +107,8 @@ class FrameSeal:
         self.counter += 1
         return t
 
-    def check(self, header: bytes | bytearray | memoryview, rest_digest: bytes, got: bytes | bytearray | memoryview) -> bool:
+    def check(self, header: bytes | bytearray | memoryview, rest_digest: bytes,
+              got: bytes | bytearray | memoryview) -> bool:
         """True when ``got`` is the next frame's tag (constant-time; advances the counter either way)."""
         return hmac.compare_digest(self.tag(header, rest_digest), bytes(got))
 
@@ -132,7 +134,8 @@ def check_auth_header(buf: bytes | bytearray | memoryview) -> Header:
 def check_auth(
     secret: bytes, nonce_s: bytes, header: Header, payload: bytes, offered: tuple[str, ...]
 ) -> tuple[bytes, str, bool]:
-    """Verify a client's ``AUTH`` body; returns its nonce, the backend it chose and its ``payload_mac`` choice.
+    """Verify a client's ``AUTH`` body; returns its nonce, the backend it chose and its ``payload_mac``
+    choice.
 
     :class:`AuthError` for a bad nonce or MAC, :class:`FrameError` for a
     malformed body or a backend that was not offered.

@@ -217,7 +217,8 @@ class Channel:
         raw = self.header_bytes()
         payload = self.recv_payload(h)
         if not self.recv_tag(raw, payload_digest(payload)):
-            raise IntegrityError(f"{h.type.name} frame from {self.peer}: MAC mismatch (altered in transit or wrong session key)")
+            raise IntegrityError(f"{h.type.name} frame from {self.peer}: MAC mismatch (altered in transit or "
+                                 "wrong session key)")
         return h, decode_body(h, payload)
 
     def close(self) -> None:

@@ -53,7 +53,8 @@ from kvfleet.config.transfer import TransferSettings
 class TransferClient(_Connections):
     """Pulls blocks from peers' transfer servers; one client per agent."""
 
-    def __init__(self, secret: bytes, *, settings: TransferSettings | None = None, metrics: TransferMetrics | None = None) -> None:
+    def __init__(self, secret: bytes, *, settings: TransferSettings | None = None,
+                 metrics: TransferMetrics | None = None) -> None:
         super().__init__(secret, settings=settings, metrics=metrics)
         self.backoff = Backoff(self.settings.retry_backoff_s, self.settings.retry_backoff_max_s)
         self._sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep  # injectable for tests
@@ -113,7 +114,8 @@ class TransferClient(_Connections):
                     warm = session
             except TransferError:  # a pooled connection died under us: the driver reconnects
                 session.close()
-        handle._task = asyncio.get_running_loop().create_task(self._drive(handle, host, port, alloc, n, candidates, warm))
+        handle._task = asyncio.get_running_loop().create_task(
+            self._drive(handle, host, port, alloc, n, candidates, warm))
         if warm is not None:  # closed also when the task is cancelled before it runs
             close_warm = warm.close
             handle._task.add_done_callback(lambda _t: close_warm())

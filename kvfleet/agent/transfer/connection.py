@@ -118,7 +118,8 @@ class _Stream:
         """Run ``job(self)`` on this stream's I/O thread (started once, kept while pooled)."""
         self.idle.clear()
         if self.thread is None:
-            self.thread = threading.Thread(target=self._work, name=f"kvfleet-xfer-recv-{self.index}", daemon=True)
+            self.thread = threading.Thread(target=self._work, name=f"kvfleet-xfer-recv-{self.index}",
+                                           daemon=True)
             self.thread.start()
         self.jobs.put(job)
 
@@ -142,7 +143,8 @@ class _Stream:
             self.ring.close()
 
 
-def _connect(host: str, port: int, secret: bytes, local: PeerInfo, settings: TransferSettings, backend: str | None) -> tuple[Channel, PeerInfo, str]:
+def _connect(host: str, port: int, secret: bytes, local: PeerInfo, settings: TransferSettings,
+             backend: str | None) -> tuple[Channel, PeerInfo, str]:
     """Connect and authenticate; ``backend=None`` picks the topology's first choice."""
     try:
         sock = socket.create_connection((host, port), timeout=settings.connect_timeout_s)
@@ -155,16 +157,19 @@ def _connect(host: str, port: int, secret: bytes, local: PeerInfo, settings: Tra
             raise FrameError(f"expected HELLO, got {h.type.name}")
         nonce_s = auth.check_nonce(hello.get("nonce"))
         backends = hello.get("backends")
-        remote = PeerInfo(str(hello.get("host", "")), tuple(str(b) for b in backends) if isinstance(backends, list) else ())
+        remote = PeerInfo(str(hello.get("host", "")),
+                          tuple(str(b) for b in backends) if isinstance(backends, list) else ())
         if backend is None:
             choice = choose_backends(local, remote)
             if not choice:
-                raise StreamError(f"no common backend with {host}:{port} (ours {local.backends}, theirs {remote.backends})")
+                raise StreamError(
+                    f"no common backend with {host}:{port} (ours {local.backends}, theirs {remote.backends})")
             backend = choice[0]
         nonce_c = auth.new_nonce()
         payload_mac = settings.payload_mac
         ch.send(encode_control(FrameType.AUTH, {
-            "nonce": nonce_c, "mac": auth.mac(secret, b"c", nonce_s, nonce_c), "backend": backend, "payload_mac": payload_mac,
+            "nonce": nonce_c, "mac": auth.mac(secret, b"c", nonce_s, nonce_c), "backend": backend,
+            "payload_mac": payload_mac,
         }))
         h, body = ch.recv_control()
         if h.type == FrameType.AUTH_FAIL:
@@ -184,13 +189,15 @@ def _connect(host: str, port: int, secret: bytes, local: PeerInfo, settings: Tra
 class _Connections:
     """The pool secret, settings and idle authenticated streams a client keeps between transfers."""
 
-    def __init__(self, secret: bytes, *, settings: TransferSettings | None = None, metrics: TransferMetrics | None = None) -> None:
+    def __init__(self, secret: bytes, *, settings: TransferSettings | None = None,
+                 metrics: TransferMetrics | None = None) -> None:
         if not secret:
             raise AuthError("empty transfer secret")
         self.secret = secret
         self.settings = settings or TransferSettings()
         self.metrics = metrics or TransferMetrics(link_capacity_bps=self.settings.link_capacity_gbps * 1e9)
-        offered = [b for b in self.settings.backends if b in BACKENDS and (b != "mooncake" or mooncake_available())]
+        offered = [b for b in self.settings.backends if b in BACKENDS
+                   and (b != "mooncake" or mooncake_available())]
         self.local = PeerInfo(local_host_id(self.settings.host_id), tuple(offered))
         self.mooncake: MooncakeEngine | None = None
         self._mooncake_lock = threading.Lock()
@@ -202,7 +209,8 @@ class _Connections:
         """The client's Transfer Engine, started on first use (from an I/O thread)."""
         with self._mooncake_lock:
             if self.mooncake is None:
-                host = self.settings.listen_host if self.settings.listen_host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+                listen = self.settings.listen_host
+                host = listen if listen not in ("", "0.0.0.0", "::") else "127.0.0.1"
                 self.mooncake = MooncakeEngine(host, self.settings.mooncake_protocol)
             return self.mooncake
 

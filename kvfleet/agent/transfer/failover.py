@@ -50,9 +50,11 @@ log = logging.getLogger("kvfleet.agent.transfer.client")  # one logger for the r
 
 async def drive(
     conns: _Connections, handle: TransferHandle, host: str, port: int, alloc: Allocator, n: int,
-    candidates: list[str] | None, warm: _Session | None, backoff: Backoff, sleep: Callable[[float], Awaitable[Any]],
+    candidates: list[str] | None, warm: _Session | None, backoff: Backoff,
+    sleep: Callable[[float], Awaitable[Any]],
 ) -> None:
-    """Run sessions until every block landed, retrying and failing over; ends the handle with the last error."""
+    """Run sessions until every block landed, retrying and failing over; ends the handle with the last
+    error."""
     idx = 0
     attempt = 0
     wait_s = 0.0
@@ -109,7 +111,8 @@ async def drive(
 class _Session:
     """One attempt: streams opened on one backend, for the blocks still missing."""
 
-    def __init__(self, client: _Connections, handle: TransferHandle, host: str, port: int, alloc: Allocator, n: int) -> None:
+    def __init__(self, client: _Connections, handle: TransferHandle, host: str, port: int, alloc: Allocator,
+                 n: int) -> None:
         self.client = client
         self.handle = handle
         self.host, self.port = host, port
@@ -159,7 +162,8 @@ class _Session:
         if not self.streams:  # not started warm
             first: Channel | None = None
             if backend is None:  # first contact: the peer's HELLO decides the backend
-                first, remote, chosen = await asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, None)
+                first, remote, chosen = await asyncio.to_thread(_connect, self.host, self.port, c.secret,
+                                                                c.local, c.settings, None)
                 c._remotes[(self.host, self.port)] = remote
             else:
                 chosen = backend
@@ -183,7 +187,8 @@ class _Session:
         missing = self._n - len(self.streams)
         if missing:
             fresh = await asyncio.gather(
-                *(asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings, self.backend) for _ in range(missing)),
+                *(asyncio.to_thread(_connect, self.host, self.port, c.secret, c.local, c.settings,
+                                    self.backend) for _ in range(missing)),
                 return_exceptions=True,
             )
             chans = [x[0] for x in fresh if not isinstance(x, BaseException)]
@@ -203,12 +208,14 @@ class _Session:
         if self.backend == "shm" and st.ring is None:
             slot_bytes = c.settings.max_block_bytes
             st.ring = await asyncio.to_thread(ShmRing.create, c.settings.shm_dir, window, slot_bytes)
-            st.ch.send_frames(encode_control(FrameType.SHM_ATTACH, {"name": st.ring.name, "slots": window, "slot_bytes": slot_bytes}))
+            st.ch.send_frames(encode_control(
+                FrameType.SHM_ATTACH, {"name": st.ring.name, "slots": window, "slot_bytes": slot_bytes}))
         elif self.backend == "mooncake" and st.ring is None:
             slot_bytes = c.settings.max_block_bytes
             engine = await asyncio.to_thread(c._engine)
             st.ring = await asyncio.to_thread(RegisteredRing, engine, window, slot_bytes, slot_bytes)
-            st.ch.send_frames(encode_control(FrameType.MC_ATTACH, {"slots": window, "slot_bytes": slot_bytes}))
+            st.ch.send_frames(
+                encode_control(FrameType.MC_ATTACH, {"slots": window, "slot_bytes": slot_bytes}))
         self._go(st)
 
     def _go(self, st: _Stream) -> None:
@@ -271,7 +278,8 @@ class _Session:
                     assert s.remote is not None
                     self._check_tag(s, raw, EMPTY_DIGEST, h)
                     ring = s.ring
-                    ring.engine.read(s.remote[0], ring.slot_addr(h.slot), s.remote[1] + h.slot * ring.slot_bytes, h.length)
+                    ring.engine.read(s.remote[0], ring.slot_addr(h.slot),
+                                     s.remote[1] + h.slot * ring.slot_bytes, h.length)
                     dest[:] = ring.slot(h.slot, h.length)
                     self._verify(h, dest)
                 elif payload_mac:  # the tag covers the payload: no separate checksum pass unless it fails
@@ -300,7 +308,8 @@ class _Session:
     @staticmethod
     def _check_tag(s: _Stream, raw: bytes, digest: bytes, h: Header) -> None:
         if not s.ch.recv_tag(raw, digest):
-            raise IntegrityError(f"{h.type.name} seq {h.seq}: MAC mismatch (altered in transit, or a wrong session key)")
+            raise IntegrityError(
+                f"{h.type.name} seq {h.seq}: MAC mismatch (altered in transit, or a wrong session key)")
 
     # -- event-loop thread ------------------------------------------------------
     def _landed(self, s: _Stream, block: Block) -> None:

@@ -1,4 +1,4 @@
-"""The wire format: one fixed 64-byte header per frame, then an optional body, then (after the handshake) a tag.
+"""The wire format: a fixed 64-byte header per frame, then an optional body, then (after the handshake) a tag.
 
 Header layout (network byte order)::
 
@@ -113,7 +113,8 @@ def encode_header(
     return HEADER.pack(MAGIC, VERSION, int(ftype), flags, len(hb), 0, seq, length, checksum_, hb, slot)
 
 
-def decode_header(buf: bytes | bytearray | memoryview, max_length: int, max_control: int = MAX_CONTROL_BYTES) -> Header:
+def decode_header(buf: bytes | bytearray | memoryview, max_length: int,
+                  max_control: int = MAX_CONTROL_BYTES) -> Header:
     """Unpack and validate one header; anything unexpected is a :class:`FrameError`.
 
     ``max_length`` bounds a ``BLOCK`` payload, ``max_control`` every other body
@@ -126,7 +127,8 @@ def decode_header(buf: bytes | bytearray | memoryview, max_length: int, max_cont
         raise FrameError(f"bad magic {magic!r}")
     if version != VERSION:
         raise VersionError(
-            f"peer speaks transfer protocol version {version}, this side speaks {VERSION}: upgrade the older side"
+            f"peer speaks transfer protocol version {version}, this side speaks {VERSION}: "
+            "upgrade the older side"
         )
     if ftype not in _TYPES:
         raise FrameError(f"unknown frame type {ftype}")
@@ -172,7 +174,8 @@ def decode_request(body: Any) -> list[tuple[int, BlockHash]]:
     for item in body:
         if type(item) is list and len(item) == 2:  # fast path: exact types, checked inline
             seq, h = item
-            if type(seq) is int and ((type(h) is int and 0 <= h <= _U64) or (type(h) is bytes and len(h) <= 32)):
+            if type(seq) is int and ((type(h) is int and 0 <= h <= _U64)
+                                     or (type(h) is bytes and len(h) <= 32)):
                 out.append((seq, h))
                 continue
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)):

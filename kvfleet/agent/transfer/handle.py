@@ -65,7 +65,8 @@ class TransferHandle:
     is already under way when the transfer is cancelled still completes.
     """
 
-    def __init__(self, hashes: Sequence[BlockHash], on_block: Callable[[Block], Any] | None, *, in_thread: bool = False) -> None:
+    def __init__(self, hashes: Sequence[BlockHash], on_block: Callable[[Block], Any] | None, *,
+                 in_thread: bool = False) -> None:
         self.block_hashes = list(hashes)
         self.stats = TransferStats(started=time.perf_counter())
         self._on_block = on_block
@@ -220,4 +221,5 @@ class TransferHandle:
 
     def _missing(self) -> list[tuple[int, BlockHash]]:
         with self._lock:
-            return [(s, self.block_hashes[s]) for s in range(self._next, len(self.block_hashes)) if s not in self._landed]
+            return [(s, self.block_hashes[s]) for s in range(self._next, len(self.block_hashes))
+                    if s not in self._landed]

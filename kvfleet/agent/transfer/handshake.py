@@ -20,7 +20,8 @@ from kvfleet.agent.transfer.frames import HEADER_SIZE, Header
 
 
 class _Handshake:
-    """A connection between accept and a verified AUTH, driven by the handshake loop (no thread of its own)."""
+    """A connection between accept and a verified AUTH, driven by the handshake loop (no thread of its
+    own)."""
 
     __slots__ = ("body", "deadline", "hdr", "header", "nonce_s", "out", "peer", "sock")
 
@@ -83,7 +84,8 @@ def _close(sock: socket.socket) -> None:
 
 
 class _RateLog:
-    """One warning per kind at most every ``every_s`` seconds to ``logger``, saying how many were not logged since."""
+    """One warning per kind at most every ``every_s`` seconds to ``logger``, saying how many were not logged
+    since."""
 
     def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
         self.log = logger

@@ -24,22 +24,29 @@ class TransferMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, link_capacity_bps: float = 0.0) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.bytes = Counter("kvfleet_transfer_bytes", "Block payload bytes moved.", ["backend", "direction"], registry=r)
-        self.blocks = Counter("kvfleet_transfer_blocks", "Blocks moved.", ["backend", "direction"], registry=r)
-        self.retries = Counter("kvfleet_transfer_retries", "Re-requests of remaining blocks.", ["backend"], registry=r)
+        self.bytes = Counter("kvfleet_transfer_bytes", "Block payload bytes moved.", ["backend", "direction"],
+                             registry=r)
+        self.blocks = Counter("kvfleet_transfer_blocks", "Blocks moved.", ["backend", "direction"],
+                              registry=r)
+        self.retries = Counter("kvfleet_transfer_retries", "Re-requests of remaining blocks.", ["backend"],
+                               registry=r)
         self.failovers = Counter(
-            "kvfleet_transfer_failovers", "Backend switches mid-transfer.", ["from_backend", "to_backend"], registry=r
+            "kvfleet_transfer_failovers", "Backend switches mid-transfer.", ["from_backend", "to_backend"],
+            registry=r
         )
         self.errors = Counter("kvfleet_transfer_errors", "Transfer errors by kind.", ["kind"], registry=r)
-        self.auth_rejections = Counter("kvfleet_transfer_auth_rejections", "Peers rejected by the HMAC challenge.", registry=r)
+        self.auth_rejections = Counter("kvfleet_transfer_auth_rejections",
+                                       "Peers rejected by the HMAC challenge.", registry=r)
         self.bandwidth = Gauge(
-            "kvfleet_transfer_bandwidth_bytes_per_second", "Goodput of the last completed transfer.", ["backend"], registry=r
+            "kvfleet_transfer_bandwidth_bytes_per_second", "Goodput of the last completed transfer.",
+            ["backend"], registry=r
         )
         self.capacity = Gauge(
             "kvfleet_transfer_link_capacity_bytes_per_second", "Configured link capacity.", registry=r
         )
         self.utilisation = Gauge(
-            "kvfleet_transfer_bandwidth_utilisation", "Goodput / configured link capacity.", ["backend"], registry=r
+            "kvfleet_transfer_bandwidth_utilisation", "Goodput / configured link capacity.", ["backend"],
+            registry=r
         )
         self.capacity.set(link_capacity_bps)
         self._capacity = link_capacity_bps

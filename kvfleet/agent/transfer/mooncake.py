@@ -70,8 +70,10 @@ class MooncakeEngine:
 class RegisteredRing:
     """``slots`` × ``slot_bytes`` of memory registered with a Transfer Engine."""
 
-    def __init__(self, engine: MooncakeEngine, slots: object, slot_bytes: object, max_slot_bytes: int) -> None:
-        if not (isinstance(slots, int) and isinstance(slot_bytes, int) and 0 < slots <= 4096 and 0 < slot_bytes <= max_slot_bytes):
+    def __init__(self, engine: MooncakeEngine, slots: object, slot_bytes: object,
+                 max_slot_bytes: int) -> None:
+        if not (isinstance(slots, int) and isinstance(slot_bytes, int) and 0 < slots <= 4096
+                and 0 < slot_bytes <= max_slot_bytes):
             raise FrameError(f"bad mooncake ring geometry {slots!r} x {slot_bytes!r}")
         self.engine = engine
         self.slots = slots

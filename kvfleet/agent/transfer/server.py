@@ -97,12 +97,14 @@ class _Conn:
             elif h.type == FrameType.SHM_ATTACH and self.backend == "shm" and self.ring is None:
                 if not isinstance(body, dict):
                     raise FrameError("SHM_ATTACH body must be a map")
-                self.ring = ShmRing.attach(self.server.settings.shm_dir, body.get("name"), body.get("slots"), body.get("slot_bytes"))
+                self.ring = ShmRing.attach(self.server.settings.shm_dir, body.get("name"), body.get("slots"),
+                                           body.get("slot_bytes"))
             elif h.type == FrameType.MC_ATTACH and self.backend == "mooncake" and self.ring is None:
                 if not isinstance(body, dict) or self.server.mooncake is None:
                     raise FrameError("MC_ATTACH without a map body or without a mooncake engine")
                 mc = self.server.mooncake
-                ring = RegisteredRing(mc, body.get("slots"), body.get("slot_bytes"), self.server.settings.max_block_bytes)
+                ring = RegisteredRing(mc, body.get("slots"), body.get("slot_bytes"),
+                                      self.server.settings.max_block_bytes)
                 self.ring = ring
                 self.ch.send_frames(encode_control(FrameType.MC_READY, {"rpc": mc.rpc, "addr": ring.addr}))
             else:
@@ -119,11 +121,13 @@ class _Conn:
             self.ch.send_frames(encode_header(FrameType.MISSING, seq=seq, block_hash=bh))
             return
         view = memoryview(data).cast("B")
-        if self.ring is not None:  # the payload stays on this host (shm) or moves by Mooncake: the tag covers the header
+        # the payload stays on this host (shm) or moves by Mooncake: the tag covers the header
+        if self.ring is not None:
             csum = s.checksum_of(bh, view)
             slot = self.sent_blocks % self.ring.slots
             self.ring.slot(slot, len(view))[:] = view
-            self.ch.send_frames(encode_header(FrameType.SLOT_BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh, slot=slot))
+            self.ch.send_frames(encode_header(FrameType.SLOT_BLOCK, seq=seq, length=len(view), checksum_=csum,
+                                              block_hash=bh, slot=slot))
         else:
             csum, digest = s.sums_of(bh, view, self.payload_mac)
             hdr = encode_header(FrameType.BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh)
@@ -178,7 +182,8 @@ class TransferServer:
         self.metrics = metrics or TransferMetrics(link_capacity_bps=self.settings.link_capacity_gbps * 1e9)
         self.host_id = local_host_id(self.settings.host_id)
         self.backends = tuple(
-            b for b in self.settings.backends if b in ("tcp", "shm") or (b == "mooncake" and mooncake_available())
+            b for b in self.settings.backends if b in ("tcp", "shm")
+            or (b == "mooncake" and mooncake_available())
         )
         self.mooncake: MooncakeEngine | None = None
         self.fault_hook: Any = None
@@ -248,7 +253,8 @@ class TransferServer:
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
                     raise PortInUseError(exc.errno, f"transfer port {self.host}:{self._want_port} is in use "
-                                                    "(another process, or another container of this pod, listens on it)") from exc
+                                                    "(another process, or another container of this pod, "
+                                                    "listens on it)") from exc
                 raise
             sock.listen(max(128, min(self.settings.max_connections, 4096)))
             sock.setblocking(False)
@@ -263,7 +269,8 @@ class TransferServer:
         sel.register(wake_r, selectors.EVENT_READ, "wake")
         self._sock, self._sel, self._wake_r, self._wake_w = sock, sel, wake_r, wake_w
         self._port = int(sock.getsockname()[1])
-        t = threading.Thread(target=self._handshake_loop, name=f"kvfleet-xfer-accept-{self._port}", daemon=True)
+        t = threading.Thread(target=self._handshake_loop, name=f"kvfleet-xfer-accept-{self._port}",
+                             daemon=True)
         self._loop_thread = t
         t.start()
 
@@ -287,7 +294,8 @@ class TransferServer:
         self.start()
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
         self.stop()
 
     # -- the handshake loop: accept, HELLO, AUTH; one thread for every unauthenticated connection
@@ -363,13 +371,16 @@ class TransferServer:
         if len(self._pending) >= st.max_handshakes:
             _, oldest = self._pending.popitem(last=False)
             self._sel.unregister(oldest.sock)
-            self._refuse(oldest.sock, oldest.peer, "max_handshakes", f"{st.max_handshakes} handshakes pending; the oldest makes room")
+            self._refuse(oldest.sock, oldest.peer, "max_handshakes",
+                         f"{st.max_handshakes} handshakes pending; the oldest makes room")
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             nonce_s = auth.new_nonce()
-            hello = {"nonce": nonce_s, "host": self.host_id, "backends": list(self.backends), "max_block": st.max_block_bytes}
-            hs = _Handshake(sock, peer, time.monotonic() + st.handshake_timeout_s, nonce_s, encode_control(FrameType.HELLO, hello))
+            hello = {"nonce": nonce_s, "host": self.host_id, "backends": list(self.backends),
+                     "max_block": st.max_block_bytes}
+            hs = _Handshake(sock, peer, time.monotonic() + st.handshake_timeout_s, nonce_s,
+                            encode_control(FrameType.HELLO, hello))
             hs.flush()
             self._sel.register(sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if hs.out else 0), hs)
         except OSError:
@@ -396,8 +407,8 @@ class TransferServer:
             hs.close()
             self.metrics.errors.labels("handshake_timeout").inc()
             self._ratelog.warning(
-                "handshake_timeout", "transfer: closed connection from %s: no authentication within %.1f s", hs.peer,
-                self.settings.handshake_timeout_s,
+                "handshake_timeout", "transfer: closed connection from %s: no authentication within %.1f s",
+                hs.peer, self.settings.handshake_timeout_s,
             )
 
     def _advance(self, hs: _Handshake, mask: int) -> None:
@@ -425,13 +436,15 @@ class TransferServer:
                 log.debug("transfer: %s closed before its AUTH (a TCP probe)", hs.peer)
                 return
             self.metrics.errors.labels("stream").inc()
-            self._ratelog.warning("stream", "transfer: connection from %s failed during the handshake: %s", hs.peer, exc)
+            self._ratelog.warning("stream", "transfer: connection from %s failed during the handshake: %s",
+                                  hs.peer, exc)
 
     def _authenticated(self, hs: _Handshake) -> None:
         """Check the AUTH frame read in full; hand the connection to a thread of its own, or refuse it."""
         assert hs.header is not None
         try:
-            nonce_c, backend, payload_mac = auth.check_auth(self.secret, hs.nonce_s, hs.header, bytes(hs.body), self.backends)
+            nonce_c, backend, payload_mac = auth.check_auth(self.secret, hs.nonce_s, hs.header,
+                                                            bytes(hs.body), self.backends)
         except AuthError as exc:
             self.metrics.auth_rejections.inc()
             self.metrics.errors.labels(exc.kind).inc()
@@ -466,7 +479,8 @@ class TransferServer:
             self.metrics.errors.labels("internal").inc()
             self._ratelog.warning("internal", "transfer: cannot serve %s: %s", hs.peer, exc)
 
-    def _session_keys(self, nonce_s: bytes, nonce_c: bytes, backend: str, payload_mac: bool) -> tuple[bytes, bytes]:
+    def _session_keys(self, nonce_s: bytes, nonce_c: bytes, backend: str,
+                      payload_mac: bool) -> tuple[bytes, bytes]:
         return auth.session_keys(self.secret, nonce_s, nonce_c, backend, payload_mac)
 
     # -- one thread per authenticated connection

@@ -73,7 +73,8 @@ class ShmRing:
         """Map a ring a peer created; the name is checked so it cannot leave ``shm_dir``."""
         if not (isinstance(name, str) and _NAME.match(name)):
             raise FrameError(f"bad shared-memory ring name {name!r}")
-        if not (isinstance(slots, int) and isinstance(slot_bytes, int) and 0 < slots <= 4096 and slot_bytes > 0):
+        if not (isinstance(slots, int) and isinstance(slot_bytes, int) and 0 < slots <= 4096
+                and slot_bytes > 0):
             raise FrameError(f"bad shared-memory ring geometry {slots!r} x {slot_bytes!r}")
         path = Path(shm_dir) / name
         try:

@@ -57,7 +57,8 @@ def make_datastore(settings: Settings) -> Datastore:
 class Epp:
     """The endpoint picker; ``datastore`` may be given (tests), else built from settings."""
 
-    def __init__(self, settings: Settings | None = None, datastore: Datastore | None = None, body_mode: str = "FULL_DUPLEX_STREAMED") -> None:
+    def __init__(self, settings: Settings | None = None, datastore: Datastore | None = None,
+                 body_mode: str = "FULL_DUPLEX_STREAMED") -> None:
         self.settings = settings or Settings()
         s = self.settings.epp
         self.datastore = datastore if datastore is not None else make_datastore(self.settings)
@@ -66,10 +67,13 @@ class Epp:
         self.store = MetricsStore(staleness_s=s.metrics_staleness_s)
         self.scraper = MetricsScraper(self.store, s.scrape_interval_s)
         # a dropped KV-event connection (a killed engine) takes the pod out of rotation until a scrape answers
-        self.subscriber = EventSubscriber(on_disconnect=lambda pod: self.store.mark_down(pod, "dropped its KV-event connection"))
-        self.router = Router(s, self.settings.cache, self.datastore, self.index, self.store, load_tokenizer(s.tokenizer), self.tracker)
+        self.subscriber = EventSubscriber(
+            on_disconnect=lambda pod: self.store.mark_down(pod, "dropped its KV-event connection"))
+        self.router = Router(s, self.settings.cache, self.datastore, self.index, self.store,
+                             load_tokenizer(s.tokenizer), self.tracker)
         self.metrics = EppMetrics()
-        self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools, lambda: dict(self.subscriber.stats),
+        self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools,
+                                  lambda: dict(self.subscriber.stats),
                                   lambda: sum(len(a) for a in list(self.appliers.values())))
         self.servicer = ExtProcServicer(self.router, self.metrics, s.max_body_bytes, body_mode)
         self.appliers: dict[str, PodEventApplier] = {}
@@ -82,8 +86,9 @@ class Epp:
                     secret = f.read().strip()
                 if not secret:
                     raise ValueError(f"epp.gossip_secret_file {s.gossip_secret_file} is empty")
-            self.gossip = ReplicaGossip(self.index, host=s.host, port=s.gossip_port, peers=s.gossip_peers, ttl_s=s.gossip_ttl_s,
-                                        known_pod=lambda name: name in self._pod_names, tracker=self.tracker, secret=secret)
+            self.gossip = ReplicaGossip(self.index, host=s.host, port=s.gossip_port, peers=s.gossip_peers,
+                                        ttl_s=s.gossip_ttl_s, known_pod=lambda name: name in self._pod_names,
+                                        tracker=self.tracker, secret=secret)
             self.index.on_pick = self.gossip.publish
             self.tracker.on_ticket = self.gossip.publish_ticket
             self.metrics.attach_gossip(self.gossip)
@@ -134,20 +139,25 @@ class Epp:
         self._janitor = threading.Thread(target=self._housekeeping, name="epp-janitor", daemon=True)
         self._janitor.start()
         self.serving = True
-        log.info("epp: ext_proc on :%d, health on :%d, metrics on :%d", self.grpc_port, self.health_port, self.metrics_port)
+        log.info("epp: ext_proc on :%d, health on :%d, metrics on :%d", self.grpc_port, self.health_port,
+                 self.metrics_port)
         return self
 
     async def _start_grpc(self) -> None:
         s = self.settings.epp
         self._grpc = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+            options=[("grpc.max_receive_message_length", 64 << 20),
+                     ("grpc.max_send_message_length", 64 << 20)],
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         health = HealthServicer(alive=lambda: not self._stop.is_set(), ready=self.ready)
         health_pb2_grpc.add_HealthServicer_to_server(health, self._grpc)
         creds = server_credentials(s.tls_cert_file, s.tls_key_file)
         target = f"{s.host}:{s.grpc_port}"
-        self.grpc_port = self._grpc.add_insecure_port(target) if creds is None else self._grpc.add_secure_port(target, creds)
+        if creds is None:
+            self.grpc_port = self._grpc.add_insecure_port(target)
+        else:
+            self.grpc_port = self._grpc.add_secure_port(target, creds)
         self._health = grpc.aio.server()  # plaintext: kubelet's gRPC probes do not speak TLS
         health_pb2_grpc.add_HealthServicer_to_server(health, self._health)
         self.health_port = self._health.add_insecure_port(f"{s.host}:{s.health_port}")

@@ -9,7 +9,7 @@ The file format (``pods_file``)::
         block_size: 16           # the pool's KV block size and hashing (default: the picker's cache settings)
         hash_algo: xxh3_64       # xxh3_64 | sha256_cbor
         hash_seed: vllm-none-hash
-        weights: {prefix: 1.0, load: 1.0, hotspotDecay: 0.1}   # routing weights (KVCachePool spec.routing.weights)
+        weights: {prefix: 1.0, load: 1.0, hotspotDecay: 0.1}   # KVCachePool spec.routing.weights
         pods:
           - name: pod-0
             address: 127.0.0.1
@@ -50,13 +50,15 @@ class Pod:
     port: int = 0
     pool: str = ""
     role: str = "both"
-    #: the prefix shard (a pod subset of the pool, label ``kvfleet.io/shard``) level 1 routes to; "" = one shard
+    #: the prefix shard (a pod subset of the pool, label ``kvfleet.io/shard``) level 1 routes to;
+    #: "" = one shard
     shard: str = ""
     events: str | None = None
     replay: str | None = None
     metrics: str | None = None
     ready: bool = True
-    #: the engine's GPU KV blocks (pods file ``kv_blocks``, annotation ``kvfleet.io/kv-blocks``); ``None``: unknown
+    #: the engine's GPU KV blocks (pods file ``kv_blocks``, annotation ``kvfleet.io/kv-blocks``);
+    #: ``None``: unknown
     kv_blocks: int | None = None
 
     @property
@@ -72,7 +74,8 @@ class PoolCache:
     ``epp.hotspot_beta``). ``prefix_weight`` multiplies the prefix scorers' weights of the scheduling
     profile, ``load_weight`` the load scorers' (queue, KV utilisation, in-flight); ``hotspot_decay`` is the
     hot-spot decay β of the prefix scorer. The operator writes them in the InferencePool's
-    ``kvfleet.io/routing`` annotation from the KVCachePool's ``blockSize``, ``hashAlgo`` and ``routing.weights``.
+    ``kvfleet.io/routing`` annotation from the KVCachePool's ``blockSize``, ``hashAlgo`` and
+    ``routing.weights``.
     """
 
     block_size: int | None = None
@@ -86,7 +89,8 @@ class PoolCache:
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
         if self.hash_algo is not None and self.hash_algo not in ALGORITHMS:
-            raise ValueError(f"hash_algo must be one of {', '.join(sorted(ALGORITHMS))}, got {self.hash_algo!r}")
+            raise ValueError(
+                f"hash_algo must be one of {', '.join(sorted(ALGORITHMS))}, got {self.hash_algo!r}")
         if self.prefix_weight < 0 or self.load_weight < 0:
             raise ValueError("routing weights must be >= 0")
         if self.hotspot_decay is not None and self.hotspot_decay < 0:
@@ -167,13 +171,15 @@ def pool_cache(raw: Mapping[str, Any], where: str) -> PoolCache:
         raise DatastoreError(f"{where}.weights must be a mapping")
     unknown = set(weights) - {"prefix", "load", "hotspotDecay"}
     if unknown:
-        raise DatastoreError(f"{where}.weights: unknown key(s) {sorted(unknown)}; known: prefix, load, hotspotDecay")
+        raise DatastoreError(
+            f"{where}.weights: unknown key(s) {sorted(unknown)}; known: prefix, load, hotspotDecay")
 
     def opt(*names: str) -> Any:
         return next((raw[n] for n in names if raw.get(n) is not None), None)
 
     try:
-        bs, algo, seed = opt("block_size", "blockSize"), opt("hash_algo", "hashAlgo"), opt("hash_seed", "hashSeed")
+        bs, algo = opt("block_size", "blockSize"), opt("hash_algo", "hashAlgo")
+        seed = opt("hash_seed", "hashSeed")
         decay = weights.get("hotspotDecay")
         return PoolCache(
             block_size=None if bs is None else int(bs),
@@ -197,8 +203,8 @@ def pools_from_dict(data: Any, source: str = "<config>") -> list[Pool]:
         where = f"{source}: pools[{i}]"
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
             raise DatastoreError(f"{where}: needs a 'name'")
-        unknown_keys = set(raw) - {"name", "models", "weight", "pods", "block_size", "blockSize", "hash_algo", "hashAlgo",
-                                   "hash_seed", "hashSeed", "weights"}
+        unknown_keys = set(raw) - {"name", "models", "weight", "pods", "block_size", "blockSize", "hash_algo",
+                                   "hashAlgo", "hash_seed", "hashSeed", "weights"}
         if unknown_keys:
             raise DatastoreError(f"{where}: unknown key(s) {sorted(unknown_keys)}")
         models = raw.get("models", [])
@@ -209,7 +215,8 @@ def pools_from_dict(data: Any, source: str = "<config>") -> list[Pool]:
             pw = f"{where}.pods[{j}]"
             if not isinstance(rp, dict):
                 raise DatastoreError(f"{pw}: must be a mapping")
-            unknown = set(rp) - {"name", "address", "port", "role", "shard", "events", "replay", "metrics", "ready", "kv_blocks"}
+            unknown = set(rp) - {"name", "address", "port", "role", "shard", "events", "replay", "metrics",
+                                 "ready", "kv_blocks"}
             if unknown:
                 raise DatastoreError(f"{pw}: unknown key(s) {sorted(unknown)}")
             try:
@@ -243,7 +250,8 @@ def pools_from_dict(data: Any, source: str = "<config>") -> list[Pool]:
         if weight <= 0:
             raise DatastoreError(f"{where}.weight must be > 0")
         cache = pool_cache(raw, where)
-        pools.append(Pool(name=raw["name"], models=tuple(models), weight=weight, pods=tuple(pods), cache=cache))
+        pools.append(
+            Pool(name=raw["name"], models=tuple(models), weight=weight, pods=tuple(pods), cache=cache))
     return pools
 
 

@@ -70,14 +70,18 @@ from kvfleet.epp.protocol import (
 )
 
 _T = "type.googleapis.com/"
+_PREVIOUS_HOSTS = _T + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+_ROUND_ROBIN = _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 #: how the gateway reaches the picked pod (:func:`bootstrap`)
 ROUTING_MODES = ("header", "metadata", "override_host")
-_JSON_503 = '{"error": {"code": 503, "type": "no_ready_endpoint", "message": "no endpoint was picked for this request"}}'
+_JSON_503 = ('{"error": {"code": 503, "type": "no_ready_endpoint", '
+             '"message": "no endpoint was picked for this request"}}')
 _JSON_REFUSED = (
-    '{"error": {"code": 400, "type": "invalid_request_error", "message": "the request sets a header that only the '
-    'gateway and the engines may set (' + ", ".join(CLIENT_REFUSED_HEADERS) + ')"}}'
+    '{"error": {"code": 400, "type": "invalid_request_error", "message": "the request sets a header that '
+    'only the gateway and the engines may set (' + ", ".join(CLIENT_REFUSED_HEADERS) + ')"}}'
 )
-_JSON_404 = '{"error": {"code": 404, "type": "not_found_error", "message": "not served through the gateway"}}'
+_JSON_404 = ('{"error": {"code": 404, "type": "not_found_error", '
+             '"message": "not served through the gateway"}}')
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -149,7 +153,8 @@ def _local_replies() -> dict[str, Any]:
                 "@type": _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
                 "expression": "response.code_details.startsWith('ext_proc_error')"}}},
             "status_code": 503,
-            "body_format_override": body("endpoint_picker_unavailable", "the endpoint picker did not answer; retry"),
+            "body_format_override": body("endpoint_picker_unavailable",
+                                         "the endpoint picker did not answer; retry"),
         },
         {   # nothing listening at the picked pod: tell the picker (response header) so it stops picking it
             "filter": {"response_flag_filter": {"flags": ["UF"]}},
@@ -182,12 +187,14 @@ def _health_listener(port: int, admin_port: int) -> dict[str, Any]:
             {"match": {"path": "/ready"}, "route": {"cluster": "kvfleet-admin"}},
             {"match": {"prefix": "/"}, "direct_response": {"status": 404}},
         ]}]},
-        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}}],
+        "http_filters": [{"name": "envoy.filters.http.router",
+                          "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}}],
     }
     return {
         "name": "health",
         "address": _addr("0.0.0.0", port),
-        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
     }
 
 
@@ -237,7 +244,8 @@ def bootstrap(
         "request_body_mode": body_mode,
         "request_trailer_mode": "SEND" if streamed else "SKIP",
         "response_header_mode": "SEND" if response_processing else "SKIP",
-        "response_body_mode": ("FULL_DUPLEX_STREAMED" if streamed else "STREAMED") if response_processing else "NONE",
+        "response_body_mode": ("FULL_DUPLEX_STREAMED" if streamed else "STREAMED")
+        if response_processing else "NONE",
         "response_trailer_mode": "SEND" if streamed and response_processing else "SKIP",
     }
     ext_proc: dict[str, Any] = {
@@ -252,8 +260,8 @@ def bootstrap(
                     "retry_on": "connect-failure,refused-stream,unavailable,reset",
                     "num_retries": 2,
                     "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
-                    "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
-                        "@type": _T + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
+                    "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
+                                              "typed_config": {"@type": _PREVIOUS_HOSTS}}],
                     "host_selection_retry_max_attempts": 3,
                 },
             },
@@ -272,7 +280,8 @@ def bootstrap(
         filters.append(_subset_filter(subset_hint))
     if use_epp:
         filters.append(ext_proc)
-    filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}})
+    filters.append({"name": "envoy.filters.http.router",
+                    "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}})
     timeout = f"{upstream_timeout_s}s"
     no_ext_proc = {"envoy.filters.http.ext_proc": {
         "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}}
@@ -286,8 +295,10 @@ def bootstrap(
          "typed_per_filter_config": no_ext_proc}
         for h in CLIENT_REFUSED_HEADERS
     ]
-    routes.append({"match": {"prefix": INTERNAL_PREFIX}, "direct_response": {"status": 404, "body": {"inline_string": _JSON_404}},
-                   "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
+    routes.append({"match": {"prefix": INTERNAL_PREFIX},
+                   "direct_response": {"status": 404, "body": {"inline_string": _JSON_404}},
+                   "response_headers_to_add": [
+                       {"header": {"key": "content-type", "value": "application/json"}}],
                    "typed_per_filter_config": no_ext_proc})
     if use_epp:
         to_pods: dict[str, Any] = {"cluster": "kvfleet-pods", "timeout": timeout}
@@ -303,9 +314,11 @@ def bootstrap(
     if fallback_service:
         fallback = [split_endpoint(fallback_service)]
     if fallback:
-        routes.append({"match": {"prefix": "/"}, "route": {"cluster": "kvfleet-fallback", "timeout": timeout}})
+        routes.append(
+            {"match": {"prefix": "/"}, "route": {"cluster": "kvfleet-fallback", "timeout": timeout}})
     else:
-        routes.append({"match": {"prefix": "/"}, "direct_response": {"status": 503, "body": {"inline_string": _JSON_503}}})
+        routes.append({"match": {"prefix": "/"},
+                       "direct_response": {"status": 503, "body": {"inline_string": _JSON_503}}})
     if routing == "header":
         odst: dict[str, Any] = {"use_http_header": True, "http_header_name": DEST_HEADER}
     else:
@@ -317,14 +330,15 @@ def bootstrap(
         # Replicas are health-checked on GIE's ext_proc health service and ejected on local connect failures,
         # so a dead replica stops getting streams within about a second.
         interval = f"{epp_health_interval_s}s"
-        # A busy picker may answer a check late: three misses (or a NOT_SERVING answer three times) take it out;
-        # a dead one is ejected at its first refused connection by the outlier detection below.
+        # A busy picker may answer a check late: three misses (or a NOT_SERVING answer three times) take it
+        # out; a dead one is ejected at its first refused connection by the outlier detection below.
         epp["health_checks"] = [{
             "timeout": "1s", "interval": interval, "no_traffic_interval": interval,
             "unhealthy_threshold": 3, "healthy_threshold": 1,
             "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
         }]
-        epp["outlier_detection"] = {"split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
+        epp["outlier_detection"] = {"split_external_local_origin_errors": True,
+                                    "consecutive_local_origin_failure": 1,
                                     "base_ejection_time": "2s", "max_ejection_percent": 100}
         epp["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
         if epp_tls_ca:
@@ -353,12 +367,13 @@ def bootstrap(
                 "name": "envoy.load_balancing_policies.override_host",
                 "typed_config": {
                     "@type": _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                    "override_host_sources": [{"metadata": {"key": DEST_METADATA_NS, "path": [{"key": DEST_HEADER}]}}],
+                    "override_host_sources": [
+                        {"metadata": {"key": DEST_METADATA_NS, "path": [{"key": DEST_HEADER}]}}],
                     # used only when no endpoint of the picker's list is in the cluster (a pods-file edit the
                     # gateway has not been given yet): a pool member, never an address from the request
                     "fallback_policy": {"policies": [{"typed_extension_config": {
                         "name": "envoy.load_balancing_policies.round_robin",
-                        "typed_config": {"@type": _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
+                        "typed_config": {"@type": _ROUND_ROBIN},
                     }}]},
                 },
             }}]}
@@ -380,7 +395,8 @@ def bootstrap(
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "gateway",
         "stream_idle_timeout": timeout,
-        "route_config": {"name": "kvfleet", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
+        "route_config": {"name": "kvfleet",
+                         "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": filters,
         "local_reply_config": _local_replies(),
     }
@@ -388,7 +404,8 @@ def bootstrap(
         {
             "name": "gateway",
             "address": _addr(listen_host, listen_port),
-            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
+            "filter_chains": [{
+                "filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
         }
     )
     if health_port:
@@ -411,22 +428,28 @@ def write_bootstrap(path: str | Path, **kwargs: Any) -> Path:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvfleet gateway-config",
-        description="Write the Envoy gateway configuration in front of the kvfleet EPP (what the chart's gateway runs)",
+        description="Write the Envoy gateway configuration in front of the kvfleet EPP (what the chart's "
+                    "gateway runs)",
     )
     p.add_argument("--out", default="-", help="file to write (default: stdout)")
     p.add_argument("--listen-port", type=int, default=8080)
     p.add_argument("--listen-host", default="0.0.0.0")
     p.add_argument("--admin-port", type=int, default=9901, help="admin API port, on 127.0.0.1 only")
     p.add_argument("--health-port", type=int, default=0, help="listener serving only /ready (kubelet probes)")
-    p.add_argument("--epp", required=True, help="the EPP's ext_proc address, HOST:PORT (a DNS name is resolved)")
-    p.add_argument("--epp-tls-ca", default="", help="verify the EPP's TLS certificate against this CA file (enables TLS)")
-    p.add_argument("--epp-tls-sni", default="", help="server name expected in the EPP's certificate (default: the EPP host)")
+    p.add_argument("--epp", required=True,
+                   help="the EPP's ext_proc address, HOST:PORT (a DNS name is resolved)")
+    p.add_argument("--epp-tls-ca", default="",
+                   help="verify the EPP's TLS certificate against this CA file (enables TLS)")
+    p.add_argument("--epp-tls-sni", default="",
+                   help="server name expected in the EPP's certificate (default: the EPP host)")
     p.add_argument("--failure-mode", choices=["FailClose", "FailOpen"], default="FailClose")
-    p.add_argument("--fallback-service", default="", help="FailOpen target, HOST:PORT (e.g. a pool's headless Service)")
+    p.add_argument("--fallback-service", default="",
+                   help="FailOpen target, HOST:PORT (e.g. a pool's headless Service)")
     p.add_argument("--routing", choices=ROUTING_MODES, default="header")
     p.add_argument("--pod-endpoint", action="append", default=[], dest="pod_endpoints",
                    help="with --routing override_host: a pod's IP:PORT (repeat for each pod)")
-    p.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED")
+    p.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
+                   default="FULL_DUPLEX_STREAMED")
     p.add_argument("--upstream-timeout-s", type=float, default=300.0)
     return p
 

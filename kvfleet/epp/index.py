@@ -142,8 +142,8 @@ class BlockIndex:
     """(key, pod slot) → tier mask in one hash table; plus speculative picks with an expiry (see module doc).
 
     ``max_speculative``: bound on speculative entries; ``exact_walk_blocks``: the verifying walk's budget (see
-    Holes); ``initial_capacity``: the table's smallest size (rounded up to a power of two ≥ 16; tests use a small
-    one to exercise growth). At most ``MAX_PODS`` pods at once.
+    Holes); ``initial_capacity``: the table's smallest size (rounded up to a power of two ≥ 16; tests use a
+    small one to exercise growth). At most ``MAX_PODS`` pods at once.
     """
 
     def __init__(
@@ -169,8 +169,9 @@ class BlockIndex:
         self._spec_lock = threading.Lock()
         #: speculative entries dropped by the ``max_speculative`` bound (expired ones do not count)
         self.speculative_dropped = 0
-        #: called with (pod, sampled keys) after each of this picker's own picks (:meth:`add_speculative`), not for
-        #: picks learned from other replicas (:meth:`add_speculative_sampled`): how picks are shared (epp/gossip.py)
+        #: called with (pod, sampled keys) after each of this picker's own picks (:meth:`add_speculative`),
+        #: not for picks learned from other replicas (:meth:`add_speculative_sampled`): how picks are shared
+        #: (epp/gossip.py)
         self.on_pick: Callable[[str, list[int]], None] | None = None
 
     # --- slots -----------------------------------------------------------------------
@@ -197,7 +198,8 @@ class BlockIndex:
             return t
         new = PodKeyTable(capacity_for(t.live + extra, self._floor))
         k, s, m = t.entries()
-        for i in range(0, len(k), REBUILD_CHUNK):  # bounded temporaries (a probe window is 8 × 8 bytes per pair)
+        # bounded temporaries (a probe window is 8 × 8 bytes per pair)
+        for i in range(0, len(k), REBUILD_CHUNK):
             new.insert(k[i : i + REBUILD_CHUNK], s[i : i + REBUILD_CHUNK], m[i : i + REBUILD_CHUNK])
         self._table = new  # one reference swap: readers see the old table or the new one
         return new
@@ -247,8 +249,8 @@ class BlockIndex:
 
     def clear_pod(self, pod: str, picks: bool = True) -> None:
         """Forget everything ``pod`` holds (AllBlocksCleared, resync, pod gone); its slot is freed. With
-        ``picks=False`` its speculative entries stay (they expire on their own): a new subscription to the pod's
-        events rebuilds what the engine holds, while picks not yet prefilled are in no replay."""
+        ``picks=False`` its speculative entries stay (they expire on their own): a new subscription to the
+        pod's events rebuilds what the engine holds, while picks not yet prefilled are in no replay."""
         with self._lock:
             slot = self._slot.pop(pod, None)
             if slot is not None:
@@ -289,9 +291,11 @@ class BlockIndex:
             self.on_pick(pod, sampled)
         return lease
 
-    def add_speculative_sampled(self, pod: str, sampled: Sequence[int], ttl_s: float, now: float | None = None) -> Lease:
-        """:meth:`add_speculative` of a pick already sampled (the keys of a prompt at :func:`spec_positions` of its
-        length: positions are absolute, so the sample alone is the pick): how another replica's pick is recorded."""
+    def add_speculative_sampled(self, pod: str, sampled: Sequence[int], ttl_s: float,
+                                now: float | None = None) -> Lease:
+        """:meth:`add_speculative` of a pick already sampled (the keys of a prompt at :func:`spec_positions`
+        of its length: positions are absolute, so the sample alone is the pick): how another replica's pick is
+        recorded."""
         t = self.clock() if now is None else now
         lease = Lease(t + ttl_s)
         spec = self._spec
@@ -343,7 +347,8 @@ class BlockIndex:
             return self._expire(self.clock() if now is None else now)
 
     def _expire(self, t: float) -> int:
-        """Drop the entries of expired picks: O(picks), not O(entries) (every entry belongs to a listed pick)."""
+        """Drop the entries of expired picks: O(picks), not O(entries) (every entry belongs to a listed
+        pick)."""
         n = 0
         keep: deque[tuple[Lease, str, list[int]]] = deque()
         for pick in self._spec_picks:
@@ -378,14 +383,16 @@ class BlockIndex:
             for pod, n in spec_len.items():
                 exact = out.get(pod, PodMatch())
                 if n > exact.blocks:
-                    out[pod] = PodMatch(blocks=n, weighted=exact.weighted + (n - exact.blocks) * w[0], speculative=n - exact.blocks)
+                    out[pod] = PodMatch(blocks=n, weighted=exact.weighted + (n - exact.blocks) * w[0],
+                                        speculative=n - exact.blocks)
         return out
 
     def _exact(self, keys: Sequence[int], names: list[str], w: list[float]) -> dict[str, PodMatch]:
         n = len(keys)
         table = self._table  # read once: a concurrent rebuild swaps the reference, never this object
         count = self._count
-        cand = [(p, s) for p in names if (s := self._slot.get(p)) is not None and s < len(count) and count[s] > 0]
+        cand = [(p, s) for p in names if (s := self._slot.get(p)) is not None and s < len(count)
+                and count[s] > 0]
         if n == 0 or not cand:
             return {}
         small = n * len(cand) <= self.exact_walk_blocks  # cheaper to probe every (position, pod) in one batch
@@ -407,7 +414,8 @@ class BlockIndex:
         if small:
             assert arr is not None
             length, weighted = self._walk(arr, table, slots, w)
-            return {p: PodMatch(blocks=b, weighted=x) for p, b, x in zip(pnames, length.tolist(), weighted.tolist(), strict=True) if b > 0}
+            return {p: PodMatch(blocks=b, weighted=x)
+                    for p, b, x in zip(pnames, length.tolist(), weighted.tolist(), strict=True) if b > 0}
         ends = masks_at(np.repeat(np.array([0, n - 1], dtype=np.int64), c), np.tile(slots, 2))
         m0, m_last = ends[:c], ends[c:]
         has = m0 > 0
@@ -419,7 +427,8 @@ class BlockIndex:
         weighted = self._weigh(masks_at, slots, m0, last, length, w)
         if int(length.sum()) <= self.exact_walk_blocks:
             length, weighted = self._verify(key_at, table, slots, length, w)
-        return {p: PodMatch(blocks=b, weighted=x) for p, b, x in zip(pnames, length.tolist(), weighted.tolist(), strict=True) if b > 0}
+        return {p: PodMatch(blocks=b, weighted=x)
+                for p, b, x in zip(pnames, length.tolist(), weighted.tolist(), strict=True) if b > 0}
 
     @staticmethod
     def _search(
@@ -469,7 +478,8 @@ class BlockIndex:
         length: npt.NDArray[np.int64],
         w: list[float],
     ) -> npt.NDArray[np.float64]:
-        """Σ_r (L_r − L_{r−1}) · w_r, with L_r the longest prefix held in tiers ≤ r (monotone in the position)."""
+        """Σ_r (L_r − L_{r−1}) · w_r, with L_r the longest prefix held in tiers ≤ r (monotone in the
+        position)."""
         ranks = len(w)
         prev = np.zeros(len(slots), dtype=np.int64)
         out = np.zeros(len(slots), dtype=np.float64)
@@ -492,8 +502,8 @@ class BlockIndex:
     def _walk(
         keys: npt.NDArray[Any], table: PodKeyTable, slots: npt.NDArray[np.uint16], w: list[float]
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-        """The exact walk for a small prompt, batched: every (position, pod) probed at once, each pod's prefix cut at
-        its first missing block, each block weighted by its best tier."""
+        """The exact walk for a small prompt, batched: every (position, pod) probed at once, each pod's prefix
+        cut at its first missing block, each block weighted by its best tier."""
         c, n = len(slots), len(keys)
         at = table.find(np.broadcast_to(keys.astype(U64, copy=False), (c, n)).ravel(), np.repeat(slots, n))
         rank = np.where(at >= 0, _BEST_RANK[table.mask[at]], len(w)).reshape(c, n)
@@ -511,8 +521,8 @@ class BlockIndex:
         length: npt.NDArray[np.int64],
         w: list[float],
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-        """The exact walk over the found prefixes, batched: probe every block of each, cut at the first hole, weigh each
-        block by its best tier."""
+        """The exact walk over the found prefixes, batched: probe every block of each, cut at the first hole,
+        weigh each block by its best tier."""
         total = int(length.sum())
         owner = np.repeat(np.arange(len(slots)), length)
         starts = np.cumsum(length) - length

@@ -87,7 +87,8 @@ class PodEventApplier:
     """Applies one pod's batches, in sequence order, to the shared index."""
 
     def __init__(
-        self, pod: str, index: BlockIndex, hasher: BlockHasher, recompute_keys: bool = False, max_keys: int = 1 << 18
+        self, pod: str, index: BlockIndex, hasher: BlockHasher, recompute_keys: bool = False,
+        max_keys: int = 1 << 18
     ) -> None:
         self.pod = pod
         self.index = index
@@ -172,7 +173,8 @@ class PodEventApplier:
             return Tier.from_medium(medium)
         except ValueError:
             self.stats.unknown_medium += 1
-            self._log(f"pod {self.pod}: unknown KV medium {str(medium)[:64]!r}, indexed as {Tier.slowest().medium}")
+            self._log(
+                f"pod {self.pod}: unknown KV medium {str(medium)[:64]!r}, indexed as {Tier.slowest().medium}")
             return Tier.slowest()
 
     def _chain_value(self, h: int | bytes) -> BlockHash | None:

@@ -50,8 +50,8 @@ class KeyCheck:
         if flag:
             log.warning(
                 "pool %s: engines report cached tokens the index never predicted (%d of the last %d hits): "
-                "its engines key blocks differently from the pool's declared block size / hash algorithm / seed",
-                pool, under, len(seen),
+                "its engines key blocks differently from the pool's declared block size / hash algorithm "
+                "/ seed", pool, under, len(seen),
             )
         else:
             log.info("pool %s: predicted and reported cached tokens agree again", pool)

@@ -1,4 +1,5 @@
-"""Pools and pods from Kubernetes: InferencePools (``inference.networking.k8s.io/v1``) and the Pods they select.
+"""Pools and pods from Kubernetes: InferencePools (``inference.networking.k8s.io/v1``) and the Pods they
+select.
 
 :func:`pools_from_objects` is the pure mapping (tested on plain objects):
 
@@ -49,7 +50,8 @@ log = logging.getLogger(__name__)
 
 GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 ANN_MODELS, ANN_WEIGHT, ANN_ROUTING = "kvfleet.io/models", "kvfleet.io/weight", "kvfleet.io/routing"
-ANN_EVENTS, ANN_REPLAY, ANN_METRICS = "kvfleet.io/kv-events-port", "kvfleet.io/kv-replay-port", "kvfleet.io/metrics-port"
+ANN_EVENTS, ANN_REPLAY = "kvfleet.io/kv-events-port", "kvfleet.io/kv-replay-port"
+ANN_METRICS = "kvfleet.io/metrics-port"
 LABEL_ROLE, LABEL_SHARD = "kvfleet.io/role", "kvfleet.io/shard"
 ANN_KV_BLOCKS = "kvfleet.io/kv-blocks"
 
@@ -67,15 +69,18 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
     if _get(pod, "metadata", "deletionTimestamp") or not _get(pod, "status", "podIP"):
         return False
     conds = _get(pod, "status", "conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds if isinstance(c, Mapping))
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds
+               if isinstance(c, Mapping))
 
 
 def names_picker(ip: Mapping[str, Any], epp_service: str) -> bool:
-    """Whether the InferencePool's ``endpointPickerRef`` is the core-group Service ``epp_service`` (absent ref: no)."""
+    """Whether the InferencePool's ``endpointPickerRef`` is the core-group Service ``epp_service`` (absent
+    ref: no)."""
     ref = _get(ip, "spec", "endpointPickerRef")
     if not isinstance(ref, Mapping):
         return False
-    return bool(ref.get("name") == epp_service and (ref.get("kind") or "Service") == "Service" and not ref.get("group"))
+    return bool(ref.get("name") == epp_service and (ref.get("kind") or "Service") == "Service"
+                and not ref.get("group"))
 
 
 def _port(ip: Mapping[str, Any]) -> int:
@@ -136,7 +141,8 @@ def pools_from_objects(
                 kv_blocks=_positive_int(pann.get(ANN_KV_BLOCKS)),
             ))
         out.append(Pool(name=name, models=models, weight=weight if weight > 0 else 1.0,
-                        pods=tuple(sorted(members, key=lambda x: x.name)), cache=routing_cache(name, ann.get(ANN_ROUTING))))
+                        pods=tuple(sorted(members, key=lambda x: x.name)),
+                        cache=routing_cache(name, ann.get(ANN_ROUTING))))
     return out
 
 
@@ -171,7 +177,8 @@ def routing_cache(pool: str, annotation: str | None) -> PoolCache:
 class KubernetesDatastore(_ListenerMixin):
     """Watches InferencePools and Pods in one namespace (in-cluster config, else the kubeconfig)."""
 
-    def __init__(self, namespace: str = "default", backoff_s: float = 2.0, api_client: Any = None, epp_service: str = "") -> None:
+    def __init__(self, namespace: str = "default", backoff_s: float = 2.0, api_client: Any = None,
+                 epp_service: str = "") -> None:
         super().__init__()
         from kubernetes import client, config
 
@@ -192,8 +199,10 @@ class KubernetesDatastore(_ListenerMixin):
         self._listed: set[str] = set()
         self._stop = threading.Event()
         self._threads = [
-            threading.Thread(target=self._watch, args=("pods", self._list_pods), daemon=True, name="watch-pods"),
-            threading.Thread(target=self._watch, args=("pools", self._list_pools), daemon=True, name="watch-pools"),
+            threading.Thread(target=self._watch, args=("pods", self._list_pods), daemon=True,
+                             name="watch-pods"),
+            threading.Thread(target=self._watch, args=("pools", self._list_pools), daemon=True,
+                             name="watch-pools"),
         ]
         for t in self._threads:
             t.start()
@@ -219,9 +228,13 @@ class KubernetesDatastore(_ListenerMixin):
                 rv = _get(listing, "metadata", "resourceVersion")
                 w = watch.Watch()  # type: ignore[no-untyped-call]
                 self._watches[kind] = w
-                func = self.core.list_namespaced_pod if kind == "pods" else self.custom.list_namespaced_custom_object
-                args: tuple[Any, ...] = (self.namespace,) if kind == "pods" else (GROUP, VERSION, self.namespace, PLURAL)
-                for ev in w.stream(func, *args, resource_version=rv, timeout_seconds=60):  # type: ignore[no-untyped-call]
+                func: Callable[..., Any] = self.core.list_namespaced_pod
+                args: tuple[Any, ...] = (self.namespace,)
+                if kind != "pods":
+                    func = self.custom.list_namespaced_custom_object
+                    args = (GROUP, VERSION, self.namespace, PLURAL)
+                stream = w.stream(func, *args, resource_version=rv, timeout_seconds=60)  # type: ignore[no-untyped-call]
+                for ev in stream:
                     if self._stop.is_set():
                         w.stop()  # type: ignore[no-untyped-call]
                         return
@@ -239,7 +252,8 @@ class KubernetesDatastore(_ListenerMixin):
                 self._stop.wait(self.backoff_s)
 
     def _rebuild(self) -> None:
-        self._set_pools(pools_from_objects(list(self._objs["pools"].values()), list(self._objs["pods"].values()), self.epp_service))
+        self._set_pools(pools_from_objects(list(self._objs["pools"].values()),
+                                           list(self._objs["pods"].values()), self.epp_service))
 
     def stop(self) -> None:
         """Stop both watches now: flag them, then close the client's connections under the blocked reads."""

@@ -1,4 +1,5 @@
-"""``kvfleet epp --config FILE [--grpc-port N] [--health-port N] [--metrics-port N] [--pods FILE] [--tls-cert-file F --tls-key-file F]``.
+"""``kvfleet epp --config FILE [--grpc-port N] [--health-port N] [--metrics-port N] [--pods FILE]
+[--tls-cert-file F --tls-key-file F]``.
 
 The config file is a kvfleet settings YAML (``epp:`` and ``cache:`` sections);
 flags override its ports and pods file. Runs until SIGTERM/SIGINT.
@@ -19,16 +20,19 @@ from kvfleet.epp.errors import DatastoreError
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvfleet epp", description="Envoy ext_proc endpoint picker with cache-aware routing")
+    p = argparse.ArgumentParser(prog="kvfleet epp",
+                                description="Envoy ext_proc endpoint picker with cache-aware routing")
     p.add_argument("--config", help="settings YAML (sections epp:, cache:)")
     p.add_argument("--pods", help="static pods/pools YAML (overrides epp.pods_file)")
     p.add_argument("--grpc-port", type=int, help="ext_proc gRPC port (default 9002)")
     p.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (default 9090)")
     p.add_argument("--host", help="bind address (default 0.0.0.0)")
-    p.add_argument("--tls-cert-file", help="serve ext_proc over TLS with this PEM certificate (with --tls-key-file)")
+    p.add_argument("--tls-cert-file",
+                   help="serve ext_proc over TLS with this PEM certificate (with --tls-key-file)")
     p.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
-    p.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
+    p.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED",
+                   choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
                    help="assumed request body mode when Envoy does not say (it does from 1.33 on)")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -36,9 +40,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     over: dict[str, Any] = {}
-    for flag, key in (("grpc_port", "grpc_port"), ("health_port", "health_port"), ("metrics_port", "metrics_port"),
+    for flag, key in (("grpc_port", "grpc_port"), ("health_port", "health_port"),
+                      ("metrics_port", "metrics_port"),
                       ("host", "host"), ("pods", "pods_file"), ("tls_cert_file", "tls_cert_file"),
                       ("tls_key_file", "tls_key_file")):
         if getattr(args, flag) is not None:
@@ -55,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
     epp.start()
-    print(f"kvfleet epp: ext_proc :{epp.grpc_port} health :{epp.health_port} metrics :{epp.metrics_port}", flush=True)
+    print(f"kvfleet epp: ext_proc :{epp.grpc_port} health :{epp.health_port} metrics :{epp.metrics_port}",
+          flush=True)
     try:
         done.wait()
     finally:

@@ -61,7 +61,8 @@ class _GossipCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         g = self.gossip
         labels = ["direction", "result"]
-        fam = CounterMetricFamily("kvfleet_epp_gossip_messages", "Gossip messages sent to other EPP replicas (out) and received "
+        fam = CounterMetricFamily("kvfleet_epp_gossip_messages",
+                                  "Gossip messages sent to other EPP replicas (out) and received "
                                   "from them (in), by result", labels=labels)
         for result in ("sent", "dropped"):
             fam.add_metric(["out", result], g.messages[result])
@@ -70,17 +71,21 @@ class _GossipCollector(Collector):
         yield fam
         for name, what, out, into, results in (
             ("picks", "Picks", g.picks_out, g.picks_in, ("applied", "unknown_pod", "too_large", "malformed")),
-            ("tickets", "In-flight ticket changes", g.tickets_out, g.tickets_in, ("applied", "unknown_pod", "malformed", "refused")),
+            ("tickets", "In-flight ticket changes", g.tickets_out, g.tickets_in,
+             ("applied", "unknown_pod", "malformed", "refused")),
         ):
-            fam = CounterMetricFamily(f"kvfleet_epp_gossip_{name}", f"{what} shared with other EPP replicas (out) and received "
+            fam = CounterMetricFamily(f"kvfleet_epp_gossip_{name}",
+                                      f"{what} shared with other EPP replicas (out) and received "
                                       "from them (in), by result", labels=labels)
             for result in ("sent", "dropped"):
                 fam.add_metric(["out", result], out[result])
             for result in results:
                 fam.add_metric(["in", result], into[result])
             yield fam
-        yield GaugeMetricFamily("kvfleet_epp_gossip_peers", "Other EPP replicas heard from in the last 5 s", value=g.live_peers)
-        yield GaugeMetricFamily("kvfleet_epp_remote_tickets", "Other replicas' requests in flight, as gossiped",
+        yield GaugeMetricFamily("kvfleet_epp_gossip_peers", "Other EPP replicas heard from in the last 5 s",
+                                value=g.live_peers)
+        yield GaugeMetricFamily("kvfleet_epp_remote_tickets",
+                                "Other replicas' requests in flight, as gossiped",
                                 value=g.tracker.remote_count() if g.tracker is not None else 0)
 
 
@@ -98,26 +103,33 @@ class _StateCollector(Collector):
         self.key_map = key_map
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        yield GaugeMetricFamily("kvfleet_epp_index_entries", "(block, pod) entries in the global index", value=self.index.num_entries)
-        yield GaugeMetricFamily("kvfleet_epp_index_bytes", "Bytes of the global index's hash table", value=self.index.nbytes)
+        yield GaugeMetricFamily("kvfleet_epp_index_entries", "(block, pod) entries in the global index",
+                                value=self.index.num_entries)
+        yield GaugeMetricFamily("kvfleet_epp_index_bytes", "Bytes of the global index's hash table",
+                                value=self.index.nbytes)
         yield CounterMetricFamily(
             "kvfleet_epp_speculative_dropped",
             "Speculative index entries dropped by the max_speculative_entries bound",
             value=self.index.speculative_dropped,
         )
         yield GaugeMetricFamily(
-            "kvfleet_epp_index_speculative_blocks", "Speculative (pick-based) index entries", value=self.index.num_speculative
+            "kvfleet_epp_index_speculative_blocks", "Speculative (pick-based) index entries",
+            value=self.index.num_speculative
         )
         yield GaugeMetricFamily("kvfleet_epp_engine_hash_map_entries",
-                                "Engine block hashes mapped to the picker's keys, over every pod (bounded per pod)",
-                                value=self.key_map())
-        inflight = GaugeMetricFamily("kvfleet_epp_pod_inflight", "Requests routed to the pod and not finished", labels=["pod"])
+                                "Engine block hashes mapped to the picker's keys, over every pod (bounded "
+                                "per pod)", value=self.key_map())
+        inflight = GaugeMetricFamily("kvfleet_epp_pod_inflight",
+                                     "Requests routed to the pod and not finished", labels=["pod"])
         pending = GaugeMetricFamily(
-            "kvfleet_epp_pod_pending_tokens", "Predicted uncached tokens routed to the pod, first token not back", labels=["pod"]
+            "kvfleet_epp_pod_pending_tokens",
+            "Predicted uncached tokens routed to the pod, first token not back", labels=["pod"]
         )
         ready = GaugeMetricFamily("inference_pool_ready_pods", "Ready pods per pool", labels=["name"])
-        queue = GaugeMetricFamily("inference_pool_average_queue_size", "Average waiting requests per pod", labels=["name"])
-        kv = GaugeMetricFamily("inference_pool_average_kv_cache_utilization", "Average KV-cache utilisation", labels=["name"])
+        queue = GaugeMetricFamily("inference_pool_average_queue_size", "Average waiting requests per pod",
+                                  labels=["name"])
+        kv = GaugeMetricFamily("inference_pool_average_kv_cache_utilization", "Average KV-cache utilisation",
+                               labels=["name"])
         for pool in self.pools():
             ready.add_metric([pool.name], sum(1 for p in pool.pods if p.ready))
             fresh = [m for m in (self.store.get(p.name) for p in pool.pods) if m is not None]
@@ -129,7 +141,8 @@ class _StateCollector(Collector):
                 pending.add_metric([p.name], tokens)
         yield from (inflight, pending, ready, queue, kv)
         families = [
-            CounterMetricFamily(f"kvfleet_epp_kv_event_{name}", doc, labels=["pod"]) for name, doc, _ in _FEED_COUNTERS
+            CounterMetricFamily(f"kvfleet_epp_kv_event_{name}", doc, labels=["pod"])
+            for name, doc, _ in _FEED_COUNTERS
         ]
         for pod, st in sorted(self.feeds().items()):
             for fam, (_, _, value) in zip(families, _FEED_COUNTERS, strict=True):
@@ -147,7 +160,8 @@ _FEED_COUNTERS: list[tuple[str, str, Callable[[FeedStats], int]]] = [
     ("replay_holes", "Replay answers with batches missing", lambda st: st.replay_holes),
     ("replay_timeouts", "Replay requests not answered in time", lambda st: st.replay_timeouts),
     ("orphans", "Stored blocks that could not be keyed (unknown parent)", lambda st: st.ingest.orphans),
-    ("unknown_medium", "Events with an unknown medium (indexed in the slowest tier)", lambda st: st.ingest.unknown_medium),
+    ("unknown_medium", "Events with an unknown medium (indexed in the slowest tier)",
+     lambda st: st.ingest.unknown_medium),
     ("key_evictions", "Engine-hash map entries dropped by its bound", lambda st: st.ingest.key_evictions),
 ]
 
@@ -158,9 +172,11 @@ class EppMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.requests = Counter("inference_model_request", "Requests seen by the picker", ["model_name"], registry=r)
+        self.requests = Counter("inference_model_request", "Requests seen by the picker", ["model_name"],
+                                registry=r)
         self.errors = Counter(
-            "inference_model_request_error", "Requests answered with an error", ["model_name", "error_code"], registry=r
+            "inference_model_request_error", "Requests answered with an error", ["model_name", "error_code"],
+            registry=r
         )
         self.pick_seconds = Histogram(
             "inference_extension_scheduler_e2e_duration_seconds",
@@ -168,15 +184,18 @@ class EppMetrics:
             buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
             registry=r,
         )
-        self.prompt_tokens = Counter("kvfleet_epp_prompt_tokens", "Prompt tokens of routed requests", registry=r)
-        self.predicted_hit = Counter("kvfleet_epp_predicted_hit_tokens", "Prompt tokens predicted cached", registry=r)
+        self.prompt_tokens = Counter("kvfleet_epp_prompt_tokens", "Prompt tokens of routed requests",
+                                     registry=r)
+        self.predicted_hit = Counter("kvfleet_epp_predicted_hit_tokens", "Prompt tokens predicted cached",
+                                     registry=r)
         self.engine_cached = Counter(
-            "kvfleet_epp_engine_cached_tokens", "Cached tokens reported by engines (usage.prompt_tokens_details)", registry=r
+            "kvfleet_epp_engine_cached_tokens",
+            "Cached tokens reported by engines (usage.prompt_tokens_details)", registry=r
         )
         self.key_mismatch = Gauge(
             "kvfleet_epp_pool_key_mismatch",
-            "1 while a pool's engines report cached tokens the index never predicted (they key blocks differently "
-            "from the pool's declared block size / hash algorithm / seed)",
+            "1 while a pool's engines report cached tokens the index never predicted (they key blocks "
+            "differently from the pool's declared block size / hash algorithm / seed)",
             ["pool"],
             registry=r,
         )
@@ -187,7 +206,8 @@ class EppMetrics:
             registry=r,
         )
         self.misprediction = Counter(
-            "kvfleet_epp_misprediction_tokens", "|predicted - reported| cached tokens", ["direction"], registry=r
+            "kvfleet_epp_misprediction_tokens", "|predicted - reported| cached tokens", ["direction"],
+            registry=r
         )
 
     def attach_state(
@@ -202,7 +222,8 @@ class EppMetrics:
         self.registry.register(_StateCollector(index, tracker, store, pools, feeds, key_map))
 
     def attach_gossip(self, gossip: ReplicaGossip) -> None:
-        """The ``kvfleet_epp_gossip_*`` families and ``kvfleet_epp_remote_tickets``: what is shared with other replicas."""
+        """The ``kvfleet_epp_gossip_*`` families and ``kvfleet_epp_remote_tickets``: what is shared with other
+        replicas."""
         self.registry.register(_GossipCollector(gossip))
 
     def observe_cached(self, predicted: int, reported: int) -> None:

@@ -68,7 +68,8 @@ def parse_metrics(text: str, now: float) -> PodMetrics:
 class MetricsStore:
     """Latest metrics per pod, with a staleness threshold."""
 
-    def __init__(self, staleness_s: float = 5.0, clock: Callable[[], float] = time.monotonic, down_after: int = 2) -> None:
+    def __init__(self, staleness_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 down_after: int = 2) -> None:
         self.staleness_s = staleness_s
         self.clock = clock
         self.down_after = down_after

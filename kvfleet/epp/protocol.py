@@ -17,8 +17,9 @@ Gateway API Inference Extension endpoint-picker protocol:
 
 Client input never chooses a route, a prefill pod or cache contents: the
 gateway strips :data:`CLIENT_STRIPPED_HEADERS` before the picker sees the
-request and refuses requests with :data:`CLIENT_REFUSED_HEADERS` (400), and :func:`parse_request` refuses the P/D control fields of
-:data:`CONTROL_FIELDS` in a client body (400): they are set between pods, never
+request and refuses requests with :data:`CLIENT_REFUSED_HEADERS` (400), and
+:func:`parse_request` refuses the P/D control fields of :data:`CONTROL_FIELDS`
+in a client body (400): they are set between pods, never
 by clients. ``GET /v1/models`` (and ``/v1/models/{id}``) is answered by the
 picker itself from the models its pools serve (:func:`models_body`); other
 non-inference paths go to one member of a pool (:func:`classify_path`), except
@@ -53,16 +54,19 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 UNREACHABLE_HEADER = "x-kvfleet-upstream-unreachable"
 #: the ext_proc service's name, also a gRPC health service name (GIE)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-#: ext_proc attribute (CEL) with the upstream host that served the request (kvfleet's Envoy config asks for it)
+#: ext_proc attribute (CEL) with the upstream host that served the request
+#: (kvfleet's Envoy config asks for it)
 UPSTREAM_ATTRIBUTE = "upstream.address"
 EXT_PROC_ATTRIBUTES_NS = "envoy.filters.http.ext_proc"
 #: routing headers a client may not send: the gateway removes them before ext_proc and routing
 CLIENT_STRIPPED_HEADERS = (DEST_HEADER, SUBSET_KEY, SERVED_KEY)
 #: headers that steer prefill/decode between engines (the prefill pod, the engines' peer signature): a
 #: client request carrying one is refused by the gateway with a 400, before ext_proc and in every failure mode
-CLIENT_REFUSED_HEADERS = (PREFILLER_HEADER, "x-kvfleet-peer-timestamp", "x-kvfleet-peer-nonce", "x-kvfleet-peer-signature")
+CLIENT_REFUSED_HEADERS = (PREFILLER_HEADER, "x-kvfleet-peer-timestamp", "x-kvfleet-peer-nonce",
+                          "x-kvfleet-peer-signature")
 #: body fields that steer prefill/decode disaggregation between pods (vLLM's and SGLang's): never from clients
-CONTROL_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_endpoints")
+CONTROL_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                  "disagg_prefill_endpoints")
 #: engine-internal paths (KV release, reset) the gateway refuses to forward
 INTERNAL_PREFIX = "/kvfleet/"
 #: Largest chunk of a streamed body mutation (Envoy's gRPC message limit is larger; GIE uses 62 kB).
@@ -108,7 +112,8 @@ def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceReque
     control = [f for f in CONTROL_FIELDS if f in data]
     if control:
         raise BadRequestError(
-            f"{', '.join(repr(f) for f in control)} may not be set by clients: the gateway sets up prefill/decode itself"
+            f"{', '.join(repr(f) for f in control)} may not be set by clients: the gateway sets up "
+            "prefill/decode itself"
         )
     model = data.get("model")
     if not isinstance(model, str) or not model:
@@ -128,8 +133,10 @@ def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceReque
         prompt = prompt[0]
     if isinstance(prompt, str):
         return InferenceRequest(api=api, model=model, prompt=prompt, cache_salt=salt, stream=stream)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt):
-        return InferenceRequest(api=api, model=model, prompt_token_ids=tuple(prompt), cache_salt=salt, stream=stream)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   and 0 <= t < 2**32 for t in prompt):
+        return InferenceRequest(api=api, model=model, prompt_token_ids=tuple(prompt), cache_salt=salt,
+                                stream=stream)
     raise BadRequestError("'prompt' must be a string or a non-empty list of token ids")
 
 
@@ -229,7 +236,8 @@ def pick_headers_response(
     set_headers = [_header(k, v) for k, v in headers]
     if content_length is not None:
         set_headers.append(_header("content-length", str(content_length)))
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True)
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers),
+                               clear_route_cache=True)
     meta = destination_metadata(dict(headers)[DEST_HEADER])
     if as_body:
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=meta)
@@ -252,20 +260,25 @@ def streamed_body_responses(body: bytes, *, request: bool = True) -> list[pb.Pro
     chunks = [body[i : i + BODY_CHUNK] for i in range(0, len(body), BODY_CHUNK)] or [b""]
     out: list[pb.ProcessingResponse] = []
     for i, chunk in enumerate(chunks):
-        mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=i == len(chunks) - 1))
+        mutation = pb.BodyMutation(
+            streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=i == len(chunks) - 1))
         resp = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-        out.append(pb.ProcessingResponse(request_body=resp) if request else pb.ProcessingResponse(response_body=resp))
+        out.append(pb.ProcessingResponse(request_body=resp) if request
+                   else pb.ProcessingResponse(response_body=resp))
     return out
 
 
 def passthrough_body_response(chunk: bytes, end_of_stream: bool, *, request: bool) -> pb.ProcessingResponse:
-    mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream))
+    mutation = pb.BodyMutation(
+        streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream))
     resp = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
     return pb.ProcessingResponse(request_body=resp) if request else pb.ProcessingResponse(response_body=resp)
 
 
 def buffered_body_ack(*, request: bool) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(request_body=pb.BodyResponse()) if request else pb.ProcessingResponse(response_body=pb.BodyResponse())
+    if request:
+        return pb.ProcessingResponse(request_body=pb.BodyResponse())
+    return pb.ProcessingResponse(response_body=pb.BodyResponse())
 
 
 def error_body(error: EppError) -> bytes:

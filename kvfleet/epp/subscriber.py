@@ -106,7 +106,8 @@ class _Feed:
         # a first subscription keeps the picks already made on the pod (by this replica or gossiped by others)
         self.applier.reset(picks=reason != "subscribed")
         if reason != "subscribed":
-            self.owner._log(self, "resync", f"pod {self.pod}: KV-event entries cleared: {reason}", logging.INFO)
+            self.owner._log(self, "resync", f"pod {self.pod}: KV-event entries cleared: {reason}",
+                            logging.INFO)
 
     def request_replay(self, start: int) -> None:
         self.owner._open_replay(self, start)
@@ -166,7 +167,8 @@ class EventSubscriber:
     def add_pod(
         self, pod: str, endpoint: str, replay: str | None, applier: PodEventApplier, topic: str | None = None
     ) -> None:
-        """Subscribe to (or re-subscribe) ``pod``; with ``topic``, messages on any other topic are rejected."""
+        """Subscribe to (or re-subscribe) ``pod``; with ``topic``, messages on any other topic are
+        rejected."""
         self._cmds.put(("add", (pod, endpoint, replay, applier, topic)))
 
     def remove_pod(self, pod: str) -> None:
@@ -175,7 +177,8 @@ class EventSubscriber:
     def healthy(self) -> bool:
         """The ingestion thread runs and its last round started less than ``stall_after_s`` ago."""
         t = self._thread
-        return t is not None and t.is_alive() and not self._stop.is_set() and self.heartbeat_age() <= self.stall_after_s
+        return (t is not None and t.is_alive() and not self._stop.is_set()
+                and self.heartbeat_age() <= self.stall_after_s)
 
     def heartbeat_age(self) -> float:
         """Seconds since the ingestion loop last started a round."""
@@ -198,7 +201,8 @@ class EventSubscriber:
                 for feed in list(self._feeds.values()):
                     feed.seq.poll(now)
                     if feed.seq.gave_up:
-                        self._log(feed, "replay", f"pod {feed.pod}: KV-event replay from {feed.replay}: {feed.seq.gave_up}")
+                        self._log(feed, "replay",
+                                  f"pod {feed.pod}: KV-event replay from {feed.replay}: {feed.seq.gave_up}")
                         feed.seq.gave_up = ""
         except Exception:  # healthy() reports it from now on
             log.exception("kv events: ingestion loop stopped")
@@ -284,7 +288,8 @@ class EventSubscriber:
         batch = decoded.batch
         if decoded.reset_at is not None:
             self._unsafe(feed)
-            batch = KVEventBatch(ts=batch.ts, events=batch.events[decoded.reset_at :], data_parallel_rank=batch.data_parallel_rank)
+            batch = KVEventBatch(ts=batch.ts, events=batch.events[decoded.reset_at :],
+                                 data_parallel_rank=batch.data_parallel_rank)
         st.rejected += feed.applier.apply(batch)
         st.batches += 1
         if self.on_batch is not None:
@@ -330,7 +335,8 @@ class EventSubscriber:
         assert feed.replay is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)  # the answer is bounded by the publisher's buffer; never drop part of it
+        # the answer is bounded by the publisher's buffer; never drop part of it
+        sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes + 4096)
         try:
             sock.connect(feed.replay)

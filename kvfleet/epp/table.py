@@ -1,4 +1,5 @@
-"""The EPP index's storage: (block key, pod slot) → tier mask in one open-addressing hash table of numpy arrays.
+"""The EPP index's storage: (block key, pod slot) → tier mask in one open-addressing hash table of numpy
+arrays.
 
 Pods get small integer slots (freed slots are reused, oldest freed
 first). Exact entries live in one open-addressing hash table of numpy arrays
@@ -11,9 +12,9 @@ event). The table is rebuilt into a new object, and the reference swapped, when
 live entries plus deleted slots pass the load limit.
 
 Linear probing ``WINDOW`` slots per round (one cache line of keys). A table is never resized in place: the
-index fills a new one and swaps its reference (:class:`kvfleet.epp.index.BlockIndex`), so readers need no lock.
-An insert writes the key and the mask before the pod slot (the slot is what makes an entry visible), and a
-slot only turns from empty to used, so probe chains never break under a reader.
+index fills a new one and swaps its reference (:class:`kvfleet.epp.index.BlockIndex`), so readers need no
+lock. An insert writes the key and the mask before the pod slot (the slot is what makes an entry visible), and
+a slot only turns from empty to used, so probe chains never break under a reader.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ MASK64 = (1 << 64) - 1
 U64 = np.uint64
 _OFFSETS = np.arange(WINDOW, dtype=np.int64)
 _PHI, _S29 = U64(0x9E3779B97F4A7C15), U64(29)
-_SLOT_MIX = np.random.default_rng(0x6B7666).integers(0, np.iinfo(np.uint64).max, 1 << 16, dtype=np.uint64, endpoint=True)
+_SLOT_MIX = np.random.default_rng(0x6B7666).integers(0, np.iinfo(np.uint64).max, 1 << 16, dtype=np.uint64,
+                                                     endpoint=True)
 
 
 def as_u64(keys: Iterable[int]) -> npt.NDArray[np.uint64]:
@@ -52,9 +54,9 @@ def as_u64(keys: Iterable[int]) -> npt.NDArray[np.uint64]:
 
 
 def _hash(keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any], shift: np.uint64) -> npt.NDArray[np.int64]:
-    """Home position of (key, slot): Fibonacci hashing of key ⊕ a random word per slot, after folding the key's
-    high bits down (block keys may be small or sequential integers: tests, simulations). ``shift`` = 64 − log2
-    of the capacity; arrays wrap silently on overflow (only numpy scalars warn)."""
+    """Home position of (key, slot): Fibonacci hashing of key ⊕ a random word per slot, after folding the
+    key's high bits down (block keys may be small or sequential integers: tests, simulations).
+    ``shift`` = 64 − log2 of the capacity; arrays wrap silently on overflow (only numpy scalars warn)."""
     x = keys ^ _SLOT_MIX[slots]
     x ^= x >> _S29
     out: npt.NDArray[np.int64] = ((x * _PHI) >> shift).astype(np.int64)
@@ -106,7 +108,8 @@ class PodKeyTable:
             idx, pos, keys, slots = idx[more], pos[more] + WINDOW, keys[more], slots[more]
         return out
 
-    def insert(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any], masks: npt.NDArray[np.uint8]) -> None:
+    def insert(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any],
+               masks: npt.NDArray[np.uint8]) -> None:
         """Insert (key, slot) pairs known to be absent and distinct; the caller keeps the load below 1."""
         n = len(keys)
         if n == 0:

@@ -1,4 +1,5 @@
-"""Tokenizers of the read path: the byte-level fallback (shared with the engine simulator) or HF ``tokenizers``.
+"""Tokenizers of the read path: the byte-level fallback (shared with the engine simulator) or HF
+``tokenizers``.
 
 Registered by name (:data:`TOKENIZERS`): ``bytes`` → :class:`~kvfleet.cache.tokens.ByteTokenizer`;
 any other value is taken as a path to a ``tokenizer.json`` (:class:`HFTokenizer`).

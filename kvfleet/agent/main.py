@@ -14,7 +14,8 @@ It runs, around one :class:`~kvfleet.agent.tiers.TierManager` (``tiers:`` settin
 
 SIGTERM/SIGINT stop it cleanly; with an SSD or remote tier, memory blocks are
 flushed there first so a restarted agent reuses them. The CPU engine
-simulator embeds the same classes in-process (``engine.tiers.backend: agent``).
+simulator embeds the same tier manager in-process as its tiers below the GPU
+stand-in (:mod:`kvfleet.engine.tiers`).
 """
 
 from __future__ import annotations

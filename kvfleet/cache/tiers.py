@@ -26,15 +26,19 @@ class Tier(StrEnum):
     SSD = "ssd"
     REMOTE = "remote"
 
+    #: hashed as the string it equals: ``Enum`` hashes the member's name (``"GPU"``), which disagrees
+    #: with ``Tier.GPU == "gpu"`` and costs a Python call on every lookup of a tier-keyed dict.
+    __hash__ = str.__hash__
+
     @property
     def rank(self) -> int:
         """0 for the fastest tier, growing towards the slowest."""
-        return _ORDER.index(self)
+        return _RANK[self]
 
     @property
     def medium(self) -> str:
         """The ``medium`` string used in vLLM KV events (``"GPU"``, ``"CPU"``, ...)."""
-        return self.value.upper()
+        return _MEDIUM[self]
 
     @classmethod
     def from_medium(cls, medium: str | None, default: Tier | None = None) -> Tier:
@@ -62,6 +66,9 @@ class Tier(StrEnum):
 
 
 _ORDER: list[Tier] = [Tier.GPU, Tier.CPU, Tier.SSD, Tier.REMOTE]
+#: ``rank`` and ``medium`` of each tier, looked up (every KV event of a tier names its medium)
+_RANK: dict[Tier, int] = {t: i for i, t in enumerate(_ORDER)}
+_MEDIUM: dict[Tier, str] = {t: t.value.upper() for t in _ORDER}
 _ALIASES: dict[str, Tier] = {
     **{name: Tier.GPU for name in ("gpu", "cuda", "hbm", "device")},
     **{name: Tier.CPU for name in ("cpu", "cpu_pinned", "pinned", "host", "dram")},

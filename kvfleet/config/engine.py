@@ -97,16 +97,16 @@ def parse_host_port(value: str) -> HostPort:
 
 @dataclass(frozen=True)
 class EngineTierSettings:
-    """The tiers below the simulator's GPU stand-in.
+    """The tiers below the simulator's GPU stand-in: the node agent's tier manager, sized in blocks.
 
-    ``backend``: ``local`` — the simulator's own small tiers: ``cpu_blocks``
-    host blocks (LRU), then ``ssd_dir`` with up to ``ssd_blocks`` block files
-    that survive a restart (empty ``ssd_dir`` disables it); read bandwidths
-    price a promotion. ``agent`` — the node agent's tier manager, configured by
-    the top-level ``tiers:`` settings (its GPU tier is turned off); ``none``.
+    ``cpu_blocks`` host blocks (an LRU; 0 = no cpu tier), then the ssd tier in
+    ``ssd_dir`` with room for ``ssd_blocks`` blocks, kept across restarts
+    (empty ``ssd_dir`` or 0 = none). The rest of the manager's settings (codecs,
+    the ssd backend, watermarks, the remote tier) is the top-level ``tiers:``
+    (:mod:`kvfleet.engine.tiers`). The read bandwidths price a promotion into
+    the GPU stand-in in the engine's cost model.
     """
 
-    backend: str = "local"
     cpu_blocks: int = 0
     ssd_dir: str = ""
     ssd_blocks: int = 65536
@@ -114,8 +114,6 @@ class EngineTierSettings:
     ssd_read_gbps: float = 3.0
 
     def __post_init__(self) -> None:
-        if self.backend not in ("local", "agent", "none"):
-            raise ValueError(f"tiers.backend must be one of local, agent, none; got {self.backend!r}")
         if self.cpu_blocks < 0 or self.ssd_blocks < 0:
             raise ValueError("tier capacities must be >= 0")
         if self.cpu_read_gbps <= 0 or self.ssd_read_gbps <= 0:

@@ -7,10 +7,9 @@ Layers (each only uses the one below):
   fp16, ``values_per_token`` per token). The same tokens after the same prefix
   always give the same bytes, so a transferred or tiered block is checked
   byte-for-byte against a recomputation.
-* the slower tiers below the GPU (:mod:`kvfleet.engine.localtiers`: the
-  :class:`~kvfleet.engine.localtiers.SlowTiers` seam, the built-in
-  :class:`~kvfleet.engine.localtiers.LocalTiers`, or the agent's tier manager
-  through :mod:`kvfleet.engine.tiers`).
+* the slower tiers below the GPU (:mod:`kvfleet.engine.tiers`: the
+  :class:`~kvfleet.engine.tiers.SlowTiers` seam over the node agent's tier
+  manager, sized in blocks by ``engine.tiers``).
 * :class:`EngineKV` — the GPU stand-in: :class:`~kvfleet.cache.blocks.BlockManager`
   (prefix cache by chained block hash, vLLM-style), a ``hash → bytes`` map of
   what the GPU holds, demotion of reclaimed GPU blocks into the slower tiers,
@@ -43,8 +42,8 @@ from kvfleet.cache.hashing import BlockHash, BlockHasher, ExtraKeys, as_tokens, 
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.cache import CacheSettings
 from kvfleet.config.engine import EngineSettings
-from kvfleet.config.tiers import ModelProfile
-from kvfleet.engine.localtiers import LocalTiers, NoTiers, SlowBlock, SlowTiers
+from kvfleet.config.tiers import ModelProfile, TierSettings
+from kvfleet.engine.tiers import SlowBlock, SlowTiers, open_tiers
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +66,16 @@ def project_block(token_ids: Sequence[int] | npt.NDArray[Any], parent: BlockHash
     return vals.astype(np.float16).tobytes()
 
 
+def _parent_phases(parents: Sequence[BlockHash | None]) -> npt.NDArray[np.float64]:
+    """``to_int64(parent) % 1_000_003`` per parent as floats (0 for ``None``), as :func:`project_block`
+    takes it."""
+    try:  # int hashes (the default algorithms'): one pass in uint64 arithmetic, the same values exactly
+        ints = np.array([0 if h is None else h for h in parents], dtype=np.uint64)
+    except (TypeError, OverflowError, ValueError):  # bytes hashes (sha256 algorithms): one at a time
+        return np.array([float(to_int64(h) % 1_000_003) if h is not None else 0.0 for h in parents])
+    return (ints % np.uint64(1_000_003)).astype(np.float64)
+
+
 def project_blocks(
     token_ids: Sequence[int] | npt.NDArray[Any], parents: Sequence[BlockHash | None], block_size: int, values_per_token: int = 32
 ) -> list[bytes]:
@@ -77,7 +86,7 @@ def project_blocks(
     a, b, c = _coefficients(values_per_token)
     toks = as_tokens(token_ids)[: n * block_size].astype(np.float64).reshape(n, block_size)
     slots = np.arange(block_size, dtype=np.float64)
-    p = np.array([float(to_int64(h) % 1_000_003) if h is not None else 0.0 for h in parents])
+    p = _parent_phases(parents)
     phase = toks[:, :, None] * a + (slots[:, None] * b)[None, :, :] + (p[:, None] * c)[:, None, :]
     raw = np.sin(phase).astype(np.float16).reshape(n, -1)
     return [row.tobytes() for row in raw]
@@ -112,7 +121,11 @@ class Admission:
 
 
 class EngineKV:
-    """Paged GPU stand-in with real bytes, demotion into :class:`SlowTiers`, cost-based promotion."""
+    """Paged GPU stand-in with real bytes, demotion into :class:`SlowTiers`, cost-based promotion.
+
+    ``tiers``: the tiers below the GPU; by default :func:`~kvfleet.engine.tiers.open_tiers` of
+    ``settings.tiers`` with the default ``tiers:`` settings (and ``model``), closed by :meth:`close`.
+    """
 
     def __init__(
         self,
@@ -133,41 +146,49 @@ class EngineKV:
         self.blocks = BlockManager(settings.num_gpu_blocks, cache.block_size, self.hasher, sink=self._on_gpu_event)
         self._incoming: dict[BlockHash, bytes] = {}  # promoted from a slower tier, during one admission
         self._received: dict[BlockHash, bytes] = {}  # transferred before their sequence was admitted
+        self._demoted: list[SlowBlock] = []  # reclaimed from the GPU during one block-manager call
         self.tier_hits: dict[str, int] = {t.value: 0 for t in Tier}
         self.queries_tokens = 0
         self.hit_tokens = 0
         self.mismatched_blocks = 0
 
     def _default_tiers(self) -> SlowTiers:
-        t = self.settings.tiers
-        if t.backend == "none" or (t.cpu_blocks == 0 and not t.ssd_dir):
-            return NoTiers()
-        return LocalTiers(t, self.block_size, sink=self.out_sink)
+        return open_tiers(self.settings, self.block_size, TierSettings(model=self.model), sink=self.out_sink)
 
     # -- event plumbing: GPU events keep gpu_data in step and demote reclaimed blocks ------------
+    def _demote(self) -> None:
+        """Hand the blocks reclaimed by the last block-manager call to the slower tiers, as one batch."""
+        if self._demoted:
+            blocks, self._demoted = self._demoted, []
+            self.tiers.put_many(blocks)
+
     def _on_gpu_event(self, event: AnyEvent) -> None:
+        if isinstance(event, BlockRemoved):  # the most frequent: one per reclaimed block
+            for h in event.block_hashes:
+                block = self.gpu_data.pop(h, None)
+                if block is not None:
+                    single = len(event.block_hashes) == 1
+                    self.out_sink(event if single else removed([h], event.medium or Tier.GPU.medium))
+                    self._demoted.append(block)
+            return
         if isinstance(event, BlockStored):
             bs = event.block_size
             hashes = event.block_hashes
             parents = [event.parent_block_hash, *hashes[:-1]]
             fresh = project_blocks(event.token_ids, parents, bs, self.values_per_token)
+            toks = event.token_ids
+            incoming, received, gpu_data = self._incoming, self._received, self.gpu_data
             for i, h in enumerate(hashes):
-                toks = tuple(event.token_ids[i * bs : (i + 1) * bs])
-                data = self._incoming.pop(h, None)
-                got = self._received.pop(h, None)
-                if got is not None:
-                    if got == fresh[i]:
-                        data = got
-                    else:
-                        self.mismatched_blocks += 1
-                self.gpu_data[h] = SlowBlock(h, parents[i], toks, fresh[i] if data is None else data)
-        elif isinstance(event, BlockRemoved):
-            for h in event.block_hashes:
-                block = self.gpu_data.pop(h, None)
-                if block is not None:
-                    self.out_sink(event if len(event.block_hashes) == 1 else removed([h], event.medium or Tier.GPU.medium))
-                    self.tiers.put(block)
-            return
+                data = fresh[i]
+                if incoming or received:  # a block promoted or transferred during this admission
+                    data = incoming.pop(h, data)
+                    got = received.pop(h, None)
+                    if got is not None:
+                        if got == fresh[i]:
+                            data = got
+                        else:
+                            self.mismatched_blocks += 1
+                gpu_data[h] = SlowBlock(h, parents[i], tuple(toks[i * bs : (i + 1) * bs]), data)
         else:
             self.gpu_data.clear()
         self.out_sink(event)
@@ -216,6 +237,7 @@ class EngineKV:
         try:
             alloc = self.blocks.allocate(seq_id, token_ids, extra_keys=extra_keys)
         finally:
+            self._demote()
             for h in staged:
                 self._incoming.pop(h, None)
         for h in alloc.block_hashes:
@@ -240,7 +262,10 @@ class EngineKV:
         )
 
     def append(self, seq_id: Any, token_ids: Sequence[int]) -> None:
-        self.blocks.append_tokens(seq_id, token_ids)
+        try:
+            self.blocks.append_tokens(seq_id, token_ids)
+        finally:
+            self._demote()
 
     def free(self, seq_id: Any) -> None:
         self.blocks.free(seq_id)
@@ -300,9 +325,10 @@ class EngineKV:
         self.tiers.clear()
         self._incoming.clear()
         self._received.clear()
+        self._demoted.clear()
         self.tier_hits = {t.value: 0 for t in Tier}
         self.queries_tokens = self.hit_tokens = self.mismatched_blocks = 0
 
-    def announce(self) -> None:
-        """Re-announce slow-tier blocks (called once at start-up after an SSD rescan)."""
-        self.tiers.announce()
+    def close(self) -> None:
+        """Close the tiers below the GPU (their queued writes land first; see :class:`SlowTiers`)."""
+        self.tiers.close()

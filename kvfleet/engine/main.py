@@ -2,8 +2,9 @@
 
 Settings come from ``--config FILE`` (the ``engine:`` and ``cache:`` sections of
 kvfleet's settings) with flags on top. Exits 2 with a one-line message when a
-port is taken or the configuration is invalid; SIGTERM/SIGINT stop it cleanly
-(requests in flight are failed with 503, sockets closed).
+port is taken, the configuration is invalid or the SSD tier's directory cannot be
+used; SIGTERM/SIGINT stop it cleanly (requests in flight are failed with 503,
+blocks queued for the SSD tier written, sockets closed).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from kvfleet.agent.publisher import PortInUseError
+from kvfleet.agent.tiers import TierError
 from kvfleet.config import ConfigError, Settings, load
 from kvfleet.engine.server import EngineServer
 
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         asyncio.run(run())
-    except PortInUseError as exc:
+    except (PortInUseError, TierError) as exc:
         print(f"kvfleet engine: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

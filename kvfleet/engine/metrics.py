@@ -1,8 +1,8 @@
 """Prometheus metrics of the simulator, under vLLM's names so a scraper treats it as a vLLM pod.
 
 Read at scrape time from the scheduler and the KV cache (a custom collector:
-the step loop never touches a metric object), plus two histograms observed per
-request. Names (``model_name`` label on each, as vLLM does):
+the step loop never touches one of these metric objects), plus two histograms
+observed per request. Names (``model_name`` label on each, as vLLM does):
 
 ========================================  =======  ===========================================
 name                                      type     meaning
@@ -22,6 +22,9 @@ vllm:e2e_request_latency_seconds          hist.    arrival → last token
 kvfleet_engine_tier_hit_blocks_total      counter  blocks served from cache, label ``tier``
 kvfleet_engine_kv_mismatched_blocks_total counter  received blocks refused (bytes differed)
 ========================================  =======  ===========================================
+
+With tiers below the GPU, the same registry also carries the tier manager's
+``kvfleet_tier_*`` series (docs/tiers.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -90,10 +93,21 @@ class _EngineCollector(Collector):
 
 
 class EngineMetrics:
-    """A private registry (one per engine) with the collector and the per-request histograms."""
+    """A private registry (one per engine) with the collector and the per-request histograms.
 
-    def __init__(self, sched: Scheduler, kv: EngineKV, cache: CacheSettings, held: Callable[[], int] = lambda: 0) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+    ``registry``: the engine's registry when it already holds other series (the tier manager's
+    ``kvfleet_tier_*``, docs/tiers.md); a new one by default.
+    """
+
+    def __init__(
+        self,
+        sched: Scheduler,
+        kv: EngineKV,
+        cache: CacheSettings,
+        held: Callable[[], int] = lambda: 0,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(sched, kv, cache, held))
         model = sched.settings.model
         self.ttft = Histogram(

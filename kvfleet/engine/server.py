@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvfleet.agent.publisher import ZmqPublisher
 from kvfleet.agent.transfer import AuthError, TransferClient, TransferServer
@@ -82,7 +82,7 @@ from kvfleet.engine.scheduler import (
     SchedulerClosedError,
     TokenEvent,
 )
-from kvfleet.engine.tiers import AgentTiers
+from kvfleet.engine.tiers import NoTiers, open_tiers
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ POD_HEADER = "x-kvfleet-pod"
 HOLD_SECONDS = 60.0
 #: At most this share of the GPU blocks may be held for remote decode at once.
 MAX_HELD_FRACTION = 0.5
+#: How often KV events that the tier manager's threads buffered between steps are published.
+BACKGROUND_FLUSH_S = 0.05
 
 
 class ApiError(Exception):
@@ -183,12 +185,13 @@ class EngineServer:
         self.settings = settings
         self.es = settings.engine
         self.events = EventBuffer()
-        self.agent_tiers: AgentTiers | None = None
-        if self.es.tiers.backend == "agent":
-            self.agent_tiers = AgentTiers(settings.tiers, sink=self.events)
-        self.kv = EngineKV(self.es, settings.cache, sink=self.events, tiers=self.agent_tiers, model=settings.tiers.model)
+        registry = CollectorRegistry(auto_describe=False)
+        tiers = open_tiers(self.es, settings.cache.block_size, settings.tiers, sink=self.events,
+                           registry=registry)
+        self.kv = EngineKV(self.es, settings.cache, sink=self.events, tiers=tiers, model=settings.tiers.model)
         self.sched = Scheduler(self.kv, on_step=self.flush_events)
-        self.metrics = EngineMetrics(self.sched, self.kv, settings.cache, held=lambda: self.held_blocks)
+        self.metrics = EngineMetrics(self.sched, self.kv, settings.cache, held=lambda: self.held_blocks,
+                                     registry=registry)
         #: the P/D transfers (prefill side: served, decode side: pulled) on the engine's own /metrics
         self.transfer_metrics = TransferMetrics(self.metrics.registry, settings.transfer.link_capacity_gbps * 1e9)
         self.tokenizer = ByteTokenizer()
@@ -200,6 +203,7 @@ class EngineServer:
         self.puller: KVPuller | None = puller or self._default_puller()
         self.holds: dict[str, Hold] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._flusher: asyncio.Task[None] | None = None
         self.created = int(time.time())
 
     def _secret(self) -> bytes | None:
@@ -230,7 +234,11 @@ class EngineServer:
         return app
 
     def start_publisher(self) -> None:
-        """Bind the KV-event sockets (raises PortInUseError) and announce SSD blocks recovered at start."""
+        """Bind the KV-event sockets (raises PortInUseError) and publish what is buffered.
+
+        That includes the ``BlockStored`` events of the SSD blocks the tier manager re-indexed
+        when it opened (``tiers.announce_on_start``).
+        """
         host = self.es.host
         self.publisher = ZmqPublisher(
             f"tcp://{host}:{self.es.kv_events_port}",
@@ -239,7 +247,6 @@ class EngineServer:
             buffer_steps=self.es.replay_buffer_steps,
             buffer_bytes=self.es.replay_buffer_bytes,
         )
-        self.kv.announce()
         self.flush_events()
 
     async def _on_startup(self, app: web.Application) -> None:
@@ -249,18 +256,21 @@ class EngineServer:
             )
             self.transfer_server.start()
         self.sched.start()
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_holds())
+        loop = asyncio.get_running_loop()
+        self._sweeper = loop.create_task(self._sweep_holds())
+        if not isinstance(self.kv.tiers, NoTiers):
+            self._flusher = loop.create_task(self._flush_background_events())
 
     async def _on_cleanup(self, app: web.Application) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        for task in (self._sweeper, self._flusher):
+            if task is not None:
+                task.cancel()
         await self.sched.close()
         if self.puller is not None:
             await self.puller.close()
         if self.transfer_server is not None:
             self.transfer_server.stop()
-        if self.agent_tiers is not None:
-            self.agent_tiers.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.kv.close)
         self.flush_events()
         if self.publisher is not None:
             self.publisher.close()
@@ -269,6 +279,17 @@ class EngineServer:
         batch = self.events.drain()
         if batch is not None and self.publisher is not None:
             self.publisher.publish(batch)
+
+    async def _flush_background_events(self) -> None:
+        """Publish the events the tier manager's threads add between steps (a write landing on SSD, say).
+
+        The scheduler drains the buffer once per step; an idle engine has no steps, so this does it
+        every :data:`BACKGROUND_FLUSH_S` while something is buffered.
+        """
+        while True:
+            await asyncio.sleep(BACKGROUND_FLUSH_S)
+            if len(self.events):
+                self.flush_events()
 
     async def _sweep_holds(self) -> None:
         while True:

@@ -1,9 +1,11 @@
 """A restarted engine process reuses its SSD tier and re-announces those blocks as KV events.
 
-Covers: blocks demoted GPU → SSD (block files with checksummed headers) survive a
-SIGTERM + restart of ``kvfleet engine`` on the same directory; the same prompt is
-then served from SSD (``cached_tokens`` > 0, ``kvfleet_engine_tier_hit_blocks_total{tier="ssd"}``
-grows) with the same output; the restarted publisher re-announces the recovered
+Covers: blocks demoted GPU → SSD (the node agent's tier manager: checksummed records
+in its slab files) survive a SIGTERM + restart of ``kvfleet engine`` on the same
+directory, which re-indexes them (``kvfleet_tier_reindexed_blocks_total{tier="ssd"}``);
+the same prompt is then served from SSD (``cached_tokens`` > 0,
+``kvfleet_engine_tier_hit_blocks_total{tier="ssd"}`` grows) with the same output; the
+restarted publisher re-announces the recovered
 blocks (BlockStored, medium SSD) in its replay buffer, and an EPP subscriber that ran
 through the restart (the EPP's :class:`EventSubscriber` and :class:`PodEventApplier`,
 keys recomputed as the EPP runs) sees the new process, rebuilds the pod and then holds
@@ -59,7 +61,7 @@ def test_restarted_engine_serves_from_its_ssd_tier(tmp_path: Path) -> None:
     with ProcessStack(tmp_path / "logs") as stack:
         fleet = Fleet(stack, plan_pods(1, 1, 0), tmp_path / "logs")
         pod = fleet.pods[0]
-        tiers = {"tiers": {"cpu_blocks": 0, "ssd_dir": str(ssd)}, "num_gpu_blocks": 64}
+        tiers = {"tiers": {"cpu_blocks": 0, "ssd_dir": str(ssd), "ssd_blocks": 1024}, "num_gpu_blocks": 64}
         child = fleet.start_engine(pod, **tiers)
         cache = Settings().cache
         hasher = BlockHasher(cache.block_size, cache.hash_algo, cache.hash_seed)
@@ -77,9 +79,12 @@ def test_restarted_engine_serves_from_its_ssd_tier(tmp_path: Path) -> None:
             for base in (90_000, 95_000):  # 63 blocks each: push every block of the first prompt out of the GPU to SSD
                 st, _, _ = http_json(url, {"model": MODEL, "prompt": list(range(base, base + 1000)), "max_tokens": 1})
                 assert st == 200
-            assert len(list(ssd.glob("*.kvb"))) >= 30
+            metrics = f"http://127.0.0.1:{pod.port}/metrics"
+            wait_for(lambda: tier_sample(scrape(metrics), "kvfleet_tier_blocks", "ssd") >= 30,
+                     "30 blocks written to the SSD tier")
             assert fleet.stack.stop(child, sig=signal.SIGTERM) == 0
             fleet.start_engine(pod, **tiers)
+            assert tier_sample(scrape(metrics), "kvfleet_tier_reindexed_blocks_total", "ssd") >= 30
             assert replayed_ssd_blocks(pod.replay_port) >= 30
             # the EPP side, before the prompt is served again: the restart was seen (sequence numbers from 0 again), the
             # pod rebuilt from what the new process announced, and the prompt's recovered blocks indexed on SSD for it
@@ -89,7 +94,7 @@ def test_restarted_engine_serves_from_its_ssd_tier(tmp_path: Path) -> None:
             assert st == 200
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 30 * 16
             assert again["choices"][0]["text"] == first["choices"][0]["text"]
-            assert counter_tier(scrape(f"http://127.0.0.1:{pod.port}/metrics"), "ssd") >= 30
+            assert tier_sample(scrape(metrics), "kvfleet_engine_tier_hit_blocks_total", "ssd") >= 30
             fleet.check_alive()
             # and the EPP's view after the prompt was served again: the whole prompt, on the pod
             wait_index(lambda: held(idx, keys, pod.name) == 40, idx, keys, pod.name, sub)
@@ -114,13 +119,10 @@ def held(idx: BlockIndex, keys: list[int], pod: str) -> int:
     return m.blocks if m else 0
 
 
-def counter_tier(text: str, tier: str) -> float:
+def tier_sample(text: str, name: str, tier: str) -> float:
+    """The sum of the samples ``name`` with label ``tier`` in a ``/metrics`` text."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "kvfleet_engine_tier_hit_blocks_total" and s.labels.get("tier") == tier
-    )
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and s.labels.get("tier") == tier)
 

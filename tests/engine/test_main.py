@@ -1,4 +1,5 @@
-"""``kvfleet engine`` command line: a taken port or a bad setting is a one-line error and exit code 2."""
+"""``kvfleet engine`` command line: a taken port, a bad setting or an unusable SSD directory is a one-line
+error and exit code 2."""
 
 from __future__ import annotations
 
@@ -39,3 +40,13 @@ def test_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg.write_text("engine:\n  prot: 1\n")
     assert main(["--config", str(cfg)]) == 2
     assert "engine.prot" in capsys.readouterr().err
+
+
+def test_an_ssd_dir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    afile = tmp_path / "ssd"
+    afile.write_bytes(b"")
+    rc = main(["--port", str(free_port()), "--kv-events-port", str(free_port()), "--kv-events-replay-port", "0",
+               "--ssd-dir", str(afile)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "engine.tiers.ssd_dir" in err and "is not a directory" in err and "Traceback" not in err

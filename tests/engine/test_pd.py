@@ -27,9 +27,9 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from kvfleet.engine.localtiers import SlowBlock
 from kvfleet.engine.pd import PREFILLER_HEADER, TransferKVPuller
 from kvfleet.engine.peer import PrefillPeers
+from kvfleet.engine.tiers import SlowBlock
 from tests.engine.conftest import EngineFactory, RunningEngine, free_port
 
 MODEL = "llama-3-8b"

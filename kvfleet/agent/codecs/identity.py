@@ -18,7 +18,7 @@ class IdentityCodec(Codec):
 
     def encode(self, block: npt.NDArray[Any]) -> Payload:
         """A byte view of ``block`` (a copy only when it is not contiguous)."""
-        return np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+        return np.asarray(block).ravel().view(np.uint8)  # ravel copies only what is not C-contiguous
 
     def decode(self, payload: Payload | bytes | memoryview, dtype: npt.DTypeLike,
                shape: tuple[int, ...]) -> npt.NDArray[Any]:

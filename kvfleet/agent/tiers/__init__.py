@@ -13,7 +13,7 @@ by name in ``backends.py``. ``record.py`` is the on-disk / on-wire record,
 
 from __future__ import annotations
 
-from kvfleet.agent.tiers.backends import BACKENDS, open_store
+from kvfleet.agent.tiers.backends import BACKENDS, block_charge, open_store
 from kvfleet.agent.tiers.base import ScanReport, TierStore
 from kvfleet.agent.tiers.cost import Action, CostModel, Decision, TierCost
 from kvfleet.agent.tiers.device import DeviceError
@@ -58,5 +58,6 @@ __all__ = [
     "TierUnavailableError",
     "TruncatedBlockError",
     "UnknownBackendError",
+    "block_charge",
     "open_store",
 ]

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvfleet.agent.tiers.base import TierStore
 from kvfleet.agent.tiers.errors import UnknownBackendError
+from kvfleet.agent.tiers.record import BlockMeta
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.tiers import TierSpec
 
@@ -45,16 +46,32 @@ def default_backend(tier: Tier, spec: TierSpec) -> str:
     return DEFAULT_BACKEND[tier]
 
 
-def open_store(tier: Tier, spec: TierSpec) -> TierStore:
-    """Instantiate the backend ``spec.backend`` (or the tier's default) for ``tier``."""
+def store_class(tier: Tier, spec: TierSpec) -> type[TierStore]:
+    """The class of the backend ``spec.backend`` (or the tier's default) for ``tier``, imported now."""
     name = spec.backend or default_backend(tier, spec)
     try:
         module, cls = BACKENDS[name]
     except KeyError:
         raise UnknownBackendError(f"unknown tier backend {name!r}; known: {', '.join(sorted(BACKENDS))}") from None
-    factory: Any = getattr(importlib.import_module(module), cls)
+    found: type[TierStore] = getattr(importlib.import_module(module), cls)
+    return found
+
+
+def open_store(tier: Tier, spec: TierSpec) -> TierStore:
+    """Instantiate the backend ``spec.backend`` (or the tier's default) for ``tier``."""
+    factory: Any = store_class(tier, spec)
     store: TierStore = factory(tier, spec)
     return store
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "default_backend", "open_store"]
+def block_charge(tier: Tier, spec: TierSpec, meta: BlockMeta) -> int:
+    """Bytes one block like ``meta`` takes in ``tier`` under ``spec`` (its backend's slot or record).
+
+    ``capacity_bytes = blocks × block_charge(...)`` sizes a tier to hold ``blocks`` such blocks:
+    exactly for the slot stores (arena, torch, slab: every block takes one slot), at least for
+    the record stores (files, redis: a block whose header is smaller than ``meta``'s takes less).
+    """
+    return store_class(tier, spec).block_charge(spec, meta)
+
+
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "block_charge", "default_backend", "open_store", "store_class"]

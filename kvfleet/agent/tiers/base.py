@@ -28,15 +28,15 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import numpy as np
 
-from kvfleet.agent.codecs import Payload
-from kvfleet.agent.tiers.errors import TierFullError
-from kvfleet.agent.tiers.record import PREFIX_SIZE, BlockMeta
+from kvfleet.agent.codecs import Payload, get_codec
+from kvfleet.agent.tiers.errors import TierFullError, TierIOError
+from kvfleet.agent.tiers.record import PREFIX_SIZE, BlockMeta, pack
 from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.tiers import TierSpec
@@ -77,6 +77,22 @@ class TierStore(ABC):
     def charge(self, payload_nbytes: int) -> int:
         """Bytes a block with this encoded size would occupy here."""
 
+    @property
+    def full(self) -> bool:
+        """Whether a new block certainly finds no room (a hint, read without the store's lock; ``False``
+        when unknown)."""
+        return False
+
+    @classmethod
+    def block_charge(cls, spec: TierSpec, meta: BlockMeta) -> int:
+        """Bytes a block like ``meta`` (dtype, shape, header fields) takes in a new store of this backend.
+
+        What sizing a tier in blocks multiplies by, before any block is stored; the block is encoded
+        with ``spec.codec``. This default charges the whole record (prefix, header, payload), as the
+        stores that keep one record per block do.
+        """
+        return len(spec_record(spec, meta)[0]) + encoded_nbytes(spec, meta)
+
     @abstractmethod
     def write(self, meta: BlockMeta, payload: Payload) -> int:
         """Store a block; returns its charge. Raises TierFullError, BlockTooLargeError, TierIOError."""
@@ -91,6 +107,20 @@ class TierStore(ABC):
     @abstractmethod
     def delete(self, block_hash: BlockHash) -> None:
         """Forget a block (no error if absent)."""
+
+    def delete_many(self, hashes: Iterable[BlockHash]) -> None:
+        """:meth:`delete` of each hash; a failure does not stop the others (the first is raised at the end).
+
+        Stores with one lock override it to take the lock once.
+        """
+        failed: TierIOError | None = None
+        for h in hashes:
+            try:
+                self.delete(h)
+            except TierIOError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def forget(self, block_hash: BlockHash) -> None:
         """Drop a block that moved to another tier; persistent stores may keep its bytes until reused."""
@@ -152,6 +182,19 @@ class TierStore(ABC):
         read_bps = nbytes / max(1e-9, (t5 - t4) - (t2 - t1))
         return read_bps, write_bps, latency
 
+
+
+def encoded_nbytes(spec: TierSpec, meta: BlockMeta) -> int:
+    """Payload bytes of a block like ``meta`` under ``spec.codec``."""
+    return get_codec(spec.codec).encoded_nbytes(np.dtype(meta.dtype), meta.shape)
+
+
+def spec_record(spec: TierSpec, meta: BlockMeta, align: int = 0) -> tuple[bytes, memoryview]:
+    """The record (prefix + header, payload) of a zero block like ``meta`` encoded with ``spec.codec``."""
+    codec = get_codec(spec.codec)
+    payload = np.zeros(encoded_nbytes(spec, meta), dtype=np.uint8)
+    encoded = replace(meta, codec=codec.name)
+    return pack(encoded, payload, align=align)
 
 
 class RecordStore(TierStore):

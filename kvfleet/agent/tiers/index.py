@@ -5,8 +5,8 @@ policy, the moves and the worker threads take it for every read-modify-write
 of an entry and wait on :attr:`BlockIndex.wake` (notified on every change
 that may let a waiter go on: a block stored, moved or unpinned, a batch
 finished). The index also announces what it holds: ``BlockStored`` /
-``BlockRemoved`` KV events to the sink, and the per-tier gauges. It does no
-I/O and knows no store.
+``BlockRemoved`` KV events to the sink, and the per-tier gauges (read from
+the index when scraped). It does no I/O and knows no store.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ class BlockIndex:
         self.sink = sink
         #: tokens of a block whose meta names none (events carry a block size)
         self.block_size = block_size
+        self._medium = {t: t.medium for t in tiers}
+        for t in tiers:  # read at scrape time: no gauge is set on the put path
+            metrics.child(metrics.used, t.value).set_function(lambda t=t: self.used[t])
+            metrics.child(metrics.blocks, t.value).set_function(lambda t=t: len(self.lru[t]))
 
     # The methods below are called with ``lock`` held.
 
@@ -53,25 +57,33 @@ class BlockIndex:
         self.entries[h] = Entry(tier=tier, meta=meta, charge=charge)
         self.lru[tier][h] = None
         self.used[tier] += charge
-        self.gauges(tier)
+
+    def add_many(self, tier: Tier, metas: list[BlockMeta], charge: int) -> None:
+        """:meth:`add` of every block of ``metas`` to ``tier``, each charged ``charge``, then
+        :meth:`announce_stored` of each."""
+        entries, lru = self.entries, self.lru[tier]
+        for meta in metas:
+            entries[meta.hash] = Entry(tier, meta, charge)
+            lru[meta.hash] = None
+        self.used[tier] += charge * len(metas)
+        sink, medium, bs = self.sink, self._medium[tier], self.block_size
+        for meta in metas:
+            sink(stored([meta.hash], meta.parent, meta.token_ids, len(meta.token_ids) or bs, medium))
 
     def remove(self, h: BlockHash) -> Entry | None:
         e = self.entries.pop(h, None)
         if e is not None:
             self.lru[e.tier].pop(h, None)
             self.used[e.tier] -= e.charge
-            self.gauges(e.tier)
         return e
 
     def relocate(self, h: BlockHash, e: Entry, dst: Tier, meta: BlockMeta, charge: int) -> None:
         """Point ``h`` (entry ``e``) at ``dst`` with its new meta and charge."""
         self.lru[e.tier].pop(h, None)
         self.used[e.tier] -= e.charge
-        self.gauges(e.tier)
         e.tier, e.meta, e.charge = dst, meta, charge
         self.lru[dst][h] = None
         self.used[dst] += charge
-        self.gauges(dst)
 
     def touch(self, h: BlockHash) -> Entry | None:
         """The entry of ``h``, now the most recently used of its tier (``None`` if absent)."""
@@ -84,19 +96,14 @@ class BlockIndex:
         e = self.entries[h]
         return not e.pins and not e.moving
 
-    def gauges(self, tier: Tier) -> None:
-        m = self.metrics
-        m.child(m.used, tier.value).set(self.used[tier])
-        m.child(m.blocks, tier.value).set(len(self.lru[tier]))
-
     # Announcements (KV events); callable with or without the lock.
 
     def announce_stored(self, meta: BlockMeta, tier: Tier) -> None:
         bs = len(meta.token_ids) or self.block_size
-        self.sink(stored([meta.hash], meta.parent, meta.token_ids, bs, tier.medium))
+        self.sink(stored([meta.hash], meta.parent, meta.token_ids, bs, self._medium[tier]))
 
     def announce_removed(self, h: BlockHash, tier: Tier) -> None:
-        self.sink(removed([h], tier.medium))
+        self.sink(removed([h], self._medium[tier]))
 
     def unmark(self, h: BlockHash) -> None:
         """Clear ``h``'s moving flag (takes the lock)."""

@@ -10,6 +10,9 @@ or network unless it says so)::
         or, when full, the next memory tier; when no memory tier has room the
         write is queued to ssd/remote (BackpressureError when that queue is full).
         Idempotent: a hash already held is only touched (content addressing).
+    mgr.put_many([(h, block, parent, token_ids), ...], tier) -> int
+        a put per item, oldest first (refused items counted, not raised); cheaper
+        into a fastest memory tier with no memory tier below it.
     mgr.lookup(hashes) -> LookupResult(num_hits, tiers)
         prefix-style: how many leading hashes are held, and in which tier each.
     mgr.locate(h) -> Tier | None
@@ -23,7 +26,9 @@ or network unless it says so)::
     mgr.prefetch(hashes) -> int      queue promotions of slow-tier blocks (rule applied); returns how many
     mgr.pin(hashes) -> PinReceipt    pinned blocks are never demoted or evicted; receipt.release() / with
     mgr.unpin(hashes)
+    mgr.read(h) -> ndarray | None    the block where it is, without the promotion rule (no move)
     mgr.discard(hashes)              drop blocks from every tier (BlockRemoved)
+    mgr.clear()                      drop every block
     mgr.decide(h) -> Decision | None the promotion rule for a held block, with its inputs
     mgr.drain(timeout_s) -> bool     wait until the queues are empty and no tier is above its high watermark
     mgr.close(flush=False)           flush=True first writes gpu/cpu blocks to ssd/remote (kept across restarts)
@@ -79,9 +84,10 @@ from kvfleet.agent.tiers.errors import (
     TierIOError,
 )
 from kvfleet.agent.tiers.index import BlockIndex
+from kvfleet.agent.tiers.memory import SlotStore
 from kvfleet.agent.tiers.metrics import TierMetrics
 from kvfleet.agent.tiers.movement import Movement
-from kvfleet.agent.tiers.moves import Mover
+from kvfleet.agent.tiers.moves import Mover, PutItem
 from kvfleet.agent.tiers.policy import MEMORY, ORDER, TierPolicy, payload_nbytes, tier_specs
 from kvfleet.agent.tiers.record import meta_for
 from kvfleet.cache.events import EventSink, null_sink
@@ -256,21 +262,22 @@ class TierManager:
             e = self.index.touch(h)
             if e is not None:
                 return e.tier
-        toks = tuple(int(t) for t in token_ids)
+        toks = tuple(map(int, token_ids))
         candidates = self.policy.put_candidates(tier)
         if not candidates:
             raise TierError(f"no enabled tier at or below {tier}")
         for t in candidates:
             if t not in MEMORY:
                 break
+            # The newest block belongs in the fastest tier: when ``tier`` is full, move its LRU block
+            # one memory tier down (a memory copy) to make room, rather than send the new block down.
+            made_room = t is tier and self.stores[t].full and self.movement.make_room(t)
             try:
                 return self.mover.store_now(h, block, t, parent, toks)
             except BlockTooLargeError:
                 continue
             except TierFullError:
-                # The newest block belongs in the fastest tier: move that tier's LRU block one memory
-                # tier down (a memory copy) to make room, rather than send the new block down.
-                if t is not tier or not self.movement.make_room(t):
+                if made_room or t is not tier or not self.movement.make_room(t):
                     continue
             try:
                 return self.mover.store_now(h, block, t, parent, toks)
@@ -281,6 +288,52 @@ class TierManager:
             raise TierFullError(f"no room for block {h!r} in {', '.join(candidates)}")
         self.movement.spill(h, block, meta_for(h, block, self.codecs[dst].name, parent, toks), dst)
         return dst
+
+    def put_many(self, blocks: Sequence[PutItem], tier: Tier = Tier.GPU) -> int:
+        """Store ``(hash, block, parent, token_ids)`` items, oldest first; returns how many were not kept.
+
+        The end state of a :meth:`put` per item, with a refused item (no room anywhere, back-pressure)
+        counted instead of raised. When ``tier`` is :attr:`~.movement.Movement.lone_top` with an
+        uncompressed slot store (a manager whose gpu tier is off: the engine simulator's cpu tier),
+        the batch is cheaper: the room for it is made at once (the tier's LRU blocks queued to the
+        ssd/remote writers, or dropped when it is the last tier), the stores are counted once, and of
+        a batch larger than the tier only the newest items that fit are stored (the older ones would
+        only have pushed each other out): their ``BlockRemoved`` events all come before the batch's
+        ``BlockStored`` ones.
+        """
+        store, codec = self.stores.get(tier), self.codecs.get(tier)
+        if (tier is not self.movement.lone_top or not isinstance(store, SlotStore) or codec is None
+                or not codec.lossless or not store.slot_bytes):
+            return self._put_each(blocks, tier)
+        index = self.index
+        with index.lock:
+            fresh: dict[BlockHash, PutItem] = {}
+            held = index.entries
+            for item in blocks:
+                if item[0] not in held:
+                    fresh[item[0]] = item
+                else:
+                    index.touch(item[0])
+            items = list(fresh.values())
+            skipped = max(0, len(items) - store.num_slots)
+            items = items[skipped:]
+            self.movement.free_slots(tier, len(items) - store.free_slots)
+            stored, left = self.mover.store_batch(tier, items)
+            skipped += self._put_each(left, tier)  # no room was made for these: the usual path decides
+        if stored:
+            self.metrics.child(self.metrics.stores, tier.value).inc(stored)
+        return skipped
+
+    def _put_each(self, blocks: Iterable[PutItem], tier: Tier) -> int:
+        """:meth:`put` of every item; returns how many were refused."""
+        refused = 0
+        for h, block, parent, token_ids in blocks:
+            try:
+                self.put(h, block, tier, parent, token_ids)
+            except TierError as exc:
+                log.debug("%s tier: block %r not kept: %s", tier, h, exc)
+                refused += 1
+        return refused
 
     def lookup(self, hashes: Iterable[BlockHash]) -> LookupResult:
         """How many leading ``hashes`` are held, and where (counts hits per tier)."""
@@ -307,6 +360,18 @@ class TierManager:
 
     def get(self, h: BlockHash) -> npt.NDArray[Any] | None:
         """The block, applying the promotion rule to slow-tier hits (see module doc)."""
+        return self._fetch(h, rule=True)
+
+    def read(self, h: BlockHash) -> npt.NDArray[Any] | None:
+        """The block where it is, touched as used: no promotion rule, no move.
+
+        For a caller that keeps its own copy in a faster medium and prices the read itself (the
+        engine simulator's GPU stand-in). ``None`` when absent or unreadable; a corrupt record is
+        dropped (``BlockRemoved``), as with :meth:`get`.
+        """
+        return self._fetch(h, rule=False)
+
+    def _fetch(self, h: BlockHash, rule: bool) -> npt.NDArray[Any] | None:
         for _ in range(3):
             with self.index.lock:
                 e = self.index.touch(h)
@@ -315,7 +380,7 @@ class TierManager:
                 tier = e.tier
                 if tier in MEMORY:
                     return self.mover.read_memory(h, e)
-            decision = self.decide(h)
+            decision = self.decide(h) if rule else None
             if decision is not None and decision.action is Action.RECOMPUTE:
                 return None
             try:
@@ -379,6 +444,15 @@ class TierManager:
                 self.index.announce_removed(h, e.tier)
         return n
 
+    def clear(self) -> int:
+        """Drop every block from every tier (``BlockRemoved`` each); returns how many were held.
+
+        A spilled write still queued lands afterwards: :meth:`drain` first to drop those too.
+        """
+        with self.index.lock:
+            hashes = list(self.index.entries)
+        return self.discard(hashes)
+
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until no job is queued or running and no tier needs demotion."""
         deadline = time.monotonic() + timeout_s
@@ -419,4 +493,4 @@ class TierManager:
         self.close()
 
 
-__all__ = ["LookupResult", "PinReceipt", "TierManager"]
+__all__ = ["LookupResult", "PinReceipt", "PutItem", "TierManager"]

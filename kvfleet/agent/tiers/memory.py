@@ -25,13 +25,13 @@ import mmap
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 import numpy as np
 
 from kvfleet.agent.codecs import Payload
-from kvfleet.agent.tiers.base import SlotLeases, TierStore
+from kvfleet.agent.tiers.base import SlotLeases, TierStore, encoded_nbytes
 from kvfleet.agent.tiers.errors import BlockNotFoundError, BlockTooLargeError, TierFullError
 from kvfleet.agent.tiers.record import BlockMeta
 from kvfleet.cache.hashing import BlockHash
@@ -108,8 +108,23 @@ class SlotStore(TierStore, Generic[SlabT]):
     def used_bytes(self) -> int:
         return len(self._index) * self.slot_bytes
 
+    @property
+    def full(self) -> bool:
+        """Every slot is taken (slots sized already, none free)."""
+        return bool(self.slot_bytes) and not self._free and self._next_slot >= self.num_slots
+
+    @property
+    def free_slots(self) -> int:
+        """Slots a write can take now (0 until the first block sized them; read without the lock)."""
+        return len(self._free) + max(0, self.num_slots - self._next_slot) if self.slot_bytes else 0
+
     def charge(self, payload_nbytes: int) -> int:
         return self.slot_bytes or _round_up(payload_nbytes)
+
+    @classmethod
+    def block_charge(cls, spec: TierSpec, meta: BlockMeta) -> int:
+        """One slot: ``slot_bytes`` from the spec, or the block's encoded size, rounded up like every slot."""
+        return _round_up(memory_spec(spec).slot_bytes or encoded_nbytes(spec, meta))
 
     def _place(self, slot: int) -> tuple[SlabT, int]:
         """The slab holding ``slot`` and the slot's byte offset in it."""
@@ -159,15 +174,41 @@ class SlotStore(TierStore, Generic[SlabT]):
 
     def write(self, meta: BlockMeta, payload: Payload) -> int:
         nbytes = int(payload.nbytes)
+        flat = _flat(payload)
         with self._lock:
             self._fit(nbytes)
             old = self._index.pop(meta.hash, None)
             if old is not None:
                 self._release_slot(old[0])
             slot = self._alloc()
-            self._put(slot, payload.reshape(-1).view(np.uint8))
+            self._put(slot, flat)
             self._index[meta.hash] = (slot, nbytes, meta)
         return self.slot_bytes
+
+    def write_many(self, blocks: Sequence[tuple[BlockMeta, Payload]]) -> int:
+        """:meth:`write` of each ``(meta, payload)`` in order under one lock, until one finds no slot.
+
+        Returns how many were written (each charged :attr:`slot_bytes`); the one that stopped the
+        batch (no free slot, or larger than a slot) and those after it are not written.
+        """
+        index, put, alloc = self._index, self._put, self._alloc
+        n = 0
+        with self._lock:
+            for meta, payload in blocks:
+                nbytes = int(payload.nbytes)
+                try:
+                    if nbytes > self.slot_bytes:
+                        self._fit(nbytes)
+                    slot = alloc()
+                except (TierFullError, BlockTooLargeError):
+                    break
+                old = index.pop(meta.hash, None)
+                if old is not None:
+                    self._release_slot(old[0])
+                put(slot, _flat(payload))
+                index[meta.hash] = (slot, nbytes, meta)
+                n += 1
+        return n
 
     def reserve(self, nbytes: int) -> tuple[int, Payload]:
         """A free slot and a writable buffer of ``nbytes`` for it; then :meth:`commit` or :meth:`abort`."""
@@ -202,6 +243,14 @@ class SlotStore(TierStore, Generic[SlabT]):
             old = self._index.pop(block_hash, None)
             if old is not None:
                 self._release_slot(old[0])
+
+    def delete_many(self, hashes: Iterable[BlockHash]) -> None:
+        with self._lock:
+            pop = self._index.pop
+            for h in hashes:
+                old = pop(h, None)
+                if old is not None:
+                    self._release_slot(old[0])
 
     def lease(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload, int]:
         """Like :meth:`read`, but the slot is not reused until :meth:`release` (even if deleted)."""
@@ -257,7 +306,8 @@ class ArenaStore(SlotStore[np.ndarray]):
         return view
 
     def _put(self, slot: int, data: Payload) -> None:
-        self._slot_view(slot, data.nbytes)[:] = data
+        slab, start = self._place(slot)
+        slab[start : start + data.nbytes] = data
 
     def _get(self, slot: int, nbytes: int) -> Payload:
         view = self._slot_view(slot, nbytes).view()
@@ -276,6 +326,11 @@ class ArenaStore(SlotStore[np.ndarray]):
         np.copyto(dst, src)
         dt = max(1e-9, time.perf_counter() - t0)
         return nbytes / dt, nbytes / dt, 1e-6
+
+
+def _flat(payload: Payload) -> Payload:
+    """``payload`` as flat bytes (a view; as it is when it already is)."""
+    return payload if payload.ndim == 1 and payload.dtype == np.uint8 else payload.reshape(-1).view(np.uint8)
 
 
 def _round_up(n: int) -> int:

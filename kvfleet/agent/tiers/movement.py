@@ -19,7 +19,8 @@ every thread hands the GIL over about once a millisecond of work, and a
 demotion round that moved nothing (every destination full or failing) backs
 off for 20 ms. :meth:`Movement.make_room` is the one move made on the
 caller's thread: a full fastest memory tier pushes its LRU block one memory
-tier down so a new block can stay on top.
+tier down (or, with none enabled below, to the ssd/remote writers, or out
+when it is the last tier) so a new block can stay on top.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class Movement:
         self._writes: queue.Queue[Job] = queue.Queue(maxsize=settings.queue_depth)  # put() spilled to ssd/remote
         self._stop = threading.Event()
         self._busy = 0
+        top = policy.order[0]
+        #: the fastest tier when it is a memory tier with no memory tier enabled below it (a manager whose gpu
+        #: tier is off): making room in it sends its LRU blocks to the ssd/remote writers, or out (make_room)
+        alone = top in MEMORY and not any(t in MEMORY for t in policy.order[1:])
+        self.lone_top: Tier | None = top if alone else None
+        self._has_slow = any(t not in MEMORY for t in policy.order)
         self._last_yield = 0.0
         metrics.child(metrics.queue_depth, "jobs").set(0)
         writers, readers = settings.demotion_workers, settings.promotion_workers
@@ -149,12 +156,18 @@ class Movement:
         """Make a free slot in the memory tier ``tier`` on the caller's thread, without disk I/O.
 
         Its least recently used movable block moves to the next memory tier; when that one is full
-        too, its own LRU block is first queued to the ssd/remote writers (:meth:`_spill_lru`).
-        ``False`` when no block can move.
+        too, its own LRU block is first queued to the ssd/remote writers (:meth:`_spill_lru`). When
+        ``tier`` is the fastest enabled tier and no memory tier is enabled below it (a manager whose
+        gpu tier is off), its LRU block itself is queued to the writers, or dropped when ``tier``
+        is the last tier (as its watermark would drop it later). ``False`` when no block can move.
         """
-        below = self.policy.memory_below(tier)
         store = self.mover.stores[tier]
-        if not below or not isinstance(store, SlotStore):
+        if not isinstance(store, SlotStore):
+            return False
+        if tier is self.lone_top:
+            return (self._has_slow and self._spill_lru(tier)) or self._evict_lru(tier)
+        below = self.policy.memory_below(tier)
+        if not below:
             return False
         with self.index.lock:
             victim = self.policy.victim(tier)
@@ -214,6 +227,38 @@ class Movement:
             if staged is not None:
                 self.staging.unstage(staged)
             index.unmark(victim)
+
+    def _evict_lru(self, tier: Tier) -> bool:
+        """Drop the LRU movable block of the memory tier ``tier`` when it is the last tier."""
+        return self._evict_lru_many(tier, 1) > 0
+
+    def _evict_lru_many(self, tier: Tier, n: int) -> int:
+        """Drop up to ``n`` LRU movable blocks of the memory tier ``tier`` if it is the last tier;
+        returns how many."""
+        if tier is not self.policy.order[-1] or n <= 0:
+            return 0
+        index = self.index
+        with index.lock:
+            victims: list[BlockHash] = []
+            entries = index.entries
+            for h in index.lru[tier]:
+                e = entries[h]
+                if not e.pins and not e.moving:
+                    victims.append(h)
+                    if len(victims) >= n:
+                        break
+            return self.mover.evict(tier, victims)
+
+    def free_slots(self, tier: Tier, n: int) -> int:
+        """Free up to ``n`` slots of :attr:`lone_top` at once, as ``n`` calls of :meth:`make_room` would;
+        returns how many."""
+        if tier is not self.lone_top or n <= 0:
+            return 0
+        freed = 0
+        if self._has_slow:
+            while freed < n and self._spill_lru(tier):
+                freed += 1
+        return freed + self._evict_lru_many(tier, n - freed)
 
     # -------------------------------------------------------------- threads
 

@@ -17,6 +17,7 @@ thread moves them, and when, is :mod:`~.movement`'s.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,9 @@ from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
 
 log = logging.getLogger(__name__)
+
+#: one block to store: hash, block, parent hash, token ids (:meth:`~.manager.TierManager.put_many`)
+PutItem = tuple[BlockHash, npt.NDArray[Any], BlockHash | None, Sequence[int]]
 
 
 class Mover:
@@ -121,7 +125,8 @@ class Mover:
                 charge = store.commit(slot, meta, nbytes)
                 index.add(h, tier, meta, charge)
                 index.announce_stored(meta, tier)
-                index.wake.notify_all()
+                if self.policy.over_high(tier):  # only the demotion thread waits for a store
+                    index.wake.notify_all()
         else:
             payload = codec.encode(block)
             nbytes = payload.nbytes
@@ -131,11 +136,43 @@ class Mover:
                 charge = store.write(meta, payload)
                 index.add(h, tier, meta, charge)
                 index.announce_stored(meta, tier)
-                index.wake.notify_all()
+                if self.policy.over_high(tier):
+                    index.wake.notify_all()
         m = self.metrics
         m.child(m.stores, tier.value).inc()
-        m.child(m.codec_saved, tier.value, codec.name).inc(max(0, meta.raw_nbytes - nbytes))
+        if meta.raw_nbytes > nbytes:
+            m.child(m.codec_saved, tier.value, codec.name).inc(meta.raw_nbytes - nbytes)
         return tier
+
+    def store_batch(self, tier: Tier, items: Sequence[PutItem]) -> tuple[int, list[PutItem]]:
+        """Store new blocks in the memory tier ``tier`` (a slot store with a lossless codec), in order,
+        without counting them.
+
+        The caller holds the index lock from checking that none of ``items`` is held until this
+        returns (so no store races with another), and has made room. Returns how many were stored,
+        and the items that found no slot (the first one without a slot and those after it).
+        """
+        codec, store, index = self.codecs[tier], self.stores[tier], self.index
+        assert isinstance(store, SlotStore) and codec.lossless
+        name, encode = codec.name, codec.encode
+        metas: list[BlockMeta] = []
+        # a batch's blocks mostly share dtype and shape: the meta's dtype name and sizes are worked out once
+        like: BlockMeta | None = None
+        like_dtype: np.dtype[Any] | None = None
+        for h, block, parent, token_ids in items:
+            # a tuple of Python ints (what an engine passes) is kept as it is; anything else is converted
+            toks = (token_ids if type(token_ids) is tuple and (not token_ids or type(token_ids[0]) is int)
+                    else tuple(map(int, token_ids)))
+            if like is not None and block.dtype is like_dtype and block.shape == like.shape:
+                metas.append(BlockMeta(h, name, like.dtype, like.shape, like.raw_nbytes, parent, toks))
+            else:
+                like, like_dtype = meta_for(h, block, name, parent, toks), block.dtype
+                metas.append(like)
+        n = store.write_many([(meta, encode(item[1])) for meta, item in zip(metas, items, strict=True)])
+        index.add_many(tier, metas[:n], store.slot_bytes)
+        if n and self.policy.over_high(tier):
+            index.wake.notify_all()
+        return n, list(items[n:])
 
     def write_new(self, h: BlockHash, block: npt.NDArray[Any], meta: BlockMeta, dst: Tier) -> None:
         """Write a spilled ``put`` (a staged copy) to ``dst`` or the next persistent tier with room, then index it."""
@@ -252,22 +289,29 @@ class Mover:
 
     def evict(self, tier: Tier, victims: list[BlockHash]) -> int:
         """Drop ``victims`` from ``tier`` (the last tier, or a persistent one with every tier below failing)."""
-        n = 0
+        nbytes = 0
         m = self.metrics
-        with self.index.lock:
+        index = self.index
+        gone: list[BlockHash] = []
+        with index.lock:
+            get, remove = index.entries.get, index.remove
             for h in victims:
-                e = self.index.entries.get(h)
+                e = get(h)
                 if e is None or e.tier != tier or e.pins:
                     continue
-                self.index.remove(h)
-                try:
-                    self.stores[tier].delete(h)
-                except TierIOError as exc:
-                    self.policy.io_failed(tier, exc)
-                self.index.announce_removed(h, tier)
-                m.child(m.evictions, tier.value).inc()
-                m.child(m.evicted_bytes, tier.value).inc(e.charge)
-                n += 1
+                remove(h)
+                gone.append(h)
+                nbytes += e.charge
+            try:
+                self.stores[tier].delete_many(gone)
+            except TierIOError as exc:
+                self.policy.io_failed(tier, exc)
+            for h in gone:
+                index.announce_removed(h, tier)
+        n = len(gone)
+        if n:
+            m.child(m.evictions, tier.value).inc(n)
+            m.child(m.evicted_bytes, tier.value).inc(nbytes)
         return n
 
     def promote_direct(self, h: BlockHash, src: Tier, dst: Tier) -> bool | None:
@@ -371,4 +415,4 @@ def quiet_delete(store: TierStore, h: BlockHash) -> None:
         log.warning("%s tier: cannot delete %r: %s", store.tier, h, exc)
 
 
-__all__ = ["Mover", "quiet_delete"]
+__all__ = ["Mover", "PutItem", "quiet_delete"]

@@ -72,12 +72,16 @@ class TierPolicy:
         self.order: tuple[Tier, ...] = tuple(t for t in ORDER if t in stores)
         self.cost = cost
         self._skip_until: dict[Tier, float] = dict.fromkeys(ORDER, 0.0)
+        self._candidates: dict[Tier, list[Tier]] = {}
 
     # ------------------------------------------------------------ placement
 
     def put_candidates(self, tier: Tier) -> list[Tier]:
-        """The enabled tiers a ``put`` into ``tier`` may use, in order."""
-        return [t for t in self.order if t.rank >= tier.rank]
+        """The enabled tiers a ``put`` into ``tier`` may use, in order (do not change the list)."""
+        found = self._candidates.get(tier)
+        if found is None:
+            found = self._candidates[tier] = [t for t in self.order if t.rank >= tier.rank]
+        return found
 
     @staticmethod
     def spill_target(candidates: list[Tier]) -> Tier | None:
@@ -130,19 +134,20 @@ class TierPolicy:
 
     # ----------------------------------------------------------- watermarks
 
-    def _over_high(self, tier: Tier) -> bool:
+    def over_high(self, tier: Tier) -> bool:
+        """Whether ``tier`` holds more than its high watermark (caller holds the index lock)."""
         store = self.stores[tier]
         return self.index.used[tier] > store.spec.high_watermark * store.capacity_bytes
 
     def needs_demotion(self, tier: Tier) -> bool:
         """Above the high watermark with a block that can move (caller holds the index lock)."""
-        if not self._over_high(tier):
+        if not self.over_high(tier):
             return False
         return any(self.index.movable(h) for h in self.index.lru[tier])
 
     def victims(self, tier: Tier) -> list[BlockHash]:
         """LRU movable blocks that bring ``tier`` down to its low watermark, a batch at most (caller holds the lock)."""
-        if not self._over_high(tier):
+        if not self.over_high(tier):
             return []
         store = self.stores[tier]
         excess = self.index.used[tier] - store.spec.low_watermark * store.capacity_bytes

@@ -183,13 +183,6 @@ def _dtype_name(dt: np.dtype[Any]) -> str:
 
 
 def meta_for(block_hash: BlockHash, block: Any, codec: str, parent: BlockHash | None, token_ids: tuple[int, ...]) -> BlockMeta:
-    arr = np.asarray(block)
-    return BlockMeta(
-        hash=block_hash,
-        codec=codec,
-        dtype=_dtype_name(arr.dtype),
-        shape=tuple(int(d) for d in arr.shape),
-        raw_nbytes=int(arr.nbytes),
-        parent=parent,
-        token_ids=token_ids,
-    )
+    arr = block if isinstance(block, np.ndarray) else np.asarray(block)
+    # an ndarray's shape is a tuple of ints and its nbytes an int: taken as they are (on every put)
+    return BlockMeta(block_hash, codec, _dtype_name(arr.dtype), arr.shape, arr.nbytes, parent, token_ids)

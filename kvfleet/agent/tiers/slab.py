@@ -18,13 +18,14 @@ one ``os.pwritev`` of record head and payload at a known offset of a file
 that is already open and preallocated (``posix_fallocate``), and a read one
 ``os.preadv`` straight into the caller's buffer — no ``open``/``rename``/
 ``unlink`` per block, so moving a block costs about what a plain sequential
-write or read of its bytes costs. Files are ``slab_bytes`` (256 MiB) each,
-created when first needed and kept; freed slots are reused (a free-slot
-list). Delete clears the slot's magic (one 4-byte write), so a deleted block
-does not come back after a restart; :meth:`SlabStore.forget` (a block moved
-to a faster tier) frees the slot but leaves its record, which stays valid
-until the slot is reused (blocks are content-addressed), so a restart can
-still find it.
+write or read of its bytes costs. Files are :data:`SLAB_BYTES` (256 MiB)
+each, or the tier's capacity when that is smaller (the slots per file are
+then kept from the first file after a restart), created when first needed and
+kept; freed slots are reused (a free-slot list). Delete clears the slot's
+magic (one 4-byte write), so a deleted block does not come back after a
+restart; :meth:`SlabStore.forget` (a block moved to a faster tier) frees the
+slot but leaves its record, which stays valid until the slot is reused
+(blocks are content-addressed), so a restart can still find it.
 
 Direct I/O (``direct_io``, the default): slots are written and read with
 ``O_DIRECT``, so the page cache does not keep a second copy of what the
@@ -50,7 +51,10 @@ slots (a slab file cut short, a torn write) are cleared and counted by
 reason. Files that are not ours are left alone (``foreign``); record files
 of the ``files`` backend (``*.kvb``) found in the directory are checked and
 moved into slots, so switching backends keeps the blocks; ``*.kvb.tmp``
-leftovers are removed (``partial``).
+leftovers are removed (``partial``). Only regular files are read, without
+following a symlink or blocking on a FIFO: any other entry named like a
+record file (a directory, FIFO, symlink) is ``foreign`` and one that cannot
+be read ``io``, each logged once and left in place.
 
 Durability: like :class:`~.ssd.FileStore`, no fsync — a record lost or torn
 in a crash fails its checks and is a miss, never wrong data.
@@ -77,7 +81,7 @@ import numpy as np
 import xxhash
 
 from kvfleet.agent.codecs import Payload, as_payload
-from kvfleet.agent.tiers.base import ScanReport, SlotLeases, TierStore
+from kvfleet.agent.tiers.base import ScanReport, SlotLeases, TierStore, encoded_nbytes, spec_record
 from kvfleet.agent.tiers.errors import (
     BlockNotFoundError,
     BlockTooLargeError,
@@ -86,7 +90,7 @@ from kvfleet.agent.tiers.errors import (
     TierIOError,
     TruncatedBlockError,
 )
-from kvfleet.agent.tiers.fileio import advance_views, remove_file
+from kvfleet.agent.tiers.fileio import advance_views, read_regular, remove_file
 from kvfleet.agent.tiers.memory import page_aligned
 from kvfleet.agent.tiers.record import (
     MAGIC,
@@ -171,6 +175,15 @@ class SlabStore(TierStore):
     def charge(self, payload_nbytes: int) -> int:
         return self.slot_bytes or _slot_size(PREFIX_SIZE + 64 + payload_nbytes)
 
+    @classmethod
+    def block_charge(cls, spec: TierSpec, meta: BlockMeta) -> int:
+        """The slot a first record like ``meta``'s gives a new directory: record + :data:`HEADER_ROOM`,
+        rounded up to 4 KiB."""
+        sspec = spec if isinstance(spec, SsdTierSpec) else SsdTierSpec()
+        big = sspec.direct_io and encoded_nbytes(spec, meta) >= ZERO_COPY_MIN
+        head, body = spec_record(spec, meta, align=SLOT_ALIGN if big else 0)
+        return _slot_size(len(head) + body.nbytes + HEADER_ROOM)
+
     def describe(self) -> str:
         io = "direct I/O" if self.direct else "buffered I/O"
         return f"{self.tier} tier: slab files in {self.root} ({io}), capacity {self.capacity_bytes} bytes, slot {self.slot_bytes or 'auto'}"
@@ -202,9 +215,13 @@ class SlabStore(TierStore):
         self._fds.append(fd)
         self._io_fds.append(io_fd)
 
-    def _set_slot_bytes(self, slot_bytes: int) -> None:
+    def _set_slot_bytes(self, slot_bytes: int, per_file: int = 0) -> None:
+        """Fix the slot size and the slots per file: ``per_file`` when given (an existing file's), else as
+        many as :data:`SLAB_BYTES` holds, or the tier's capacity when that is smaller (a small tier, a
+        small file)."""
         self.slot_bytes = slot_bytes
-        self._per_file = max(1, (SLAB_BYTES - FILE_HEADER_SIZE) // slot_bytes)
+        most = (SLAB_BYTES - FILE_HEADER_SIZE) // slot_bytes
+        self._per_file = per_file or max(1, min(most, self.capacity_bytes // slot_bytes))
 
     # ---------------------------------------------------------- slab files
 
@@ -236,7 +253,7 @@ class SlabStore(TierStore):
                 os.close(fd)
                 break
             if not self.slot_bytes:
-                self._set_slot_bytes(slot_bytes)
+                self._set_slot_bytes(slot_bytes, slots)
             if slots != self._per_file:
                 log.warning("%s tier: %s holds %d slots, expected %d; it and later ones are ignored", self.tier, path.name, slots, self._per_file)
                 os.close(fd)
@@ -534,7 +551,7 @@ class SlabStore(TierStore):
             if name.endswith(_LEGACY_TMP) or name == PROBE_NAME:
                 remove_file(entry.path)
                 report.drop("partial")
-            elif name.endswith(_LEGACY) and entry.is_file():
+            elif name.endswith(_LEGACY) and entry.is_file(follow_symlinks=False):
                 self._adopt(entry.path, name[: -len(_LEGACY)], report)
             else:
                 log.warning("%s tier: ignoring foreign file %s in %s", self.tier, name, self.root)
@@ -594,8 +611,7 @@ class SlabStore(TierStore):
             report.drop("foreign")
             return
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = read_regular(path)
             meta, payload = unpack(raw)
             if meta.hash != expected:
                 raise CorruptBlockError(f"{os.path.basename(path)} holds block {meta.hash!r}", reason="mismatch")

@@ -7,8 +7,11 @@ final name. After a restart :meth:`FileStore.scan` reads every record,
 checks magic, length, checksum and that the header's hash matches the file
 name, keeps the valid ones (the manager re-announces them as KV events) and
 deletes corrupt or truncated ones, counting them by reason. Files that are
-not ours (other names) are left alone and counted as ``foreign``; leftover
-``.tmp`` files from an interrupted write are removed (``partial``).
+not ours (other names, and entries named like a record that are not regular
+files: directories, FIFOs, symlinks) are left alone and counted as
+``foreign``; one that cannot be read is left and counted as ``io``;
+leftover ``.tmp`` files from an interrupted write are removed (``partial``).
+Record files are opened without following a symlink.
 
 A full disk (``ENOSPC``) or any other ``OSError`` on write becomes
 :class:`TierIOError` with ``kind`` ``no_space`` or ``io``; nothing is left
@@ -104,7 +107,7 @@ class FileStore(RecordStore):
     def read(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload]:
         path = self._path(block_hash)
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(_open_record(path), "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 buf = np.empty(size, dtype=np.uint8)  # not zero-filled: one memory pass fewer
                 got = f.readinto(memoryview(buf.data))
@@ -121,7 +124,7 @@ class FileStore(RecordStore):
         """Read a record's payload straight into ``alloc(meta, payload_len)`` (checked like :meth:`read`)."""
         path = self._path(block_hash)
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(_open_record(path), "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 prefix = f.read(PREFIX_SIZE)
                 header_len, payload_len, checksum = read_prefix(prefix)
@@ -165,7 +168,7 @@ class FileStore(RecordStore):
                 remove_file(entry.path)
                 report.drop("partial")
                 continue
-            if not name.endswith(SUFFIX) or not entry.is_file():
+            if not name.endswith(SUFFIX) or not entry.is_file(follow_symlinks=False):
                 log.warning("%s tier: ignoring foreign file %s in %s", self.tier, name, self.root)
                 report.drop("foreign")
                 continue
@@ -190,6 +193,11 @@ class FileStore(RecordStore):
                 self._account(expected, size)
             report.blocks.append(meta)
         return report
+
+
+def _open_record(path: Path) -> int:
+    """A read-only descriptor of a record file (a symlink is not followed: ``OSError``)."""
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 def _write_all(fd: int, *parts: bytes | memoryview) -> None:

@@ -24,7 +24,9 @@ picker's key for the salted/LoRA request) and its children chain from it. Until
 then (or on a pod that hashes differently) the recomputed keys stand, and salted
 requests miss on that pod.
 
-The engine-hash map is bounded: an entry goes when its block has left every tier
+The engine-hash map holds only blocks whose engine hash is not the picker's key and chain value (a pod
+hashing otherwise, or a salted block whose parent must be found): a pod that hashes like the picker costs
+the index's entries alone. It is bounded: an entry goes when its block has left every tier
 of the pod (``BlockRemoved``), the map is emptied with the pod's entries, and
 beyond ``max_keys`` the least recently used entry is dropped (counted in
 ``key_evictions``; a later child of that block can then only be keyed by
@@ -227,6 +229,12 @@ class PodEventApplier:
             return
         if keys == engine:
             self.hashes_like_us = True
+            if all(self._chain_value(h) == c for h, c in zip(ev.block_hashes, chain, strict=True)):
+                # the engine's hashes are the picker's keys and chain values: a child or a removal finds
+                # them from the hash alone, so nothing is remembered (the map holds only differing blocks)
+                self.stats.stored += n
+                self.index.add(self.pod, keys, tier)
+                return
         elif self.hashes_like_us:
             # the pod hashes like the picker: a differing hash mixed in extra keys (salt, LoRA, media),
             # and the engine's hash is the picker's key for that request

@@ -6,7 +6,8 @@ address it names never sees a connection; with the picker down under FailOpen th
 a pool member, never to the client's address (and without a fallback, 503); the endpoint that
 served comes back to the picker (``upstream.address``); GIE's health service names and readiness
 only after the datastore synced; TLS between Envoy and the picker; a real OpenAI client (``openai``
-package) lists models, completes, chats and streams through the gateway.
+package) lists models, completes, chats and streams through the gateway; a pick onto a pod that just died
+is retried on the picker's next endpoint with ``routing="override_host"`` (and fails once without it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kvfleet.config import load
 from kvfleet.demo.envoy import EnvoyProcess, free_port
 from kvfleet.epp.app import Epp
 from kvfleet.epp.datastore import StaticDatastore
-from kvfleet.epp.protocol import CLIENT_REFUSED_HEADERS, CLIENT_STRIPPED_HEADERS
+from kvfleet.epp.protocol import CLIENT_REFUSED_HEADERS, CLIENT_STRIPPED_HEADERS, InferenceRequest
 from kvfleet.epp.server import EXT_PROC_SERVICE, LIVENESS, READINESS, health_check
 from tests.conftest import wait_for
 from tests.epp.conftest import make_epp
@@ -299,5 +300,47 @@ def test_gateway_errors_are_json(fleet: PodFleet, envoy_factory: EnvoyF) -> None
         assert status == 503 and err["code"] == 503 and err["type"] == "upstream_unavailable", body
         status, _, body = post(url(env), {"model": "nope", "prompt": "x"})
         assert status == 404 and json.loads(body)["error"]["type"] == "model_not_found"
+    finally:
+        epp.stop()
+
+
+@pytest.mark.parametrize("routing", ["override_host", "header"])
+def test_a_pod_dead_before_the_picker_knows_is_retried_on_the_next_pick(fleet: PodFleet, envoy_factory: EnvoyF, routing: str) -> None:
+    """A request picked onto a pod that died a moment ago (nothing listens, no scrape has seen it yet): with
+    ``routing="override_host"`` and the picker's two fallbacks Envoy retries the connection on the next endpoint
+    of the picker's list, and the picker learns a fallback served; with one endpoint per pick (ORIGINAL_DST,
+    ``fallbacks: 0``) the first such request fails with 503 ``upstream_unavailable`` (the gateway's report then
+    takes the pod out of rotation)."""
+    gone = free_port()
+    data = fleet.pools_config(events=False)
+    data["pools"][0]["pods"].insert(0, {"name": "gone", "address": "127.0.0.1", "port": gone,
+                                        "metrics": f"http://127.0.0.1:{gone}/metrics"})
+    fallbacks = 2 if routing == "override_host" else 0
+    plugins: list[dict[str, Any]] = [{"type": p.type, "weight": p.weight, "params": dict(p.params)} for p in load().epp.plugins]
+    for p in plugins:
+        if p["type"] == "max-score-picker":
+            p["params"]["fallbacks"] = fallbacks
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0,
+                                       "scrape_interval_s": 60.0, "events_enabled": False, "plugins": plugins}})
+    epp = Epp(settings, datastore=StaticDatastore(data=data)).start()
+    try:
+        pods = [f"127.0.0.1:{gone}"] + [f"127.0.0.1:{p.port}" for p in fleet.pods]
+        env = envoy_factory(epp_port=epp.grpc_port, routing=routing, body_mode="BUFFERED",
+                            pod_endpoints=pods if routing == "override_host" else ())
+        answers = []
+        for i in range(3):
+            prompt = f"{i} {PROMPT}"
+            keys = epp.router.keys_of(epp.router.tokens_of(InferenceRequest(model="m", prompt=prompt)), None)
+            epp.index.add_speculative("gone", keys, 60.0)  # the dead pod holds the prefix: it ranks first
+            status, _, body = post(url(env), {"model": "m", "prompt": prompt})
+            answers.append((status, json.loads(body)))
+        if routing == "override_host":
+            assert [s for s, _ in answers] == [200, 200, 200], answers
+            wait_for(lambda: _metric(epp, 'kvfleet_epp_served_total{by="fallback"}') >= 1, what="a fallback served")
+            assert sum(len(p.requests) for p in fleet.pods) == 3
+        else:  # the first fails; the gateway's report takes the pod out of rotation for the next ones
+            status, body = answers[0]
+            assert status == 503 and body["error"]["type"] == "upstream_unavailable", answers
+            assert [s for s, _ in answers[1:]] == [200, 200]
     finally:
         epp.stop()

@@ -376,17 +376,37 @@ class TestWatchdog:
 
 class TestBounds:
     def test_engine_hash_map_is_bounded(self, feed: Feed) -> None:
-        """Entries go with BlockRemoved, the map is capped (evictions counted), stats labels go with the pod."""
+        """Blocks whose engine hash differs from the picker's recomputation (a salted request on a pod that hashes
+        like the picker: keyed by the engine's hash, remembered so a child can chain from it): entries go with
+        BlockRemoved, the map is capped (evictions counted), stats labels go with the pod."""
         pub, sub, idx = feed
         ap = connect(pub, sub, idx)
         ap.max_keys = 8
+        def foreign(i: int) -> KVEventBatch:
+            return KVEventBatch(ts=0.0, events=[stored([key(i) ^ 1], None, toks(i), 4, "GPU")])
+
+        def held(i: int) -> bool:
+            return bool(idx.match([key(i) ^ 1], ["p"]))
+
+        for i in range(50, 70):
+            pub.publish(foreign(i))
+        wait_for(lambda: held(69), what="20 batches")
+        assert len(ap) == 8 and sub.stats["p"].ingest.key_evictions >= 12
+        for i in range(62, 70):
+            pub.publish(KVEventBatch(ts=0.0, events=[removed([key(i) ^ 1], "GPU")]))
+        wait_for(lambda: not held(69), what="removals")
+        assert len(ap) == 0
+
+    def test_a_pod_hashing_like_the_picker_needs_no_map(self, feed: Feed) -> None:
+        """Engine hashes equal to the picker's keys are indexed and removed with no engine-hash map entry."""
+        pub, sub, idx = feed
+        ap = connect(pub, sub, idx)
         for i in range(50, 70):
             pub.publish(batch(i))
         wait_for(lambda: indexed(idx, 69), what="20 batches")
-        assert len(ap) == 8 and sub.stats["p"].ingest.key_evictions >= 12
-        for i in range(62, 70):
+        assert len(ap) == 0 and ap.hashes_like_us
+        for i in range(50, 70):
             pub.publish(drop(i))
-        wait_for(lambda: not indexed(idx, 69), what="removals")
-        assert len(ap) == 0
+        wait_for(lambda: not any(indexed(idx, i) for i in range(50, 70)), what="removals")
         sub.remove_pod("p")
         wait_for(lambda: "p" not in sub.stats, what="stats of a removed pod dropped")

@@ -23,6 +23,10 @@ shard ``i`` (named ``<pool>-p<i>``):
 
 Every object carries an owner reference to the KVCachePool (controller=true),
 so deleting the KVCachePool deletes them all (Kubernetes garbage collection).
+
+Size: about 500 lines on purpose: the InferencePool, ConfigMaps, Deployments and Services of a pool are
+rendered from one normalised spec and must agree on names, labels, ports and the config hash; the engine
+flags live in :mod:`.engines`, the validation in :mod:`.spec`.
 """
 
 from __future__ import annotations

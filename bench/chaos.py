@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         rss1_eng = {n: rss_mb(c.proc.pid) for n, c in st.engines.items()}
         texts = epp_metrics()
         resyncs = sum(metric_sum(t, "kvfleet_epp_kv_event_resyncs_total{") for t in texts)
+        resyncs_by_pod = {p: sum(metric_sum(t, f'kvfleet_epp_kv_event_resyncs_total{{pod="{p}"}}') for t in texts)
+                          for p in [*(p.name for p in st.pods), "rogue"]}
         alive = all(c.alive() for c, _ in st.epps) and all(c.alive() for c in st.engines.values())
 
     # Lost: failed, and not in flight on a killed process at its kill. Of those, the ones the gateway sent to
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         "lost_requests": lost, "lost_to_dead_engine": len(to_dead), "errors": errors, "flood_failed": flood_failed, "index_freezes": sum(freezes),
         "epp_rss_growth": epp_growth, "engine_rss_growth": engine_growth,
         "epp_rss_mb": [round(x, 1) for x in rss1_epp], "engine_rss_mb": {n: round(x, 1) for n, x in rss1_eng.items()},
-        "resyncs": int(resyncs), "ttft_p50_ms": pct(0.5), "ttft_p99_ms": pct(0.99), "all_alive": alive,
+        "resyncs": int(resyncs), "resyncs_by_pod": {k: int(v) for k, v in resyncs_by_pod.items() if v}, "ttft_p50_ms": pct(0.5), "ttft_p99_ms": pct(0.99), "all_alive": alive,
         "timeline": timeline, "rss_timeline": rss_timeline,
     }
     print(f"{len(run.records)} requests, {len(failed)} failed, {lost} lost; index freezes {sum(freezes)}; "

@@ -84,7 +84,8 @@ class Agent:
             host=host,
             port=transfer_port,
             settings=settings.transfer,
-            metrics=TransferMetrics(self.registry, link_capacity_bps=settings.transfer.link_capacity_gbps * 1e9),
+            metrics=TransferMetrics(self.registry,
+                                    link_capacity_bps=settings.transfer.link_capacity_gbps * 1e9),
         )
         self.publish_interval_s = publish_interval_s
         self._stop = threading.Event()
@@ -94,7 +95,8 @@ class Agent:
     def start(self) -> None:
         self.server.start()
         self._pump.start()
-        log.info("agent: transfer on %s:%d, KV events on %s", self.server.host, self.server.port, self.publisher.endpoint)
+        log.info("agent: transfer on %s:%d, KV events on %s", self.server.host, self.server.port,
+                 self.publisher.endpoint)
 
     def _flush_events(self) -> None:
         batch = self.events.drain()
@@ -119,20 +121,24 @@ class Agent:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvfleet agent", description="Run the kvfleet node agent (tiers, transfer, KV events).")
+    ap = argparse.ArgumentParser(prog="kvfleet agent",
+                                 description="Run the kvfleet node agent (tiers, transfer, KV events).")
     ap.add_argument("--config", help="YAML settings file (kvfleet.config.Settings); defaults otherwise")
     ap.add_argument("--host", default="0.0.0.0", help="address to bind (default: 0.0.0.0)")
     ap.add_argument("--transfer-port", type=int, default=7000, help="transfer server port (default: 7000)")
     ap.add_argument("--metrics-port", type=int, default=9091, help="Prometheus /metrics port (default: 9091)")
-    ap.add_argument("--kv-events-port", type=int, default=5559, help="ZMQ PUB port for KV events (default: 5559)")
-    ap.add_argument("--kv-events-replay-port", type=int, default=5560, help="ZMQ ROUTER replay port, 0 to disable (default: 5560)")
+    ap.add_argument("--kv-events-port", type=int, default=5559,
+                    help="ZMQ PUB port for KV events (default: 5559)")
+    ap.add_argument("--kv-events-replay-port", type=int, default=5560,
+                    help="ZMQ ROUTER replay port, 0 to disable (default: 5560)")
     ap.add_argument("--log-level", default="INFO")
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = load(args.config)
     except (ConfigError, OSError) as exc:

@@ -53,7 +53,8 @@ class Tier(StrEnum):
             return tier
         if default is not None:
             return default
-        raise ValueError(f"unknown KV medium {medium[:64]!r}; known: {', '.join(sorted(a.upper() for a in _ALIASES))}")
+        raise ValueError(
+            f"unknown KV medium {medium[:64]!r}; known: {', '.join(sorted(a.upper() for a in _ALIASES))}")
 
     @classmethod
     def slowest(cls) -> Tier:

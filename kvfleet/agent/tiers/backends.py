@@ -27,11 +27,13 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("kvfleet.agent.tiers.device", "TorchDeviceStore"),
 }
 
-DEFAULT_BACKEND: dict[Tier, str] = {Tier.GPU: "arena", Tier.CPU: "arena", Tier.SSD: "slab", Tier.REMOTE: "redis"}
+DEFAULT_BACKEND: dict[Tier, str] = {Tier.GPU: "arena", Tier.CPU: "arena", Tier.SSD: "slab",
+                                    Tier.REMOTE: "redis"}
 
 
 def default_backend(tier: Tier, spec: TierSpec) -> str:
-    """The backend used when ``spec.backend`` is empty: for gpu, ``torch`` when ``spec.device`` is a torch device.
+    """The backend used when ``spec.backend`` is empty: for gpu, ``torch`` when ``spec.device`` is a torch
+    device.
 
     Device ``auto`` imports torch (when installed and a GPU driver is present) to ask whether CUDA is
     available; ``host`` imports nothing.
@@ -52,7 +54,8 @@ def store_class(tier: Tier, spec: TierSpec) -> type[TierStore]:
     try:
         module, cls = BACKENDS[name]
     except KeyError:
-        raise UnknownBackendError(f"unknown tier backend {name!r}; known: {', '.join(sorted(BACKENDS))}") from None
+        raise UnknownBackendError(
+            f"unknown tier backend {name!r}; known: {', '.join(sorted(BACKENDS))}") from None
     found: type[TierStore] = getattr(importlib.import_module(module), cls)
     return found
 

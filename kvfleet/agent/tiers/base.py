@@ -138,7 +138,8 @@ class TierStore(ABC):
     reads_into: ClassVar[bool] = False
 
     def read_into(self, block_hash: BlockHash, alloc: Callable[[BlockMeta, int], Payload]) -> BlockMeta:
-        """Read the block's payload into ``alloc(meta, payload_len)``, checked; stores with :attr:`reads_into`."""
+        """Read the block's payload into ``alloc(meta, payload_len)``, checked; stores with
+        :attr:`reads_into`."""
         raise NotImplementedError(f"the {self.backend} backend does not read into a caller's buffer")
 
     def contains(self, block_hash: BlockHash) -> bool:
@@ -226,10 +227,12 @@ class RecordStore(TierStore):
             return iter(list(self._sizes))
 
     def _check_room(self, block_hash: BlockHash, size: int) -> int:
-        """The block's current size (0 if absent); TierFullError if ``size`` does not fit in its place (caller holds the lock)."""
+        """The block's current size (0 if absent); TierFullError if ``size`` does not fit in its place (caller
+        holds the lock)."""
         old = self._sizes.get(block_hash, 0)
         if self._used - old + size > self.capacity_bytes:
-            raise TierFullError(f"{self.tier}: {self._used} of {self.capacity_bytes} bytes used, block needs {size}")
+            raise TierFullError(
+                f"{self.tier}: {self._used} of {self.capacity_bytes} bytes used, block needs {size}")
         return old
 
     def _account(self, block_hash: BlockHash, size: int) -> None:

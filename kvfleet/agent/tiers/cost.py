@@ -1,4 +1,5 @@
-"""The promotion rule of the seeds (chapter 2.3) for the agent's tiers: move a slow-tier hit up only when it pays.
+"""The promotion rule of the seeds (chapter 2.3) for the agent's tiers: move a slow-tier hit up only when it
+pays.
 
 The rule itself is :mod:`kvfleet.cache.cost` (one definition for every part); this module prices the tiers.
 
@@ -63,7 +64,8 @@ class Decision:
     write_s: float
 
 
-def tier_cost(tier: Tier, spec: TierSpec, store: TierStore | None, calibrate: bool, probe_bytes: int) -> TierCost:
+def tier_cost(tier: Tier, spec: TierSpec, store: TierStore | None, calibrate: bool,
+              probe_bytes: int) -> TierCost:
     """Configured values win, then a calibration probe, then the nominal figures."""
     nom_r, nom_w, nom_lat = NOMINAL_COSTS[tier.value]
     read, write, lat, source = nom_r * 1e9, nom_w * 1e9, nom_lat * 1e-6, "nominal"

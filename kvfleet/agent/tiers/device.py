@@ -92,7 +92,8 @@ def resolve_device(device: str, *, required: bool = False) -> str | None:
         elif "No module named 'torch'" not in missing:
             log.warning("gpu tier: torch does not import (%s); using the host arena", missing)
         if required:
-            why = "torch.cuda.is_available() is false" if missing is None else f"torch does not import ({missing})"
+            why = ("torch.cuda.is_available() is false" if missing is None
+                   else f"torch does not import ({missing})")
             raise DeviceError(
                 f"gpu tier: backend 'torch' with device 'auto' needs CUDA, and {why}; "
                 "set device: cpu to run the torch code path on host memory"
@@ -105,7 +106,8 @@ def resolve_device(device: str, *, required: bool = False) -> str | None:
     if device == "cpu":
         return "cpu"
     if not torch.cuda.is_available():
-        raise DeviceError(f"gpu tier: device {device!r} asks for CUDA, and torch.cuda.is_available() is false on this machine")
+        raise DeviceError(f"gpu tier: device {device!r} asks for CUDA, and torch.cuda.is_available() is "
+                          "false on this machine")
     index = torch.cuda.current_device() if device == "cuda" else int(device.partition(":")[2])
     count = torch.cuda.device_count()
     if index >= count:
@@ -133,7 +135,9 @@ class TorchDeviceStore(SlotStore["torch.Tensor"]):
         #: host buffers handed out by reserve(), by slot, until commit/abort.
         self._reserved: dict[int, Payload] = {}
         if self.stand_in:
-            log.warning("gpu tier: torch %s device standing in for HBM (no CUDA device driven), capacity %d bytes", self.device, self.capacity_bytes)
+            log.warning(
+                "gpu tier: torch %s device standing in for HBM (no CUDA device driven), capacity %d bytes",
+                self.device, self.capacity_bytes)
         else:
             log.info("gpu tier: %s, capacity %d bytes", self._where(), self.capacity_bytes)
 
@@ -145,7 +149,8 @@ class TorchDeviceStore(SlotStore["torch.Tensor"]):
         return f"torch {self.device} device standing in for HBM"
 
     def describe(self) -> str:
-        return f"{self.tier} tier: {self._where()}, capacity {self.capacity_bytes} bytes, slot {self.slot_bytes or 'auto'}"
+        return (f"{self.tier} tier: {self._where()}, capacity {self.capacity_bytes} bytes, "
+                f"slot {self.slot_bytes or 'auto'}")
 
     # ------------------------------------------------------------ copies
 
@@ -202,7 +207,8 @@ class TorchDeviceStore(SlotStore["torch.Tensor"]):
         try:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         except torch.cuda.OutOfMemoryError as exc:
-            raise TierFullError(f"{self.tier}: {self.device} has no room for another {nbytes}-byte slab ({exc})") from None
+            raise TierFullError(
+                f"{self.tier}: {self.device} has no room for another {nbytes}-byte slab ({exc})") from None
 
     def _slot(self, slot: int, nbytes: int) -> torch.Tensor:
         slab, start = self._place(slot)

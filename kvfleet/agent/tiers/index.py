@@ -24,7 +24,8 @@ from kvfleet.cache.tiers import Tier
 
 @dataclass
 class Entry:
-    """One held block: its tier, meta and charge there; pinned blocks never move, moving ones are in flight."""
+    """One held block: its tier, meta and charge there; pinned blocks never move, moving ones are in
+    flight."""
 
     tier: Tier
     meta: BlockMeta
@@ -36,7 +37,8 @@ class Entry:
 class BlockIndex:
     """hash → :class:`Entry`, an LRU order and the bytes charged per tier (see the module doc)."""
 
-    def __init__(self, tiers: tuple[Tier, ...], metrics: TierMetrics, sink: EventSink, block_size: int) -> None:
+    def __init__(self, tiers: tuple[Tier, ...], metrics: TierMetrics, sink: EventSink,
+                 block_size: int) -> None:
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
         self.entries: dict[BlockHash, Entry] = {}

@@ -31,7 +31,8 @@ or network unless it says so)::
     mgr.clear()                      drop every block
     mgr.decide(h) -> Decision | None the promotion rule for a held block, with its inputs
     mgr.drain(timeout_s) -> bool     wait until the queues are empty and no tier is above its high watermark
-    mgr.close(flush=False)           flush=True first writes gpu/cpu blocks to ssd/remote (kept across restarts)
+    mgr.close(flush=False)           flush=True first writes gpu/cpu blocks to ssd/remote (kept across
+                                     restarts)
 
 Events: every store, move and drop goes to ``sink`` as vLLM KV events with
 ``medium`` = the tier (``BlockStored`` on the destination, ``BlockRemoved`` on
@@ -196,11 +197,13 @@ class TierManager:
         m = self.metrics
         costs: dict[Tier, TierCost] = {}
         for tier in self.order:
-            c = tier_cost(tier, specs[tier], self.stores[tier], self.settings.calibrate, self.settings.calibrate_bytes)
+            c = tier_cost(tier, specs[tier], self.stores[tier], self.settings.calibrate,
+                          self.settings.calibrate_bytes)
             costs[tier] = c
             m.child(m.bandwidth, tier.value, "read").set(c.read_bps)
             m.child(m.bandwidth, tier.value, "write").set(c.write_bps)
-            log.info("%s tier costs (%s): read %.2f GB/s, write %.2f GB/s, latency %.1f us", tier, c.source, c.read_bps / 1e9, c.write_bps / 1e9, c.latency_s * 1e6)
+            log.info("%s tier costs (%s): read %.2f GB/s, write %.2f GB/s, latency %.1f us", tier, c.source,
+                     c.read_bps / 1e9, c.write_bps / 1e9, c.latency_s * 1e6)
         return costs
 
     def _rescan(self, tier: Tier) -> None:
@@ -231,7 +234,8 @@ class TierManager:
                     announced += 1
         if report.blocks:
             m.child(m.reindexed, tier.value).inc(len(report.blocks))
-            log.info("%s tier: re-indexed %d block(s) from a previous run, announced %d", tier, len(report.blocks), announced)
+            log.info("%s tier: re-indexed %d block(s) from a previous run, announced %d", tier,
+                     len(report.blocks), announced)
 
     # ------------------------------------------------------------ accounting
 

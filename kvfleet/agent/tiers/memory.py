@@ -1,4 +1,5 @@
-"""Memory tiers: slabs of fixed-size slots. :class:`ArenaStore` keeps them in host memory (reads are zero-copy views).
+"""Memory tiers: slabs of fixed-size slots. :class:`ArenaStore` keeps them in host memory (reads are zero-copy
+views).
 
 :class:`SlotStore` is the slot scheme shared with the torch-device store
 (:mod:`~.device`): slot arithmetic, slabs allocated on first need, the index,
@@ -133,12 +134,14 @@ class SlotStore(TierStore, Generic[SlabT]):
         return self._slabs[slab], i * self.slot_bytes
 
     def _fit(self, nbytes: int) -> None:
-        """Size the slots by the first block; BlockTooLargeError if ``nbytes`` exceeds a slot (caller holds the lock)."""
+        """Size the slots by the first block; BlockTooLargeError if ``nbytes`` exceeds a slot (caller holds
+        the lock)."""
         if not self.slot_bytes:
             self.slot_bytes = _round_up(nbytes)
             self._slab_bytes = max(self._slab_bytes, self.slot_bytes)
         if nbytes > self.slot_bytes:
-            raise BlockTooLargeError(f"{self.tier}: block of {nbytes} bytes exceeds the {self.slot_bytes}-byte slot")
+            raise BlockTooLargeError(
+                f"{self.tier}: block of {nbytes} bytes exceeds the {self.slot_bytes}-byte slot")
 
     def _alloc(self) -> int:
         if self._free:
@@ -291,11 +294,13 @@ class ArenaStore(SlotStore[np.ndarray]):
         super().__init__(tier, spec)
         self.stand_in = tier is Tier.GPU
         if self.stand_in:
-            log.warning("gpu tier: host arena standing in for HBM (no CUDA device driven), capacity %d bytes", self.capacity_bytes)
+            log.warning("gpu tier: host arena standing in for HBM (no CUDA device driven), capacity %d bytes",
+                        self.capacity_bytes)
 
     def describe(self) -> str:
         what = "host arena standing in for HBM" if self.stand_in else "host slabs"
-        return f"{self.tier} tier: {what}, capacity {self.capacity_bytes} bytes, slot {self.slot_bytes or 'auto'}"
+        return (f"{self.tier} tier: {what}, capacity {self.capacity_bytes} bytes, "
+                f"slot {self.slot_bytes or 'auto'}")
 
     def _new_slab(self, nbytes: int) -> np.ndarray:
         return page_aligned(nbytes)

@@ -67,7 +67,8 @@ class Job:
 class Movement:
     """The migration threads and queues over one :class:`~.moves.Mover` (see the module doc)."""
 
-    def __init__(self, settings: TierSettings, mover: Mover, policy: TierPolicy, index: BlockIndex, metrics: TierMetrics) -> None:
+    def __init__(self, settings: TierSettings, mover: Mover, policy: TierPolicy, index: BlockIndex,
+                 metrics: TierMetrics) -> None:
         self.settings = settings
         self.mover = mover
         self.policy = policy
@@ -75,7 +76,8 @@ class Movement:
         self.metrics = metrics
         self.staging = StagingSlab()
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=settings.queue_depth)  # promotions
-        self._writes: queue.Queue[Job] = queue.Queue(maxsize=settings.queue_depth)  # put() spilled to ssd/remote
+        # put() spilled to ssd/remote
+        self._writes: queue.Queue[Job] = queue.Queue(maxsize=settings.queue_depth)
         self._stop = threading.Event()
         self._busy = 0
         top = policy.order[0]
@@ -89,16 +91,19 @@ class Movement:
         writers, readers = settings.demotion_workers, settings.promotion_workers
         self._threads = [threading.Thread(target=self._demote_loop, name="kvfleet-tier-demote", daemon=True)]
         self._threads += [
-            threading.Thread(target=self._job_loop, args=(self._writes, writers, BACKGROUND_NICE), name=f"kvfleet-tier-write-{i}" if i else "kvfleet-tier-write", daemon=True)
+            threading.Thread(target=self._job_loop, args=(self._writes, writers, BACKGROUND_NICE),
+                             name=f"kvfleet-tier-write-{i}" if i else "kvfleet-tier-write", daemon=True)
             for i in range(writers)
         ]
         self._threads += [
-            threading.Thread(target=self._job_loop, args=(self._jobs, readers, 0), name=f"kvfleet-tier-promote-{i}" if i else "kvfleet-tier-promote", daemon=True)
+            threading.Thread(target=self._job_loop, args=(self._jobs, readers, 0),
+                             name=f"kvfleet-tier-promote-{i}" if i else "kvfleet-tier-promote", daemon=True)
             for i in range(readers)
         ]
         # Demotion picks victims on its own thread; a batch bound for ssd/remote goes through these.
         self._demote_pool = (
-            ThreadPoolExecutor(writers, thread_name_prefix="kvfleet-tier-demote-io", initializer=lower_priority, initargs=(BACKGROUND_NICE,))
+            ThreadPoolExecutor(writers, thread_name_prefix="kvfleet-tier-demote-io",
+                               initializer=lower_priority, initargs=(BACKGROUND_NICE,))
             if writers > 1
             else None
         )
@@ -179,7 +184,8 @@ class Movement:
             try:
                 if write_moved(victim, (meta, view), tier, below[0], kind="demote"):
                     return True
-                return self._spill_lru(below[0]) and write_moved(victim, (meta, view), tier, below[0], kind="demote")
+                return self._spill_lru(below[0]) and write_moved(victim, (meta, view), tier, below[0],
+                                                                 kind="demote")
             finally:
                 store.release(slot)
         except BlockNotFoundError:

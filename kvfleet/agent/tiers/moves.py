@@ -50,7 +50,8 @@ PutItem = tuple[BlockHash, npt.NDArray[Any], BlockHash | None, Sequence[int]]
 class Mover:
     """Block moves between the open ``stores`` (see the module doc); thread-safe."""
 
-    def __init__(self, stores: dict[Tier, TierStore], codecs: dict[Tier, Codec], index: BlockIndex, policy: TierPolicy, metrics: TierMetrics) -> None:
+    def __init__(self, stores: dict[Tier, TierStore], codecs: dict[Tier, Codec], index: BlockIndex,
+                 policy: TierPolicy, metrics: TierMetrics) -> None:
         self.stores = stores
         self.codecs = codecs
         self.index = index
@@ -60,7 +61,8 @@ class Mover:
     # --------------------------------------------------------------- reads
 
     def read_memory(self, h: BlockHash, e: Entry) -> npt.NDArray[Any]:
-        """Decode a memory-tier block (caller holds the lock): a view of its slot while pinned, else a copy."""
+        """Decode a memory-tier block (caller holds the lock): a view of its slot while pinned, else a
+        copy."""
         meta, payload = self.stores[e.tier].read(h)
         block = get_codec(meta.codec).decode(payload, meta.dtype, meta.shape)
         if e.pins > 0:
@@ -73,7 +75,8 @@ class Mover:
         return get_codec(meta.codec).decode(payload, meta.dtype, meta.shape)
 
     def read_raw(self, tier: Tier, h: BlockHash) -> tuple[BlockMeta, Payload]:
-        """The encoded block from ``tier``; a corrupt one is dropped from the index, a failing tier reported."""
+        """The encoded block from ``tier``; a corrupt one is dropped from the index, a failing tier
+        reported."""
         try:
             meta, payload = self.stores[tier].read(h)
         except BlockNotFoundError:
@@ -103,8 +106,10 @@ class Mover:
 
     # ----------------------------------------------------- stores (put path)
 
-    def store_now(self, h: BlockHash, block: npt.NDArray[Any], tier: Tier, parent: BlockHash | None, toks: tuple[int, ...]) -> Tier:
-        """Store a new block in the memory tier ``tier`` on the caller's thread (TierFullError, BlockTooLargeError)."""
+    def store_now(self, h: BlockHash, block: npt.NDArray[Any], tier: Tier, parent: BlockHash | None,
+                  toks: tuple[int, ...]) -> Tier:
+        """Store a new block in the memory tier ``tier`` on the caller's thread (TierFullError,
+        BlockTooLargeError)."""
         codec = self.codecs[tier]
         meta = meta_for(h, block, codec.name, parent, toks)
         store = self.stores[tier]
@@ -175,13 +180,15 @@ class Mover:
         return n, list(items[n:])
 
     def write_new(self, h: BlockHash, block: npt.NDArray[Any], meta: BlockMeta, dst: Tier) -> None:
-        """Write a spilled ``put`` (a staged copy) to ``dst`` or the next persistent tier with room, then index it."""
+        """Write a spilled ``put`` (a staged copy) to ``dst`` or the next persistent tier with room, then
+        index it."""
         index = self.index
         for t in self.policy.write_targets(dst):
             if not self.policy.available(t):
                 continue
             codec = self.codecs[t]
-            tmeta = BlockMeta(h, codec.name, meta.dtype, meta.shape, meta.raw_nbytes, meta.parent, meta.token_ids)
+            tmeta = BlockMeta(h, codec.name, meta.dtype, meta.shape, meta.raw_nbytes, meta.parent,
+                              meta.token_ids)
             payload = codec.encode(block)
             try:
                 charge = self.stores[t].write(tmeta, payload)
@@ -208,7 +215,8 @@ class Mover:
 
     # --------------------------------------------------------------- moves
 
-    def write_moved(self, h: BlockHash, source: tuple[BlockMeta, Payload], src: Tier, dst: Tier, kind: str) -> bool:
+    def write_moved(self, h: BlockHash, source: tuple[BlockMeta, Payload], src: Tier, dst: Tier,
+                    kind: str) -> bool:
         """Write the block to ``dst`` then, if ``h`` is still in ``src`` and movable, switch it over.
 
         The payload is re-encoded only when the two tiers use different codecs. ``False``: ``dst``
@@ -221,7 +229,8 @@ class Mover:
             e = index.entries.get(h)
             if e is None or e.tier != src:
                 return True  # gone or moved meanwhile: nothing to do
-            meta = BlockMeta(h, codec.name, e.meta.dtype, e.meta.shape, e.meta.raw_nbytes, e.meta.parent, e.meta.token_ids)
+            meta = BlockMeta(h, codec.name, e.meta.dtype, e.meta.shape, e.meta.raw_nbytes, e.meta.parent,
+                             e.meta.token_ids)
         src_meta, src_payload = source
         if src_meta.codec == codec.name:
             payload = src_payload
@@ -267,7 +276,8 @@ class Mover:
         m.child(m.codec_saved, dst.value, meta.codec).inc(max(0, meta.raw_nbytes - nbytes))
 
     def move_down(self, src: Tier, h: BlockHash, lower: list[Tier]) -> int:
-        """Demote ``h`` from ``src`` into the first of ``lower`` with room; 1 if it moved (or needs nothing)."""
+        """Demote ``h`` from ``src`` into the first of ``lower`` with room; 1 if it moved (or needs
+        nothing)."""
         if not lower:
             return 0
         store = self.stores[src]
@@ -288,7 +298,8 @@ class Mover:
         return int(any(self.write_moved(h, source, src, dst, kind="demote") for dst in lower))
 
     def evict(self, tier: Tier, victims: list[BlockHash]) -> int:
-        """Drop ``victims`` from ``tier`` (the last tier, or a persistent one with every tier below failing)."""
+        """Drop ``victims`` from ``tier`` (the last tier, or a persistent one with every tier below
+        failing)."""
         nbytes = 0
         m = self.metrics
         index = self.index
@@ -390,7 +401,8 @@ class Mover:
             index.unmark(h)
 
     def flush_memory(self) -> None:
-        """Write the memory tiers' blocks (most recently used first) to the persistent tiers while there is room."""
+        """Write the memory tiers' blocks (most recently used first) to the persistent tiers while there is
+        room."""
         persistent = self.policy.persistent()
         flushed = 0
         for tier in (t for t in self.policy.order if t in MEMORY):
@@ -405,7 +417,8 @@ class Mover:
                     break  # no room left
                 flushed += 1
         if flushed:
-            log.info("flushed %d block(s) from memory tiers to %s before closing", flushed, ", ".join(persistent))
+            log.info("flushed %d block(s) from memory tiers to %s before closing", flushed,
+                     ", ".join(persistent))
 
 
 def quiet_delete(store: TierStore, h: BlockHash) -> None:

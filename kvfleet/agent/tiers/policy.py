@@ -43,7 +43,8 @@ MEMORY = (Tier.GPU, Tier.CPU)
 
 
 def tier_specs(settings: TierSettings) -> dict[Tier, TierSpec]:
-    return {Tier.GPU: settings.gpu, Tier.CPU: settings.cpu, Tier.SSD: settings.ssd, Tier.REMOTE: settings.remote}
+    return {Tier.GPU: settings.gpu, Tier.CPU: settings.cpu, Tier.SSD: settings.ssd,
+            Tier.REMOTE: settings.remote}
 
 
 def payload_nbytes(codec: Codec, meta: BlockMeta) -> int:
@@ -97,7 +98,8 @@ class TierPolicy:
         return next((t for t in self.order if t not in MEMORY and self.available(t)), None)
 
     def write_targets(self, dst: Tier) -> list[Tier]:
-        """Persistent tiers at or below ``dst``, in order: a spilled write tries those :meth:`available` then."""
+        """Persistent tiers at or below ``dst``, in order: a spilled write tries those :meth:`available`
+        then."""
         return [t for t in self.order if t.rank >= dst.rank and t not in MEMORY]
 
     def demotion_targets(self, tier: Tier) -> tuple[list[Tier], bool]:
@@ -146,7 +148,8 @@ class TierPolicy:
         return any(self.index.movable(h) for h in self.index.lru[tier])
 
     def victims(self, tier: Tier) -> list[BlockHash]:
-        """LRU movable blocks that bring ``tier`` down to its low watermark, a batch at most (caller holds the lock)."""
+        """LRU movable blocks that bring ``tier`` down to its low watermark, a batch at most (caller holds the
+        lock)."""
         if not self.over_high(tier):
             return []
         store = self.stores[tier]
@@ -181,7 +184,8 @@ class TierPolicy:
         dst = self.order[0]
         tokens = len(meta.token_ids) or self.cost.profile.block_size
         d = self.cost.decide(
-            src, dst, tokens, payload_nbytes(self.codecs.get(src, get_codec(meta.codec)), meta), payload_nbytes(self.codecs[dst], meta)
+            src, dst, tokens, payload_nbytes(self.codecs.get(src, get_codec(meta.codec)), meta),
+            payload_nbytes(self.codecs[dst], meta)
         )
         m = self.metrics
         m.child(m.decisions, src.value, d.action.value).inc()

@@ -182,7 +182,8 @@ def _dtype_name(dt: np.dtype[Any]) -> str:
     return name
 
 
-def meta_for(block_hash: BlockHash, block: Any, codec: str, parent: BlockHash | None, token_ids: tuple[int, ...]) -> BlockMeta:
+def meta_for(block_hash: BlockHash, block: Any, codec: str, parent: BlockHash | None,
+             token_ids: tuple[int, ...]) -> BlockMeta:
     arr = block if isinstance(block, np.ndarray) else np.asarray(block)
     # an ndarray's shape is a tuple of ints and its nbytes an int: taken as they are (on every put)
     return BlockMeta(block_hash, codec, _dtype_name(arr.dtype), arr.shape, arr.nbytes, parent, token_ids)

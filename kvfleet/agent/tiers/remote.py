@@ -62,7 +62,8 @@ class RedisStore(RecordStore):
         self.url = rspec.url
 
     def describe(self) -> str:
-        return f"{self.tier} tier: redis {self.url} namespace {self.namespace!r}, capacity {self.capacity_bytes} bytes"
+        return (f"{self.tier} tier: redis {self.url} namespace {self.namespace!r}, "
+                f"capacity {self.capacity_bytes} bytes")
 
     def key(self, block_hash: BlockHash) -> str:
         return self.namespace + key_name(block_hash)
@@ -89,7 +90,8 @@ class RedisStore(RecordStore):
             raise BlockNotFoundError(block_hash)
         meta, payload = unpack(raw)
         if meta.hash != block_hash:
-            raise CorruptBlockError(f"key {self.key(block_hash)} holds block {meta.hash!r}", reason="mismatch")
+            raise CorruptBlockError(f"key {self.key(block_hash)} holds block {meta.hash!r}",
+                                    reason="mismatch")
         return meta, as_payload(payload)
 
     def delete(self, block_hash: BlockHash) -> None:
@@ -103,7 +105,8 @@ class RedisStore(RecordStore):
     def scan(self) -> ScanReport:
         report = ScanReport()
         try:
-            names = [k.decode() if isinstance(k, bytes) else k for k in self._client.scan_iter(match=self.namespace + "*", count=1000)]
+            names = [k.decode() if isinstance(k, bytes) else k
+                     for k in self._client.scan_iter(match=self.namespace + "*", count=1000)]
             pipe = self._client.pipeline(transaction=False)
             for name in names:
                 pipe.strlen(name)

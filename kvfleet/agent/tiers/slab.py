@@ -148,7 +148,8 @@ class SlabStore(TierStore):
         self.direct = sspec.direct_io
         self.slot_bytes = 0
         self._per_file = 0
-        #: per slab file: a buffered fd (file header, slot clears) and the fd for slot I/O (O_DIRECT or the same)
+        #: per slab file: a buffered fd (file header, slot clears) and the fd for slot I/O
+        #: (O_DIRECT or the same)
         self._fds: list[int] = []
         self._io_fds: list[int] = []
         self._bounce = _Bounce()
@@ -186,7 +187,8 @@ class SlabStore(TierStore):
 
     def describe(self) -> str:
         io = "direct I/O" if self.direct else "buffered I/O"
-        return f"{self.tier} tier: slab files in {self.root} ({io}), capacity {self.capacity_bytes} bytes, slot {self.slot_bytes or 'auto'}"
+        return (f"{self.tier} tier: slab files in {self.root} ({io}), capacity {self.capacity_bytes} bytes, "
+                f"slot {self.slot_bytes or 'auto'}")
 
     def _file_path(self, i: int) -> Path:
         return self.root / f"slab-{i:05d}.kvs"
@@ -202,7 +204,8 @@ class SlabStore(TierStore):
         return self._io_fds[f], FILE_HEADER_SIZE + i * self.slot_bytes
 
     def _add_file(self, fd: int, path: Path) -> None:
-        """Track an open slab file; with direct I/O also open it with O_DIRECT (falls back once if refused)."""
+        """Track an open slab file; with direct I/O also open it with O_DIRECT (falls back once if
+        refused)."""
         io_fd = fd
         if self.direct:
             try:
@@ -210,7 +213,8 @@ class SlabStore(TierStore):
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                log.warning("%s tier: %s refuses O_DIRECT (%s); using buffered I/O", self.tier, self.root, exc)
+                log.warning("%s tier: %s refuses O_DIRECT (%s); using buffered I/O",
+                            self.tier, self.root, exc)
                 self.direct = False
         self._fds.append(fd)
         self._io_fds.append(io_fd)
@@ -230,7 +234,8 @@ class SlabStore(TierStore):
         names = sorted(int(m.group(1)) for e in os.scandir(self.root) if (m := _NAME.match(e.name)))
         for expected, i in enumerate(names):
             if i != expected:
-                log.warning("%s tier: slab files stop at %s (next is %s); later ones are ignored", self.tier, self._file_path(expected).name, self._file_path(i).name)
+                log.warning("%s tier: slab files stop at %s (next is %s); later ones are ignored",
+                            self.tier, self._file_path(expected).name, self._file_path(i).name)
                 break
             path = self._file_path(i)
             try:
@@ -248,14 +253,17 @@ class SlabStore(TierStore):
                 break
             ok = len(head) == _FILE_HEADER.size
             magic, version, _flags, slot_bytes, slots = _FILE_HEADER.unpack(head) if ok else (b"", 0, 0, 0, 0)
-            if not ok or magic != FILE_MAGIC or version != FILE_VERSION or slot_bytes <= 0 or (self.slot_bytes and slot_bytes != self.slot_bytes):
-                log.warning("%s tier: %s is not a slab file of this store; it and later ones are ignored", self.tier, path.name)
+            if (not ok or magic != FILE_MAGIC or version != FILE_VERSION or slot_bytes <= 0
+                    or (self.slot_bytes and slot_bytes != self.slot_bytes)):
+                log.warning("%s tier: %s is not a slab file of this store; it and later ones are ignored",
+                            self.tier, path.name)
                 os.close(fd)
                 break
             if not self.slot_bytes:
                 self._set_slot_bytes(slot_bytes, slots)
             if slots != self._per_file:
-                log.warning("%s tier: %s holds %d slots, expected %d; it and later ones are ignored", self.tier, path.name, slots, self._per_file)
+                log.warning("%s tier: %s holds %d slots, expected %d; it and later ones are ignored",
+                            self.tier, path.name, slots, self._per_file)
                 os.close(fd)
                 break
             try:
@@ -278,7 +286,8 @@ class SlabStore(TierStore):
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                log.warning("%s tier: cannot preallocate %s (%s); writing it sparse", self.tier, path.name, exc)
+                log.warning("%s tier: cannot preallocate %s (%s); writing it sparse",
+                            self.tier, path.name, exc)
             head = _FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, 0, self.slot_bytes, self._per_file)
             _pwrite_all(fd, [head], 0)
             self._add_file(fd, path)
@@ -318,7 +327,8 @@ class SlabStore(TierStore):
             if not self.slot_bytes:
                 self._set_slot_bytes(_slot_size(size + HEADER_ROOM))
             if size > self.slot_bytes:
-                raise BlockTooLargeError(f"{self.tier}: record of {size} bytes exceeds the {self.slot_bytes}-byte slot")
+                raise BlockTooLargeError(
+                    f"{self.tier}: record of {size} bytes exceeds the {self.slot_bytes}-byte slot")
             try:
                 slot = self._alloc()
             except OSError as exc:
@@ -397,13 +407,15 @@ class SlabStore(TierStore):
         try:
             fd, offset = self._locate_io(slot)
             try:
-                if self.direct and (PREFIX_SIZE + info.header_len) % SLOT_ALIGN == 0 and info.payload_len % SLOT_ALIGN == 0:
+                if (self.direct and (PREFIX_SIZE + info.header_len) % SLOT_ALIGN == 0
+                        and info.payload_len % SLOT_ALIGN == 0):
                     dest = as_payload(alloc(info.meta, info.payload_len))[: info.payload_len]
                 direct_into = dest is not None and dest.ctypes.data % SLOT_ALIGN == 0
                 if direct_into:
                     # padded head into a small aligned buffer, the payload straight into ``dest``
                     assert dest is not None
-                    head: bytearray | memoryview = memoryview(self._heads.get(PREFIX_SIZE + info.header_len).data)[: PREFIX_SIZE + info.header_len]
+                    head: bytearray | memoryview = memoryview(
+                        self._heads.get(PREFIX_SIZE + info.header_len).data)[: PREFIX_SIZE + info.header_len]
                     view = memoryview(dest.data).cast("B")
                     got = _pread_all(fd, [head, view], offset)
                 elif self.direct:
@@ -589,7 +601,8 @@ class SlabStore(TierStore):
                 raise TruncatedBlockError(f"slot {slot} holds {got} of {total} bytes")
             meta, _ = unpack(view[:total])
         except CorruptBlockError as exc:
-            log.warning("%s tier: dropping slot %d of %s (%s: %s)", self.tier, slot, self._file_path(slot // self._per_file).name, exc.reason, exc)
+            log.warning("%s tier: dropping slot %d of %s (%s: %s)", self.tier, slot,
+                        self._file_path(slot // self._per_file).name, exc.reason, exc)
             report.drop(exc.reason)
             self._clear(slot)
             self._free.append(slot)
@@ -607,14 +620,16 @@ class SlabStore(TierStore):
         try:
             expected = hash_from_key(key)
         except ValueError:
-            log.warning("%s tier: ignoring foreign file %s in %s", self.tier, os.path.basename(path), self.root)
+            log.warning("%s tier: ignoring foreign file %s in %s",
+                        self.tier, os.path.basename(path), self.root)
             report.drop("foreign")
             return
         try:
             raw = read_regular(path)
             meta, payload = unpack(raw)
             if meta.hash != expected:
-                raise CorruptBlockError(f"{os.path.basename(path)} holds block {meta.hash!r}", reason="mismatch")
+                raise CorruptBlockError(f"{os.path.basename(path)} holds block {meta.hash!r}",
+                                        reason="mismatch")
         except CorruptBlockError as exc:
             log.warning("%s tier: dropping %s (%s: %s)", self.tier, os.path.basename(path), exc.reason, exc)
             remove_file(path)
@@ -628,7 +643,8 @@ class SlabStore(TierStore):
             try:
                 self.write(meta, as_payload(payload))
             except (TierFullError, BlockTooLargeError, TierIOError) as exc:
-                log.warning("%s tier: cannot move %s into a slot (%s); left in place", self.tier, os.path.basename(path), exc)
+                log.warning("%s tier: cannot move %s into a slot (%s); left in place",
+                            self.tier, os.path.basename(path), exc)
                 report.drop("io")
                 return
             report.blocks.append(meta)

@@ -129,7 +129,9 @@ class FileStore(RecordStore):
                 prefix = f.read(PREFIX_SIZE)
                 header_len, payload_len, checksum = read_prefix(prefix)
                 if size != PREFIX_SIZE + header_len + payload_len:
-                    raise TruncatedBlockError(f"{path.name} is {size} bytes, its prefix says {PREFIX_SIZE + header_len + payload_len}")
+                    raise TruncatedBlockError(
+                        f"{path.name} is {size} bytes, its prefix says "
+                        f"{PREFIX_SIZE + header_len + payload_len}")
                 header = f.read(header_len)
                 meta = decode_header(header)
                 if meta.hash != block_hash:

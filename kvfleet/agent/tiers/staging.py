@@ -53,7 +53,8 @@ class StagingSlab:
                     buf = raw.view(block.dtype).reshape(block.shape)
                     self._used = start + nbytes
         if buf is None:
-            buf = page_aligned(nbytes).view(block.dtype).reshape(block.shape) if nbytes >= ZERO_COPY_MIN else np.empty(block.shape, dtype=block.dtype)
+            buf = (page_aligned(nbytes).view(block.dtype).reshape(block.shape) if nbytes >= ZERO_COPY_MIN
+                   else np.empty(block.shape, dtype=block.dtype))
         np.copyto(buf, block)
         return buf
 

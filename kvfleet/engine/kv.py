@@ -51,12 +51,16 @@ _GOLD = 0.6180339887498949
 
 
 @functools.lru_cache(maxsize=8)
-def _coefficients(values_per_token: int) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+def _coefficients(
+    values_per_token: int,
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     j = np.arange(1, values_per_token + 1, dtype=np.float64)
-    return (j * _GOLD) % 1.0 * 0.37 + 0.01, (j * 0.7548776662) % 1.0 * 1.3 + 0.1, (j * 0.5698402910) % 1.0 + 0.05
+    return ((j * _GOLD) % 1.0 * 0.37 + 0.01, (j * 0.7548776662) % 1.0 * 1.3 + 0.1,
+            (j * 0.5698402910) % 1.0 + 0.05)
 
 
-def project_block(token_ids: Sequence[int] | npt.NDArray[Any], parent: BlockHash | None, values_per_token: int = 32) -> bytes:
+def project_block(token_ids: Sequence[int] | npt.NDArray[Any], parent: BlockHash | None,
+                  values_per_token: int = 32) -> bytes:
     """The simulated KV bytes of one block (fp16, ``len(token_ids) × values_per_token``)."""
     a, b, c = _coefficients(values_per_token)
     toks = as_tokens(token_ids).astype(np.float64)
@@ -77,7 +81,8 @@ def _parent_phases(parents: Sequence[BlockHash | None]) -> npt.NDArray[np.float6
 
 
 def project_blocks(
-    token_ids: Sequence[int] | npt.NDArray[Any], parents: Sequence[BlockHash | None], block_size: int, values_per_token: int = 32
+    token_ids: Sequence[int] | npt.NDArray[Any], parents: Sequence[BlockHash | None], block_size: int,
+    values_per_token: int = 32
 ) -> list[bytes]:
     """:func:`project_block` for a run of consecutive full blocks at once (one vectorised pass)."""
     n = len(parents)
@@ -143,7 +148,8 @@ class EngineKV:
         self.out_sink = sink
         self.gpu_data: dict[BlockHash, SlowBlock] = {}
         self.tiers: SlowTiers = tiers if tiers is not None else self._default_tiers()
-        self.blocks = BlockManager(settings.num_gpu_blocks, cache.block_size, self.hasher, sink=self._on_gpu_event)
+        self.blocks = BlockManager(settings.num_gpu_blocks, cache.block_size, self.hasher,
+                                   sink=self._on_gpu_event)
         self._incoming: dict[BlockHash, bytes] = {}  # promoted from a slower tier, during one admission
         self._received: dict[BlockHash, bytes] = {}  # transferred before their sequence was admitted
         self._demoted: list[SlowBlock] = []  # reclaimed from the GPU during one block-manager call
@@ -204,15 +210,18 @@ class EngineKV:
 
     def promotion_pays(self, tier: Tier) -> bool:
         """The seeds' rule (:func:`kvfleet.cache.cost.promotion`) with a free write into the GPU stand-in."""
-        return cost.promotion(self.prefill_seconds(self.block_size), self.read_seconds(tier, 1), 0.0) is cost.Action.PROMOTE
+        return (cost.promotion(self.prefill_seconds(self.block_size), self.read_seconds(tier, 1), 0.0)
+                is cost.Action.PROMOTE)
 
     # -- sequences ----------------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int] | npt.NDArray[Any], extra_keys: ExtraKeys = None) -> int:
         """Leading tokens cached on the GPU (no state change)."""
         return self.blocks.num_cached_prefix_tokens(token_ids, extra_keys)
 
-    def admit(self, seq_id: Any, token_ids: npt.NDArray[np.uint32], extra_keys: ExtraKeys = None) -> Admission:
-        """Allocate a sequence: reuse the GPU prefix, promote slow-tier blocks that pay; raises OutOfBlocksError."""
+    def admit(self, seq_id: Any, token_ids: npt.NDArray[np.uint32],
+              extra_keys: ExtraKeys = None) -> Admission:
+        """Allocate a sequence: reuse the GPU prefix, promote slow-tier blocks that pay; raises
+        OutOfBlocksError."""
         hashes: list[BlockHash] = self.hasher.hash_tokens(token_ids, extra_keys=extra_keys).tolist()
         gpu_blocks = 0
         for h in hashes:
@@ -274,7 +283,8 @@ class EngineKV:
         """A block held on the GPU (for a transfer to a decode engine)."""
         return self.gpu_data.get(block_hash)
 
-    def expected_blocks(self, token_ids: npt.NDArray[np.uint32], extra_keys: ExtraKeys = None) -> dict[BlockHash, bytes]:
+    def expected_blocks(self, token_ids: npt.NDArray[np.uint32],
+                        extra_keys: ExtraKeys = None) -> dict[BlockHash, bytes]:
         """This engine's own bytes of every full block of a prompt (what a transferred block must equal)."""
         hashes: list[BlockHash] = self.hasher.hash_tokens(token_ids, extra_keys=extra_keys).tolist()
         data = project_blocks(token_ids, [None, *hashes[:-1]], self.block_size, self.values_per_token)
@@ -293,7 +303,8 @@ class EngineKV:
         return True
 
     def install(self, block_hash: BlockHash, data: bytes) -> bool:
-        """Take received bytes for a GPU block only if they equal our own projection; else drop and count them."""
+        """Take received bytes for a GPU block only if they equal our own projection; else drop and count
+        them."""
         held = self.gpu_data.get(block_hash)
         if held is None:
             return False

@@ -28,12 +28,15 @@ log = logging.getLogger("kvfleet.engine")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvfleet engine", description="CPU-fallback engine simulator (OpenAI API, vLLM metrics and KV events).")
+    p = argparse.ArgumentParser(
+        prog="kvfleet engine",
+        description="CPU-fallback engine simulator (OpenAI API, vLLM metrics and KV events).")
     p.add_argument("--config", help="YAML settings file (sections engine:, cache:)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--kv-events-port", type=int, help="ZMQ PUB port for KV events (default 5557)")
-    p.add_argument("--kv-events-replay-port", type=int, help="ZMQ ROUTER replay port (default 5558; 0 disables)")
+    p.add_argument("--kv-events-replay-port", type=int,
+                   help="ZMQ ROUTER replay port (default 5558; 0 disables)")
     p.add_argument("--model", help="served model name (default llama-3-8b)")
     p.add_argument("--pod-name", help="pod name reported in headers and logs")
     p.add_argument("--pool", help="pool this engine belongs to")
@@ -51,7 +54,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     for flag, key in [
         ("host", "host"), ("port", "port"), ("kv_events_port", "kv_events_port"),
         ("kv_events_replay_port", "kv_events_replay_port"), ("model", "model"), ("pod_name", "pod_name"),
-        ("pool", "pool"), ("role", "role"), ("time_factor", "time_factor"), ("num_gpu_blocks", "num_gpu_blocks"),
+        ("pool", "pool"), ("role", "role"), ("time_factor", "time_factor"),
+        ("num_gpu_blocks", "num_gpu_blocks"),
     ]:
         value = getattr(args, flag)
         if value is not None:
@@ -87,7 +91,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         settings = settings_from_args(args)
     except (ConfigError, OSError) as exc:
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvfleet engine: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"kvfleet engine: cannot listen on {settings.engine.host}:{settings.engine.port}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"kvfleet engine: cannot listen on {settings.engine.host}:{settings.engine.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -39,7 +39,8 @@ from kvfleet.config.cache import CacheSettings
 from kvfleet.engine.kv import EngineKV
 from kvfleet.engine.scheduler import Scheduler
 
-_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+            40.0, 80.0)
 
 
 class _EngineCollector(Collector):
@@ -64,8 +65,10 @@ class _EngineCollector(Collector):
             c.add_metric([m], value)
             return c
 
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", self.sched.num_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", self.sched.num_waiting)
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                    self.sched.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                    self.sched.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", self.kv.usage)
         yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage (older name).", self.kv.usage)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", self.kv.queries_tokens)
@@ -76,19 +79,26 @@ class _EngineCollector(Collector):
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig.",
-            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "prefix_caching_hash_algo", "cache_dtype"],
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "prefix_caching_hash_algo",
+                    "cache_dtype"],
         )
         info.add_metric(
-            [str(self.cache.block_size), str(self.kv.settings.num_gpu_blocks), "True", self.cache.hash_algo, "auto"], 1.0
+            [str(self.cache.block_size), str(self.kv.settings.num_gpu_blocks), "True", self.cache.hash_algo,
+             "auto"], 1.0
         )
         yield info
-        tiers = CounterMetricFamily("kvfleet_engine_tier_hit_blocks", "Cached blocks served, per tier.", labels=["model_name", "tier"])
+        tiers = CounterMetricFamily("kvfleet_engine_tier_hit_blocks", "Cached blocks served, per tier.",
+                                    labels=["model_name", "tier"])
         for tier, n in self.kv.tier_hits.items():
             tiers.add_metric([m, tier], n)
         yield tiers
-        yield gauge("kvfleet_engine_held_blocks", "GPU blocks held for a decode engine to pull (P/D).", self.held())
+        yield gauge("kvfleet_engine_held_blocks", "GPU blocks held for a decode engine to pull (P/D).",
+                    self.held())
         yield counter(
-            "kvfleet_engine_kv_mismatched_blocks", "Received KV blocks refused because their bytes differed from this engine's own (recomputed instead).", self.kv.mismatched_blocks
+            "kvfleet_engine_kv_mismatched_blocks",
+            "Received KV blocks refused because their bytes differed from this engine's own "
+            "(recomputed instead).",
+            self.kv.mismatched_blocks,
         )
 
 

@@ -78,7 +78,8 @@ class KVGrant:
 class KVPuller(Protocol):
     """Fetches a prefill-only request's blocks from a prefill engine, calling ``on_block`` as each lands."""
 
-    async def pull(self, prefiller: HostPort, grant: KVGrant, block_hashes: Sequence[BlockHash], on_block: OnBlock) -> int:
+    async def pull(self, prefiller: HostPort, grant: KVGrant, block_hashes: Sequence[BlockHash],
+                   on_block: OnBlock) -> int:
         """Returns the number of blocks received; raises on a failed transfer."""
         ...
 
@@ -136,7 +137,8 @@ async def request_remote_prefill(
             if r.status != 200:
                 err = data.get("error") if isinstance(data, dict) else None
                 msg = err.get("message") if isinstance(err, dict) else None
-                raise RemotePrefillError(f"HTTP {r.status}: {str(msg)[:300] if msg else 'no error message'}", r.status)
+                raise RemotePrefillError(f"HTTP {r.status}: {str(msg)[:300] if msg else 'no error message'}",
+                                         r.status)
     except aiohttp.ClientConnectionError as exc:
         raise RemotePrefillError(f"cannot reach it ({type(exc).__name__})") from exc
     except TimeoutError as exc:
@@ -170,11 +172,13 @@ class GpuBlockSource:
         return None if block is None else block.data
 
 
-async def release_remote(prefiller: HostPort, request_id: str, secret: bytes, session: aiohttp.ClientSession) -> None:
+async def release_remote(prefiller: HostPort, request_id: str, secret: bytes,
+                         session: aiohttp.ClientSession) -> None:
     """Tell the prefill engine it may free the blocks it kept for us (signed; best effort)."""
     path = f"/kvfleet/v1/kv/{request_id}"
     try:
-        async with session.delete(f"http://{prefiller}{path}", headers=sign_request(secret, "DELETE", path)) as r:
+        async with session.delete(f"http://{prefiller}{path}",
+                                  headers=sign_request(secret, "DELETE", path)) as r:
             await r.read()
     except (aiohttp.ClientError, TimeoutError):
         pass  # the prefill engine frees held blocks after a timeout anyway
@@ -188,14 +192,16 @@ class TransferKVPuller:
         self.secret = secret
         self._session: aiohttp.ClientSession | None = None
 
-    async def pull(self, prefiller: HostPort, grant: KVGrant, block_hashes: Sequence[BlockHash], on_block: OnBlock) -> int:
+    async def pull(self, prefiller: HostPort, grant: KVGrant, block_hashes: Sequence[BlockHash],
+                   on_block: OnBlock) -> int:
         def land(block: Block) -> None:
             on_block(block.block_hash, bytes(block.data))
 
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         try:
-            handle = self.client.pull((prefiller.host, grant.transfer_port), list(block_hashes), on_block=land)
+            handle = self.client.pull((prefiller.host, grant.transfer_port), list(block_hashes),
+                                      on_block=land)
             await handle.wait()
         finally:
             await release_remote(prefiller, grant.request_id, self.secret, self._session)

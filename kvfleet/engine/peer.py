@@ -61,21 +61,25 @@ class PeerAuthError(Exception):
 
 
 def _mac(secret: bytes, method: str, path: str, timestamp: str, nonce: str, body: bytes) -> str:
-    msg = b"\n".join([_LABEL, method.upper().encode(), path.encode(), timestamp.encode(), nonce.encode(), body])
+    msg = b"\n".join([_LABEL, method.upper().encode(), path.encode(), timestamp.encode(), nonce.encode(),
+                      body])
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
 
 
-def sign_request(secret: bytes, method: str, path: str, body: bytes = b"", *, now: float | None = None) -> dict[str, str]:
+def sign_request(secret: bytes, method: str, path: str, body: bytes = b"", *,
+                 now: float | None = None) -> dict[str, str]:
     """The three peer headers for one request (``path`` as sent, with any query string)."""
     ts = str(int(time.time() if now is None else now))
     nonce = secrets.token_hex(16)
-    return {TIMESTAMP_HEADER: ts, NONCE_HEADER: nonce, SIGNATURE_HEADER: _mac(secret, method, path, ts, nonce, body)}
+    return {TIMESTAMP_HEADER: ts, NONCE_HEADER: nonce,
+            SIGNATURE_HEADER: _mac(secret, method, path, ts, nonce, body)}
 
 
 class PeerVerifier:
     """Checks signed internal requests (see the module doc); ``secret`` ``None`` refuses them all."""
 
-    def __init__(self, secret: bytes | None, max_skew_s: float = MAX_SKEW_S, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, secret: bytes | None, max_skew_s: float = MAX_SKEW_S,
+                 clock: Callable[[], float] = time.time) -> None:
         self.secret = secret
         self.max_skew_s = max_skew_s
         self.clock = clock
@@ -84,13 +88,17 @@ class PeerVerifier:
     def verify(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> None:
         """Raise :class:`PeerAuthError` unless the request is signed with the pool secret, fresh and new."""
         if self.secret is None:
-            raise PeerAuthError("this engine has no transfer secret (set transfer.secret_file or KVFLEET_TRANSFER_SECRET)")
+            raise PeerAuthError(
+                "this engine has no transfer secret (set transfer.secret_file or KVFLEET_TRANSFER_SECRET)")
         ts, nonce, sig = (headers.get(h, "") for h in (TIMESTAMP_HEADER, NONCE_HEADER, SIGNATURE_HEADER))
         if not (_TS.fullmatch(ts) and _NONCE.fullmatch(nonce) and _SIG.fullmatch(sig)):
-            raise PeerAuthError(f"missing or malformed peer signature ({TIMESTAMP_HEADER}, {NONCE_HEADER}, {SIGNATURE_HEADER})")
+            raise PeerAuthError(
+                f"missing or malformed peer signature ({TIMESTAMP_HEADER}, {NONCE_HEADER}, "
+                f"{SIGNATURE_HEADER})")
         now = self.clock()
         if abs(now - int(ts)) > self.max_skew_s:
-            raise PeerAuthError(f"peer signature timestamp is more than {self.max_skew_s:.0f}s away from this engine's clock")
+            raise PeerAuthError(
+                f"peer signature timestamp is more than {self.max_skew_s:.0f}s away from this engine's clock")
         if not hmac.compare_digest(_mac(self.secret, method, path, ts, nonce, body), sig):
             raise PeerAuthError("peer signature does not verify (wrong pool secret?)")
         self._forget(now)
@@ -123,7 +131,8 @@ async def loop_resolver(host: str, port: int) -> list[str]:
 class PrefillPeers:
     """Membership of ``engine.prefill_peers`` (see the module doc)."""
 
-    def __init__(self, peers: Sequence[str], ttl_s: float = 2.0, resolver: Resolver = loop_resolver, timeout_s: float = 2.0) -> None:
+    def __init__(self, peers: Sequence[str], ttl_s: float = 2.0, resolver: Resolver = loop_resolver,
+                 timeout_s: float = 2.0) -> None:
         self.peers = [parse_host_port(p) for p in peers]
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s

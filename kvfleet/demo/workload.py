@@ -118,7 +118,8 @@ def load_trace(
             length = int(row["input_length"])  # type: ignore[call-overload]
             out = int(row["output_length"])  # type: ignore[call-overload]
         except (KeyError, TypeError, ValueError) as exc:
-            raise WorkloadError(f"{path}:{n}: needs timestamp, hash_ids, input_length, output_length ({exc})") from None
+            raise WorkloadError(
+                f"{path}:{n}: needs timestamp, hash_ids, input_length, output_length ({exc})") from None
         if not ids or length <= 0:
             raise WorkloadError(f"{path}:{n}: empty hash_ids or input_length")
         t0 = ts if t0 is None else t0
@@ -148,7 +149,8 @@ def synthetic(
         tenant = rng.choices(range(tenants), weights)[0]
         system = range(10_000_000 + tenant * system_tokens, 10_000_000 + (tenant + 1) * system_tokens)
         user = range(50_000_000 + r * user_tokens, 50_000_000 + (r + 1) * user_tokens)
-        items.append(WorkItem(t * time_scale, (*system, *user), max_tokens, tenant=f"tenant-{tenant}", group=f"tenant-{tenant}"))
+        items.append(WorkItem(t * time_scale, (*system, *user), max_tokens, tenant=f"tenant-{tenant}",
+                              group=f"tenant-{tenant}"))
     return items
 
 
@@ -157,8 +159,9 @@ def workload_warnings(items: list[WorkItem]) -> list[str]:
     groups = {i.group for i in items}
     if len(items) > 1 and len(groups) == 1:
         return [
-            f"the replayed slice holds a single prompt group ({next(iter(groups)) or 'no group'}: all {len(items)} "
-            "requests open with the same tokens), so prefix-aware routing cannot differ from plain prefix affinity "
-            "here; replay more conversations (--slice sessions, more --requests or another --start)"
+            f"the replayed slice holds a single prompt group ({next(iter(groups)) or 'no group'}: "
+            f"all {len(items)} requests open with the same tokens), so prefix-aware routing cannot differ "
+            "from plain prefix affinity here; replay more conversations (--slice sessions, more --requests "
+            "or another --start)"
         ]
     return []

@@ -12,8 +12,8 @@ socket and subscribes to its peers':
   so the sample is the pick) — becomes a speculative entry on that pod for ``ttl_s``
   (:meth:`~kvfleet.epp.index.BlockIndex.add_speculative_sampled`); the pod's KV events take over from there;
 * a ticket change (open, first token, close, move: :attr:`~kvfleet.epp.inflight.InflightTracker.on_ticket`)
-  is applied to the replica's tracker as the peer's ticket (:meth:`~kvfleet.epp.inflight.InflightTracker.remote`),
-  so its scorers see the whole fleet's in-flight load.
+  is applied to the replica's tracker as the peer's ticket
+  (:meth:`~kvfleet.epp.inflight.InflightTracker.remote`), so its scorers see the whole fleet's in-flight load.
 
 A replica that sends nothing for :data:`SILENT_S` (it sends an empty message every :data:`HEARTBEAT_S`) is
 gone: its tickets are closed. A restarted replica has a new id, so its predecessor's tickets go the same way.
@@ -78,7 +78,8 @@ class Pick(msgspec.Struct, array_like=True, frozen=True):
 
 
 class TicketChange(msgspec.Struct, array_like=True, frozen=True):
-    """``event`` indexes :data:`EVENTS`; ``pods`` are the ticket's pods (``open``) or (old, new) (``move``)."""
+    """``event`` indexes :data:`EVENTS`; ``pods`` are the ticket's pods (``open``) or (old, new)
+    (``move``)."""
 
     event: int
     tid: int
@@ -128,18 +129,21 @@ class ReplicaGossip:
         replica: str = "",
         queue_size: int = 16384,
     ) -> None:
-        self.index, self.tracker, self.host, self.port, self.peers, self.ttl_s = index, tracker, host, port, tuple(peers), ttl_s
+        self.index, self.tracker = index, tracker
+        self.host, self.port, self.peers, self.ttl_s = host, port, tuple(peers), ttl_s
         self.known_pod, self.secret = known_pod, secret
         self.replica = replica or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.messages: Counter[str] = Counter()
-        """Peers' messages by result: ``ok``, ``self``, ``too_large``, ``malformed``, ``bad_tag``; own: ``sent``, ``dropped``."""
+        """Peers' messages by result: ``ok``, ``self``, ``too_large``, ``malformed``, ``bad_tag``; own:
+        ``sent``, ``dropped``."""
         self.picks_out: Counter[str] = Counter()
         """Own picks: ``sent`` or ``dropped`` (queue or socket full)."""
         self.picks_in: Counter[str] = Counter()
         """Peers' picks: ``applied``, ``unknown_pod``, ``too_large``, ``malformed``."""
         self.tickets_out: Counter[str] = Counter()
         self.tickets_in: Counter[str] = Counter()
-        """Peers' ticket changes: ``applied``, ``unknown_pod``, ``malformed``, ``refused`` (tracker full or repeated)."""
+        """Peers' ticket changes: ``applied``, ``unknown_pod``, ``malformed``, ``refused`` (tracker full or
+        repeated)."""
         self.peers_gone = 0
         self._heard: dict[str, float] = {}
         self._queue: queue.Queue[Pick | TicketChange] = queue.Queue(queue_size)
@@ -159,8 +163,8 @@ class ReplicaGossip:
 
     def publish_ticket(self, event: TicketEvent, t: Ticket, moved: tuple[str, str] | None) -> None:
         """Queue a change of one of this replica's tickets (the tracker's ``on_ticket``); never blocks."""
-        change = TicketChange(EVENTS.index(event), t.id, list(moved or t.pods), t.prefix, t.tokens) if event == "open" or moved \
-            else TicketChange(EVENTS.index(event), t.id, [])
+        change = (TicketChange(EVENTS.index(event), t.id, list(moved or t.pods), t.prefix, t.tokens)
+                  if event == "open" or moved else TicketChange(EVENTS.index(event), t.id, []))
         self._put(change, self.tickets_out)
 
     def _put(self, item: Pick | TicketChange, counter: Counter[str]) -> None:
@@ -266,7 +270,8 @@ class ReplicaGossip:
                 del self._heard[replica]
                 self.peers_gone += 1
                 n = self.tracker.forget_origin(replica) if self.tracker is not None else 0
-                log.info("gossip: replica %s silent for %.0f s: its %d ticket(s) closed", replica, SILENT_S, n)
+                log.info("gossip: replica %s silent for %.0f s: its %d ticket(s) closed",
+                         replica, SILENT_S, n)
 
     def _drain(self, pub: zmq.Socket[bytes]) -> None:
         tickets: list[TicketChange] = []
@@ -288,7 +293,8 @@ class ReplicaGossip:
 
     def _send(self, pub: zmq.Socket[bytes], picks: list[Pick], tickets: list[TicketChange]) -> None:
         payload = self._encoder.encode(Message(VERSION, self.replica, picks, tickets))
-        frames = [payload, hmac.new(self.secret, payload, hashlib.sha256).digest()] if self.secret else [payload]
+        frames = ([payload, hmac.new(self.secret, payload, hashlib.sha256).digest()] if self.secret
+                  else [payload])
         try:
             pub.send_multipart(frames, zmq.NOBLOCK)
             result = "sent"
@@ -300,7 +306,8 @@ class ReplicaGossip:
 
     # --- a peer's message ----------------------------------------------------------------
     def apply(self, frames: Sequence[bytes]) -> str:
-        """Check one received message and apply what it carries; returns the result the message is counted under."""
+        """Check one received message and apply what it carries; returns the result the message is counted
+        under."""
         if not frames or len(frames) > 2 or len(frames[0]) > MAX_BYTES:
             return "too_large" if frames and len(frames[0]) > MAX_BYTES else "malformed"
         payload = bytes(frames[0])
@@ -341,7 +348,8 @@ class ReplicaGossip:
         if not 0 <= c.event < len(EVENTS):
             return "malformed"
         event = EVENTS[c.event]
-        if event == "open" and not (1 <= len(c.pods) <= 2 and math.isfinite(c.tokens) and 0 <= c.tokens <= MAX_TOKENS):
+        if event == "open" and not (1 <= len(c.pods) <= 2 and math.isfinite(c.tokens)
+                                    and 0 <= c.tokens <= MAX_TOKENS):
             return "malformed"
         if event == "move" and len(c.pods) != 2:
             return "malformed"

@@ -99,7 +99,8 @@ class InflightTracker:
         self._lock = threading.Lock()
 
     def open(
-        self, pods: tuple[str, ...], prefix: int, predicted_uncached_tokens: float, on_first_byte: Callable[[], None] | None = None
+        self, pods: tuple[str, ...], prefix: int, predicted_uncached_tokens: float,
+        on_first_byte: Callable[[], None] | None = None
     ) -> Ticket:
         t = Ticket(self, next(self._ids), pods, prefix, predicted_uncached_tokens, on_first_byte)
         with self._lock:
@@ -193,7 +194,8 @@ class InflightTracker:
 
     # --- peers' tickets ------------------------------------------------------------------
     def remote(
-        self, origin: str, event: TicketEvent, tid: int, pods: tuple[str, ...] = (), prefix: int = 0, tokens: float = 0.0,
+        self, origin: str, event: TicketEvent, tid: int, pods: tuple[str, ...] = (), prefix: int = 0,
+        tokens: float = 0.0,
     ) -> bool:
         """Apply a change of peer ``origin``'s ticket ``tid`` (``pods`` is the ticket's pods for ``open``, the
         (old, new) pair for ``move``). False when refused: over ``max_remote``, or a repeated ``open``;

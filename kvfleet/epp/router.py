@@ -67,7 +67,8 @@ class Router:
             hot_key=lambda keys, longest, shard: self.hotspot_key(keys, longest, shard),
         )
         self.scheduler = Scheduler(settings, self.candidates)
-        self.director = Director(settings, cache, datastore, index, metrics, tokenizer, self.tracker, self.scheduler)
+        self.director = Director(settings, cache, datastore, index, metrics, tokenizer, self.tracker,
+                                 self.scheduler)
         self.profile: Profile = self.scheduler.profile
         self.hasher: BlockHasher = self.director.hasher
         self.prefill_s_per_token = self.director.prefill_s_per_token
@@ -96,7 +97,8 @@ class Router:
 
     def route_any(self, model: str | None, subset: Sequence[str] | None = None) -> Decision:
         """A request that is not an inference (``/tokenize``, ``/health``...): the least-loaded ready pod
-        of the invoked pool (of ``model``'s pool when the body names one). Counted in flight, no cache state."""
+        of the invoked pool (of ``model``'s pool when the body names one). Counted in flight, no cache
+        state."""
         return self.director.handle_any(model, subset)
 
     def route_keys(
@@ -119,12 +121,13 @@ class Router:
     def pick_ttl(self, pod: Pod) -> float:
         """How long after its first token a pick on ``pod`` counts as cached there: until the pod's KV events
         take over (``speculative_ttl_s``), or, for a pod whose engine publishes none (events off, or an engine
-        whose events cannot be indexed: the operator leaves its events annotation empty), ``approximate_ttl_s``."""
+        whose events cannot be indexed: the operator leaves its events annotation empty),
+        ``approximate_ttl_s``."""
         return self.director.pick_ttl(pod)
 
     def unreachable(self, d: Decision, endpoint: str) -> None:
-        """The gateway found nothing listening at ``endpoint`` (one of ``d``'s): out of rotation until a metrics
-        scrape reaches the pod again."""
+        """The gateway found nothing listening at ``endpoint`` (one of ``d``'s): out of rotation until a
+        metrics scrape reaches the pod again."""
         self.director.unreachable(d, endpoint)
 
     def hotspot_key(self, keys: Sequence[int], longest: int, shard: int) -> int:

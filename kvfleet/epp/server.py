@@ -23,8 +23,9 @@ Response headers carry the endpoint that served the request (GIE protocol v1.0:
 ``envoy.lb`` → ``x-gateway-destination-endpoint-served``, or the ext_proc
 attribute ``upstream.address``): when a fallback served it, the in-flight
 ticket and the speculative entry move to that pod. They also mark the prefill
-as done (pending work off the pod); a response body is passed through and its ``usage.prompt_tokens_details.cached_tokens``
-is compared with the predicted hit (misprediction metrics). The predicted hit is the
+as done (pending work off the pod); a response body is passed through and its
+``usage.prompt_tokens_details.cached_tokens`` is compared with the predicted hit
+(misprediction metrics). The predicted hit is the
 block index's, or, when a scheduling plugin keeps a prefix index of its own (GIE's
 approximate scorer), that plugin's: routing runs inside
 :func:`~kvfleet.epp.scheduling.routing_request`, which shows plugins the prompt and
@@ -76,10 +77,12 @@ REQUEST_ID_HEADER = "x-request-id"
 UNKNOWN_MODEL = "unknown"
 
 
-def log_decision(path: str, d: Decision, reported: int | None, request_id: str = "", predicted: int | None = None) -> None:
+def log_decision(path: str, d: Decision, reported: int | None, request_id: str = "",
+                 predicted: int | None = None) -> None:
     """Append one decision as a JSON line (see the module doc); ``predicted`` defaults to the decision's."""
     rec = {
-        "t": time.time(), "id": request_id, "pod": d.pod, "pool": d.pool, "prefiller": d.prefiller, "tokens": d.num_tokens,
+        "t": time.time(), "id": request_id, "pod": d.pod, "pool": d.pool, "prefiller": d.prefiller,
+        "tokens": d.num_tokens,
         "predicted": d.predicted_hit_tokens if predicted is None else predicted, "reported": reported,
         "hits": [list(h) for h in d.hits],
     }
@@ -111,17 +114,19 @@ class _Stream:
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, router: Router, metrics: EppMetrics, max_body_bytes: int, default_mode: str = "FULL_DUPLEX_STREAMED") -> None:
+    def __init__(self, router: Router, metrics: EppMetrics, max_body_bytes: int,
+                 default_mode: str = "FULL_DUPLEX_STREAMED") -> None:
         self.created = int(time.time())
         self.decision_log = os.environ.get(DECISION_LOG_ENV, "")
-        self.keycheck = KeyCheck(on_change=lambda pool, bad: metrics.key_mismatch.labels(pool).set(1.0 if bad else 0.0))
+        self.keycheck = KeyCheck(
+            on_change=lambda pool, bad: metrics.key_mismatch.labels(pool).set(1.0 if bad else 0.0))
         self.router = router
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.default_mode = _Mode.BodySendMode.Value(default_mode)
-        # routing (tokenize, key, index lookup, score) runs off the event loop, so streams in flight keep moving;
-        # one thread: picks stay serialized as on the loop (the router's bookkeeping is not built for parallel
-        # picks, and the GIL would not run two at once anyway)
+        # routing (tokenize, key, index lookup, score) runs off the event loop, so streams in flight keep
+        # moving; one thread: picks stay serialized as on the loop (the router's bookkeeping is not built for
+        # parallel picks, and the GIL would not run two at once anyway)
         self.route_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-route")
 
     @staticmethod
@@ -134,7 +139,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return bool(msg.request_headers.end_of_stream)
         return kind == "request_trailers" and not st.routed
 
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any) -> AsyncIterator[pb.ProcessingResponse]:
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: Any) -> AsyncIterator[pb.ProcessingResponse]:
         """One stream on the ``grpc.aio`` server; the message that routes is handled on ``route_pool``."""
         st: _Stream | None = None
         try:
@@ -149,7 +155,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     if msg.HasField("metadata_context"):
                         st.subset = protocol.subset_hint(msg.metadata_context)
                 if self._routes(st, msg):
-                    out = await asyncio.get_running_loop().run_in_executor(self.route_pool, self._handle, st, msg)
+                    out = await asyncio.get_running_loop().run_in_executor(
+                        self.route_pool, self._handle, st, msg)
                 else:
                     out = self._handle(st, msg)
                 for resp in out:
@@ -174,7 +181,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     return out
                 return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
             if kind == "response_headers":
-                unreachable = protocol.header_map(msg.response_headers.headers).get(protocol.UNREACHABLE_HEADER)
+                unreachable = protocol.header_map(msg.response_headers.headers).get(
+                    protocol.UNREACHABLE_HEADER)
                 if unreachable is not None and st.decision is not None:
                     self.router.unreachable(st.decision, unreachable)
                     return [protocol.empty_response_headers_response(remove=[protocol.UNREACHABLE_HEADER])]
@@ -182,7 +190,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     served = protocol.served_endpoint(msg)
                     if served is not None:
                         st.decision.served(served)
-                        self.metrics.served.labels("pick" if served == st.decision.endpoints[0] else "fallback").inc()
+                        self.metrics.served.labels(
+                            "pick" if served == st.decision.endpoints[0] else "fallback").inc()
                     if st.decision.ticket is not None:
                         st.decision.ticket.first_byte()
                 return [protocol.empty_response_headers_response()]
@@ -222,7 +231,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return [protocol.empty_request_headers_response()]
 
     def _models(self, model: str | None) -> pb.ProcessingResponse:
-        """``GET /v1/models`` (every model the pools serve) or ``/v1/models/{id}`` (404 when none serves it)."""
+        """``GET /v1/models`` (every model the pools serve) or ``/v1/models/{id}`` (404 when none serves
+        it)."""
         served = sorted({m for p in self.router.datastore.pools() for m in p.models if m != "*"})
         if model is None:
             return protocol.json_response(200, protocol.models_body(served, self.created))
@@ -254,7 +264,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         with routing_request(ctx):
             d = self.router.route(req, st.subset)
         st.decision = d
-        st.predicted = d.predicted_hit_tokens if ctx.predicted_hit_tokens is None else ctx.predicted_hit_tokens
+        st.predicted = (d.predicted_hit_tokens if ctx.predicted_hit_tokens is None
+                        else ctx.predicted_hit_tokens)
         self.metrics.pick_seconds.observe(time.perf_counter() - t0)
         self.metrics.prompt_tokens.inc(d.num_tokens)
         self.metrics.predicted_hit.inc(st.predicted)
@@ -292,7 +303,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return [protocol.buffered_body_ack(request=False)]
 
     def _model_label(self, model: str) -> str:
-        """A model a pool names, else ``unknown``: a client cannot grow the label sets (metric cardinality)."""
+        """A model a pool names, else ``unknown``: a client cannot grow the label sets (metric
+        cardinality)."""
         if not model:
             return ""
         return model if any(model in p.models for p in self.router.datastore.pools()) else UNKNOWN_MODEL
@@ -325,15 +337,18 @@ class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
             ok = self.ready()
         else:
             return None
-        return int(health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
+        return int(
+            health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    async def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:
+    async def Check(self, request: health_pb2.HealthCheckRequest,
+                    context: Any) -> health_pb2.HealthCheckResponse:
         status = self.status(request.service)
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+    async def Watch(self, request: health_pb2.HealthCheckRequest,
+                    context: Any) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         last: int | None = -1
         while True:
             status = self.status(request.service)
@@ -346,10 +361,12 @@ class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
 
 
 def health_check(
-    target: str, timeout_s: float = 1.0, service: str = READINESS, credentials: grpc.ChannelCredentials | None = None
+    target: str, timeout_s: float = 1.0, service: str = READINESS,
+    credentials: grpc.ChannelCredentials | None = None
 ) -> bool:
     """Client side of :class:`HealthServicer` (used by tests and ``kvfleet epp --check``): SERVING?"""
-    with (grpc.secure_channel(target, credentials) if credentials is not None else grpc.insecure_channel(target)) as ch:
+    with (grpc.secure_channel(target, credentials) if credentials is not None
+          else grpc.insecure_channel(target)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

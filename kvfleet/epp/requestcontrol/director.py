@@ -81,7 +81,8 @@ class Decision:
 def evidence(cands: Sequence[Candidate]) -> tuple[tuple[str, int, int, float, int], ...]:
     """:attr:`Decision.hits` of the serving candidates."""
     return tuple(
-        (c.name, c.hit_blocks, c.spec_blocks, -1.0 if c.metrics is None else c.metrics.waiting, c.pending_requests)
+        (c.name, c.hit_blocks, c.spec_blocks, -1.0 if c.metrics is None else c.metrics.waiting,
+         c.pending_requests)
         for c in cands
     )
 
@@ -151,13 +152,15 @@ class Director:
         if len(pools) > 1 or subset is not None:  # the pool first: its engines decide how blocks are keyed
             head = tokens[: self.settings.prefix_shard_blocks * self.hasher.block_size]
             allowed = None if subset is None else set(subset)
-            pool = self.locator.invoked_pool(req.model, xxhash.xxh3_64_intdigest(head.tobytes()), pools, allowed)
+            pool = self.locator.invoked_pool(req.model, xxhash.xxh3_64_intdigest(head.tobytes()), pools,
+                                             allowed)
         keys = self.keys_of(tokens, req.cache_salt, pool)
         return self.handle_keys(req.model, keys, len(tokens), [pool], subset, tail=tokens)
 
     def handle_any(self, model: str | None, subset: Sequence[str] | None = None) -> Decision:
         """A request that is not an inference (``/tokenize``, ``/health``...): the least-loaded ready pod
-        of the invoked pool (of ``model``'s pool when the body names one). Counted in flight, no cache state."""
+        of the invoked pool (of ``model``'s pool when the body names one). Counted in flight, no cache
+        state."""
         loc = self.locator
         pools = loc.serving_pools(model) if model else sorted(self.datastore.pools(), key=lambda p: p.name)
         if not pools:
@@ -168,7 +171,8 @@ class Director:
             raise NoEndpointError(f"no ready endpoint in pool {pool.name!r}")
         best = min(pods, key=lambda p: (loc.waiting(p), self.tracker.load(p.name)[0], p.name))
         ticket = self.tracker.open((best.name,), 0, 0.0)
-        return Decision(endpoints=(best.endpoint,), pod=best.name, pool=pool.name, shard=best.shard, ticket=ticket)
+        return Decision(endpoints=(best.endpoint,), pod=best.name, pool=pool.name, shard=best.shard,
+                        ticket=ticket)
 
     def handle_keys(
         self,
@@ -255,7 +259,8 @@ class Director:
         return ticket, leases, ttl
 
     def _on_served(
-        self, result: SchedulingResult, keys: Sequence[int], ticket: Ticket, leases: dict[str, Lease], ttl: dict[str, float],
+        self, result: SchedulingResult, keys: Sequence[int], ticket: Ticket, leases: dict[str, Lease],
+        ttl: dict[str, float],
     ) -> Callable[[str], bool]:
         """:attr:`Decision.on_served`: when a fallback served, its pod gets the ticket and a speculative entry
         (in the ``leases``/``ttl`` the ticket's first-byte refresh reads) and the pick's entry expires."""
@@ -280,13 +285,14 @@ class Director:
     def pick_ttl(self, pod: Pod) -> float:
         """How long after its first token a pick on ``pod`` counts as cached there: until the pod's KV events
         take over (``speculative_ttl_s``), or, for a pod whose engine publishes none (events off, or an engine
-        whose events cannot be indexed: the operator leaves its events annotation empty), ``approximate_ttl_s``."""
+        whose events cannot be indexed: the operator leaves its events annotation empty),
+        ``approximate_ttl_s``."""
         s = self.settings
         return s.speculative_ttl_s if s.events_enabled and pod.events else s.approximate_ttl_s
 
     def unreachable(self, d: Decision, endpoint: str) -> None:
-        """The gateway found nothing listening at ``endpoint`` (one of ``d``'s): out of rotation until a metrics
-        scrape reaches the pod again."""
+        """The gateway found nothing listening at ``endpoint`` (one of ``d``'s): out of rotation until a
+        metrics scrape reaches the pod again."""
         names = {p.endpoint: p.name for pool in self.datastore.pools() for p in pool.pods}
         name = names.get(endpoint) or (d.pod if endpoint in ("", "-") else None)
         if name is not None:

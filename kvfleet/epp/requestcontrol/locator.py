@@ -31,7 +31,8 @@ from kvfleet.epp.scheduling.scheduler import Group
 class Locator:
     """The pools, shards and ready pods a request may be routed to."""
 
-    def __init__(self, settings: EppSettings, datastore: Datastore, metrics: MetricsStore, tracker: InflightTracker) -> None:
+    def __init__(self, settings: EppSettings, datastore: Datastore, metrics: MetricsStore,
+                 tracker: InflightTracker) -> None:
         self.settings = settings
         self.datastore = datastore
         self.metrics = metrics
@@ -46,7 +47,8 @@ class Locator:
         return pod.ready and not self.metrics.down(pod.name)
 
     def waiting(self, pod: Pod) -> float:
-        """The pod's waiting requests: the scraped queue, or the picker's pending requests when more (or unscraped)."""
+        """The pod's waiting requests: the scraped queue, or the picker's pending requests when more (or
+        unscraped)."""
         m = self.metrics.get(pod.name)
         _, _, pending = self.tracker.load(pod.name)
         return max(m.waiting, pending) if m is not None else float(pending)

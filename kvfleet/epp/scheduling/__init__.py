@@ -1,4 +1,5 @@
-"""Scheduling: candidate building, the scheduler and its plugins (filters, scorers, pickers), level 1's ranking.
+"""Scheduling: candidate building, the scheduler and its plugins (filters, scorers, pickers), level 1's
+ranking.
 
 Layer table:
 
@@ -35,6 +36,7 @@ from kvfleet.epp.scheduling.profile import Profile, Ranked
 from kvfleet.epp.scheduling.scheduler import Scheduler, SchedulingResult
 
 __all__ = [
-    "REGISTRY", "Candidate", "CandidateBuilder", "Profile", "Ranked", "RequestContext", "Scheduler", "SchedulingRequest",
-    "SchedulingResult", "create", "current_request", "register", "rendezvous_rank", "routing_request",
+    "REGISTRY", "Candidate", "CandidateBuilder", "Profile", "Ranked", "RequestContext", "Scheduler",
+    "SchedulingRequest", "SchedulingResult", "create", "current_request", "register", "rendezvous_rank",
+    "routing_request",
 ]

@@ -2,16 +2,17 @@
 
 A :class:`~kvfleet.epp.scheduling.framework.Candidate` joins three sources for one pod:
 
-* the global block index (:class:`~kvfleet.epp.index.BlockIndex`): the longest prefix of the request's keys the
-  pod holds, weighted by tier (:func:`tier_weights`), and how much of it only the picker's speculative entries
-  vouch for;
-* the in-flight tracker (:class:`~kvfleet.epp.inflight.InflightTracker`): the picker's requests on the pod, those
-  counted under the request's hot key (hot-spot decay), and the predicted prefill work still pending;
+* the global block index (:class:`~kvfleet.epp.index.BlockIndex`): the longest prefix of the request's keys
+  the pod holds, weighted by tier (:func:`tier_weights`), and how much of it only the picker's speculative
+  entries vouch for;
+* the in-flight tracker (:class:`~kvfleet.epp.inflight.InflightTracker`): the picker's requests on the pod,
+  those counted under the request's hot key (hot-spot decay), and the predicted prefill work still pending;
 * the scraped model-server metrics (:class:`~kvfleet.epp.podmetrics.MetricsStore`), with the picker's pending
   requests at the scrape's instant so the queue scorer does not count its own requests twice.
 
-The *hot key* (:func:`hotspot_key`) is the key of the longest prefix any candidate holds, else the shard key; a
-P/D request's prefill cycle reuses the serving cycle's hot key (:meth:`CandidateBuilder.build` with ``hot``).
+The *hot key* (:func:`hotspot_key`) is the key of the longest prefix any candidate holds, else the shard key;
+a P/D request's prefill cycle reuses the serving cycle's hot key (:meth:`CandidateBuilder.build` with
+``hot``).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class CandidateBuilder:
             inflight, pending_tokens, pending_requests = self.tracker.load(p.name)
             pm = self.metrics.get(p.name)
             # which of the scraped waiting requests are ours: count them at the scrape's instant, not now
-            scrape_pending = self.tracker.pending_at(p.name, pm.scraped_at) if pm is not None and pm.waiting > 0 else None
+            scrape_pending = (self.tracker.pending_at(p.name, pm.scraped_at)
+                              if pm is not None and pm.waiting > 0 else None)
             out.append(
                 Candidate(
                     pod=p,

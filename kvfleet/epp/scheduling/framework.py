@@ -121,7 +121,8 @@ class Scorer(Protocol):
 
 
 class Picker(Protocol):
-    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]: ...
+    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate],
+             scores: Sequence[float]) -> list[Candidate]: ...
 
 
 class PreRequest(Protocol):
@@ -155,7 +156,8 @@ def register(name: str, kind: str) -> Callable[[type], type]:
 
 
 def create(name: str, params: Mapping[str, float]) -> tuple[str, Plugin]:
-    """Instantiate a registered plugin; unknown names raise :class:`UnknownPluginError` listing the known ones."""
+    """Instantiate a registered plugin; unknown names raise :class:`UnknownPluginError` listing the known
+    ones."""
     reg = REGISTRY.get(name)
     if reg is None:
         raise UnknownPluginError(f"unknown scheduling plugin {name!r}; known: {', '.join(sorted(REGISTRY))}")

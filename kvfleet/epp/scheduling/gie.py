@@ -5,8 +5,9 @@ endpoint picker does out of the box (the demo's ``gie-approx`` policy).
 Read from kubernetes-sigs/gateway-api-inference-extension at tag ``v1.5.0`` (the last release whose
 repository still holds the EPP; v1.6.0 moved it out):
 
-* ``pkg/epp/framework/plugins/requestcontrol/dataproducer/approximateprefix/{hashing,indexer,plugin,types}.go``
-  — the prompt hashed in blocks, the per-server LRU index fed by PreRequest, the defaults;
+* ``pkg/epp/framework/plugins/requestcontrol/dataproducer/approximateprefix/`` (``hashing.go``,
+  ``indexer.go``, ``plugin.go``, ``types.go``) — the prompt hashed in blocks, the per-server LRU index fed by
+  PreRequest, the defaults;
 * ``pkg/epp/framework/plugins/scheduling/scorer/prefix/plugin.go`` — score = matched ÷ total blocks;
 * ``pkg/epp/framework/plugins/scheduling/scorer/queuedepth/queue.go`` and
   ``.../scorer/kvcacheutilization/kvcache_utilization.go`` — the load scorers;
@@ -65,7 +66,8 @@ MAX_PREFIX_BLOCKS = 256
 LRU_CAPACITY_PER_SERVER = 31250
 CHARS_PER_TOKEN = 4
 #: GIE's default profile weights (``config/loader/defaults.go``, the chart's ``default-plugins.yaml``)
-DEFAULT_WEIGHTS = {"gie-queue-scorer": 2.0, "gie-kv-cache-utilization-scorer": 2.0, "gie-prefix-cache-scorer": 3.0}
+DEFAULT_WEIGHTS = {"gie-queue-scorer": 2.0, "gie-kv-cache-utilization-scorer": 2.0,
+                   "gie-prefix-cache-scorer": 3.0}
 
 
 def prompt_bytes(prompt: str | None, token_ids: Sequence[int] | None) -> bytes:
@@ -75,8 +77,10 @@ def prompt_bytes(prompt: str | None, token_ids: Sequence[int] | None) -> bytes:
     return (prompt or "").encode()
 
 
-def hash_prompt(data: bytes, model: str, cache_salt: str | None, block_size_tokens: int, max_blocks: int) -> list[int]:
-    """GIE's ``hashPrompt``: chained xxh64 of the full blocks of ``block_size_tokens × 4`` bytes (module doc)."""
+def hash_prompt(data: bytes, model: str, cache_salt: str | None, block_size_tokens: int,
+                max_blocks: int) -> list[int]:
+    """GIE's ``hashPrompt``: chained xxh64 of the full blocks of ``block_size_tokens × 4`` bytes (module
+    doc)."""
     block = block_size_tokens * CHARS_PER_TOKEN
     if block <= 0 or len(data) < block:
         return []
@@ -99,8 +103,9 @@ class LRUIndexer:
         self.capacity: dict[str, int] = {}
 
     def add(self, hashes: Sequence[int], pod: str, capacity: int = 0) -> None:
-        """Touch ``hashes`` in ``pod``'s LRU (created with ``capacity`` at the pod's first add, the default when
-        ≤ 0), evicting its least recently added hashes beyond it; then mark ``pod`` as a holder of each."""
+        """Touch ``hashes`` in ``pod``'s LRU (created with ``capacity`` at the pod's first add, the default
+        when ≤ 0), evicting its least recently added hashes beyond it; then mark ``pod`` as a holder of
+        each."""
         lru = self.pod_lru.get(pod)
         if lru is None:
             lru = self.pod_lru[pod] = OrderedDict()
@@ -156,8 +161,8 @@ class _PrefixState:
 
 @register("gie-prefix-cache-scorer", "scorer")
 class GiePrefixCacheScorer:
-    """GIE's approximate prefix-cache scorer: matched leading prompt blocks ÷ prompt blocks (0..1), from an LRU
-    index of block hashes per pod that its own picks fill (``kvfleet.epp.scheduling.gie``). Params:
+    """GIE's approximate prefix-cache scorer: matched leading prompt blocks ÷ prompt blocks (0..1), from an
+    LRU index of block hashes per pod that its own picks fill (``kvfleet.epp.scheduling.gie``). Params:
     ``block_size_tokens`` (16), ``max_prefix_blocks`` (256), ``max_prefix_tokens`` (0: off),
     ``lru_capacity_per_server`` (31250), ``auto_tune`` (1: block size and LRU size from the pods' metrics)."""
 
@@ -167,13 +172,15 @@ class GiePrefixCacheScorer:
         self.max_prefix_tokens = int(params.get("max_prefix_tokens", 0))
         self.lru_capacity = int(params.get("lru_capacity_per_server", LRU_CAPACITY_PER_SERVER))
         self.auto_tune = bool(params.get("auto_tune", 1.0))
-        if self.block_size_tokens <= 0 or self.max_prefix_blocks <= 0 or self.lru_capacity <= 0 or self.max_prefix_tokens < 0:
+        if (self.block_size_tokens <= 0 or self.max_prefix_blocks <= 0 or self.lru_capacity <= 0
+                or self.max_prefix_tokens < 0):
             raise TypeError("block_size_tokens, max_prefix_blocks and lru_capacity_per_server must be > 0")
         self.indexer = LRUIndexer(self.lru_capacity)
 
     def block_size(self, cands: Sequence[Candidate]) -> int:
         """GIE's ``GetBlockSize``: the first candidate's scraped block size under autoTune, else the param."""
-        if self.auto_tune and cands and cands[0].metrics is not None and (cands[0].metrics.block_size or 0) > 0:
+        if (self.auto_tune and cands and cands[0].metrics is not None
+                and (cands[0].metrics.block_size or 0) > 0):
             return int(cands[0].metrics.block_size or 0)
         return self.block_size_tokens
 
@@ -181,7 +188,8 @@ class GiePrefixCacheScorer:
         st = ctx.state.get(self)
         if not isinstance(st, _PrefixState):
             bs = self.block_size(cands)
-            max_blocks = self.max_prefix_tokens // bs if self.max_prefix_tokens > 0 else self.max_prefix_blocks
+            max_blocks = (self.max_prefix_tokens // bs if self.max_prefix_tokens > 0
+                          else self.max_prefix_blocks)
             data = prompt_bytes(ctx.prompt, ctx.prompt_token_ids)
             hashes = tuple(hash_prompt(data, ctx.model, ctx.cache_salt, bs, max_blocks))
             st = ctx.state[self] = _PrefixState(hashes, self.indexer.match_longest_prefix(hashes), bs)
@@ -197,7 +205,8 @@ class GiePrefixCacheScorer:
         return [st.matches.get(c.name, 0) / len(st.hashes) for c in cands]
 
     def pre_request(self, req: SchedulingRequest, pick: Candidate) -> None:
-        """Record the prompt's hashes on ``pick``; its predicted cached tokens are its matched blocks' tokens."""
+        """Record the prompt's hashes on ``pick``; its predicted cached tokens are its matched blocks'
+        tokens."""
         ctx = current_request()
         if ctx is None:
             return
@@ -244,7 +253,8 @@ class GieMaxScorePicker:
         self.max_endpoints = n if n > 0 else 1
         self._rng = random.Random(int(params.get("seed", 0)))
 
-    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
+    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate],
+             scores: Sequence[float]) -> list[Candidate]:
         order = list(range(len(cands)))
         self._rng.shuffle(order)
         order.sort(key=lambda i: -scores[i])
@@ -252,10 +262,12 @@ class GieMaxScorePicker:
 
 
 def default_profile() -> list[dict[str, object]]:
-    """GIE's default scheduling profile as kvfleet ``epp.plugins`` entries (weights 2/2/3, max-score picker)."""
+    """GIE's default scheduling profile as kvfleet ``epp.plugins`` entries (weights 2/2/3, max-score
+    picker)."""
     return [
         {"type": "gie-queue-scorer", "weight": DEFAULT_WEIGHTS["gie-queue-scorer"]},
-        {"type": "gie-kv-cache-utilization-scorer", "weight": DEFAULT_WEIGHTS["gie-kv-cache-utilization-scorer"]},
+        {"type": "gie-kv-cache-utilization-scorer",
+         "weight": DEFAULT_WEIGHTS["gie-kv-cache-utilization-scorer"]},
         {"type": "gie-prefix-cache-scorer", "weight": DEFAULT_WEIGHTS["gie-prefix-cache-scorer"]},
         {"type": "gie-max-score-picker"},
     ]

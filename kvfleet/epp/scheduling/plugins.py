@@ -44,7 +44,8 @@ def waiting_of(c: Candidate) -> float:
 
 
 def mean_queue_rho(req: SchedulingRequest, cands: Sequence[Candidate]) -> float:
-    """``ρ = q̄ / (q̄ + prefill_s(request))`` with ``q̄`` the candidates' mean queued prefill seconds (0 when idle)."""
+    """``ρ = q̄ / (q̄ + prefill_s(request))`` with ``q̄`` the candidates' mean queued prefill seconds (0 when
+    idle)."""
     if not cands:
         return 0.0
     q = sum(c.pending_tokens for c in cands) / len(cands) * req.prefill_s_per_token
@@ -85,7 +86,8 @@ class PrefixCacheScorer:
         beta = req.hotspot_beta if self.beta is None else float(self.beta)
         unit = req.block_size * req.prefill_s_per_token
         gain = 1.0 + self.load_gain * mean_queue_rho(req, cands) if self.load_gain else 1.0
-        return [c.hit_weighted * unit * (1.0 if c.same_prefix else gain) / (1.0 + beta * c.same_prefix) for c in cands]
+        return [c.hit_weighted * unit * (1.0 if c.same_prefix else gain) / (1.0 + beta * c.same_prefix)
+                for c in cands]
 
 
 @register("queue-scorer", "scorer")
@@ -176,8 +178,10 @@ class MaxScorePicker:
         self.fallbacks = int(params.get("fallbacks", 2))
         self._rng = random.Random(int(params.get("seed", 0)))
 
-    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
-        order = sorted(range(len(cands)), key=lambda i: (-round(scores[i], 9), cands[i].inflight, self._rng.random()))
+    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate],
+             scores: Sequence[float]) -> list[Candidate]:
+        order = sorted(range(len(cands)),
+                       key=lambda i: (-round(scores[i], 9), cands[i].inflight, self._rng.random()))
         return [cands[i] for i in order[: 1 + self.fallbacks]]
 
 
@@ -189,7 +193,8 @@ class RandomPicker:
         self.fallbacks = int(params.get("fallbacks", 2))
         self._rng = random.Random(int(params.get("seed", 0)))
 
-    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
+    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate],
+             scores: Sequence[float]) -> list[Candidate]:
         order = list(cands)
         self._rng.shuffle(order)
         return order[: 1 + self.fallbacks]
@@ -206,7 +211,8 @@ class RoundRobinPicker:
         self.fallbacks = int(params.get("fallbacks", 2))
         self._next: dict[tuple[str, ...], int] = {}
 
-    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
+    def pick(self, req: SchedulingRequest, cands: Sequence[Candidate],
+             scores: Sequence[float]) -> list[Candidate]:
         if not cands:
             return []
         order = sorted(cands, key=lambda c: c.name)

@@ -72,7 +72,8 @@ class Scheduler:
         if prof is None:
             scaled = []
             for p in self.settings.plugins:
-                factor = cache.prefix_weight if p.type in PREFIX_SCORERS else cache.load_weight if p.type in LOAD_SCORERS else 1.0
+                factor = (cache.prefix_weight if p.type in PREFIX_SCORERS
+                          else cache.load_weight if p.type in LOAD_SCORERS else 1.0)
                 scaled.append(PluginSpec(type=p.type, weight=p.weight * factor, params=dict(p.params)))
             prof = self._profiles[key] = Profile(tuple(scaled))
         return prof

@@ -148,8 +148,9 @@ class InflightTracker:
                 return
             t.open = False
             self._tickets.pop(t.key, None)
-            if t.origin is not None:
-                self._remote[t.origin].discard(t.id)
+            mine = self._remote.get(t.origin) if t.origin is not None else None
+            if mine is not None:  # not recreated for a forgotten peer
+                mine.discard(t.id)
             for pod in t.pods:
                 self._loads[pod].inflight = max(0, self._loads[pod].inflight - 1)
             self._cool(t)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -95,6 +95,7 @@ def test_in_flight_load_on_one_replica_counts_on_the_other(
     a.gossip.stop()
     wait_for(lambda: b.tracker.remote_count() == 0, timeout_s=10.0, what="B to forget silent A")
     assert all(b.tracker.load(p) == (0, 0.0, 0) for p in mine) and b.gossip.peers_gone == 1
+    assert a.gossip.replica not in b.tracker._remote  # nothing kept for a peer that is gone
 
 
 def _metrics(epp: Epp) -> str:
@@ -115,7 +116,7 @@ class TestBoundary:
         return g, idx
 
     @staticmethod
-    def payload(picks: list[Any] = (), tickets: list[Any] = (), version: int = VERSION, replica: str = "peer") -> bytes:  # type: ignore[assignment]
+    def payload(picks: Sequence[Any] = (), tickets: Sequence[Any] = (), version: int = VERSION, replica: str = "peer") -> bytes:
         return msgspec.msgpack.encode([version, replica, list(picks), list(tickets)])
 
     def test_a_valid_pick_is_applied(self) -> None:

@@ -52,7 +52,7 @@ import aiohttp
 import msgspec
 import zmq
 
-from kvfleet.config.epp import EppSettings
+from kvfleet.config.epp import default_plugins
 from kvfleet.demo.envoy import envoy_binary
 from kvfleet.demo.stack import (
     Child,
@@ -157,10 +157,7 @@ class Stack:
 
     def start_epp(self, i: int) -> Child:
         grpc, health, metrics = self.epp_ports[i]
-        plugins: list[dict[str, Any]] = [{"type": p.type, "weight": p.weight, "params": dict(p.params)} for p in EppSettings().plugins]
-        for p in plugins:
-            if p["type"] == "max-score-picker":
-                p["params"]["fallbacks"] = 2  # the gateway retries a dead pick on the next one (override_host)
+        plugins = msgspec.to_builtins(default_plugins(fallbacks=2))  # the gateway retries a dead pick on the next one
         cfg = write_yaml(self.stack.workdir / f"epp-{i}.yaml", {"epp": {
             "host": "127.0.0.1", "grpc_port": grpc, "health_port": health, "metrics_port": metrics,
             "pods_file": str(self.pods_path), "prefix_shard_blocks": 64, "pool_saturation_queue": 4.0,

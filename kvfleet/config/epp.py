@@ -17,14 +17,16 @@ class PluginSpec:
     params: dict[str, float] = field(default_factory=dict)
 
 
-def _default_plugins() -> tuple[PluginSpec, ...]:
+def default_plugins(fallbacks: int = 0) -> tuple[PluginSpec, ...]:
+    """The default scheduling profile; ``fallbacks``: next-best endpoints the picker returns after its pick (0
+    unless the gateway walks the list: ``kvfleet gateway-config --routing override_host``)."""
     return (
         PluginSpec(type="ready-filter"),
         PluginSpec(type="prefix-cache-scorer", weight=1.0),
         PluginSpec(type="queue-scorer", weight=1.0),
         PluginSpec(type="kv-cache-utilization-scorer", weight=0.05),
         PluginSpec(type="prefix-affinity-scorer", weight=1.0),
-        PluginSpec(type="max-score-picker", params={"fallbacks": 0}),
+        PluginSpec(type="max-score-picker", params={"fallbacks": fallbacks}),
     )
 
 
@@ -103,7 +105,7 @@ class EppSettings:
     shed_queue: float = 0.0
     pd_min_uncached_tokens: int = 512
     hotspot_beta: float = 0.1
-    plugins: tuple[PluginSpec, ...] = field(default_factory=_default_plugins)
+    plugins: tuple[PluginSpec, ...] = field(default_factory=default_plugins)
     cost: CostModelSettings = field(default_factory=CostModelSettings)
 
     def __post_init__(self) -> None:

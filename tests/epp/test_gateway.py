@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import msgspec
 import pytest
 
 from kvfleet.config import load
+from kvfleet.config.epp import default_plugins
 from kvfleet.demo.envoy import EnvoyProcess, free_port
 from kvfleet.epp.app import Epp
 from kvfleet.epp.datastore import StaticDatastore
@@ -315,11 +317,7 @@ def test_a_pod_dead_before_the_picker_knows_is_retried_on_the_next_pick(fleet: P
     data = fleet.pools_config(events=False)
     data["pools"][0]["pods"].insert(0, {"name": "gone", "address": "127.0.0.1", "port": gone,
                                         "metrics": f"http://127.0.0.1:{gone}/metrics"})
-    fallbacks = 2 if routing == "override_host" else 0
-    plugins: list[dict[str, Any]] = [{"type": p.type, "weight": p.weight, "params": dict(p.params)} for p in load().epp.plugins]
-    for p in plugins:
-        if p["type"] == "max-score-picker":
-            p["params"]["fallbacks"] = fallbacks
+    plugins = msgspec.to_builtins(default_plugins(fallbacks=2 if routing == "override_host" else 0))
     settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0,
                                        "scrape_interval_s": 60.0, "events_enabled": False, "plugins": plugins}})
     epp = Epp(settings, datastore=StaticDatastore(data=data)).start()

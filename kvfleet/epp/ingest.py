@@ -227,14 +227,12 @@ class PodEventApplier:
         if len(keys) != n:
             self.stats.orphans += n
             return
+        remember = True
         if keys == engine:
             self.hashes_like_us = True
-            if all(self._chain_value(h) == c for h, c in zip(ev.block_hashes, chain, strict=True)):
-                # the engine's hashes are the picker's keys and chain values: a child or a removal finds
-                # them from the hash alone, so nothing is remembered (the map holds only differing blocks)
-                self.stats.stored += n
-                self.index.add(self.pod, keys, tier)
-                return
+            # the engine's hashes are the picker's keys and chain values: a child or a removal finds
+            # them from the hash alone, so nothing is remembered (the map holds only differing blocks)
+            remember = not all(self._chain_value(h) == c for h, c in zip(ev.block_hashes, chain, strict=True))
         elif self.hashes_like_us:
             # the pod hashes like the picker: a differing hash mixed in extra keys (salt, LoRA, media),
             # and the engine's hash is the picker's key for that request
@@ -246,8 +244,9 @@ class PodEventApplier:
         elif resumed:
             self.stats.orphans += n  # unknown parent, and the pod does not hash like the picker
             return
-        for e, k, c in zip(engine, keys, chain, strict=True):
-            self._remember(e, k, c)
+        if remember:
+            for e, k, c in zip(engine, keys, chain, strict=True):
+                self._remember(e, k, c)
         self.stats.stored += n
         self.index.add(self.pod, keys, tier)
 

@@ -60,25 +60,28 @@ def test_rendered_gateway_config_is_accepted_by_envoy(helm: str, tmp_path: Path)
         assert cfg["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
         filters = _http_filters(cfg)
         removed = [m["remove"] for m in filters[0]["typed_config"]["mutations"]["request_mutations"]]
-        assert filters[0]["name"] == "envoy.filters.http.header_mutation" and removed == list(CLIENT_STRIPPED_HEADERS)
+        assert (filters[0]["name"] == "envoy.filters.http.header_mutation"
+                and removed == list(CLIENT_STRIPPED_HEADERS))
         ext_proc = next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
         assert ext_proc["processing_mode"]["response_header_mode"] == "SEND"
         assert ext_proc["processing_mode"]["response_body_mode"] != "NONE"
         clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
         epp = clusters["kvfleet-epp"]
         assert epp["type"] == "STRICT_DNS"
-        assert epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["address"] == (
-            "kvf-kvfleet-epp-replicas.kvfleet.svc.cluster.local")
+        assert epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
+            "socket_address"]["address"] == "kvf-kvfleet-epp-replicas.kvfleet.svc.cluster.local"
         if extra:
             assert ext_proc["failure_mode_allow"] is True
             assert clusters["kvfleet-fallback"]["type"] == "STRICT_DNS"
             assert epp["transport_socket"]["typed_config"]["sni"] == "kvf-kvfleet-epp.kvfleet.svc"
-            (tmp_path / "ca.crt").write_text("")  # validate needs the file to exist; the CA itself is tested in tests/epp
+            # validate needs the file to exist; the CA itself is tested in tests/epp
+            (tmp_path / "ca.crt").write_text("")
         else:
             assert ext_proc["failure_mode_allow"] is False and "kvfleet-fallback" not in clusters
         if not extra:
-            result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")],
-                                    capture_output=True, text=True, timeout=60)
+            result = subprocess.run(
+                [envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")],
+                capture_output=True, text=True, timeout=60)
             assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
@@ -105,16 +108,19 @@ def test_rendered_gateway_runs_the_response_phase(helm: str, tmp_path: Path) -> 
         flags = [f"--epp=127.0.0.1:{epp.grpc_port}" if a.startswith("--epp=") else a for a in flags]
         flags += [f"{k}={v}" for k, v in ports.items()] + ["--listen-host=127.0.0.1"]
         cfg = _render(flags, tmp_path / "envoy.yaml")
-        env = EnvoyProcess(cfg, listen_port=ports["--listen-port"], admin_port=ports["--admin-port"]).start()
+        env = EnvoyProcess(cfg, listen_port=ports["--listen-port"],
+                           admin_port=ports["--admin-port"]).start()
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['--health-port']}/ready", timeout=5) as r:
             assert r.status == 200
         prompt = "The chart's gateway runs this prompt. " * 20
         holder = fleet.pods[0]
         holder.handle("/v1/completions", {"model": "m", "prompt": prompt})
-        wait_for(lambda: epp.index.num_pod_keys(holder.name) >= len(holder.blocks), what="pod-0's blocks indexed")
+        wait_for(lambda: epp.index.num_pod_keys(holder.name) >= len(holder.blocks),
+                 what="pod-0's blocks indexed")
         other = f"127.0.0.1:{fleet.pods[1].port}"
         status, headers, body = post(f"http://127.0.0.1:{ports['--listen-port']}/v1/completions",
-                                     {"model": "m", "prompt": prompt + "q"}, headers={"x-gateway-destination-endpoint": other})
+                                     {"model": "m", "prompt": prompt + "q"},
+                                     headers={"x-gateway-destination-endpoint": other})
         assert status == 200, body
         assert headers["x-pod"] == "pod-0" and headers["x-seen-destination"] == f"127.0.0.1:{holder.port}"
 
@@ -123,7 +129,8 @@ def test_rendered_gateway_runs_the_response_phase(helm: str, tmp_path: Path) -> 
                 return str(r.read().decode())
 
         wait_for(lambda: 'kvfleet_epp_served_total{by="pick"} 1.0' in scrape(), what="the served report")
-        cached = next(float(ln.split()[1]) for ln in scrape().splitlines() if ln.startswith("kvfleet_epp_engine_cached_tokens_total "))
+        cached = next(float(ln.split()[1]) for ln in scrape().splitlines()
+                      if ln.startswith("kvfleet_epp_engine_cached_tokens_total "))
         assert cached > 0  # pod-0 reported its cached tokens through the response phase
     finally:
         if env is not None:

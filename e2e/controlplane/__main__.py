@@ -24,9 +24,11 @@ def _mib(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.controlplane", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="python -m e2e.controlplane",
+                                     description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("command", choices=["build", "up", "info"])
-    parser.add_argument("--workdir", type=Path, default=None, help="up: keep certificates, etcd data and logs here")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="up: keep certificates, etcd data and logs here")
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             stop = threading.Event()
             signal.signal(signal.SIGTERM, lambda *_: stop.set())
             with cluster.running(args.workdir) as cp:
-                print(f"control plane {cluster.pins()['kubernetes']} at {cp.server}; started in {cp.startup_s['total']:.1f} s")
+                print(f"control plane {cluster.pins()['kubernetes']} at {cp.server}; "
+                      f"started in {cp.startup_s['total']:.1f} s")
                 print(f"export KUBECONFIG={cp.kubeconfig}")
                 print("Ctrl-C stops it.", flush=True)
                 try:

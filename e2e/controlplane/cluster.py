@@ -53,8 +53,9 @@ SERVICE_CIDR = "10.96.0.0/16"
 API_SERVICE_ADDRESS = "127.0.10.1"
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMISSION = (
-    "NamespaceLifecycle,LimitRanger,ServiceAccount,NodeRestriction,PodSecurity,Priority,DefaultTolerationSeconds,"
-    "DefaultStorageClass,StorageObjectInUseProtection,RuntimeClass,ResourceQuota,OwnerReferencesPermissionEnforcement,"
+    "NamespaceLifecycle,LimitRanger,ServiceAccount,NodeRestriction,PodSecurity,Priority,"
+    "DefaultTolerationSeconds,DefaultStorageClass,StorageObjectInUseProtection,RuntimeClass,ResourceQuota,"
+    "OwnerReferencesPermissionEnforcement,"
     "MutatingAdmissionWebhook,ValidatingAdmissionPolicy,ValidatingAdmissionWebhook"
 )
 
@@ -73,7 +74,8 @@ def _require(go_mod: str, module: str) -> str:
 def pins() -> dict[str, str]:
     """The pinned versions, read from go.mod: ``{"kubernetes": "v1.34.12", "etcd": "v3.6.4"}``."""
     text = (HERE / "go.mod").read_text()
-    return {"kubernetes": _require(text, "k8s.io/kubernetes"), "etcd": _require(text, "go.etcd.io/etcd/server/v3")}
+    return {"kubernetes": _require(text, "k8s.io/kubernetes"),
+            "etcd": _require(text, "go.etcd.io/etcd/server/v3")}
 
 
 def _ldflags(version: str) -> str:
@@ -85,13 +87,15 @@ def _ldflags(version: str) -> str:
     major, minor = m.groups()
     flags = ["-s", "-w"]
     for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
-        flags += [f"-X {pkg}.gitVersion={version}", f"-X {pkg}.gitMajor={major}", f"-X {pkg}.gitMinor={minor}",
-                  f"-X {pkg}.gitTreeState=clean", f"-X {pkg}.buildDate=1970-01-01T00:00:00Z"]
+        flags += [f"-X {pkg}.gitVersion={version}", f"-X {pkg}.gitMajor={major}",
+                  f"-X {pkg}.gitMinor={minor}", f"-X {pkg}.gitTreeState=clean",
+                  f"-X {pkg}.buildDate=1970-01-01T00:00:00Z"]
     return " ".join(flags)
 
 
 def cache_root() -> Path:
-    base = os.environ.get("KVFLEET_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvfleet")
+    base = os.environ.get("KVFLEET_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvfleet")
     return Path(base) / "controlplane"
 
 
@@ -148,7 +152,8 @@ def build(log: Callable[[str], None] = print) -> Binaries:
         return out
     go = shutil.which("go")
     if go is None:
-        raise Unavailable("no `go` on PATH: the control plane is built from Kubernetes' Go modules (Go >= 1.25 and the Go module proxy)")
+        raise Unavailable("no `go` on PATH: the control plane is built from Kubernetes' Go modules "
+                          "(Go >= 1.25 and the Go module proxy)")
     with _locked(cache_root() / "build.lock"):
         if out.present():  # built by a concurrent run while this one waited
             return out
@@ -156,16 +161,20 @@ def build(log: Callable[[str], None] = print) -> Binaries:
         tmp = out.dir.parent / f"bin.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        log(f"building etcd, kube-apiserver, kube-controller-manager {version} into {out.dir} (once per pin; minutes on a cold cache)")
+        log(f"building etcd, kube-apiserver, kube-controller-manager {version} into {out.dir} "
+            "(once per pin; minutes on a cold cache)")
         t0 = time.monotonic()
         cmd = [go, "build", "-trimpath", "-ldflags", _ldflags(version), "-o", str(tmp) + "/", *PACKAGES]
         result = subprocess.run(cmd, cwd=HERE, env=go_env(), capture_output=True, text=True)
         if result.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise Unavailable(f"go build of the control plane failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
-        go_version = subprocess.run([go, "env", "GOVERSION"], env=go_env(), capture_output=True, text=True).stdout.strip()
-        (tmp / "build.json").write_text(json.dumps({**pins(), "go": go_version, "seconds": round(time.monotonic() - t0, 1),
-                                                    "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+            raise Unavailable(f"go build of the control plane failed (exit {result.returncode}):\n"
+                              f"{result.stderr[-4000:]}")
+        go_version = subprocess.run([go, "env", "GOVERSION"], env=go_env(), capture_output=True,
+                                    text=True).stdout.strip()
+        (tmp / "build.json").write_text(json.dumps({
+            **pins(), "go": go_version, "seconds": round(time.monotonic() - t0, 1),
+            "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
         shutil.rmtree(out.dir, ignore_errors=True)
         tmp.rename(out.dir)
         for old in out.dir.parent.parent.iterdir():  # binaries of other pins: replaced by this one
@@ -186,11 +195,11 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 def _cert(pki: Path, name: str, subject: str, ext: str) -> None:
     """An EC P-256 key and a certificate for it signed by pki/ca.{crt,key}."""
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key",
-             "-out", f"{name}.csr", "-subj", subject, cwd=pki)
+    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=pki)
     (pki / f"{name}.ext").write_text(ext)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "30",
-             "-sha256", "-extfile", f"{name}.ext", "-out", f"{name}.crt", cwd=pki)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", "30", "-sha256", "-extfile", f"{name}.ext", "-out", f"{name}.crt", cwd=pki)
 
 
 def make_pki(pki: Path) -> None:
@@ -199,12 +208,15 @@ def make_pki(pki: Path) -> None:
     if shutil.which("openssl") is None:
         raise Unavailable("no `openssl` on PATH (it makes the control plane's certificates)")
     pki.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-             "-days", "30", "-subj", "/CN=kvfleet-test-ca", "-addext", "basicConstraints=critical,CA:TRUE",
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+             "-keyout", "ca.key", "-out", "ca.crt", "-days", "30", "-subj", "/CN=kvfleet-test-ca",
+             "-addext", "basicConstraints=critical,CA:TRUE",
              "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=pki)
     client = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n"
-    _cert(pki, "apiserver", "/CN=kube-apiserver", "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-          f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,IP:10.96.0.1,IP:{API_SERVICE_ADDRESS},DNS:localhost,DNS:kubernetes,"
+    _cert(pki, "apiserver", "/CN=kube-apiserver",
+          "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+          "extendedKeyUsage=serverAuth\n"
+          f"subjectAltName=IP:127.0.0.1,IP:10.96.0.1,IP:{API_SERVICE_ADDRESS},DNS:localhost,DNS:kubernetes,"
           "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n")
     _cert(pki, "admin", "/O=system:masters/CN=kvfleet-admin", client)
     _cert(pki, "controller-manager", "/CN=system:kube-controller-manager", client)
@@ -212,7 +224,8 @@ def make_pki(pki: Path) -> None:
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
 
 
-def write_kubeconfig(path: Path, server: str, ca: Path, user: dict[str, str], name: str = "kvfleet-test") -> Path:
+def write_kubeconfig(path: Path, server: str, ca: Path, user: dict[str, str],
+                     name: str = "kvfleet-test") -> Path:
     """A kubeconfig naming its certificate files by path (``user``: client-certificate/client-key, or token).
 
     Paths rather than ``*-data``: every client reads them alike (kubectl, helm, the kubernetes
@@ -267,8 +280,8 @@ class ControlPlane:
     def _spawn(self, name: str, args: list[str]) -> _Proc:
         log = self.workdir / f"{name}.log"
         logfile = log.open("ab")
-        popen = subprocess.Popen([self.bins[name], *args], stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
-                                 start_new_session=True, cwd=self.workdir)
+        popen = subprocess.Popen([self.bins[name], *args], stdin=subprocess.DEVNULL, stdout=logfile,
+                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=self.workdir)
         proc = _Proc(name, popen, log, logfile)
         self._procs.append(proc)
         return proc
@@ -282,7 +295,8 @@ class ControlPlane:
         """Raise when a component has exited (with the end of its log)."""
         for p in self._procs:
             if p.popen.poll() is not None:
-                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}; end of {p.log}:\n{self._tail(p)}")
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}; end of {p.log}:\n"
+                                   f"{self._tail(p)}")
 
     def _wait(self, what: str, probe: Callable[[], bool], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -307,7 +321,8 @@ class ControlPlane:
         """One JSON request as the admin; raises urllib.error.HTTPError on >= 400."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.server + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json", "Accept": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              "Accept": "application/json"})
         with urllib.request.urlopen(req, context=self._ssl(), timeout=timeout_s) as resp:
             raw = resp.read()
         return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
@@ -340,7 +355,8 @@ class ControlPlane:
         pki = self.pki
         etcd_port, peer_port, api_port, kcm_port = (_free_port() for _ in range(4))
         t = time.monotonic()
-        self._spawn("etcd", [f"--data-dir={self.workdir / 'etcd'}", f"--listen-client-url=http://127.0.0.1:{etcd_port}",
+        self._spawn("etcd", [f"--data-dir={self.workdir / 'etcd'}",
+                             f"--listen-client-url=http://127.0.0.1:{etcd_port}",
                              f"--listen-peer-url=http://127.0.0.1:{peer_port}"])
 
         def etcd_healthy() -> bool:
@@ -370,24 +386,29 @@ class ControlPlane:
         self.startup_s["kube-apiserver"] = time.monotonic() - t
 
         t = time.monotonic()
-        kcm_kubeconfig = write_kubeconfig(self.workdir / "controller-manager.kubeconfig", self.server, pki / "ca.crt", {
-            "client-certificate": str(pki / "controller-manager.crt"), "client-key": str(pki / "controller-manager.key")})
+        kcm_kubeconfig = write_kubeconfig(self.workdir / "controller-manager.kubeconfig", self.server,
+                                          pki / "ca.crt",
+                                          {"client-certificate": str(pki / "controller-manager.crt"),
+                                           "client-key": str(pki / "controller-manager.key")})
         self._spawn("kube-controller-manager", [
             f"--kubeconfig={kcm_kubeconfig}", f"--authentication-kubeconfig={kcm_kubeconfig}",
             f"--authorization-kubeconfig={kcm_kubeconfig}",
-            "--bind-address=127.0.0.1", f"--secure-port={kcm_port}", f"--cert-dir={self.workdir / 'kcm-certs'}",
+            "--bind-address=127.0.0.1", f"--secure-port={kcm_port}",
+            f"--cert-dir={self.workdir / 'kcm-certs'}",
             "--leader-elect=false", "--use-service-account-credentials=true",
             f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
             "--cluster-name=kvfleet-test", "--profiling=false", "--v=1",
         ])
         # Ready for tests once the service-account controllers run: Pods can only be admitted
         # (ServiceAccount admission) in a namespace whose "default" ServiceAccount exists.
-        self._wait("kube-controller-manager", lambda: self._exists("/api/v1/namespaces/default/serviceaccounts/default")
+        self._wait("kube-controller-manager",
+                   lambda: self._exists("/api/v1/namespaces/default/serviceaccounts/default")
                    and self._exists("/api/v1/namespaces/default/configmaps/kube-root-ca.crt"), timeout_s)
         self.startup_s["kube-controller-manager"] = time.monotonic() - t
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM each process group (controller manager, API server, etcd), SIGKILL what outlives ``grace_s``."""
+        """SIGTERM each process group (controller manager, API server, etcd), SIGKILL what outlives
+        ``grace_s``."""
         for p in reversed(self._procs):
             if p.popen.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -409,12 +430,14 @@ class ControlPlane:
 
     # credentials for other identities
 
-    def service_account_kubeconfig(self, namespace: str, name: str, path: Path, expiration_s: int = 3600) -> Path:
+    def service_account_kubeconfig(self, namespace: str, name: str, path: Path,
+                                   expiration_s: int = 3600) -> Path:
         """A kubeconfig that authenticates as ServiceAccount ``namespace/name`` (a TokenRequest token)."""
         review = self.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
                               {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
                                "spec": {"expirationSeconds": expiration_s}})
-        return write_kubeconfig(path, self.server, self.pki / "ca.crt", {"token": review["status"]["token"]}, name=f"{namespace}-{name}")
+        return write_kubeconfig(path, self.server, self.pki / "ca.crt", {"token": review["status"]["token"]},
+                                name=f"{namespace}-{name}")
 
 
 def du(path: Path) -> int:

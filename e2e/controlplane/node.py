@@ -73,7 +73,8 @@ POD_NET = ipaddress.ip_network("127.1.0.0/16")
 #: where the ``kubernetes`` Service answers in every Pod (``kubernetes.default.svc``, port 443)
 API_ADDRESS = API_SERVICE_ADDRESS
 #: kvfleet roles that bind 0.0.0.0 unless told: the flag that gives them the Pod's address.
-BIND_FLAGS = {"engine": "--host={ip}", "agent": "--host={ip}", "epp": "--host={ip}", "gateway-config": "--listen-host={ip}"}
+BIND_FLAGS = {"engine": "--host={ip}", "agent": "--host={ip}", "epp": "--host={ip}",
+              "gateway-config": "--listen-host={ip}"}
 ENVOY_IMAGES = ("envoyproxy/envoy:", "docker.io/envoyproxy/envoy:")
 
 
@@ -83,7 +84,8 @@ def _now() -> str:
 
 def _expand(text: str, env: Mapping[str, str]) -> str:
     """kubelet's ``$(VAR)`` expansion (``$$`` escapes; unknown references stay as written)."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
 
 
 class PodError(RuntimeError):
@@ -125,8 +127,9 @@ class _Pod:
 
 
 class _ApiProxy:
-    """The ``kubernetes`` Service: ``API_ADDRESS:443`` forwarded to the API server's loopback port (kube-proxy's part
-    for the one Service every in-cluster client uses; kopf, for one, always dials ``https://kubernetes.default.svc``)."""
+    """The ``kubernetes`` Service: ``API_ADDRESS:443`` forwarded to the API server's loopback port
+    (kube-proxy's part for the one Service every in-cluster client uses; kopf, for one, always dials
+    ``https://kubernetes.default.svc``)."""
 
     def __init__(self, target: tuple[str, int], address: tuple[str, int]) -> None:
         self.target = target
@@ -178,8 +181,9 @@ class _ApiProxy:
 class Node:
     """One node serving the Pods of ``namespaces`` (see the module docstring). ``start()``, ``stop()``."""
 
-    def __init__(self, cp: ControlPlane, namespaces: Sequence[str], workdir: Path, image: str = "kvfleet:0.1.0",
-                 name: str = "kvfleet-node-0", probe_interval_s: float = 0.5, max_grace_s: float = 10.0) -> None:
+    def __init__(self, cp: ControlPlane, namespaces: Sequence[str], workdir: Path,
+                 image: str = "kvfleet:0.1.0", name: str = "kvfleet-node-0", probe_interval_s: float = 0.5,
+                 max_grace_s: float = 10.0) -> None:
         self.cp, self.namespaces, self.workdir = cp, list(namespaces), Path(workdir)
         self.image, self.name = image, name
         self.probe_interval_s, self.max_grace_s = probe_interval_s, max_grace_s
@@ -195,11 +199,13 @@ class Node:
         self._lease_at = 0.0
         self.errors: list[str] = []
         bindir = Path(sys.executable).parent
-        self.kvfleet = str(bindir / "kvfleet") if (bindir / "kvfleet").exists() else shutil.which("kvfleet") or "kvfleet"
+        self.kvfleet = (str(bindir / "kvfleet") if (bindir / "kvfleet").exists()
+                        else shutil.which("kvfleet") or "kvfleet")
 
     # -- API -------------------------------------------------------------------------------------
 
-    def _api(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+    def _api(self, method: str, path: str, body: Any = None,
+             content_type: str = "application/json") -> Any:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.cp.server + path, data=data, method=method,
                                      headers={"Content-Type": content_type, "Accept": "application/json"})
@@ -214,15 +220,20 @@ class Node:
         with contextlib.suppress(urllib.error.HTTPError):
             self._api("POST", "/api/v1/nodes", node)
         cpus, mem = os.cpu_count() or 2, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        resources = {"cpu": str(cpus), "memory": f"{mem // 1024}Ki", "pods": "110", "ephemeral-storage": "100Gi"}
+        resources = {"cpu": str(cpus), "memory": f"{mem // 1024}Ki", "pods": "110",
+                     "ephemeral-storage": "100Gi"}
         status = {"status": {
-            "capacity": resources, "allocatable": resources, "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
-                                                                           {"type": "Hostname", "address": self.name}],
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kvfleet test node",
+            "capacity": resources, "allocatable": resources,
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
+                          {"type": "Hostname", "address": self.name}],
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                            "message": "kvfleet test node",
                             "lastHeartbeatTime": _now(), "lastTransitionTime": _now()}],
-            "nodeInfo": {"kubeletVersion": self.cp_version(), "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
-                         "containerRuntimeVersion": "kvfleet-node://0", "osImage": "", "kernelVersion": os.uname().release,
-                         "machineID": "", "systemUUID": "", "bootID": ""}}}
+            "nodeInfo": {"kubeletVersion": self.cp_version(), "kubeProxyVersion": "",
+                         "operatingSystem": "linux", "architecture": "amd64",
+                         "containerRuntimeVersion": "kvfleet-node://0", "osImage": "",
+                         "kernelVersion": os.uname().release, "machineID": "", "systemUUID": "",
+                         "bootID": ""}}}
         self._api("PATCH", f"/api/v1/nodes/{self.name}/status", status, "application/merge-patch+json")
         self._renew_lease()
 
@@ -234,7 +245,8 @@ class Node:
 
     def _renew_lease(self) -> None:
         now = datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": self.name, "namespace": "kube-node-lease"},
+        lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                 "metadata": {"name": self.name, "namespace": "kube-node-lease"},
                  "spec": {"holderIdentity": self.name, "leaseDurationSeconds": 40, "renewTime": now}}
         try:
             self._api("PATCH", f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.name}",
@@ -248,10 +260,11 @@ class Node:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> Node:
-        """Register the node and start serving; :class:`~e2e.controlplane.cluster.Unavailable` where Pods cannot run."""
+        """Register the node and start serving; :class:`~e2e.controlplane.cluster.Unavailable` where Pods
+        cannot run."""
         if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
-            raise Unavailable("the test node mounts each container's volumes in a mount namespace of its own: it needs root, "
-                              "`unshare` and `mount` (util-linux)")
+            raise Unavailable("the test node mounts each container's volumes in a mount namespace of its "
+                              "own: it needs root, `unshare` and `mount` (util-linux)")
         self.workdir.mkdir(parents=True, exist_ok=True)
         api = urllib.parse.urlparse(self.cp.server)
         self._proxy = _ApiProxy((api.hostname or "127.0.0.1", int(api.port or 443)), (API_ADDRESS, 443))
@@ -292,7 +305,8 @@ class Node:
         if time.monotonic() - self._lease_at > 10:
             self._renew_lease()
         seen: set[tuple[str, str]] = set()
-        listed = {ns: self._api("GET", f"/api/v1/namespaces/{ns}/pods")["items"] for ns in self.namespaces}
+        listed = {ns: self._api("GET", f"/api/v1/namespaces/{ns}/pods")["items"]
+                  for ns in self.namespaces}
         self._services = self._service_hosts(listed)
         for ns, items in listed.items():
             for pod in items:
@@ -334,7 +348,8 @@ class Node:
     def _admit(self, pod: Mapping[str, Any]) -> _Pod:
         meta = pod["metadata"]
         ip = next(self._ips)
-        state = _Pod(meta["namespace"], meta["name"], meta["uid"], ip, self.workdir / f"{meta['namespace']}_{meta['name']}")
+        state = _Pod(meta["namespace"], meta["name"], meta["uid"], ip,
+                     self.workdir / f"{meta['namespace']}_{meta['name']}")
         state.grace_s = min(float(pod["spec"].get("terminationGracePeriodSeconds", 30)), self.max_grace_s)
         shutil.rmtree(state.dir, ignore_errors=True)
         state.dir.mkdir(parents=True)
@@ -344,11 +359,14 @@ class Node:
             volumes = self._volumes(pod, state)
         except PodError as exc:
             volumes, error = None, str(exc)
-        specs = [(c, True) for c in pod["spec"].get("initContainers") or []] + [(c, False) for c in pod["spec"]["containers"]]
+        specs = ([(c, True) for c in pod["spec"].get("initContainers") or []]
+                 + [(c, False) for c in pod["spec"]["containers"]])
         for c, init in specs:
             ctr = _Container(c["name"], c, init=init)
             if self._program(c.get("image", "")) is None:
-                ctr.waiting, ctr.message = "ImageNotRunnable", f"image {c.get('image')} cannot run on this node (only {self.image} and envoy)"
+                ctr.waiting, ctr.message = ("ImageNotRunnable",
+                                            f"image {c.get('image')} cannot run on this node "
+                                            f"(only {self.image} and envoy)")
             elif volumes is None:
                 ctr.waiting, ctr.message = "CreateContainerConfigError", error
             else:
@@ -374,7 +392,8 @@ class Node:
 
     def _service_hosts(self, pods: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
         """Service names → the addresses of the ready Pods they select (what the EndpointSlice controller and
-        cluster DNS give a Pod; they are computed here, as the API server refuses loopback endpoint addresses)."""
+        cluster DNS give a Pod; they are computed here, as the API server refuses loopback endpoint
+        addresses)."""
         lines: list[str] = []
         for ns, items in pods.items():
             for svc in self._api("GET", f"/api/v1/namespaces/{ns}/services")["items"]:
@@ -386,8 +405,10 @@ class Node:
                 for pod in items:
                     labels = pod["metadata"].get("labels") or {}
                     status = pod.get("status") or {}
-                    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
-                    if all(labels.get(k) == v for k, v in selector.items()) and status.get("podIP") and not pod["metadata"].get("deletionTimestamp") \
+                    ready = any(c["type"] == "Ready" and c["status"] == "True"
+                                for c in status.get("conditions") or [])
+                    if all(labels.get(k) == v for k, v in selector.items()) and status.get("podIP") \
+                            and not pod["metadata"].get("deletionTimestamp") \
                             and (ready or svc["spec"].get("publishNotReadyAddresses")):
                         lines.append(f"{status['podIP']} {names}")
         return sorted(set(lines))
@@ -395,7 +416,8 @@ class Node:
     def _write_hosts(self, pod: _Pod) -> None:
         """``/etc/hosts`` of the Pod's containers, rewritten in place when the Service names changed (the bind
         mount keeps seeing the same file)."""
-        api = f"{API_ADDRESS} kubernetes.default.svc.cluster.local kubernetes.default.svc kubernetes.default kubernetes"
+        api = (f"{API_ADDRESS} kubernetes.default.svc.cluster.local kubernetes.default.svc "
+               "kubernetes.default kubernetes")
         text = "\n".join(["127.0.0.1 localhost", f"{pod.ip} {pod.name}", api, *self._services]) + "\n"
         if text == pod.hosts:
             return
@@ -418,7 +440,8 @@ class Node:
             return {k: base64.b64decode(v).decode("utf-8", "replace") for k, v in data.items()}
         return {str(k): str(v) for k, v in data.items()}
 
-    def _write_items(self, folder: Path, data: Mapping[str, str], items: Sequence[Mapping[str, Any]] | None, mode: int) -> None:
+    def _write_items(self, folder: Path, data: Mapping[str, str], items: Sequence[Mapping[str, Any]] | None,
+                     mode: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         pairs = [(i["key"], i["path"]) for i in items] if items else [(k, k) for k in data]
         for key, rel in pairs:
@@ -436,10 +459,12 @@ class Node:
         for v in pod["spec"].get("volumes") or []:
             folder = state.dir / "volumes" / v["name"]
             if "configMap" in v:
-                self._write_items(folder, self._secret_or_cm("ConfigMap", ns, v["configMap"]["name"]), v["configMap"].get("items"), 0o644)
+                self._write_items(folder, self._secret_or_cm("ConfigMap", ns, v["configMap"]["name"]),
+                                  v["configMap"].get("items"), 0o644)
                 out[v["name"]] = {"source": str(folder)}
             elif "secret" in v:
-                self._write_items(folder, self._secret_or_cm("Secret", ns, v["secret"]["secretName"]), v["secret"].get("items"), 0o644)
+                self._write_items(folder, self._secret_or_cm("Secret", ns, v["secret"]["secretName"]),
+                                  v["secret"].get("items"), 0o644)
                 out[v["name"]] = {"source": str(folder)}
             elif "emptyDir" in v:
                 if (v["emptyDir"] or {}).get("medium") == "Memory":
@@ -453,7 +478,8 @@ class Node:
                 out[v["name"]] = {"source": str(folder)}
             else:
                 kinds = sorted(set(v) - {"name"})
-                raise PodError(f"volume {v['name']!r}: {', '.join(kinds)} volumes are not supported on this node")
+                raise PodError(f"volume {v['name']!r}: {', '.join(kinds)} volumes are not supported on this "
+                               "node")
         return out
 
     def _projected(self, pod: Mapping[str, Any], folder: Path, projected: Mapping[str, Any]) -> None:
@@ -466,12 +492,15 @@ class Node:
                 review = self._api("POST", f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token", {
                     "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
                     "spec": {"expirationSeconds": int(sat.get("expirationSeconds", 3607)),
-                             "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]}}})
+                             "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"],
+                                                "uid": meta["uid"]}}})
                 (folder / sat.get("path", "token")).write_text(review["status"]["token"])
             elif "configMap" in source:
-                self._write_items(folder, self._secret_or_cm("ConfigMap", ns, source["configMap"]["name"]), source["configMap"].get("items"), 0o644)
+                self._write_items(folder, self._secret_or_cm("ConfigMap", ns, source["configMap"]["name"]),
+                                  source["configMap"].get("items"), 0o644)
             elif "secret" in source:
-                self._write_items(folder, self._secret_or_cm("Secret", ns, source["secret"]["name"]), source["secret"].get("items"), 0o644)
+                self._write_items(folder, self._secret_or_cm("Secret", ns, source["secret"]["name"]),
+                                  source["secret"].get("items"), 0o644)
             elif "downwardAPI" in source:
                 for item in source["downwardAPI"].get("items") or []:
                     (folder / item["path"]).write_text(self._field(pod, item["fieldRef"]["fieldPath"], ""))
@@ -480,8 +509,9 @@ class Node:
 
     def _field(self, pod: Mapping[str, Any], path: str, ip: str) -> str:
         meta, spec = pod["metadata"], pod["spec"]
-        simple = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
-                  "spec.nodeName": self.name, "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
+        simple = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
+                  "metadata.uid": meta["uid"], "spec.nodeName": self.name,
+                  "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
                   "status.podIP": ip, "status.hostIP": "127.0.0.1"}
         if path in simple:
             return str(simple[path])
@@ -491,7 +521,8 @@ class Node:
         raise PodError(f"fieldRef {path!r} is not supported on this node")
 
     def _env(self, pod: Mapping[str, Any], state: _Pod, c: Mapping[str, Any]) -> dict[str, str]:
-        env = {"PATH": f"{Path(self.kvfleet).parent}:/usr/local/bin:/usr/bin:/bin", "HOSTNAME": state.name,
+        env = {"PATH": f"{Path(self.kvfleet).parent}:/usr/local/bin:/usr/bin:/bin",
+               "HOSTNAME": state.name,
                "KUBERNETES_SERVICE_HOST": API_ADDRESS, "KUBERNETES_SERVICE_PORT": "443", "HOME": "/"}
         for e in c.get("env") or []:
             if "value" in e:
@@ -501,11 +532,13 @@ class Node:
             if "fieldRef" in ref:
                 env[e["name"]] = self._field(pod, ref["fieldRef"]["fieldPath"], state.ip)
             elif "secretKeyRef" in ref or "configMapKeyRef" in ref:
-                kind, r = ("Secret", ref["secretKeyRef"]) if "secretKeyRef" in ref else ("ConfigMap", ref["configMapKeyRef"])
+                kind, r = (("Secret", ref["secretKeyRef"]) if "secretKeyRef" in ref
+                           else ("ConfigMap", ref["configMapKeyRef"]))
                 try:
                     data = self._secret_or_cm(kind, state.namespace, r["name"])
                     if r["key"] not in data:
-                        raise PodError(f"couldn't find key {r['key']} in {kind} {state.namespace}/{r['name']}")
+                        raise PodError(f"couldn't find key {r['key']} in {kind} "
+                                       f"{state.namespace}/{r['name']}")
                     env[e["name"]] = data[r["key"]]
                 except PodError:
                     if not r.get("optional"):
@@ -521,8 +554,8 @@ class Node:
             raise PodError("container has runAsNonRoot and would run as root (no runAsUser)")
         if uid not in (None, 0) and not self.world_readable:
             if not self._warned_uid:
-                log.warning("node %s: this checkout or its interpreter is not readable by other users: containers run as root, "
-                            "not as their runAsUser", self.name)
+                log.warning("node %s: this checkout or its interpreter is not readable by other users: "
+                            "containers run as root, not as their runAsUser", self.name)
                 self._warned_uid = True
             return None, None
         return uid, gid
@@ -530,7 +563,8 @@ class Node:
     @staticmethod
     def _world_readable() -> bool:
         """Whether a process of another uid can run this checkout's interpreter and import its code."""
-        for target in (Path(sys.executable).resolve(), Path(sys.prefix).resolve() / "pyvenv.cfg", Path(__file__).resolve()):
+        for target in (Path(sys.executable).resolve(), Path(sys.prefix).resolve() / "pyvenv.cfg",
+                       Path(__file__).resolve()):
             for folder in target.parents:
                 if not folder.stat().st_mode & 0o001:
                     return False
@@ -538,23 +572,27 @@ class Node:
                 return False
         return True
 
-    def _container_spec(self, pod: Mapping[str, Any], state: _Pod, c: Mapping[str, Any], volumes: Mapping[str, dict[str, Any]]) -> Path:
+    def _container_spec(self, pod: Mapping[str, Any], state: _Pod, c: Mapping[str, Any],
+                        volumes: Mapping[str, dict[str, Any]]) -> Path:
         env = self._env(pod, state, c)
         command = [_expand(str(a), env) for a in c.get("command") or []]
         args = [_expand(str(a), env).replace("0.0.0.0", state.ip) for a in c.get("args") or []]
         program = self._program(c.get("image", ""))
         if program == self.kvfleet:
             if not command or command[0] != "kvfleet":
-                raise PodError(f"container {c['name']}: the kvfleet image runs `kvfleet ROLE`, not {command[:1]}")
+                raise PodError(f"container {c['name']}: the kvfleet image runs `kvfleet ROLE`, "
+                               f"not {command[:1]}")
             command[0] = program
             flag = BIND_FLAGS.get(command[1] if len(command) > 1 else "")
             if flag:
                 args.append(flag.format(ip=state.ip))
         else:  # envoy: the image's entrypoint is envoy
-            command = [str(program)] if not command or command[0] in ("envoy", "/usr/local/bin/envoy") else command
+            command = ([str(program)] if not command or command[0] in ("envoy", "/usr/local/bin/envoy")
+                       else command)
             args.append("--use-dynamic-base-id")
         argv = [*command, *args]
-        mounts: list[dict[str, Any]] = [{"target": "/etc/hosts", "source": str(state.dir / "hosts"), "readOnly": True}]
+        mounts: list[dict[str, Any]] = [{"target": "/etc/hosts", "source": str(state.dir / "hosts"),
+                                         "readOnly": True}]
         for m in c.get("volumeMounts") or []:
             vol = volumes.get(m["name"])
             if vol is None:
@@ -562,7 +600,8 @@ class Node:
             entry: dict[str, Any] = {"target": m["mountPath"], "readOnly": bool(m.get("readOnly"))}
             if "tmpfs" in vol:
                 if m.get("subPath"):
-                    raise PodError(f"subPath into an in-memory emptyDir ({m['name']}) is not supported on this node")
+                    raise PodError(f"subPath into an in-memory emptyDir ({m['name']}) is not supported on "
+                                   "this node")
                 entry["tmpfs"] = vol["tmpfs"]
             else:
                 source = Path(vol["source"]) / m.get("subPath", "")
@@ -571,9 +610,10 @@ class Node:
                 entry["source"] = str(source)
             mounts.append(entry)
         uid, gid = self._user(pod, c)
-        keep = sorted({str(Path(__file__).resolve().parents[2]), os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
-                       str(Path(os.path.realpath(argv[0])).parent)})
-        spec = {"mounts": mounts, "keep": keep, "uid": uid, "gid": gid, "env": env, "argv": argv, "cwd": c.get("workingDir") or "/"}
+        keep = sorted({str(Path(__file__).resolve().parents[2]), os.path.realpath(sys.prefix),
+                       os.path.realpath(sys.base_prefix), str(Path(os.path.realpath(argv[0])).parent)})
+        spec = {"mounts": mounts, "keep": keep, "uid": uid, "gid": gid, "env": env, "argv": argv,
+                "cwd": c.get("workingDir") or "/"}
         path = state.dir / f"{c['name']}.json"
         path.write_text(json.dumps(spec, indent=1))
         path.chmod(0o600)
@@ -597,16 +637,19 @@ class Node:
                     c.done = True
                     continue
                 c.restarts += 1
-                c.next_start = now + min(10.0 * 2 ** (c.restarts - 1), 300.0) / 10  # kubelet's back-off, ten times faster
+                # kubelet's back-off, ten times faster
+                c.next_start = now + min(10.0 * 2 ** (c.restarts - 1), 300.0) / 10
                 c.waiting = "CrashLoopBackOff"
-                log.warning("node %s: %s/%s container %s exited with %s", self.name, pod.namespace, pod.name, c.name, c.last_exit)
+                log.warning("node %s: %s/%s container %s exited with %s", self.name, pod.namespace, pod.name,
+                            c.name, c.last_exit)
             if c.proc is None and now >= c.next_start:
                 c.logpath = pod.dir / f"{c.name}.log"
                 with c.logpath.open("ab") as out:
-                    c.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--", sys.executable, "-m",
-                                               "e2e.controlplane.podexec", str(c.specfile)],
-                                              stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                              cwd=Path(__file__).resolve().parents[2])
+                    c.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--",
+                                               sys.executable, "-m", "e2e.controlplane.podexec",
+                                               str(c.specfile)],
+                                              stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                              start_new_session=True, cwd=Path(__file__).resolve().parents[2])
                 c.started_at, c.waiting = _now(), ""
             if c.init:
                 break  # one init container at a time
@@ -634,10 +677,12 @@ class Node:
                 with urllib.request.urlopen(url, timeout=float(probe.get("timeoutSeconds", 1))) as resp:
                     ok = 200 <= resp.status < 400
             elif "tcpSocket" in probe:
-                with socket.create_connection((pod.ip, self._port(c, probe["tcpSocket"]["port"])), timeout=float(probe.get("timeoutSeconds", 1))):
+                with socket.create_connection((pod.ip, self._port(c, probe["tcpSocket"]["port"])),
+                                              timeout=float(probe.get("timeoutSeconds", 1))):
                     ok = True
             elif "grpc" in probe:
-                ok = self._grpc_probe(f"{pod.ip}:{int(probe['grpc']['port'])}", str(probe["grpc"].get("service", "")),
+                ok = self._grpc_probe(f"{pod.ip}:{int(probe['grpc']['port'])}",
+                                      str(probe["grpc"].get("service", "")),
                                       float(probe.get("timeoutSeconds", 1)))
             else:
                 ok = True  # exec probes are not run here
@@ -658,20 +703,24 @@ class Node:
 
         with grpc.insecure_channel(target) as channel:
             try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
             except grpc.RpcError:
                 return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     def _container_status(self, c: _Container) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": c.name, "image": c.spec.get("image", ""), "imageID": "", "restartCount": c.restarts,
-                               "ready": bool(c.proc is not None and c.ready), "started": c.proc is not None}
+        out: dict[str, Any] = {"name": c.name, "image": c.spec.get("image", ""), "imageID": "",
+                               "restartCount": c.restarts, "ready": bool(c.proc is not None and c.ready),
+                               "started": c.proc is not None}
         if c.proc is not None:
             out["state"] = {"running": {"startedAt": c.started_at}}
         else:
-            out["state"] = {"waiting": {"reason": c.waiting or "ContainerCreating", **({"message": c.message} if c.message else {})}}
+            out["state"] = {"waiting": {"reason": c.waiting or "ContainerCreating",
+                                        **({"message": c.message} if c.message else {})}}
         if c.last_exit is not None:
-            out["lastState"] = {"terminated": {"exitCode": c.last_exit, "reason": "Error" if c.last_exit else "Completed"}}
+            out["lastState"] = {"terminated": {"exitCode": c.last_exit,
+                                               "reason": "Error" if c.last_exit else "Completed"}}
         return out
 
     def _report(self, pod: _Pod) -> None:
@@ -679,24 +728,28 @@ class Node:
         inits = [self._container_status(c) for c in pod.containers if c.init]
         for c, st in zip([c for c in pod.containers if c.init], inits, strict=True):
             if c.done:
-                st.update(ready=True, started=False, state={"terminated": {"exitCode": 0, "reason": "Completed"}})
+                st.update(ready=True, started=False,
+                          state={"terminated": {"exitCode": 0, "reason": "Completed"}})
         initialized = all(c.done for c in pod.containers if c.init)
         ready = initialized and all(s["ready"] for s in statuses)
         running = any(s["started"] for s in statuses)
 
         def cond(type_: str, ok: bool) -> dict[str, Any]:
-            return {"type": type_, "status": "True" if ok else "False", "lastProbeTime": None, "lastTransitionTime": pod.started}
+            return {"type": type_, "status": "True" if ok else "False", "lastProbeTime": None,
+                    "lastTransitionTime": pod.started}
 
-        status = {"phase": "Running" if running else "Pending", "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
-                  "podIP": pod.ip, "podIPs": [{"ip": pod.ip}], "startTime": pod.started,
-                  "conditions": [cond("PodScheduled", True), cond("Initialized", initialized), cond("ContainersReady", ready),
-                                 cond("Ready", ready)],
+        status = {"phase": "Running" if running else "Pending", "hostIP": "127.0.0.1",
+                  "hostIPs": [{"ip": "127.0.0.1"}], "podIP": pod.ip, "podIPs": [{"ip": pod.ip}],
+                  "startTime": pod.started,
+                  "conditions": [cond("PodScheduled", True), cond("Initialized", initialized),
+                                 cond("ContainersReady", ready), cond("Ready", ready)],
                   "containerStatuses": statuses, **({"initContainerStatuses": inits} if inits else {})}
         text = json.dumps(status, sort_keys=True)
         if text == pod.last_status:
             return
         try:
-            self._api("PATCH", f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}/status", {"status": status}, "application/merge-patch+json")
+            self._api("PATCH", f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}/status",
+                      {"status": status}, "application/merge-patch+json")
             pod.last_status = text
         except urllib.error.HTTPError as exc:
             if exc.code != 404:
@@ -745,6 +798,7 @@ class Node:
         for pod in self.pods.values():
             for c in pod.containers:
                 state = "running" if c.proc is not None else f"waiting {c.waiting} {c.message}"
-                lines.append(f"--- {pod.namespace}/{pod.name} {pod.ip} {c.name}: {state}, restarts {c.restarts}")
+                lines.append(f"--- {pod.namespace}/{pod.name} {pod.ip} {c.name}: {state}, "
+                             f"restarts {c.restarts}")
                 lines.append(self.logs(pod.namespace, pod.name, c.name, 15))
         return "\n".join(lines)

@@ -63,7 +63,8 @@ async def run(tag: str) -> int:
                 "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
                 "clusters": [{"name": "kmock", "cluster": {"server": url}}],
                 "users": [{"name": "kmock", "user": {"token": "test"}}],
-                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": NS}}],
+                "contexts": [{"name": "kmock",
+                              "context": {"cluster": "kmock", "user": "kmock", "namespace": NS}}],
             }))
             kubeconfig.chmod(0o644)
             Path(tmp).chmod(0o755)
@@ -84,8 +85,10 @@ async def run(tag: str) -> int:
 
                 await eventually(alive, "the operator's liveness endpoint", timeout_s=60)
                 print(f"ok: operator liveness {liveness}")
-                for secret, key in (("kvfleet-transfer", "secret"), ("kv-redis", "url")):  # what the sample references
-                    await api.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": NS},
+                # what the sample references
+                for secret, key in (("kvfleet-transfer", "secret"), ("kv-redis", "url")):
+                    await api.create({"apiVersion": "v1", "kind": "Secret",
+                                      "metadata": {"name": secret, "namespace": NS},
                                       "data": {key: "c2VjcmV0"}})
                 created = await api.create(samples.kvcachepool(name="llama", namespace=NS))
 
@@ -98,7 +101,8 @@ async def run(tag: str) -> int:
                     return True
 
                 await eventually(children, "the KVCachePool's children", timeout_s=60)
-                print("ok: operator rendered ConfigMap, Deployment, Service, InferencePool for KVCachePool llama")
+                print("ok: operator rendered ConfigMap, Deployment, Service, InferencePool for KVCachePool "
+                      "llama")
 
                 async def status() -> dict[str, Any] | None:
                     obj = await api.get("KVCachePool", NS, "llama")

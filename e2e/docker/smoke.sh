@@ -7,14 +7,16 @@
 # python:3.11-slim, or a Debian bookworm root filesystem made with debootstrap
 # and `docker import` (see docs/operator.md, "Image"). TAG defaults to kvfleet:dev.
 # Checks: `kvfleet --version`, `kvfleet operator --help`, the image's user is
-# 10001 (non-root); the codec kernels (numba) compile and run on the read-only root; `kvfleet epp` (static pods file) answers gRPC health SERVING;
+# 10001 (non-root); the codec kernels (numba) compile and run on the read-only root;
+# `kvfleet epp` (static pods file) answers gRPC health SERVING;
 # `kvfleet engine` answers GET /health; `kvfleet agent` with
 # KVFLEET_TRANSFER_SECRET serves /metrics and accepts TCP on its transfer port,
 # and without the secret exits non-zero; `kvfleet operator` against the kmock
 # API emulator (e2e/docker/operator_kmock.py) reconciles a KVCachePool.
 # Containers run read-only, with every capability dropped and no new privileges
 # (as the chart's securityContext asks); ports are published on 127.0.0.1 only. Host side: PYTHON (default
-# .venv/bin/python) with grpcio (and kmock for the operator check). Every container started here is removed on exit.
+# .venv/bin/python) with grpcio (and kmock for the operator check). Every container started here is
+# removed on exit.
 set -euo pipefail
 
 base=${1:?usage: e2e/docker/smoke.sh BASE_IMAGE [TAG]}
@@ -111,7 +113,8 @@ for role in epp agent engine; do
     docker run --rm "${hardened[@]}" "$tag" "$role" --help >/dev/null || fail "kvfleet $role --help"
 done
 ok "kvfleet epp|agent|engine --help"
-[[ $(docker image inspect -f '{{.Config.User}}' "$tag") == 10001:10001 ]] || fail "image USER is not 10001:10001"
+[[ $(docker image inspect -f '{{.Config.User}}' "$tag") == 10001:10001 ]] \
+    || fail "image USER is not 10001:10001"
 [[ $(docker run --rm --entrypoint id "$tag" -u) == 10001 ]] || fail "container does not run as uid 10001"
 ok "runs as uid 10001 ($(docker run --rm --entrypoint id "$tag"))"
 kernel_check='from kvfleet.agent.codecs import get_codec, warm_up
@@ -122,7 +125,8 @@ for name in ("fp8_e4m3", "int8", "int4"):
     c = get_codec(name)
     assert c.kernels and c.decode(c.encode(x), x.dtype, x.shape).shape == x.shape
 print("ok")'
-[[ $(docker run --rm "${hardened[@]}" --entrypoint /opt/kvfleet/bin/python "$tag" -c "$kernel_check") == ok ]] \
+[[ $(docker run --rm "${hardened[@]}" --entrypoint /opt/kvfleet/bin/python "$tag" -c "$kernel_check") \
+    == ok ]] \
     || fail "codec kernels do not compile on the read-only root"
 ok "codec kernels (numba) compile and run on the read-only root"
 

@@ -24,7 +24,8 @@ from typing import Any
 
 def complete(url: str, model: str, prompt: str) -> dict[str, Any]:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"})
+    req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                 headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         result: dict[str, Any] = json.loads(resp.read())
     return result
@@ -36,26 +37,31 @@ def cached(resp: dict[str, Any]) -> int:
 
 def check_prefix_routing(url: str) -> None:
     for tenant in range(4):
-        system = f"You are assistant #{tenant} of the kvfleet e2e test. " + "Answer briefly and precisely. " * 40
+        system = (f"You are assistant #{tenant} of the kvfleet e2e test. "
+                  + "Answer briefly and precisely. " * 40)
         first = complete(url, "llama-3-8b", system + "Question 0?")
         prefix_tokens = int(first["usage"]["prompt_tokens"]) - 8
         for q in range(1, 6):
             resp = complete(url, "llama-3-8b", system + f"Question {q}?")
             hit = cached(resp)
             if hit < prefix_tokens * 0.8:
-                sys.exit(f"tenant {tenant} question {q}: {hit} cached tokens of a ~{prefix_tokens}-token shared prefix: not routed to its pod")
+                sys.exit(f"tenant {tenant} question {q}: {hit} cached tokens of a ~{prefix_tokens}-token "
+                         "shared prefix: not routed to its pod")
         print(f"tenant {tenant}: follow-ups reused the cached prefix (>= 80% of {prefix_tokens} tokens)")
 
 
 def metric_sum(text: str, name: str) -> float:
     """The sum of every sample of ``name`` in a Prometheus exposition."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
 
 
 def engine_metrics(namespace: str, deployment: str) -> str:
     """The /metrics of a Deployment's engine container, read inside the pod (``kubectl exec``)."""
-    code = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())"
-    return subprocess.run(["kubectl", "-n", namespace, "exec", f"deploy/{deployment}", "-c", "engine", "--", "python", "-c", code],
+    code = ("import urllib.request;"
+            "print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())")
+    return subprocess.run(["kubectl", "-n", namespace, "exec", f"deploy/{deployment}", "-c", "engine", "--",
+                           "python", "-c", code],
                           capture_output=True, text=True, check=True).stdout
 
 

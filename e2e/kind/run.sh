@@ -45,7 +45,8 @@ trap teardown EXIT
 step() { echo; echo "== $*"; }
 
 step "cluster"
-kind get clusters | grep -qx "$CLUSTER" || kind create cluster --name "$CLUSTER" --image "$NODE_IMAGE" --config e2e/kind/cluster.yaml --wait 120s
+kind get clusters | grep -qx "$CLUSTER" \
+  || kind create cluster --name "$CLUSTER" --image "$NODE_IMAGE" --config e2e/kind/cluster.yaml --wait 120s
 
 step "image"
 docker build -t "$IMAGE" .

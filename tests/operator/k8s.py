@@ -88,8 +88,8 @@ def _is_quantity(value: Any) -> celtypes.BoolType:
     return celtypes.BoolType(True)
 
 
-CEL_FUNCTIONS: dict[str, Any] = {"quantity": _quantity, "isQuantity": _is_quantity, "isGreaterThan": _is_greater_than,
-                                 "isLessThan": _is_less_than}
+CEL_FUNCTIONS: dict[str, Any] = {"quantity": _quantity, "isQuantity": _is_quantity,
+                                 "isGreaterThan": _is_greater_than, "isLessThan": _is_less_than}
 _ENV = celpy.Environment()
 _PROGRAMS: dict[str, Any] = {}
 
@@ -121,7 +121,8 @@ def cel_errors(schema: Mapping[str, Any], obj: Any, path: str = "") -> list[str]
 def _strip_k8s(schema: Any) -> Any:
     """The OpenAPI schema as plain JSON Schema draft 4 (int-or-string, preserve-unknown)."""
     if isinstance(schema, dict):
-        out = {k: _strip_k8s(v) for k, v in schema.items() if not k.startswith("x-kubernetes-") and k != "format"}
+        out = {k: _strip_k8s(v) for k, v in schema.items()
+               if not k.startswith("x-kubernetes-") and k != "format"}
         if schema.get("x-kubernetes-int-or-string"):
             out["type"] = ["integer", "string"]
         return out
@@ -135,7 +136,8 @@ def admit(crd: Mapping[str, Any], obj: Mapping[str, Any]) -> tuple[dict[str, Any
     schema = crd_schema(crd, obj["apiVersion"].split("/")[-1])
     defaulted = apply_defaults(schema, obj)
     validator = jsonschema.Draft4Validator(_strip_k8s(schema))
-    errors = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(defaulted)]
+    errors = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+              for e in validator.iter_errors(defaulted)]
     if not errors:
         errors = cel_errors(schema, defaulted)
     return defaulted, errors
@@ -145,7 +147,8 @@ def validate_builtin(objs: Iterable[Mapping[str, Any]]) -> list[str]:
     """kubernetes-validate (strict) over built-in kinds; custom kinds are skipped (use :func:`admit`)."""
     errors = []
     for obj in objs:
-        if "." in obj["apiVersion"].split("/")[0] and obj["apiVersion"].split("/")[0] not in ("rbac.authorization.k8s.io", "networking.k8s.io", "policy", "monitoring.coreos.com"):
+        if "." in obj["apiVersion"].split("/")[0] and obj["apiVersion"].split("/")[0] not in (
+                "rbac.authorization.k8s.io", "networking.k8s.io", "policy", "monitoring.coreos.com"):
             continue
         if obj["apiVersion"].startswith(("monitoring.coreos.com", "gateway.networking.k8s.io")):
             continue

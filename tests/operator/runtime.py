@@ -22,7 +22,8 @@ from kvfleet.operator.handlers import Runtime, build_registry
 
 @contextlib.asynccontextmanager
 async def running_operator(settings: Settings, namespace: str) -> AsyncIterator[Runtime]:
-    """kvfleet's handlers under the real kopf runtime for the body of the ``async with``; fails loudly if it dies.
+    """kvfleet's handlers under the real kopf runtime for the body of the ``async with``; fails loudly if it
+    dies.
 
     It serves ``namespace``, as ``kvfleet operator --namespace`` does. kopf logs in with ``$KUBECONFIG``."""
     rt = Runtime(settings=settings)

@@ -41,7 +41,8 @@ def test_minimal_object_gets_the_documented_defaults() -> None:
     spec = obj["spec"]
     assert spec["roles"] == {"unified": {"replicas": 1}}
     assert spec["pools"] == 1
-    assert spec["tiers"] == [{"name": "gpu", "gpuShare": 0.9, "codec": "none", "watermarks": {"high": 0.9, "low": 0.7}}]
+    assert spec["tiers"] == [{"name": "gpu", "gpuShare": 0.9, "codec": "none",
+                              "watermarks": {"high": 0.9, "low": 0.7}}]
     assert spec["engine"] == {"kind": "sim"}
     assert spec["transfer"] == {"backends": ["shm", "tcp"], "streams": 4}
     assert spec["routing"]["failureMode"] == "FailClose"
@@ -59,7 +60,8 @@ def test_parser_defaults_agree_with_crd_defaults(name: str) -> None:
     """The operator's parse of a raw spec equals its parse of the API-server-defaulted spec."""
     obj = samples.VALID[name]
     defaulted, _ = admit(KVCP, obj)
-    assert parse_spec(obj["spec"], obj["metadata"]["name"]) == parse_spec(defaulted["spec"], obj["metadata"]["name"])
+    assert parse_spec(obj["spec"], obj["metadata"]["name"]) == parse_spec(
+        defaulted["spec"], obj["metadata"]["name"])
 
 
 def test_parser_defaults_equal_dataclass_defaults() -> None:
@@ -86,7 +88,8 @@ def test_invalid_objects_are_rejected_by_the_operator(name: str) -> None:
     defaulted, _ = admit(KVCP, obj)
     with pytest.raises(InvalidSpecError) as info:
         parse_spec(defaulted["spec"], obj["metadata"]["name"])
-    assert message in str(info.value) or info.value.field.split(".")[-1] in message or message in info.value.field
+    assert (message in str(info.value) or info.value.field.split(".")[-1] in message
+            or message in info.value.field)
 
 
 def test_long_names_are_invalid_for_the_operator() -> None:
@@ -100,14 +103,16 @@ GIE_EXAMPLES = Path(__file__).parent / "data" / f"gie-{GIE_BUNDLE}"
 
 
 def test_inferencepool_crd_has_upstream_v1_shape() -> None:
-    """Group/version/kind, bundle version, required fields and the endpointPickerRef fields of upstream v1 (GIE v1.6)."""
+    """Group/version/kind, bundle version, required fields and the endpointPickerRef fields of upstream v1
+    (GIE v1.6)."""
     assert KVCP["spec"]["scope"] == INFP["spec"]["scope"] == "Namespaced"
     assert INFP["metadata"]["name"] == "inferencepools.inference.networking.k8s.io"
     assert INFP["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == GIE_BUNDLE
     assert [v["name"] for v in INFP["spec"]["versions"]] == ["v1"]
     spec = crd_schema(INFP)["properties"]["spec"]
     assert sorted(spec["required"]) == ["selector", "targetPorts"]  # endpointPickerRef optional since v1.6
-    assert set(spec["properties"]["endpointPickerRef"]["properties"]) == {"failureMode", "group", "kind", "name", "port"}
+    assert set(spec["properties"]["endpointPickerRef"]["properties"]) == {
+        "failureMode", "group", "kind", "name", "port"}
     assert spec["properties"]["appProtocol"]["enum"] == ["http", "kubernetes.io/h2c"]
     status = crd_schema(INFP)["properties"]["status"]["properties"]["parents"]["items"]["properties"]
     assert {"conditions", "controllerName", "parentRef"} <= set(status)
@@ -118,7 +123,8 @@ def test_inferencepool_defaults_and_valid_object() -> None:
     obj, errors = admit(INFP, samples.inferencepool())
     assert errors == []
     ref = obj["spec"]["endpointPickerRef"]
-    assert (ref["failureMode"], ref["kind"], ref["group"], obj["spec"]["appProtocol"]) == ("FailClose", "Service", "", "http")
+    assert (ref["failureMode"], ref["kind"], ref["group"], obj["spec"]["appProtocol"]) == (
+        "FailClose", "Service", "", "http")
 
 
 @pytest.mark.parametrize(
@@ -128,7 +134,8 @@ def test_inferencepool_defaults_and_valid_object() -> None:
         ({"targetPorts": [{"number": 8000}, {"number": 8000}]}, "unique"),
         ({"selector": {"matchLabels": {}}}, "matchLabels"),
         ({"targetPorts": []}, "targetPorts"),
-        ({"endpointPickerRef": {"name": "epp", "port": {"number": 9002}, "failureMode": "Maybe"}}, "failureMode"),
+        ({"endpointPickerRef": {"name": "epp", "port": {"number": 9002}, "failureMode": "Maybe"}},
+         "failureMode"),
     ],
 )
 def test_inferencepool_invalid_objects(change: dict[str, Any], message: str) -> None:
@@ -172,7 +179,8 @@ def test_gie_examples_are_admitted(name: str) -> None:
 
 
 def test_pool_without_endpoint_picker_was_invalid_before_v1_6() -> None:
-    """The same object fails a schema that still requires endpointPickerRef (the v1.5 CRD): what the upgrade fixes."""
+    """The same object fails a schema that still requires endpointPickerRef (the v1.5 CRD): what the upgrade
+    fixes."""
     (name,) = [k for k, v in GIE_POOLS.items() if "endpointPickerRef" not in v["spec"]]
     old = copy.deepcopy(INFP)
     crd_schema(old)["properties"]["spec"]["required"].append("endpointPickerRef")
@@ -195,26 +203,32 @@ _NO_REF = "conformance/tests/inferencepool_missing_epp_ref.yaml:pool-with-missin
     [
         (_BASE, lambda s: s["endpointPickerRef"].pop("port"), "port is required"),
         (_BASE, lambda s: s["endpointPickerRef"].pop("name"), "spec.endpointPickerRef: 'name'"),
-        (_BASE, lambda s: s["endpointPickerRef"].update(failureMode="Sometimes"), "spec.endpointPickerRef.failureMode: 'Sometimes'"),
-        (_BASE, lambda s: s.update(targetPorts=[{"number": 3000}, {"number": 3000}]), "port number must be unique"),
-        (_BASE, lambda s: s.update(targetPorts=[{"number": 3000 + i} for i in range(9)]), "spec.targetPorts: ["),
+        (_BASE, lambda s: s["endpointPickerRef"].update(failureMode="Sometimes"),
+         "spec.endpointPickerRef.failureMode: 'Sometimes'"),
+        (_BASE, lambda s: s.update(targetPorts=[{"number": 3000}, {"number": 3000}]),
+         "port number must be unique"),
+        (_BASE, lambda s: s.update(targetPorts=[{"number": 3000 + i} for i in range(9)]),
+         "spec.targetPorts: ["),
         (_NO_REF, lambda s: s.pop("selector"), "spec: 'selector'"),
         (_NO_REF, lambda s: s.pop("targetPorts"), "spec: 'targetPorts'"),
         (_NO_REF, lambda s: s.update(targetPorts=[{"number": 70000}]), "spec.targetPorts.0.number: 70000"),
         (_NO_REF, lambda s: s.update(selector={"matchLabels": {}}), "spec.selector.matchLabels: {}"),
-        (_NO_REF, lambda s: s.update(selector={"matchLabels": {"app": "-bad-"}}), "spec.selector.matchLabels.app: '-bad-'"),
+        (_NO_REF, lambda s: s.update(selector={"matchLabels": {"app": "-bad-"}}),
+         "spec.selector.matchLabels.app: '-bad-'"),
         (_NO_REF, lambda s: s.update(appProtocol="grpc"), "spec.appProtocol: 'grpc'"),
     ],
 )
 def test_broken_gie_examples_are_rejected(name: str, change: Any, message: str) -> None:
-    """Variants of the upstream examples that break a schema constraint or CEL rule are refused, with the reason."""
+    """Variants of the upstream examples that break a schema constraint or CEL rule are refused, with the
+    reason."""
     _, errors = admit(INFP, _broken(name, change))
     assert any(message in e for e in errors), errors
 
 
 def test_non_service_endpoint_picker_needs_no_port() -> None:
     """The CEL rule asks for a port only when the picker is a Service."""
-    obj = _broken(_BASE, lambda s: s["endpointPickerRef"].pop("port") and s["endpointPickerRef"].update(kind="Backend", group="x.example.com"))
+    obj = _broken(_BASE, lambda s: s["endpointPickerRef"].pop("port")
+                  and s["endpointPickerRef"].update(kind="Backend", group="x.example.com"))
     assert admit(INFP, obj)[1] == []
 
 

@@ -42,14 +42,18 @@ VLLM_FLAGS: dict[str, Any] = {
     "--max-model-len": int,
 }
 # vllm.config.kv_events.KVEventsConfig fields.
-KV_EVENTS_FIELDS = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm", "max_queue_size", "topic"}
+KV_EVENTS_FIELDS = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps",
+                    "hwm", "max_queue_size", "topic"}
 # vllm.config.kv_transfer.KVTransferConfig fields.
-KV_TRANSFER_FIELDS = {"kv_connector", "engine_id", "kv_buffer_device", "kv_buffer_size", "kv_role", "kv_rank", "kv_parallel_size",
-                      "kv_ip", "kv_port", "kv_connector_extra_config", "kv_connector_module_path", "enable_permute_local_kv"}
-KV_CONNECTORS = {"OffloadingConnector", "LMCacheConnectorV1", "NixlConnector", "MooncakeConnector", "MultiConnector", "P2pNcclConnector"}
+KV_TRANSFER_FIELDS = {"kv_connector", "engine_id", "kv_buffer_device", "kv_buffer_size", "kv_role",
+                      "kv_rank", "kv_parallel_size", "kv_ip", "kv_port", "kv_connector_extra_config",
+                      "kv_connector_module_path", "enable_permute_local_kv"}
+KV_CONNECTORS = {"OffloadingConnector", "LMCacheConnectorV1", "NixlConnector", "MooncakeConnector",
+                 "MultiConnector", "P2pNcclConnector"}
 KV_ROLES = {"kv_producer", "kv_consumer", "kv_both"}
-LMCACHE_ENV = {"LMCACHE_CHUNK_SIZE", "LMCACHE_USE_EXPERIMENTAL", "LMCACHE_LOCAL_CPU", "LMCACHE_MAX_LOCAL_CPU_SIZE",
-               "LMCACHE_LOCAL_DISK", "LMCACHE_MAX_LOCAL_DISK_SIZE", "LMCACHE_REMOTE_URL", "LMCACHE_REMOTE_SERDE"}
+LMCACHE_ENV = {"LMCACHE_CHUNK_SIZE", "LMCACHE_USE_EXPERIMENTAL", "LMCACHE_LOCAL_CPU",
+               "LMCACHE_MAX_LOCAL_CPU_SIZE", "LMCACHE_LOCAL_DISK", "LMCACHE_MAX_LOCAL_DISK_SIZE",
+               "LMCACHE_REMOTE_URL", "LMCACHE_REMOTE_SERDE"}
 
 
 def _parse_vllm(args: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
@@ -88,7 +92,8 @@ def _spec(**changes: Any) -> PoolSpec:
 
 
 def test_full_gpu_pool_renders_documented_flags() -> None:
-    """The full sample: prefix caching + sha256_cbor, KV events on the ZMQ port, fp8 KV, NIXL + LMCache via MultiConnector."""
+    """The full sample: prefix caching + sha256_cbor, KV events on the ZMQ port, fp8 KV, NIXL + LMCache via
+    MultiConnector."""
     spec = parse_spec(samples.FULL_GPU["spec"])
     container = vllm_args(spec, "decode", OperatorSettings())
     model, flags = _parse_vllm(container.args)
@@ -98,56 +103,70 @@ def test_full_gpu_pool_renders_documented_flags() -> None:
     assert flags["--gpu-memory-utilization"] == 0.9 and flags["--kv-cache-dtype"] == "fp8_e4m3"
     events = flags["--kv-events-config"]
     assert set(events) <= KV_EVENTS_FIELDS
-    assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq" and events["endpoint"] == "tcp://*:5557"
+    assert (events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+            and events["endpoint"] == "tcp://*:5557")
     assert _check_connector(flags["--kv-transfer-config"]) == ["NixlConnector", "LMCacheConnectorV1"]
     assert flags["--max-model-len"] == 32768  # engine.args come last
     env = {e["name"]: e for e in container.env}
     assert set(env) <= LMCACHE_ENV
-    assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"]["value"] == "64" and env["LMCACHE_MAX_LOCAL_DISK_SIZE"]["value"] == "1024"
+    assert (env["LMCACHE_MAX_LOCAL_CPU_SIZE"]["value"] == "64"
+            and env["LMCACHE_MAX_LOCAL_DISK_SIZE"]["value"] == "1024")
     assert env["LMCACHE_LOCAL_DISK"]["value"] == "file:///var/lib/kvfleet/ssd/"
 
 
 def test_cpu_tier_only_uses_vllm_native_offloading() -> None:
-    """A cpu tier alone → OffloadingConnector: vLLM 0.11 sizes it in blocks (capacity / (bytes per token × block size)),
-    from 0.14 in bytes (``cpu_bytes_to_use``); a tag naming no version gets the newest form."""
+    """A cpu tier alone → OffloadingConnector: vLLM 0.11 sizes it in blocks (capacity / (bytes per token ×
+    block size)), from 0.14 in bytes (``cpu_bytes_to_use``); a tag naming no version gets the newest form."""
     tiers = [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "8Gi"}]
-    for image, extra in (("vllm/vllm-openai:v0.11.0", {"num_cpu_blocks": 8 * 1024**3 // (131072 * 16), "block_size": 16}),
+    for image, extra in (("vllm/vllm-openai:v0.11.0",
+                          {"num_cpu_blocks": 8 * 1024**3 // (131072 * 16), "block_size": 16}),
                          ("vllm/vllm-openai:v0.33.0", {"cpu_bytes_to_use": 8 * 1024**3}),
                          ("vllm/vllm-openai:latest", {"cpu_bytes_to_use": 8 * 1024**3})):
-        _, flags = _parse_vllm(vllm_args(_spec(tiers=tiers, engine={"kind": "vllm", "image": image}), "unified", OperatorSettings()).args)
+        _, flags = _parse_vllm(vllm_args(_spec(tiers=tiers, engine={"kind": "vllm", "image": image}),
+                                         "unified", OperatorSettings()).args)
         cfg = flags["--kv-transfer-config"]
         assert _check_connector(cfg) == ["OffloadingConnector"], image
         assert cfg["kv_connector_extra_config"] == extra, image
 
 
 def test_pd_with_cpu_tier_keeps_both_connectors() -> None:
-    """P/D + a cpu tier on vLLM 0.33 → MultiConnector [Nixl, Offloading] (``--kv-offloading-size`` would replace Nixl)."""
-    spec = _spec(tiers=[{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"}], engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.33.0"},
-                 roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, transfer={"backends": ["nixl"]})
+    """P/D + a cpu tier on vLLM 0.33 → MultiConnector [Nixl, Offloading] (``--kv-offloading-size`` would
+    replace Nixl)."""
+    spec = _spec(tiers=[{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"}],
+                 engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.33.0"},
+                 roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+                 transfer={"backends": ["nixl"]})
     _, flags = _parse_vllm(vllm_args(spec, "prefill", OperatorSettings()).args)
     assert "--kv-offloading-size" not in flags
     cfg = flags["--kv-transfer-config"]
-    assert cfg["kv_connector"] == "MultiConnector" and _check_connector(cfg) == ["NixlConnector", "OffloadingConnector"]
+    assert (cfg["kv_connector"] == "MultiConnector"
+            and _check_connector(cfg) == ["NixlConnector", "OffloadingConnector"])
 
 
 def test_mooncake_needs_vllm_0_13() -> None:
-    pd = {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, "transfer": {"backends": ["mooncake"]}}
+    pd = {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+          "transfer": {"backends": ["mooncake"]}}
     with pytest.raises(EngineVersionError, match=r"MooncakeConnector.*0\.13"):
-        vllm_args(_spec(engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0"}, **pd), "prefill", OperatorSettings())
-    _, flags = _parse_vllm(vllm_args(_spec(engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.33.0"}, **pd), "prefill", OperatorSettings()).args)
+        vllm_args(_spec(engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0"}, **pd), "prefill",
+                  OperatorSettings())
+    _, flags = _parse_vllm(vllm_args(_spec(engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.33.0"},
+                                           **pd), "prefill", OperatorSettings()).args)
     assert _check_connector(flags["--kv-transfer-config"]) == ["MooncakeConnector"]
 
 
-@pytest.mark.parametrize(("image", "version"), [("vllm/vllm-openai:v0.11.0", (0, 11, 0)), ("lmsysorg/sglang:v0.5.3-cu126", (0, 5, 3)),
-                                                ("registry:5000/vllm:0.33.0", (0, 33, 0)), ("vllm/vllm-openai:latest", None),
+@pytest.mark.parametrize(("image", "version"), [("vllm/vllm-openai:v0.11.0", (0, 11, 0)),
+                                                ("lmsysorg/sglang:v0.5.3-cu126", (0, 5, 3)),
+                                                ("registry:5000/vllm:0.33.0", (0, 33, 0)),
+                                                ("vllm/vllm-openai:latest", None),
                                                 ("registry:5000/vllm", None), ("vllm@sha256:abcd", None)])
 def test_image_version(image: str, version: tuple[int, int, int] | None) -> None:
     assert image_version(image) == version
 
 
 def test_gpu_only_pool_has_no_connector_and_hash_flag_follows_the_pool() -> None:
-    """No slower tier and no P/D → no KV connector; xxh3_64 keeps vLLM's default hash (the EPP re-keys from token ids),
-    sha256_cbor asks vLLM for it (the EPP's keys then equal vLLM's); the KV events come with a replay endpoint."""
+    """No slower tier and no P/D → no KV connector; xxh3_64 keeps vLLM's default hash (the EPP re-keys from
+    token ids), sha256_cbor asks vLLM for it (the EPP's keys then equal vLLM's); the KV events come with a
+    replay endpoint."""
     _, flags = _parse_vllm(vllm_args(_spec(), "unified", OperatorSettings()).args)
     assert "--kv-transfer-config" not in flags
     assert "--prefix-caching-hash-algo" not in flags
@@ -162,8 +181,10 @@ def test_kv_events_port_follows_settings() -> None:
     assert flags["--kv-events-config"]["endpoint"] == "tcp://*:6000"
 
 
-def _sglang(tiers: list[dict[str, Any]] | None = None, image: str = "lmsysorg/sglang:v0.5.23", **changes: Any) -> PoolSpec:
-    pd = {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, "transfer": {"backends": ["nixl"]}}
+def _sglang(tiers: list[dict[str, Any]] | None = None, image: str = "lmsysorg/sglang:v0.5.23",
+            **changes: Any) -> PoolSpec:
+    pd = {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+          "transfer": {"backends": ["nixl"]}}
     return parse_spec({**samples.MINIMAL["spec"], "engine": {"kind": "sglang", "image": image}, **pd,
                        "tiers": tiers or [{"name": "gpu", "gpuShare": 0.8}], **changes})
 
@@ -183,9 +204,11 @@ def test_sglang_pd_roles() -> None:
 
 
 def test_sglang_tiers() -> None:
-    """cpu tier → HiCache in whole GiB, ssd tier → HiCache's file storage in the ssd volume; decode pods (no radix
-    cache in SGLang's decode mode) get neither; a capacity SGLang cannot express and a remote tier are InvalidSpec."""
-    tiers: list[dict[str, Any]] = [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"}, {"name": "ssd", "capacity": "20Gi"}]
+    """cpu tier → HiCache in whole GiB, ssd tier → HiCache's file storage in the ssd volume; decode pods (no
+    radix cache in SGLang's decode mode) get neither; a capacity SGLang cannot express and a remote tier are
+    InvalidSpec."""
+    tiers: list[dict[str, Any]] = [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"},
+                                   {"name": "ssd", "capacity": "20Gi"}]
     c = render_engine(_sglang(tiers), "prefill", OperatorSettings())
     assert "--enable-hierarchical-cache" in c.args and c.args[c.args.index("--hicache-size") + 1] == "2"
     assert c.args[c.args.index("--hicache-storage-backend") + 1] == "file"
@@ -193,10 +216,12 @@ def test_sglang_tiers() -> None:
     d = render_engine(_sglang(tiers), "decode", OperatorSettings())
     assert "--enable-hierarchical-cache" not in d.args and "--hicache-size" not in d.args
     with pytest.raises(EngineVersionError, match="whole GiB"):
-        render_engine(_sglang([tiers[0], {"name": "cpu", "capacity": "1536Mi"}]), "prefill", OperatorSettings())
+        render_engine(_sglang([tiers[0], {"name": "cpu", "capacity": "1536Mi"}]), "prefill",
+                      OperatorSettings())
     with pytest.raises(EngineVersionError, match="no Redis storage backend"):
         render_engine(_sglang([tiers[0], {"name": "remote", "capacity": "1Ti",
-                                                                 "redis": {"urlSecretRef": {"name": "r"}}}]), "prefill", OperatorSettings())
+                                          "redis": {"urlSecretRef": {"name": "r"}}}]), "prefill",
+                      OperatorSettings())
 
 
 def test_unknown_engine_lists_known_ones() -> None:

@@ -37,16 +37,19 @@ def test_rendered_pool_with_its_pods_is_valid() -> None:
     children = render_children(obj, parse_spec(obj["spec"]), Settings())
     pool = next(c for c in children if c["kind"] == "InferencePool")
     dep = next(c for c in children if c["kind"] == "Deployment")
-    pod = {"metadata": {"name": "p", "labels": dep["spec"]["template"]["metadata"]["labels"]}, "spec": dep["spec"]["template"]["spec"]}
+    pod = {"metadata": {"name": "p", "labels": dep["spec"]["template"]["metadata"]["labels"]},
+           "spec": dep["spec"]["template"]["spec"]}
     assert inferencepools.names_kvfleet_epp(pool, OP)
     assert inferencepools.validate(pool, [pod], OP) == []
 
 
 def test_problems_are_reported() -> None:
     """Wrong EPP port, h2c, an agent-less pod and a pod without the target port each yield a problem."""
-    pool = samples.inferencepool(endpointPickerRef={"name": "kvfleet-epp", "port": {"number": 9999}}, appProtocol="kubernetes.io/h2c")
+    pool = samples.inferencepool(endpointPickerRef={"name": "kvfleet-epp", "port": {"number": 9999}},
+                                 appProtocol="kubernetes.io/h2c")
     labels = {"app": "vllm", "kvfleet.io/agent": "true"}
-    pods = [_pod("a", labels, agent=False), _pod("b", labels, port=8001), _pod("c", {"app": "other"}, agent=False)]
+    pods = [_pod("a", labels, agent=False), _pod("b", labels, port=8001),
+            _pod("c", {"app": "other"}, agent=False)]
     problems = inferencepools.validate(pool, pods, OP)
     assert len(problems) == 4, problems
     assert any("9999" in p for p in problems) and any("HTTP" in p for p in problems)
@@ -58,11 +61,13 @@ def test_problems_are_reported() -> None:
 def test_only_pools_naming_the_kvfleet_epp_are_ours() -> None:
     """Another name, kind or group in endpointPickerRef is somebody else's pool."""
     assert inferencepools.names_kvfleet_epp(samples.inferencepool(), OP)
-    for ref in ({"name": "other", "port": {"number": 9002}}, {"name": "kvfleet-epp", "kind": "Backend", "group": "x.io"}):
+    for ref in ({"name": "other", "port": {"number": 9002}},
+                {"name": "kvfleet-epp", "kind": "Backend", "group": "x.io"}):
         assert not inferencepools.names_kvfleet_epp(samples.inferencepool(endpointPickerRef=ref), OP)
 
 
-@pytest.mark.parametrize(("text", "value"), [("64Gi", 64 * 2**30), ("1Ti", 2**40), ("500M", 500 * 10**6), ("1e3", 1000), ("1.5Ki", 1536), (42, 42)])
+@pytest.mark.parametrize(("text", "value"), [("64Gi", 64 * 2**30), ("1Ti", 2**40), ("500M", 500 * 10**6),
+                                             ("1e3", 1000), ("1.5Ki", 1536), (42, 42)])
 def test_quantities(text: str | int, value: int) -> None:
     """Binary and decimal suffixes and exponents become exact byte counts."""
     assert to_bytes(text) == value

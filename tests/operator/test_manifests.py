@@ -55,51 +55,62 @@ def test_rendered_builtin_objects_are_valid_kubernetes(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(samples.VALID))
 def test_rendered_inferencepool_is_a_valid_custom_object(name: str) -> None:
-    """One InferencePool per KVCachePool, named like it, passing the CRD's schema and CEL rules and naming the kvfleet EPP."""
+    """One InferencePool per KVCachePool, named like it, passing the CRD's schema and CEL rules and naming the
+    kvfleet EPP."""
     obj = samples.VALID[name]
     (pool,) = [c for c in _render(obj) if c["kind"] == "InferencePool"]
     _, errors = admit(INFP, pool)
     assert errors == []
     assert pool["metadata"]["name"] == obj["metadata"]["name"]
     assert pool["spec"]["endpointPickerRef"]["name"] == Settings().operator.epp_service
-    assert pool["spec"]["selector"]["matchLabels"] == {LABEL_POOL: obj["metadata"]["name"], LABEL_AGENT: "true"}
+    assert pool["spec"]["selector"]["matchLabels"] == {LABEL_POOL: obj["metadata"]["name"],
+                                                       LABEL_AGENT: "true"}
 
 
 def test_inferencepool_selects_every_shard_and_shards_are_pod_subsets() -> None:
-    """The InferencePool selects the pods of all shards (no shard label); each Deployment's pods carry their shard."""
+    """The InferencePool selects the pods of all shards (no shard label); each Deployment's pods carry their
+    shard."""
     children = _render(samples.FULL_GPU)
     (pool,) = [c for c in children if c["kind"] == "InferencePool"]
-    assert LABEL_SHARD not in pool["spec"]["selector"]["matchLabels"] and LABEL_SHARD not in pool["metadata"]["labels"]
+    assert (LABEL_SHARD not in pool["spec"]["selector"]["matchLabels"]
+            and LABEL_SHARD not in pool["metadata"]["labels"])
     routing = json.loads(pool["metadata"]["annotations"][ANN_ROUTING])
     assert routing["shards"] == 2 and "shard" not in routing and routing["blockSize"] == 16
-    templates = [{"metadata": {"name": c["metadata"]["name"], **c["spec"]["template"]["metadata"]}, "spec": c["spec"]["template"]["spec"]}
+    templates = [{"metadata": {"name": c["metadata"]["name"], **c["spec"]["template"]["metadata"]},
+                  "spec": c["spec"]["template"]["spec"]}
                  for c in children if c["kind"] == "Deployment"]
     assert len(selected_pods(pool, templates)) == len(templates) == 4
     assert sorted(t["metadata"]["labels"][LABEL_SHARD] for t in templates) == ["0", "0", "1", "1"]
     for c in children:
         if c["kind"] in ("Deployment", "Service"):
             shard = c["metadata"]["name"].removeprefix("llama-p").split("-")[0]
-            selector = c["spec"]["selector"]["matchLabels"] if c["kind"] == "Deployment" else c["spec"]["selector"]
+            selector = (c["spec"]["selector"]["matchLabels"] if c["kind"] == "Deployment"
+                        else c["spec"]["selector"])
             assert selector[LABEL_SHARD] == shard
 
 
 def test_children_names_and_owner_references() -> None:
-    """2 shards × P/D → per shard: ConfigMap, prefill and decode Deployments, Service; then one InferencePool; all owned."""
+    """2 shards × P/D → per shard: ConfigMap, prefill and decode Deployments, Service; then one InferencePool;
+    all owned."""
     children = _render(samples.FULL_GPU)
     names = [(c["kind"], c["metadata"]["name"]) for c in children]
     assert names == [
-        ("ConfigMap", "llama-p0"), ("Deployment", "llama-p0-prefill"), ("Deployment", "llama-p0-decode"), ("Service", "llama-p0"),
-        ("ConfigMap", "llama-p1"), ("Deployment", "llama-p1-prefill"), ("Deployment", "llama-p1-decode"), ("Service", "llama-p1"),
+        ("ConfigMap", "llama-p0"), ("Deployment", "llama-p0-prefill"), ("Deployment", "llama-p0-decode"),
+        ("Service", "llama-p0"),
+        ("ConfigMap", "llama-p1"), ("Deployment", "llama-p1-prefill"), ("Deployment", "llama-p1-decode"),
+        ("Service", "llama-p1"),
         ("InferencePool", "llama"),
     ]
     for c in children:
         (ref,) = c["metadata"]["ownerReferences"]
         assert ref == {"apiVersion": "kvfleet.io/v1alpha1", "kind": "KVCachePool", "name": "llama",
-                       "uid": "0b4d3c9e-1111-2222-3333-444455556666", "controller": True, "blockOwnerDeletion": True}
+                       "uid": "0b4d3c9e-1111-2222-3333-444455556666", "controller": True,
+                       "blockOwnerDeletion": True}
 
 
 def test_gpu_pod_shape() -> None:
-    """GPU mode: vLLM engine with nvidia.com/gpu, agent sidecar, /dev/shm memory emptyDir, ssd hostPath, secrets by reference."""
+    """GPU mode: vLLM engine with nvidia.com/gpu, agent sidecar, /dev/shm memory emptyDir, ssd hostPath,
+    secrets by reference."""
     dep = next(c for c in _render(samples.FULL_GPU) if c["metadata"]["name"] == "llama-p0-decode")
     assert dep["spec"]["replicas"] == 4
     pod = dep["spec"]["template"]["spec"]
@@ -110,9 +121,11 @@ def test_gpu_pod_shape() -> None:
     assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
     assert volumes["ssd"]["hostPath"]["path"] == "/mnt/nvme/kv"
     for container in (engine, agent):
-        assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/dev/shm", "/var/lib/kvfleet/ssd", "/etc/kvfleet/config.yaml"}
+        assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/dev/shm", "/var/lib/kvfleet/ssd",
+                                                                       "/etc/kvfleet/config.yaml"}
     env = {e["name"]: e for e in engine["env"]}
-    assert env["KVFLEET_TRANSFER_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "kv-transfer", "key": "secret"}
+    assert env["KVFLEET_TRANSFER_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "kv-transfer",
+                                                                           "key": "secret"}
     assert env["KVFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "kv-redis", "key": "url"}
     assert env["LMCACHE_REMOTE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "kv-redis"
 
@@ -121,7 +134,8 @@ def test_sim_pod_has_no_gpu_and_runs_kvfleet_engine() -> None:
     """CPU fallback: `kvfleet engine --config`, no GPU resources, ssd tier on an emptyDir of its capacity."""
     dep = next(c for c in _render(samples.SIM_PD) if c["kind"] == "Deployment")
     engine = dep["spec"]["template"]["spec"]["containers"][0]
-    assert engine["command"] == ["kvfleet", "engine"] and engine["args"][:2] == ["--config", "/etc/kvfleet/config.yaml"]
+    assert (engine["command"] == ["kvfleet", "engine"]
+            and engine["args"][:2] == ["--config", "/etc/kvfleet/config.yaml"])
     assert "nvidia.com/gpu" not in (engine["resources"].get("limits") or {})
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     assert volumes["ssd"]["emptyDir"]["sizeLimit"] == str(8 * 1024**3)
@@ -134,22 +148,27 @@ def test_role_config_loads_as_settings(role: str) -> None:
     loaded = from_dict(Settings, yaml.safe_load(cm["data"][f"{role}.yaml"]))
     assert loaded.cache.block_size == 16
     assert loaded.engine.model == samples.SIM_PD["spec"]["model"]["name"]
-    assert loaded.engine.role == role and loaded.engine.pool == "sim-pd-p0" and loaded.engine.host == "0.0.0.0"
+    assert (loaded.engine.role == role and loaded.engine.pool == "sim-pd-p0"
+            and loaded.engine.host == "0.0.0.0")
     assert loaded.engine.tiers.cpu_blocks == 2 * 1024**3 // (131072 * 16)
     pool = yaml.safe_load(cm["data"]["pool.yaml"])
     assert [t["name"] for t in pool["tiers"]] == ["gpu", "cpu", "ssd"]
-    assert pool["tiers"][1] == {"name": "cpu", "gpu_share": None, "capacity_bytes": 2 * 1024**3, "codec": "fp8_e4m3",
-                                "watermarks": {"high": 0.9, "low": 0.7}, "path": None, "url_env": None}
+    assert pool["tiers"][1] == {"name": "cpu", "gpu_share": None, "capacity_bytes": 2 * 1024**3,
+                                "codec": "fp8_e4m3", "watermarks": {"high": 0.9, "low": 0.7}, "path": None,
+                                "url_env": None}
 
 
 def test_sim_pd_engines_know_their_prefill_peers() -> None:
-    """Simulated P/D engines admit their shard's headless Service (DNS name, engine port) as prefill peers; unified and vLLM pools none."""
-    obj = samples.kvcachepool(name="sim-pd", namespace="serving", pools=2, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    """Simulated P/D engines admit their shard's headless Service (DNS name, engine port) as prefill peers;
+    unified and vLLM pools none."""
+    obj = samples.kvcachepool(name="sim-pd", namespace="serving", pools=2,
+                              roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
     children = _render(obj)
     port = Settings().operator.engine_port
     services = {c["metadata"]["name"] for c in children if c["kind"] == "Service"}
     for shard in range(2):
-        cm = next(c for c in children if c["kind"] == "ConfigMap" and c["metadata"]["name"] == f"sim-pd-p{shard}")
+        cm = next(c for c in children
+                  if c["kind"] == "ConfigMap" and c["metadata"]["name"] == f"sim-pd-p{shard}")
         for role in ("prefill", "decode"):
             loaded = from_dict(Settings, yaml.safe_load(cm["data"][f"{role}.yaml"]))
             assert loaded.engine.prefill_peers == (f"sim-pd-p{shard}.serving.svc:{port}",)
@@ -173,11 +192,13 @@ def test_config_hash_rolls_on_tiers_not_on_replicas() -> None:
     """Scaling changes no pod template; a tier change does (the pods restart with the new tiers)."""
     base = parse_spec(samples.MINIMAL["spec"])
     scaled = parse_spec({**samples.MINIMAL["spec"], "roles": {"unified": {"replicas": 5}}})
-    tiered = parse_spec({**samples.MINIMAL["spec"], "tiers": [{"name": "gpu", "gpuShare": 0.9}, {"name": "cpu", "capacity": "1Gi"}]})
+    tiered = parse_spec({**samples.MINIMAL["spec"],
+                         "tiers": [{"name": "gpu", "gpuShare": 0.9}, {"name": "cpu", "capacity": "1Gi"}]})
     assert config_hash(base, Settings()) == config_hash(scaled, Settings())
     assert config_hash(base, Settings()) != config_hash(tiered, Settings())
     dep = next(c for c in _render(samples.MINIMAL) if c["kind"] == "Deployment")
-    assert dep["spec"]["template"]["metadata"]["annotations"][ANN_CONFIG_HASH] == config_hash(base, Settings())
+    assert (dep["spec"]["template"]["metadata"]["annotations"][ANN_CONFIG_HASH]
+            == config_hash(base, Settings()))
 
 
 def test_apply_never_takes_over_foreign_objects() -> None:
@@ -194,12 +215,15 @@ def test_apply_never_takes_over_foreign_objects() -> None:
     check_owner(unowned, svc)  # nobody's controller: adopted by the apply
 
 
-@pytest.mark.parametrize(("image", "events"), [("lmsysorg/sglang:v0.5.3-cu126", False), ("lmsysorg/sglang:v0.5.6", True),
-                                               ("lmsysorg/sglang:v0.5.23", True), ("lmsysorg/sglang:latest", True)])
+@pytest.mark.parametrize(("image", "events"), [("lmsysorg/sglang:v0.5.3-cu126", False),
+                                               ("lmsysorg/sglang:v0.5.6", True),
+                                               ("lmsysorg/sglang:v0.5.23", True),
+                                               ("lmsysorg/sglang:latest", True)])
 def test_sglang_pods_publish_kv_events_only_where_they_can_be_indexed(image: str, events: bool) -> None:
-    """SGLang before 0.5.6 hashes a page by its tokens alone and gives a radix node's first page no parent: its pods get
-    no ``--kv-events-config`` and empty KV-event annotations, so the EPP subscribes to nothing there and keeps its
-    picks on them as an approximate index (tests/interop/test_sglang_events.py shows what its events lose)."""
+    """SGLang before 0.5.6 hashes a page by its tokens alone and gives a radix node's first page no parent:
+    its pods get no ``--kv-events-config`` and empty KV-event annotations, so the EPP subscribes to nothing
+    there and keeps its picks on them as an approximate index (tests/interop/test_sglang_events.py shows what
+    its events lose)."""
     obj = copy.deepcopy(samples.MINIMAL)
     obj["spec"]["engine"] = {"kind": "sglang", "image": image}
     (dep,) = [c for c in _render(obj) if c["kind"] == "Deployment"]
@@ -207,4 +231,5 @@ def test_sglang_pods_publish_kv_events_only_where_they_can_be_indexed(image: str
     (engine,) = [c for c in pod["spec"]["containers"] if c["name"] != AGENT_CONTAINER]
     assert ("--kv-events-config" in engine["args"]) is events
     ann = pod["metadata"]["annotations"]
-    assert (ann["kvfleet.io/kv-events-port"], ann["kvfleet.io/kv-replay-port"]) == (("5557", "5558") if events else ("", ""))
+    assert (ann["kvfleet.io/kv-events-port"], ann["kvfleet.io/kv-replay-port"]) == (
+        ("5557", "5558") if events else ("", ""))

@@ -1,4 +1,5 @@
-"""Build the interop venvs: real vLLM and SGLang releases whose own parsers and config classes check the operator's flags.
+"""Build the interop venvs: real vLLM and SGLang releases whose own parsers and config classes \
+check the operator's flags.
 
 One venv per release in :data:`kvfleet.operator.engines.VLLM_TESTED` and ``SGLANG_TESTED``, made with
 ``pip install vllm==X`` / ``sglang==X`` (the engine and its whole dependency set, the CUDA build of
@@ -29,13 +30,15 @@ STAMP = ".kvfleet-interop"
 
 
 def cache_root() -> Path:
-    base = os.environ.get("KVFLEET_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvfleet")
+    base = os.environ.get("KVFLEET_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvfleet")
     return Path(base) / "interop"
 
 
 def releases() -> list[tuple[str, str]]:
     """(engine, version) of every interop venv."""
-    return [("vllm", ".".join(map(str, v))) for v in VLLM_TESTED] + [("sglang", ".".join(map(str, v))) for v in SGLANG_TESTED]
+    return ([("vllm", ".".join(map(str, v))) for v in VLLM_TESTED]
+            + [("sglang", ".".join(map(str, v))) for v in SGLANG_TESTED])
 
 
 def venv_dir(engine: str, version: str) -> Path:
@@ -57,7 +60,8 @@ def build(engine: str, version: str) -> Path:
     print(f"interop: building {engine} {version} into {final} (once; about 4 minutes and 10 GB)", flush=True)
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", str(tmp)], check=True)
-    subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-cache-dir", f"{engine}=={version}"], check=True)
+    subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-cache-dir",
+                    f"{engine}=={version}"], check=True)
     (tmp / STAMP).write_text(f"{engine}=={version} built in {time.monotonic() - t0:.0f} s\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -66,7 +70,8 @@ def build(engine: str, version: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/interop_venvs.py", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = argparse.ArgumentParser(prog="scripts/interop_venvs.py",
+                                description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("command", choices=["build", "path"])
     p.add_argument("engine", nargs="?", choices=["vllm", "sglang"])
     p.add_argument("version", nargs="?")

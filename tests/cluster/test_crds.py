@@ -54,13 +54,16 @@ def _named(obj: Mapping[str, Any], ns: str) -> dict[str, Any]:
 def _server_only(obj: Mapping[str, Any]) -> dict[str, Any]:
     """What the offline model does not produce: server-set metadata."""
     out = copy.deepcopy(dict(obj))
-    out["metadata"] = {k: v for k, v in out["metadata"].items() if k not in ("uid", "resourceVersion", "creationTimestamp", "generation", "managedFields")}
+    out["metadata"] = {
+        k: v for k, v in out["metadata"].items()
+        if k not in ("uid", "resourceVersion", "creationTimestamp", "generation", "managedFields")}
     return out
 
 
 @pytest.mark.parametrize("name", sorted(VALID))
 def test_valid_kvcachepools_are_admitted_and_defaulted_as_offline(crds: Kube, ns: str, name: str) -> None:
-    """Admitted by the server; its defaults are those of the offline admission model used by the unit tests."""
+    """Admitted by the server; its defaults are those of the offline admission model used by the unit
+    tests."""
     obj = _named(VALID[name], ns)
     status, body = crds.create(obj)
     assert status == 201, body.get("message")
@@ -89,15 +92,21 @@ CEL_BREAKERS: dict[str, dict[str, Any]] = {
         {"roles": {"prefill": {}, "decode": {}}, "transfer": {"backends": ["shm"]}},
     "prefill and decode must be given together": {"roles": {"unified": {}, "decode": {"replicas": 2}}},
     "give either unified or prefill+decode, not both and not neither": {"roles": {}},
-    "tiers must start with gpu (the engine's own KV memory) and be ordered gpu, cpu, ssd, remote, each at most once":
-        {"tiers": [{"name": "gpu", "gpuShare": 0.5}, {"name": "ssd", "capacity": "1Ti"}, {"name": "cpu", "capacity": "1Gi"}]},
-    "the gpu tier takes gpuShare; cpu, ssd and remote tiers take capacity": {"tiers": _gpu(name="cpu", gpuShare=0.5)},
+    ("tiers must start with gpu (the engine's own KV memory) and be ordered gpu, cpu, ssd, remote, "
+     "each at most once"):
+        {"tiers": [{"name": "gpu", "gpuShare": 0.5}, {"name": "ssd", "capacity": "1Ti"},
+                   {"name": "cpu", "capacity": "1Gi"}]},
+    "the gpu tier takes gpuShare; cpu, ssd and remote tiers take capacity":
+        {"tiers": _gpu(name="cpu", gpuShare=0.5)},
     "capacity must be a quantity such as 64Gi, 1Ti or 500M": {"tiers": _gpu(name="ssd", capacity="1TB!")},
     "capacity must be greater than 0": {"tiers": _gpu(name="cpu", capacity="-1Gi")},
     "the remote tier needs redis.urlSecretRef": {"tiers": _gpu(name="remote", capacity="1Ti")},
-    "redis is only for the remote tier": {"tiers": _gpu(name="ssd", capacity="1Ti", redis={"urlSecretRef": {"name": "r"}})},
-    "volume is only for the ssd tier": {"tiers": [{"name": "gpu", "gpuShare": 0.5, "volume": {"emptyDir": {}}}]},
-    "watermarks.low must be below watermarks.high": {"tiers": _gpu(name="cpu", capacity="1Gi", watermarks={"high": 0.7, "low": 0.7})},
+    "redis is only for the remote tier":
+        {"tiers": _gpu(name="ssd", capacity="1Ti", redis={"urlSecretRef": {"name": "r"}})},
+    "volume is only for the ssd tier":
+        {"tiers": [{"name": "gpu", "gpuShare": 0.5, "volume": {"emptyDir": {}}}]},
+    "watermarks.low must be below watermarks.high":
+        {"tiers": _gpu(name="cpu", capacity="1Gi", watermarks={"high": 0.7, "low": 0.7})},
     "transfer backends must be unique": {"transfer": {"backends": ["nixl", "tcp", "nixl"]}},
 }
 
@@ -123,7 +132,8 @@ def test_every_cel_rule_has_a_failing_manifest() -> None:
 
 @pytest.mark.parametrize("message", sorted(CEL_BREAKERS))
 def test_each_cel_rule_is_enforced_by_the_server(crds: Kube, ns: str, message: str) -> None:
-    """The manifest is refused by the server with exactly that rule's message (and passes every other rule)."""
+    """The manifest is refused by the server with exactly that rule's message (and passes every other
+    rule)."""
     obj = samples.kvcachepool(name="cel", namespace=ns, **CEL_BREAKERS[message])
     status, body = crds.create(obj)
     assert status == 422, body
@@ -137,7 +147,8 @@ def test_each_cel_rule_is_enforced_by_the_server(crds: Kube, ns: str, message: s
 def test_capacity_limits_are_quantities_on_the_server(crds: Kube, ns: str) -> None:
     """Kubernetes' quantity() sees 1Ti > 0, 500M > 0, 1 > 0 (and an integer capacity)."""
     for capacity in ("1Ti", "500M", "1", 1, "0.5Gi"):
-        status, body = crds.create(samples.kvcachepool(name="q", namespace=ns, tiers=_gpu(name="cpu", capacity=capacity)))
+        status, body = crds.create(samples.kvcachepool(name="q", namespace=ns,
+                                                       tiers=_gpu(name="cpu", capacity=capacity)))
         assert status == 201, (capacity, body.get("message"))
 
 
@@ -159,7 +170,8 @@ def test_gie_examples_found() -> None:
 
 @pytest.mark.parametrize("name", sorted(GIE_POOLS))
 def test_gie_example_inferencepools_are_admitted(crds: Kube, ns: str, name: str) -> None:
-    """Each upstream v1.6.0 example InferencePool is stored by the server with the shipped CRD, defaulted as offline."""
+    """Each upstream v1.6.0 example InferencePool is stored by the server with the shipped CRD, defaulted as
+    offline."""
     obj = _named(GIE_POOLS[name], ns)
     status, body = crds.create(obj)
     assert status == 201, body.get("message")
@@ -170,7 +182,8 @@ def test_gie_example_inferencepools_are_admitted(crds: Kube, ns: str, name: str)
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda s: s["endpointPickerRef"].pop("port"), "port is required when kind is 'Service' or unspecified"),
+        (lambda s: s["endpointPickerRef"].pop("port"),
+         "port is required when kind is 'Service' or unspecified"),
         (lambda s: s.update(targetPorts=[{"number": 3000}, {"number": 3000}]), "port number must be unique"),
         (lambda s: s.update(selector={"matchLabels": {}}), "spec.selector.matchLabels"),
         (lambda s: s.update(appProtocol="grpc"), "spec.appProtocol"),
@@ -186,7 +199,8 @@ def test_broken_gie_inferencepools_are_refused(crds: Kube, ns: str, change: Any,
 
 
 def test_operator_inferencepool_and_kvcachepool_stored(crds: Kube, ns: str) -> None:
-    """Objects really stored (not only dry run) read back with generation 1 and the status subresource split off."""
+    """Objects really stored (not only dry run) read back with generation 1 and the status subresource split
+    off."""
     obj = _named(samples.SIM_PD, ns)
     status, body = crds.create(obj, dry_run=False)
     assert status == 201, body.get("message")

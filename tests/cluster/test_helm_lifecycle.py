@@ -43,7 +43,9 @@ def installed(kube: Kube, ns: str) -> dict[str, Any]:
 
 
 def _pods(kube: Kube, ns: str, component: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = kube.get("pods", None, ns, "-l", f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component={component}")["items"]
+    items: list[dict[str, Any]] = kube.get(
+        "pods", None, ns, "-l",
+        f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component={component}")["items"]
     return items
 
 
@@ -57,7 +59,8 @@ def _uid(kube: Kube, kind: str, name: str, ns: str | None = None) -> str:
 
 
 def test_install_admits_every_pod_under_restricted(kube: Kube, ns: str, installed: dict[str, Any]) -> None:
-    """Installed without Pod Security warnings; the ReplicaSets create every pod (Pending) in a restricted namespace."""
+    """Installed without Pod Security warnings; the ReplicaSets create every pod (Pending) in a restricted
+    namespace."""
     assert "PodSecurity" not in installed["stderr"], installed["stderr"]
     for name, component in DEPLOYMENTS.items():
         wait_for(lambda c=component: len(_pods(kube, ns, c)) == 1, f"the {name} pod", timeout_s=60)  # type: ignore[misc]
@@ -65,15 +68,19 @@ def test_install_admits_every_pod_under_restricted(kube: Kube, ns: str, installe
     assert events == [], [e["message"] for e in events]
 
 
-def test_install_serves_the_crds_and_disruption_budgets(kube: Kube, ns: str, installed: dict[str, Any]) -> None:
+def test_install_serves_the_crds_and_disruption_budgets(
+    kube: Kube, ns: str, installed: dict[str, Any]
+) -> None:
     crd = kube.get("crd", KVCP_CRD)
     assert any(c["type"] == "Established" and c["status"] == "True" for c in crd["status"]["conditions"])
     ip = kube.get("crd", IP_CRD)
-    if not installed["ip_crd_before"]:  # the chart installed it (crds.inferencePool=auto on a cluster without the API)
+    # the chart installed it (crds.inferencePool=auto on a cluster without the API)
+    if not installed["ip_crd_before"]:
         ann = ip["metadata"]["annotations"]
         assert ann["helm.sh/resource-policy"] == "keep" and ann["meta.helm.sh/release-namespace"] == ns
     for name in DEPLOYMENTS:  # the disruption controller counts each Deployment's pod under its budget
-        wait_for(lambda n=name: kube.get("pdb", n, ns).get("status", {}).get("expectedPods") == 1, f"PDB {name} covering its pod", timeout_s=60)  # type: ignore[misc]
+        wait_for(lambda n=name: kube.get("pdb", n, ns).get("status", {}).get("expectedPods") == 1,  # type: ignore[misc]
+                 f"PDB {name} covering its pod", timeout_s=60)
 
 
 def test_pods_run_under_their_own_service_accounts(kube: Kube, ns: str, installed: dict[str, Any]) -> None:
@@ -86,8 +93,11 @@ def test_pods_run_under_their_own_service_accounts(kube: Kube, ns: str, installe
         assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
-def test_upgrade_keeps_crds_and_objects_and_rolls_on_a_changed_value(kube: Kube, ns: str, installed: dict[str, Any]) -> None:
-    pool = samples.inferencepool("user-pool", ns, endpointPickerRef={"name": "kvf-kvfleet-epp", "port": {"number": 9002}})
+def test_upgrade_keeps_crds_and_objects_and_rolls_on_a_changed_value(
+    kube: Kube, ns: str, installed: dict[str, Any]
+) -> None:
+    pool = samples.inferencepool("user-pool", ns,
+                                 endpointPickerRef={"name": "kvf-kvfleet-epp", "port": {"number": 9002}})
     kube.apply([pool, samples.kvcachepool("llama", ns, engine={"kind": "sim"})])
     before = {"crds": (_uid(kube, "crd", KVCP_CRD), _uid(kube, "crd", IP_CRD)),
               "objs": (_uid(kube, "inferencepool", "user-pool", ns), _uid(kube, "kvcachepool", "llama", ns)),
@@ -97,11 +107,14 @@ def test_upgrade_keeps_crds_and_objects_and_rolls_on_a_changed_value(kube: Kube,
     kube.helm("upgrade", RELEASE, str(CHART), "-n", ns, *VALUES, "--set-json", "config.epp.hotspot_beta=0.25")
     after = kube.get("deployment", "kvf-kvfleet-epp", ns)
     assert after["metadata"]["generation"] == epp["metadata"]["generation"] + 1
-    assert after["spec"]["template"]["metadata"]["annotations"]["checksum/config"] != epp["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
-    wait_for(lambda: len(kube.get("replicasets", None, ns, "-l", "app.kubernetes.io/component=epp")["items"]) == 2,
+    assert (after["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+            != epp["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+    wait_for(lambda: len(kube.get("replicasets", None, ns, "-l",
+                                  "app.kubernetes.io/component=epp")["items"]) == 2,
              "a second EPP ReplicaSet (the rollout)", timeout_s=60)
     assert (_uid(kube, "crd", KVCP_CRD), _uid(kube, "crd", IP_CRD)) == before["crds"]
-    assert (_uid(kube, "inferencepool", "user-pool", ns), _uid(kube, "kvcachepool", "llama", ns)) == before["objs"]
+    assert (_uid(kube, "inferencepool", "user-pool", ns),
+            _uid(kube, "kvcachepool", "llama", ns)) == before["objs"]
     assert _secret(kube, ns) == before["secret"]
 
     # The same values again: nothing rolls (the rendering is stable), the Secret stays.
@@ -111,16 +124,20 @@ def test_upgrade_keeps_crds_and_objects_and_rolls_on_a_changed_value(kube: Kube,
     assert _secret(kube, ns) == before["secret"]
 
 
-def test_uninstall_removes_workloads_and_keeps_crds_objects_and_secret(kube: Kube, ns: str, installed: dict[str, Any]) -> None:
+def test_uninstall_removes_workloads_and_keeps_crds_objects_and_secret(
+    kube: Kube, ns: str, installed: dict[str, Any]
+) -> None:
     kube.apply([samples.kvcachepool("kept", ns)])
     secret = _secret(kube, ns)
     kube.helm("uninstall", RELEASE, "-n", ns)
     for name in DEPLOYMENTS:
         assert not kube.exists("deployment", name, ns)
         assert not kube.exists("serviceaccount", name, ns)
-    assert not kube.exists("role", "kvf-kvfleet-operator", ns) and not kube.exists("clusterrole", "kvf-kvfleet-operator")
+    assert (not kube.exists("role", "kvf-kvfleet-operator", ns)
+            and not kube.exists("clusterrole", "kvf-kvfleet-operator"))
     # garbage collection (the controller manager) removes the ReplicaSets' pods
-    wait_for(lambda: kube.get("pods", None, ns, "-l", f"app.kubernetes.io/instance={RELEASE}")["items"] == [], "the release's pods to go", timeout_s=60)
+    wait_for(lambda: kube.get("pods", None, ns, "-l", f"app.kubernetes.io/instance={RELEASE}")["items"] == [],
+             "the release's pods to go", timeout_s=60)
     assert kube.exists("crd", KVCP_CRD) and kube.exists("crd", IP_CRD)
     assert kube.exists("kvcachepool", "kept", ns)
     assert _secret(kube, ns) == secret  # helm.sh/resource-policy: keep

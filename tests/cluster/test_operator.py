@@ -47,7 +47,8 @@ SECRETS = (("kvfleet-transfer", "secret"), ("kv-transfer", "secret"), ("kv-redis
 def ns(crds: Kube, namespaces: Callable[..., str]) -> str:
     """A fresh namespace with the Secrets the samples reference."""
     name = namespaces("op")
-    crds.apply([{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": s, "namespace": name}, "stringData": {k: "s3cret"}}
+    crds.apply([{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": s, "namespace": name},
+                 "stringData": {k: "s3cret"}}
                 for s, k in SECRETS])
     return name
 
@@ -69,7 +70,8 @@ async def api(control_plane: ControlPlane) -> AsyncIterator[ApiClient]:
     """The operator's own client, as the admin, for the test's reads and writes."""
     pki = control_plane.pki
     client = ApiClient(kopf.ConnectionInfo(server=control_plane.server, ca_path=str(pki / "ca.crt"),
-                                           certificate_path=str(pki / "admin.crt"), private_key_path=str(pki / "admin.key")),
+                                           certificate_path=str(pki / "admin.crt"),
+                                           private_key_path=str(pki / "admin.key")),
                        field_manager="kvfleet-test")
     yield client
     await client.close()
@@ -89,7 +91,9 @@ async def _events(api: ApiClient, ns: str, reason: str) -> list[dict[str, Any]]:
     return [e for e in await api.list("Event", ns) if e.get("reason") == reason]
 
 
-async def _status_with(api: ApiClient, ns: str, name: str, key: str, value: Any = None) -> dict[str, Any] | None:
+async def _status_with(
+    api: ApiClient, ns: str, name: str, key: str, value: Any = None,
+) -> dict[str, Any] | None:
     obj = await api.get("KVCachePool", ns, name)
     status = obj.get("status") or {}
     return obj if key in status and (value is None or status[key] == value) else None
@@ -99,18 +103,22 @@ def _children(spec: dict[str, Any], name: str) -> list[tuple[str, str]]:
     roles = [r for r in ("unified", "prefill", "decode") if r in (spec.get("roles") or {})] or ["unified"]
     out: list[tuple[str, str]] = [("InferencePool", name)]
     for i in range(int(spec.get("pools", 1))):
-        out += [("ConfigMap", f"{name}-p{i}"), ("Service", f"{name}-p{i}")] + [("Deployment", f"{name}-p{i}-{r}") for r in roles]
+        out += [("ConfigMap", f"{name}-p{i}"), ("Service", f"{name}-p{i}")] + [
+            ("Deployment", f"{name}-p{i}-{r}") for r in roles]
     return out
 
 
 @pytest.mark.parametrize("sample", sorted(samples.VALID))
-async def test_every_sample_reconciles_into_owned_applied_children(operator: Runtime, api: ApiClient, ns: str, sample: str) -> None:
+async def test_every_sample_reconciles_into_owned_applied_children(
+    operator: Runtime, api: ApiClient, ns: str, sample: str,
+) -> None:
     body = copy.deepcopy(samples.VALID[sample])
     body["metadata"]["namespace"] = ns
     name = body["metadata"]["name"]
     created = await api.create(body)
     uid = created["metadata"]["uid"]
-    pool = await eventually(lambda: _status_with(api, ns, name, "observedGeneration", 1), f"{name} reconciled")
+    pool = await eventually(lambda: _status_with(api, ns, name, "observedGeneration", 1),
+                            f"{name} reconciled")
     live = {}
     for kind, cname in _children(body["spec"], name):
         obj = await api.get(kind, ns, cname)
@@ -126,7 +134,8 @@ async def test_every_sample_reconciles_into_owned_applied_children(operator: Run
     assert listed == set(live)
     (ip,) = await api.list("InferencePool", ns)
     assert ip["spec"]["selector"]["matchLabels"] == {LABEL_POOL: name, LABEL_AGENT: "true"}
-    assert yaml.safe_load(ip["metadata"]["annotations"][ANN_ROUTING])["shards"] == int(body["spec"].get("pools", 1))
+    assert yaml.safe_load(ip["metadata"]["annotations"][ANN_ROUTING])["shards"] == int(
+        body["spec"].get("pools", 1))
     status = pool["status"]
     assert status["inferencePools"] == [name] and status["pools"] == int(body["spec"].get("pools", 1))
     assert all(v["ready"] == 0 for v in status["roles"].values())
@@ -143,13 +152,18 @@ async def test_every_sample_reconciles_into_owned_applied_children(operator: Run
     await api.patch("KVCachePool", ns, name, {"metadata": {"annotations": {"test/touch": "1"}}})
     await asyncio.sleep(2.0)  # a time gap: the resync has had time to write, if it were going to
     for (kind, cname), rv in live.items():
-        assert (await api.get(kind, ns, cname))["metadata"]["resourceVersion"] == rv, f"{kind}/{cname} rewritten in a steady state"
+        assert (await api.get(kind, ns, cname))["metadata"]["resourceVersion"] == rv, (
+            f"{kind}/{cname} rewritten in a steady state")
 
 
-async def test_removed_tier_fields_disappear_and_foreign_fields_stay(operator: Runtime, api: ApiClient, ns: str) -> None:
-    """cpu + ssd tiers → gpu only: the shm volume loses its size limit, the ssd volume and mount go, the ConfigMap's
-    tier settings go; an annotation another manager put on the Deployment stays (server-side apply field ownership)."""
-    tiers = [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "1Gi"}, {"name": "ssd", "capacity": "4Gi"}]
+async def test_removed_tier_fields_disappear_and_foreign_fields_stay(
+    operator: Runtime, api: ApiClient, ns: str,
+) -> None:
+    """cpu + ssd tiers → gpu only: the shm volume loses its size limit, the ssd volume and mount go, the
+    ConfigMap's tier settings go; an annotation another manager put on the Deployment stays (server-side apply
+    field ownership)."""
+    tiers = [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "1Gi"},
+             {"name": "ssd", "capacity": "4Gi"}]
     await api.create(samples.kvcachepool("conv", ns, tiers=tiers))
     await eventually(lambda: _status_with(api, ns, "conv", "observedGeneration", 1), "conv reconciled")
     dep = await api.get("Deployment", ns, "conv-p0-unified")
@@ -157,11 +171,13 @@ async def test_removed_tier_fields_disappear_and_foreign_fields_stay(operator: R
     assert "sizeLimit" in vols["shm"]["emptyDir"] and "ssd" in vols
     cm = await api.get("ConfigMap", ns, "conv-p0")
     assert yaml.safe_load(cm["data"]["unified.yaml"])["engine"]["tiers"]["ssd_blocks"] > 0
-    await api.patch("Deployment", ns, "conv-p0-unified", {"metadata": {"annotations": {"mesh.example/inject": "true"}}})
+    await api.patch("Deployment", ns, "conv-p0-unified",
+                    {"metadata": {"annotations": {"mesh.example/inject": "true"}}})
     before = dep["spec"]["template"]["metadata"]["annotations"][ANN_CONFIG_HASH]
 
     await api.patch("KVCachePool", ns, "conv", {"spec": {"tiers": [{"name": "gpu", "gpuShare": 0.8}]}})
-    await eventually(lambda: _status_with(api, ns, "conv", "observedGeneration", 2), "conv's tier change reconciled")
+    await eventually(lambda: _status_with(api, ns, "conv", "observedGeneration", 2),
+                     "conv's tier change reconciled")
     dep = await api.get("Deployment", ns, "conv-p0-unified")
     spec = dep["spec"]["template"]["spec"]
     vols = {v["name"]: v for v in spec["volumes"]}
@@ -170,45 +186,58 @@ async def test_removed_tier_fields_disappear_and_foreign_fields_stay(operator: R
     assert all(m["name"] != "ssd" for c in spec["containers"] for m in c["volumeMounts"])
     assert dep["spec"]["template"]["metadata"]["annotations"][ANN_CONFIG_HASH] != before
     assert dep["metadata"]["annotations"]["mesh.example/inject"] == "true"
-    tiers_cfg = yaml.safe_load((await api.get("ConfigMap", ns, "conv-p0"))["data"]["unified.yaml"])["engine"]["tiers"]
+    tiers_cfg = yaml.safe_load(
+        (await api.get("ConfigMap", ns, "conv-p0"))["data"]["unified.yaml"])["engine"]["tiers"]
     assert tiers_cfg["ssd_blocks"] == 0 and tiers_cfg["cpu_blocks"] == 0 and tiers_cfg["ssd_dir"] == ""
 
 
-async def test_fields_an_earlier_rendering_set_are_removed(operator: Runtime, api: ApiClient, ns: str, control_plane: ControlPlane) -> None:
-    """What an earlier rendering set and this one does not is removed: after an earlier server-side apply (an older
-    operator version's annotation), and after an earlier kvfleet that wrote by merge patch (manager kvfleet-operator,
-    operation Update, migrated to Apply as client-go's csaupgrade does). A merge patch of the rendering left both."""
+async def test_fields_an_earlier_rendering_set_are_removed(
+    operator: Runtime, api: ApiClient, ns: str, control_plane: ControlPlane,
+) -> None:
+    """What an earlier rendering set and this one does not is removed: after an earlier server-side apply (an
+    older operator version's annotation), and after an earlier kvfleet that wrote by merge patch (manager
+    kvfleet-operator, operation Update, migrated to Apply as client-go's csaupgrade does). A merge patch of
+    the rendering left both."""
     await api.create(samples.kvcachepool("old", ns))
     await eventually(lambda: _status_with(api, ns, "old", "observedGeneration", 1), "old reconciled")
     pki = control_plane.pki
-    older = ApiClient(kopf.ConnectionInfo(server=control_plane.server, ca_path=str(pki / "ca.crt"), certificate_path=str(pki / "admin.crt"),
-                                          private_key_path=str(pki / "admin.key")), field_manager=FIELD_MANAGER)
+    older = ApiClient(kopf.ConnectionInfo(server=control_plane.server, ca_path=str(pki / "ca.crt"),
+                                          certificate_path=str(pki / "admin.crt"),
+                                          private_key_path=str(pki / "admin.key")),
+                      field_manager=FIELD_MANAGER)
     try:
         svc = await api.get("Service", ns, "old-p0")
         await older.apply({"apiVersion": "v1", "kind": "Service", "metadata": {
             "name": "old-p0", "namespace": ns, "annotations": {"kvfleet.io/rendered-by-v0": "ssa"},
             "ownerReferences": svc["metadata"]["ownerReferences"]}})
-        await older.patch("ConfigMap", ns, "old-p0", {"metadata": {"annotations": {"kvfleet.io/rendered-by-v0": "merge-patch"}}})
+        await older.patch("ConfigMap", ns, "old-p0",
+                          {"metadata": {"annotations": {"kvfleet.io/rendered-by-v0": "merge-patch"}}})
     finally:
         await older.close()
     cm = await api.get("ConfigMap", ns, "old-p0")
-    assert {(m["manager"], m["operation"]) for m in cm["metadata"]["managedFields"]} >= {(FIELD_MANAGER, "Update")}
+    assert {(m["manager"], m["operation"]) for m in cm["metadata"]["managedFields"]} >= {
+        (FIELD_MANAGER, "Update")}
     await api.patch("KVCachePool", ns, "old", {"spec": {"roles": {"unified": {"replicas": 2}}}})
-    await eventually(lambda: _status_with(api, ns, "old", "observedGeneration", 2), "old's replica change reconciled")
+    await eventually(lambda: _status_with(api, ns, "old", "observedGeneration", 2),
+                     "old's replica change reconciled")
     for kind in ("Service", "ConfigMap"):
         obj = await api.get(kind, ns, "old-p0")
-        assert "kvfleet.io/rendered-by-v0" not in (obj["metadata"].get("annotations") or {}), (kind, obj["metadata"])
+        assert "kvfleet.io/rendered-by-v0" not in (obj["metadata"].get("annotations") or {}), (
+            kind, obj["metadata"])
     cm = await api.get("ConfigMap", ns, "old-p0")
-    assert (FIELD_MANAGER, "Update") not in {(m["manager"], m["operation"]) for m in cm["metadata"]["managedFields"]}
+    assert (FIELD_MANAGER, "Update") not in {
+        (m["manager"], m["operation"]) for m in cm["metadata"]["managedFields"]}
 
 
 async def test_scale_down_prunes_the_extra_shard_by_label(operator: Runtime, api: ApiClient, ns: str) -> None:
     await api.create(samples.kvcachepool("llama", ns, pools=2))
-    await eventually(lambda: api.get_or_none("Deployment", ns, "llama-p1-unified"), "the second shard's Deployment")
+    await eventually(lambda: api.get_or_none("Deployment", ns, "llama-p1-unified"),
+                     "the second shard's Deployment")
     await api.patch("KVCachePool", ns, "llama", {"spec": {"pools": 1, "roles": {"unified": {"replicas": 3}}}})
 
     async def scaled() -> bool:
-        for kind, name in (("Deployment", "llama-p1-unified"), ("Service", "llama-p1"), ("ConfigMap", "llama-p1")):
+        for kind, name in (("Deployment", "llama-p1-unified"), ("Service", "llama-p1"),
+                           ("ConfigMap", "llama-p1")):
             assert await api.get_or_none(kind, ns, name) is None, f"{kind}/{name} still there"
         ip = await api.get("InferencePool", ns, "llama")
         assert yaml.safe_load(ip["metadata"]["annotations"][ANN_ROUTING])["shards"] == 1
@@ -220,20 +249,28 @@ async def test_scale_down_prunes_the_extra_shard_by_label(operator: Runtime, api
     assert await api.get_or_none("Service", ns, "llama-p0") is not None
 
 
-async def test_upgrade_from_one_inferencepool_per_shard(ns: str, admin_env: ControlPlane, api: ApiClient, settings: Settings) -> None:
-    """The old layout (InferencePool <pool>-p<i> per shard) becomes one InferencePool <pool> when the operator resumes; the
-    old ones it controls are deleted, one controlled by someone else stays."""
+async def test_upgrade_from_one_inferencepool_per_shard(
+    ns: str, admin_env: ControlPlane, api: ApiClient, settings: Settings,
+) -> None:
+    """The old layout (InferencePool <pool>-p<i> per shard) becomes one InferencePool <pool> when the operator
+    resumes; the old ones it controls are deleted, one controlled by someone else stays."""
     created = await api.create(samples.kvcachepool("llama", ns, pools=2))
     uid = created["metadata"]["uid"]
-    await api.patch("KVCachePool", ns, "llama", {"status": {"observedGeneration": 1, "pools": 3,
-                                                            "inferencePools": ["llama-p0", "llama-p1", "llama-p2"]}}, subresource="status")
-    other = await api.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "someone-else", "namespace": ns}})
+    await api.patch("KVCachePool", ns, "llama",
+                    {"status": {"observedGeneration": 1, "pools": 3,
+                                "inferencePools": ["llama-p0", "llama-p1", "llama-p2"]}},
+                    subresource="status")
+    other = await api.create({"apiVersion": "v1", "kind": "ConfigMap",
+                              "metadata": {"name": "someone-else", "namespace": ns}})
     for i in range(3):
         old = samples.inferencepool(name=f"llama-p{i}", namespace=ns,
-                                    selector={"matchLabels": {LABEL_POOL: "llama", LABEL_SHARD: str(i), LABEL_AGENT: "true"}})
-        owner = ("kvfleet.io/v1alpha1", "KVCachePool", "llama", uid) if i < 2 else ("v1", "ConfigMap", "someone-else", other["metadata"]["uid"])
-        old["metadata"]["ownerReferences"] = [{"apiVersion": owner[0], "kind": owner[1], "name": owner[2], "uid": owner[3],
-                                               "controller": True, "blockOwnerDeletion": True}]
+                                    selector={"matchLabels": {LABEL_POOL: "llama", LABEL_SHARD: str(i),
+                                                              LABEL_AGENT: "true"}})
+        owner = (("kvfleet.io/v1alpha1", "KVCachePool", "llama", uid) if i < 2
+                 else ("v1", "ConfigMap", "someone-else", other["metadata"]["uid"]))
+        old["metadata"]["ownerReferences"] = [{"apiVersion": owner[0], "kind": owner[1], "name": owner[2],
+                                               "uid": owner[3], "controller": True,
+                                               "blockOwnerDeletion": True}]
         await api.create(old)
 
     async with running_operator(settings, ns):
@@ -248,14 +285,19 @@ async def test_upgrade_from_one_inferencepool_per_shard(ns: str, admin_env: Cont
 
         await eventually(upgraded, "one InferencePool in place of the per-shard ones")
         assert await api.get_or_none("InferencePool", ns, "llama-p2") is not None  # not ours: kept
-        assert await api.get_or_none("Service", ns, "llama-p1") is not None  # shards stay pod subsets with their Services
+        # shards stay pod subsets with their Services
+        assert await api.get_or_none("Service", ns, "llama-p1") is not None
 
 
-async def test_child_name_taken_by_another_owner_is_left_alone(operator: Runtime, api: ApiClient, ns: str) -> None:
-    other = await api.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owner", "namespace": ns}})
+async def test_child_name_taken_by_another_owner_is_left_alone(
+    operator: Runtime, api: ApiClient, ns: str,
+) -> None:
+    other = await api.create({"apiVersion": "v1", "kind": "ConfigMap",
+                              "metadata": {"name": "owner", "namespace": ns}})
     await api.create({"apiVersion": "v1", "kind": "Service", "metadata": {
         "name": "llama-p0", "namespace": ns, "labels": {"app": "theirs"},
-        "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": other["metadata"]["uid"], "controller": True}]},
+        "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner",
+                             "uid": other["metadata"]["uid"], "controller": True}]},
         "spec": {"ports": [{"port": 80}], "selector": {"app": "theirs"}}})
     await api.create(samples.kvcachepool("llama", ns))
 
@@ -272,10 +314,12 @@ async def test_child_name_taken_by_another_owner_is_left_alone(operator: Runtime
 
 
 async def test_missing_secret_is_a_clear_condition(operator: Runtime, api: ApiClient, ns: str) -> None:
-    """A remote tier whose Redis Secret does not exist: Ready=False/Degraded with reason SecretNotFound naming the Secret and
-    the field, a Warning Event, nothing rendered; once the Secret exists the pool reconciles."""
+    """A remote tier whose Redis Secret does not exist: Ready=False/Degraded with reason SecretNotFound naming
+    the Secret and the field, a Warning Event, nothing rendered; once the Secret exists the pool
+    reconciles."""
     await api.create(samples.kvcachepool("llama", ns, tiers=[
-        {"name": "gpu", "gpuShare": 0.8}, {"name": "remote", "capacity": "1Ti", "redis": {"urlSecretRef": {"name": "late-redis"}}}]))
+        {"name": "gpu", "gpuShare": 0.8},
+        {"name": "remote", "capacity": "1Ti", "redis": {"urlSecretRef": {"name": "late-redis"}}}]))
 
     async def blocked() -> dict[str, Any] | None:
         obj = await api.get("KVCachePool", ns, "llama")
@@ -286,18 +330,21 @@ async def test_missing_secret_is_a_clear_condition(operator: Runtime, api: ApiCl
     assert "'late-redis'" in msg and "urlSecretRef" in msg and _cond(obj, "Degraded")["status"] == "True"
     await eventually(lambda: _events(api, ns, "SecretNotFound"), "a SecretNotFound Event")
     assert await api.get_or_none("Deployment", ns, "llama-p0-unified") is None
-    await api.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "late-redis", "namespace": ns}, "stringData": {"url": "x"}})
-    await eventually(lambda: api.get_or_none("Deployment", ns, "llama-p0-unified"), "the Deployment once the Secret exists")
+    await api.create({"apiVersion": "v1", "kind": "Secret",
+                      "metadata": {"name": "late-redis", "namespace": ns}, "stringData": {"url": "x"}})
+    await eventually(lambda: api.get_or_none("Deployment", ns, "llama-p0-unified"),
+                     "the Deployment once the Secret exists")
 
 
 @pytest.fixture()
 def relaxed_crd(crds: Kube) -> Iterator[None]:
-    """The KVCachePool CRD without its ``spec.tiers`` CEL rules for the test's first steps (as a cluster that still
-    serves an older CRD); the shipped CRD is restored afterwards, whatever happens."""
+    """The KVCachePool CRD without its ``spec.tiers`` CEL rules for the test's first steps (as a cluster that
+    still serves an older CRD); the shipped CRD is restored afterwards, whatever happens."""
     original = crds.get("crd", KVCP_CRD)
     relaxed = copy.deepcopy(original)
     for version in relaxed["spec"]["versions"]:
-        version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["tiers"].pop("x-kubernetes-validations", None)
+        version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["tiers"].pop(
+            "x-kubernetes-validations", None)
     for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
         relaxed["metadata"].pop(key, None)
     relaxed.pop("status", None)
@@ -315,8 +362,8 @@ def relaxed_crd(crds: Kube) -> Iterator[None]:
 async def test_spec_that_bypassed_admission_is_invalid_without_retry_loop(
     relaxed_crd: None, operator: Runtime, api: ApiClient, ns: str, crds: Kube,
 ) -> None:
-    """Tiers out of order stored under an older CRD: InvalidSpec=True with the operator's message, one Warning Event, no
-    children, no retries; fixed under the shipped CRD, the pool reconciles."""
+    """Tiers out of order stored under an older CRD: InvalidSpec=True with the operator's message, one Warning
+    Event, no children, no retries; fixed under the shipped CRD, the pool reconciles."""
     bad, message = samples.INVALID["tiers-out-of-order"]
     bad = copy.deepcopy(bad)
     bad["metadata"]["namespace"] = ns
@@ -335,25 +382,32 @@ async def test_spec_that_bypassed_admission_is_invalid_without_retry_loop(
     assert int(event.get("count") or 1) == 1
     assert await api.get_or_none("Deployment", ns, "llama-p0-unified") is None
 
-    await api.patch("KVCachePool", ns, "llama", {"spec": {"tiers": [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "1Gi"}]}})
+    await api.patch("KVCachePool", ns, "llama", {"spec": {"tiers": [{"name": "gpu", "gpuShare": 0.8},
+                                                                    {"name": "cpu", "capacity": "1Gi"}]}})
 
     async def recovered() -> dict[str, Any] | None:
         obj = await api.get("KVCachePool", ns, "llama")
-        return obj if _cond(obj, "InvalidSpec").get("status") == "False" and obj["status"].get("observedGeneration") == 2 else None
+        return obj if (_cond(obj, "InvalidSpec").get("status") == "False"
+                       and obj["status"].get("observedGeneration") == 2) else None
 
     await eventually(recovered, "the fixed spec reconciled")
     assert await api.get_or_none("Deployment", ns, "llama-p0-unified") is not None
 
 
-async def test_delete_releases_the_finalizer_and_garbage_collects_children(operator: Runtime, api: ApiClient, ns: str, kube: Kube) -> None:
-    body = samples.kvcachepool("gc", ns, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, transfer={"backends": ["tcp"]})
+async def test_delete_releases_the_finalizer_and_garbage_collects_children(
+    operator: Runtime, api: ApiClient, ns: str, kube: Kube,
+) -> None:
+    body = samples.kvcachepool("gc", ns, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+                               transfer={"backends": ["tcp"]})
     await api.create(body)
     await eventually(lambda: _status_with(api, ns, "gc", "inferencePools"), "gc reconciled")
     children = _children(body["spec"], "gc")
     for kind, name in children:
         assert await api.get_or_none(kind, ns, name) is not None
-    await eventually(lambda: asyncio.to_thread(lambda: len(kube.get("replicasets", None, ns, "-l", f"{LABEL_POOL}=gc")["items"]) == 2),
-                     "gc's two ReplicaSets")
+    await eventually(
+        lambda: asyncio.to_thread(
+            lambda: len(kube.get("replicasets", None, ns, "-l", f"{LABEL_POOL}=gc")["items"]) == 2),
+        "gc's two ReplicaSets")
     await api.delete("KVCachePool", ns, "gc")
 
     async def collected() -> bool:
@@ -368,12 +422,15 @@ async def test_delete_releases_the_finalizer_and_garbage_collects_children(opera
 
 
 async def test_user_inferencepool_is_checked(operator: Runtime, api: ApiClient, ns: str) -> None:
-    """A user InferencePool naming the kvfleet EPP with a wrong port and agent-less pods gets a Warning Event per problem,
-    once; pools that name another picker or none are not ours."""
-    await api.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "vllm-0", "namespace": ns,
-                                                                     "labels": {"app": "vllm", "kvfleet.io/agent": "true"}},
-                      "spec": {"containers": [{"name": "vllm", "image": "vllm", "ports": [{"containerPort": 8000}]}]}})
-    await api.create(samples.inferencepool(name="user-pool", namespace=ns, endpointPickerRef={"name": "kvfleet-epp", "port": {"number": 9999}}))
+    """A user InferencePool naming the kvfleet EPP with a wrong port and agent-less pods gets a Warning Event
+    per problem, once; pools that name another picker or none are not ours."""
+    await api.create({"apiVersion": "v1", "kind": "Pod",
+                      "metadata": {"name": "vllm-0", "namespace": ns,
+                                   "labels": {"app": "vllm", "kvfleet.io/agent": "true"}},
+                      "spec": {"containers": [{"name": "vllm", "image": "vllm",
+                                               "ports": [{"containerPort": 8000}]}]}})
+    await api.create(samples.inferencepool(
+        name="user-pool", namespace=ns, endpointPickerRef={"name": "kvfleet-epp", "port": {"number": 9999}}))
 
     async def warned() -> list[str] | None:
         messages = [e.get("message") or "" for e in await _events(api, ns, "InvalidInferencePool")
@@ -384,23 +441,30 @@ async def test_user_inferencepool_is_checked(operator: Runtime, api: ApiClient, 
     assert any("9999" in m for m in messages), messages
     assert any("vllm-0" in m and "agent" in m for m in messages), messages
     await api.patch("InferencePool", ns, "user-pool", {"metadata": {"annotations": {"test/touch": "1"}}})
-    await api.create(samples.inferencepool(name="other", namespace=ns, endpointPickerRef={"name": "someone-else", "port": {"number": 9002}}))
+    await api.create(samples.inferencepool(
+        name="other", namespace=ns, endpointPickerRef={"name": "someone-else", "port": {"number": 9002}}))
     no_epp = samples.inferencepool(name="no-epp", namespace=ns)
     del no_epp["spec"]["endpointPickerRef"]
     await api.create(no_epp)
 
-    await asyncio.sleep(1.0)  # a time gap: the three events above reach the operator (nothing observable marks "ignored")
+    # a time gap: the three events above reach the operator (nothing observable marks "ignored")
+    await asyncio.sleep(1.0)
     assert set(operator.pool_problems) == {(ns, "user-pool")}, operator.pool_problems
     events = await _events(api, ns, "InvalidInferencePool")
     assert {(e.get("involvedObject") or {}).get("name") for e in events} == {"user-pool"}
-    assert sum(int(e.get("count") or 1) for e in events) == len(messages), "an unchanged pool was reported again"
+    assert sum(int(e.get("count") or 1) for e in events) == len(messages), (
+        "an unchanged pool was reported again")
 
 
-async def test_what_the_engine_version_cannot_do_is_an_invalid_spec(operator: Runtime, api: ApiClient, ns: str) -> None:
-    """A P/D pool on MooncakeConnector with vLLM 0.11 (no such connector before 0.13): InvalidSpec naming the field and the
-    version, nothing rendered; the same pool on vLLM 0.33 reconciles."""
-    pd = {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, "transfer": {"backends": ["mooncake"]}}
-    await api.create(samples.kvcachepool("mc", ns, engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0"}, **pd))
+async def test_what_the_engine_version_cannot_do_is_an_invalid_spec(
+    operator: Runtime, api: ApiClient, ns: str,
+) -> None:
+    """A P/D pool on MooncakeConnector with vLLM 0.11 (no such connector before 0.13): InvalidSpec naming the
+    field and the version, nothing rendered; the same pool on vLLM 0.33 reconciles."""
+    pd = {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+          "transfer": {"backends": ["mooncake"]}}
+    await api.create(samples.kvcachepool("mc", ns,
+                                         engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0"}, **pd))
 
     async def invalid() -> dict[str, Any] | None:
         obj = await api.get("KVCachePool", ns, "mc")
@@ -410,4 +474,5 @@ async def test_what_the_engine_version_cannot_do_is_an_invalid_spec(operator: Ru
     assert "transfer.backends" in msg and "MooncakeConnector" in msg and "0.11.0" in msg, msg
     assert await api.get_or_none("Deployment", ns, "mc-p0-prefill") is None
     await api.patch("KVCachePool", ns, "mc", {"spec": {"engine": {"image": "vllm/vllm-openai:v0.33.0"}}})
-    await eventually(lambda: api.get_or_none("Deployment", ns, "mc-p0-prefill"), "the pool on vLLM 0.33 rendered")
+    await eventually(lambda: api.get_or_none("Deployment", ns, "mc-p0-prefill"),
+                     "the pool on vLLM 0.33 rendered")

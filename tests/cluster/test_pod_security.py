@@ -43,7 +43,8 @@ def test_chart_pods_are_restricted(kube: Kube, ns: str, values: str) -> None:
     objs = template(kube, *CHART_VALUES[values], namespace=ns)
     workloads = [o for o in objs if o["kind"] in WORKLOADS]
     assert len(workloads) == 3
-    kube.apply([o for o in objs if o["kind"] == "ServiceAccount"], "-n", ns)  # ServiceAccount admission looks them up
+    # ServiceAccount admission looks them up
+    kube.apply([o for o in objs if o["kind"] == "ServiceAccount"], "-n", ns)
     pods = [pod_from_template(w, ns) for w in workloads]
     rc, out = _dry_run(kube, pods, ns)
     assert rc == 0 and "violate" not in out, out
@@ -59,7 +60,8 @@ def _rendered(name: str, ns: str, **spec: Any) -> list[dict[str, Any]]:
 
 
 def _without_hostpath(name: str) -> dict[str, Any]:
-    tiers = [{k: v for k, v in t.items() if not (k == "volume" and "hostPath" in v)} for t in VALID[name]["spec"].get("tiers", [])]
+    tiers = [{k: v for k, v in t.items() if not (k == "volume" and "hostPath" in v)}
+             for t in VALID[name]["spec"].get("tiers", [])]
     return {"tiers": tiers} if tiers else {}
 
 
@@ -69,22 +71,28 @@ def test_operator_pods_are_restricted(kube: Kube, ns: str, name: str, engine: st
     """Every pod the operator renders passes "restricted" (a hostPath ssd volume aside: see below)."""
     extra: dict[str, Any] = {**_without_hostpath(name)}
     if engine in ("vllm", "sglang") and "prefill" in VALID[name]["spec"].get("roles", {}):
-        extra["transfer"] = {"backends": ["nixl", "tcp"]}  # vLLM and SGLang 0.5.3 P/D move KV with NIXL or Mooncake
+        # vLLM and SGLang 0.5.3 P/D move KV with NIXL or Mooncake
+        extra["transfer"] = {"backends": ["nixl", "tcp"]}
     if engine == "sglang" and "tiers" in extra:
         # SGLang has no Redis storage backend, and sizes its host cache in whole GiB
-        extra["tiers"] = [{**t, "capacity": "1Gi"} if t["name"] == "cpu" else t for t in extra["tiers"] if t["name"] != "remote"]
+        extra["tiers"] = [{**t, "capacity": "1Gi"} if t["name"] == "cpu" else t
+                          for t in extra["tiers"] if t["name"] != "remote"]
     children = _rendered(name, ns, engine={"kind": engine}, **extra)
     deployments = [c for c in children if c["kind"] == "Deployment"]
     assert deployments
     rc, out = _dry_run(kube, [pod_from_template(d, ns) for d in deployments], ns)
     assert rc == 0 and "violate" not in out, out
     for d in deployments:
-        assert d["spec"]["template"]["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert d["spec"]["template"]["spec"]["securityContext"]["seccompProfile"] == {
+            "type": "RuntimeDefault"}
 
 
 def test_hostpath_ssd_tier_is_refused_under_restricted(kube: Kube, ns: str) -> None:
-    """A hostPath volume (the GPU sample's ssd tier) needs a namespace that allows it; restricted says why not."""
+    """A hostPath volume (the GPU sample's ssd tier) needs a namespace that allows it; restricted says why
+    not."""
     (deployment, *_) = [c for c in _rendered("samples.py:full-gpu", ns) if c["kind"] == "Deployment"]
     rc, out = _dry_run(kube, [pod_from_template(deployment, ns)], ns)
-    assert rc != 0 and 'restricted:latest": restricted volume types (volume "ssd" uses restricted volume type "hostPath")' in out, out
-    assert "allowPrivilegeEscalation" not in out and "runAsNonRoot" not in out and "seccompProfile" not in out, out
+    assert rc != 0 and ('restricted:latest": restricted volume types '
+                        '(volume "ssd" uses restricted volume type "hostPath")') in out, out
+    assert ("allowPrivilegeEscalation" not in out and "runAsNonRoot" not in out
+            and "seccompProfile" not in out), out

@@ -62,45 +62,62 @@ def _can(kube: Kube, user: str, verb: str, resource: str, namespace: str | None)
 
 # (verb, resource, namespace: "ns" | "other" | "" for cluster scope)
 OPERATOR_ALLOWED = [
-    ("list", "kvcachepools.kvfleet.io", "ns"), ("watch", "kvcachepools.kvfleet.io", "ns"), ("patch", "kvcachepools.kvfleet.io", "ns"),
+    ("list", "kvcachepools.kvfleet.io", "ns"), ("watch", "kvcachepools.kvfleet.io", "ns"),
+    ("patch", "kvcachepools.kvfleet.io", "ns"),
     ("patch", "kvcachepools.kvfleet.io/status", "ns"), ("update", "kvcachepools.kvfleet.io/finalizers", "ns"),
-    ("create", "inferencepools.inference.networking.k8s.io", "ns"), ("delete", "inferencepools.inference.networking.k8s.io", "ns"),
+    ("create", "inferencepools.inference.networking.k8s.io", "ns"),
+    ("delete", "inferencepools.inference.networking.k8s.io", "ns"),
     ("watch", "inferencepools.inference.networking.k8s.io", "ns"),
-    ("create", "deployments.apps", "ns"), ("patch", "deployments.apps", "ns"), ("delete", "deployments.apps", "ns"),
+    ("create", "deployments.apps", "ns"), ("patch", "deployments.apps", "ns"),
+    ("delete", "deployments.apps", "ns"),
     ("create", "services", "ns"), ("create", "configmaps", "ns"), ("patch", "configmaps", "ns"),
     ("list", "deployments.apps", "ns"), ("list", "services", "ns"), ("list", "configmaps", "ns"),
-    ("list", "pods", "ns"), ("get", "secrets", "ns"), ("create", "events", "ns"), ("create", "events.events.k8s.io", "ns"),
-    ("list", "customresourcedefinitions.apiextensions.k8s.io", ""), ("watch", "customresourcedefinitions.apiextensions.k8s.io", ""),
+    ("list", "pods", "ns"), ("get", "secrets", "ns"), ("create", "events", "ns"),
+    ("create", "events.events.k8s.io", "ns"),
+    ("list", "customresourcedefinitions.apiextensions.k8s.io", ""),
+    ("watch", "customresourcedefinitions.apiextensions.k8s.io", ""),
     ("watch", "namespaces", ""),
 ]
 OPERATOR_FORBIDDEN = [
-    ("list", "secrets", "ns"), ("watch", "secrets", "ns"), ("create", "secrets", "ns"), ("get", "secrets", "other"),
-    ("create", "pods", "ns"), ("delete", "pods", "ns"), ("create", "deployments.apps", "other"), ("list", "deployments.apps", "other"), ("create", "configmaps", "other"),
-    ("list", "kvcachepools.kvfleet.io", "other"), ("list", "kvcachepools.kvfleet.io", ""), ("delete", "kvcachepools.kvfleet.io", "ns"),
+    ("list", "secrets", "ns"), ("watch", "secrets", "ns"), ("create", "secrets", "ns"),
+    ("get", "secrets", "other"),
+    ("create", "pods", "ns"), ("delete", "pods", "ns"), ("create", "deployments.apps", "other"),
+    ("list", "deployments.apps", "other"), ("create", "configmaps", "other"),
+    ("list", "kvcachepools.kvfleet.io", "other"), ("list", "kvcachepools.kvfleet.io", ""),
+    ("delete", "kvcachepools.kvfleet.io", "ns"),
     ("update", "deployments.apps", "ns"), ("create", "roles.rbac.authorization.k8s.io", "ns"),
-    ("create", "rolebindings.rbac.authorization.k8s.io", "ns"), ("create", "customresourcedefinitions.apiextensions.k8s.io", ""),
+    ("create", "rolebindings.rbac.authorization.k8s.io", "ns"),
+    ("create", "customresourcedefinitions.apiextensions.k8s.io", ""),
     ("delete", "namespaces", ""), ("create", "serviceaccounts/token", "ns"), ("patch", "nodes", ""),
 ]
 EPP_ALLOWED = [("get", "pods", "ns"), ("list", "pods", "ns"), ("watch", "pods", "ns"),
-               ("get", "inferencepools.inference.networking.k8s.io", "ns"), ("list", "inferencepools.inference.networking.k8s.io", "ns"),
+               ("get", "inferencepools.inference.networking.k8s.io", "ns"),
+               ("list", "inferencepools.inference.networking.k8s.io", "ns"),
                ("watch", "inferencepools.inference.networking.k8s.io", "ns")]
 EPP_FORBIDDEN = [
-    ("get", "secrets", "ns"), ("list", "secrets", "ns"), ("create", "deployments.apps", "ns"), ("get", "deployments.apps", "ns"),
-    ("list", "pods", "other"), ("list", "pods", ""), ("patch", "pods", "ns"), ("patch", "inferencepools.inference.networking.k8s.io", "ns"),
-    ("list", "inferencepools.inference.networking.k8s.io", "other"), ("get", "configmaps", "ns"), ("list", "kvcachepools.kvfleet.io", "ns"),
+    ("get", "secrets", "ns"), ("list", "secrets", "ns"), ("create", "deployments.apps", "ns"),
+    ("get", "deployments.apps", "ns"),
+    ("list", "pods", "other"), ("list", "pods", ""), ("patch", "pods", "ns"),
+    ("patch", "inferencepools.inference.networking.k8s.io", "ns"),
+    ("list", "inferencepools.inference.networking.k8s.io", "other"), ("get", "configmaps", "ns"),
+    ("list", "kvcachepools.kvfleet.io", "ns"),
     ("create", "events", "ns"), ("create", "pods/exec", "ns"),
 ]
-GATEWAY_FORBIDDEN = [("get", "pods", "ns"), ("list", "inferencepools.inference.networking.k8s.io", "ns"), ("get", "secrets", "ns"),
-                     ("get", "configmaps", "ns"), ("list", "endpointslices.discovery.k8s.io", "ns")]
+GATEWAY_FORBIDDEN = [("get", "pods", "ns"), ("list", "inferencepools.inference.networking.k8s.io", "ns"),
+                     ("get", "secrets", "ns"), ("get", "configmaps", "ns"),
+                     ("list", "endpointslices.discovery.k8s.io", "ns")]
 
-CASES = ([(OPERATOR, *c, True) for c in OPERATOR_ALLOWED] + [(OPERATOR, *c, False) for c in OPERATOR_FORBIDDEN]
+CASES = ([(OPERATOR, *c, True) for c in OPERATOR_ALLOWED]
+         + [(OPERATOR, *c, False) for c in OPERATOR_FORBIDDEN]
          + [(EPP, *c, True) for c in EPP_ALLOWED] + [(EPP, *c, False) for c in EPP_FORBIDDEN]
          + [(GATEWAY, *c, False) for c in GATEWAY_FORBIDDEN])
 
 
 @pytest.mark.parametrize(("account", "verb", "resource", "where", "allowed"), CASES,
-                         ids=[f"{a.split('-')[-1]}-{'may' if ok else 'mustnot'}-{v}-{r}-{w or 'cluster'}" for a, v, r, w, ok in CASES])
-def test_service_account_rights(kube: Kube, release: dict[str, str], account: str, verb: str, resource: str, where: str, allowed: bool) -> None:
+                         ids=[f"{a.split('-')[-1]}-{'may' if ok else 'mustnot'}-{v}-{r}-{w or 'cluster'}"
+                              for a, v, r, w, ok in CASES])
+def test_service_account_rights(kube: Kube, release: dict[str, str], account: str, verb: str, resource: str,
+                                where: str, allowed: bool) -> None:
     namespace = release[where] if where else None
     assert _can(kube, _sa(release["ns"], account), verb, resource, namespace) is allowed
 
@@ -114,14 +131,15 @@ def _operator(kube: Kube, cp: ControlPlane, ns: str, tmp: Path) -> Iterator[Path
     port, log = free_port(), tmp / "operator.log"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvfleet", "operator", f"--config={config}", f"--namespace={ns}",
-                                 f"--liveness=http://127.0.0.1:{port}/healthz"], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "kvfleet", "operator", f"--config={config}",
+                                 f"--namespace={ns}", f"--liveness=http://127.0.0.1:{port}/healthz"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             def alive() -> bool:
                 if proc.poll() is not None:
                     pytest.fail(f"the operator exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-                with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                with (contextlib.suppress(OSError),
+                      urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r):
                     return bool(r.status == 200)
                 return False
 
@@ -139,13 +157,17 @@ def _operator(kube: Kube, cp: ControlPlane, ns: str, tmp: Path) -> Iterator[Path
 
 def _warnings(kube: Kube, ns: str, name: str) -> list[str]:
     """The operator's InvalidInferencePool Warning Events about InferencePool ``name``."""
-    events = kube.get("events", None, ns, "--field-selector", f"reason=InvalidInferencePool,involvedObject.name={name}")["items"]
+    events = kube.get("events", None, ns, "--field-selector",
+                      f"reason=InvalidInferencePool,involvedObject.name={name}")["items"]
     return [e.get("message") or "" for e in events]
 
 
-def test_operator_reconciles_as_its_service_account(kube: Kube, control_plane: ControlPlane, release: dict[str, str], tmp_path: Path) -> None:
+def test_operator_reconciles_as_its_service_account(
+    kube: Kube, control_plane: ControlPlane, release: dict[str, str], tmp_path: Path
+) -> None:
     ns = release["ns"]
-    pool = samples.kvcachepool("sim-pd", ns, engine={"kind": "sim"}, roles={"prefill": {}, "decode": {}}, transfer={"backends": ["tcp"]},
+    pool = samples.kvcachepool("sim-pd", ns, engine={"kind": "sim"}, roles={"prefill": {}, "decode": {}},
+                               transfer={"backends": ["tcp"]},
                                tiers=[{"name": "gpu", "gpuShare": 0.5}, {"name": "cpu", "capacity": "256Mi"}])
     with _operator(kube, control_plane, ns, tmp_path) as log:
         kube.apply([pool])
@@ -157,21 +179,29 @@ def test_operator_reconciles_as_its_service_account(kube: Kube, control_plane: C
         wait_for(reconciled, "the KVCachePool's status from the operator", timeout_s=90)
         live = kube.get("kvcachepool", "sim-pd", ns)
         assert "kvfleet.io/finalizer" in live["metadata"]["finalizers"]
-        for kind, name in (("configmap", "sim-pd-p0"), ("deployment", "sim-pd-p0-prefill"), ("deployment", "sim-pd-p0-decode"),
-                           ("service", "sim-pd-p0"), ("inferencepool", "sim-pd")):
+        for kind, name in (("configmap", "sim-pd-p0"), ("deployment", "sim-pd-p0-prefill"),
+                           ("deployment", "sim-pd-p0-decode"), ("service", "sim-pd-p0"),
+                           ("inferencepool", "sim-pd")):
             owners = kube.get(kind, name, ns)["metadata"]["ownerReferences"]
             assert owners[0]["uid"] == live["metadata"]["uid"] and owners[0]["blockOwnerDeletion"] is True
-        # its engine pods pass Pod Security "restricted" and ServiceAccount admission (created by the ReplicaSets)
-        wait_for(lambda: len(kube.get("pods", None, ns, "-l", "kvfleet.io/pool=sim-pd")["items"]) == 2, "the pool's two pods", timeout_s=60)
-        # it reads pods to check an InferencePool naming the EPP (here with a wrong EPP port) and posts a Warning Event
-        kube.apply([samples.inferencepool("user-pool", ns, selector={"matchLabels": {"kvfleet.io/pool": "sim-pd"}},
+        # its engine pods pass Pod Security "restricted" and ServiceAccount admission
+        # (created by the ReplicaSets)
+        wait_for(lambda: len(kube.get("pods", None, ns, "-l", "kvfleet.io/pool=sim-pd")["items"]) == 2,
+                 "the pool's two pods", timeout_s=60)
+        # it reads pods to check an InferencePool naming the EPP (here with a wrong EPP port) and posts
+        # a Warning Event
+        kube.apply([samples.inferencepool("user-pool", ns,
+                                          selector={"matchLabels": {"kvfleet.io/pool": "sim-pd"}},
                                           endpointPickerRef={"name": EPP, "port": {"number": 9999}})])
-        wait_for(lambda: any("9999" in m for m in _warnings(kube, ns, "user-pool")), "the operator's warning about user-pool", timeout_s=60)
+        wait_for(lambda: any("9999" in m for m in _warnings(kube, ns, "user-pool")),
+                 "the operator's warning about user-pool", timeout_s=60)
         assert _warnings(kube, ns, "sim-pd") == []  # its own InferencePool is sound
 
         kube.kubectl("delete", "kvcachepool", "sim-pd", "-n", ns, "--wait=false")
-        wait_for(lambda: not kube.exists("kvcachepool", "sim-pd", ns), "the KVCachePool to go (finalizer released)", timeout_s=90)
-        wait_for(lambda: not kube.exists("deployment", "sim-pd-p0-prefill", ns) and not kube.exists("inferencepool", "sim-pd", ns),
+        wait_for(lambda: not kube.exists("kvcachepool", "sim-pd", ns),
+                 "the KVCachePool to go (finalizer released)", timeout_s=90)
+        wait_for(lambda: (not kube.exists("deployment", "sim-pd-p0-prefill", ns)
+                          and not kube.exists("inferencepool", "sim-pd", ns)),
                  "garbage collection of the children", timeout_s=90)
         time.sleep(1)  # a time gap: the operator handles the deletions' last events before its log is read
     text = log.read_text()
@@ -179,18 +209,25 @@ def test_operator_reconciles_as_its_service_account(kube: Kube, control_plane: C
         assert bad not in text, text[-4000:]
 
 
-def test_epp_watches_as_its_service_account(kube: Kube, control_plane: ControlPlane, release: dict[str, str], tmp_path: Path) -> None:
+def test_epp_watches_as_its_service_account(
+    kube: Kube, control_plane: ControlPlane, release: dict[str, str], tmp_path: Path
+) -> None:
     from kubernetes import config as kconfig
 
     from kvfleet.epp.kube import KubernetesDatastore
 
     ns = release["ns"]
     labels = {"app": "epp-watch", "kvfleet.io/agent": "true"}
-    pool = samples.inferencepool("watched", ns, selector={"matchLabels": labels}, endpointPickerRef={"name": EPP, "port": {"number": 9002}})
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "engine-0", "namespace": ns, "labels": {**labels, "kvfleet.io/role": "decode"}},
-           "spec": {"securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
+    pool = samples.inferencepool("watched", ns, selector={"matchLabels": labels},
+                                 endpointPickerRef={"name": EPP, "port": {"number": 9002}})
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "engine-0", "namespace": ns,
+                        "labels": {**labels, "kvfleet.io/role": "decode"}},
+           "spec": {"securityContext": {"runAsNonRoot": True, "runAsUser": 10001,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [{"name": "engine", "image": "kvfleet:dev", "imagePullPolicy": "Never",
-                                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}]}}
+                                    "securityContext": {"allowPrivilegeEscalation": False,
+                                                        "capabilities": {"drop": ["ALL"]}}}]}}
     kube.apply([pool, pod])
     kubeconfig = control_plane.service_account_kubeconfig(ns, EPP, tmp_path / "epp.kubeconfig")
     api = kconfig.new_client_from_config(str(kubeconfig))  # type: ignore[no-untyped-call]
@@ -204,10 +241,13 @@ def test_epp_watches_as_its_service_account(kube: Kube, control_plane: ControlPl
         wait_for(lambda: pods() is not None, "the InferencePool in the EPP", timeout_s=60)
         assert [p.ready for p in pods() or []] in ([], [False])
         kube.kubectl("patch", "pod", "engine-0", "-n", ns, "--subresource=status", "--type=merge", "-p",
-                     '{"status": {"podIP": "10.1.2.3", "podIPs": [{"ip": "10.1.2.3"}], "conditions": [{"type": "Ready", "status": "True"}]}}')
-        wait_for(lambda: [(p.address, p.port, p.role, p.ready) for p in pods() or []] == [("10.1.2.3", 8000, "decode", True)],
+                     '{"status": {"podIP": "10.1.2.3", "podIPs": [{"ip": "10.1.2.3"}], '
+                     '"conditions": [{"type": "Ready", "status": "True"}]}}')
+        wait_for(lambda: [(p.address, p.port, p.role, p.ready) for p in pods() or []] == [
+                     ("10.1.2.3", 8000, "decode", True)],
                  "the pod ready in the EPP", timeout_s=60)
         kube.kubectl("delete", "pod", "engine-0", "-n", ns, "--grace-period=0", "--force")
-        wait_for(lambda: [p for p in pods() or [] if p.ready] == [], "the pod gone from the EPP", timeout_s=60)
+        wait_for(lambda: [p for p in pods() or [] if p.ready] == [], "the pod gone from the EPP",
+                 timeout_s=60)
     finally:
         ds.stop()

@@ -33,7 +33,10 @@ POOLS = ROOT / "e2e" / "kind" / "kvcachepool.yaml"
 
 
 @pytest.fixture(scope="module")
-def stack(crds: Kube, control_plane: ControlPlane, namespaces: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Node]]:
+def stack(
+    crds: Kube, control_plane: ControlPlane, namespaces: Callable[..., str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Node]]:
     ns = namespaces("serve", RESTRICTED)
     try:
         node = Node(control_plane, [ns], tmp_path_factory.mktemp("node"), image="kvfleet:dev").start()
@@ -59,11 +62,13 @@ _NOT_SERVING: list[str] = []
 
 
 def _pools_ready(kube: Kube, ns: str, node: Node, *names: str) -> None:
-    """Wait for the pools' Ready condition; after one timeout in this module, later tests fail at once with its reason."""
+    """Wait for the pools' Ready condition; after one timeout in this module, later tests fail at once with
+    its reason."""
     if _NOT_SERVING:
         pytest.fail(f"the pools did not become Ready earlier in this module: {_NOT_SERVING[0]}")
     try:
-        wait_for(lambda: all(_ready(kube, ns, n) for n in names), f"{', '.join(names)} Ready", timeout_s=240, interval_s=1)
+        wait_for(lambda: all(_ready(kube, ns, n) for n in names), f"{', '.join(names)} Ready",
+                 timeout_s=240, interval_s=1)
     except AssertionError as exc:
         _NOT_SERVING.append(f"{exc}\n{node.describe()}")
         raise AssertionError(_NOT_SERVING[0]) from None
@@ -76,7 +81,8 @@ def _ready(kube: Kube, ns: str, name: str) -> bool:
 
 def _gateway(kube: Kube, ns: str) -> str:
     pods = kube.get("pods", None, ns, "-l", "app.kubernetes.io/component=gateway")["items"]
-    ready = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True" for c in (p.get("status") or {}).get("conditions") or [])]
+    ready = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
+                                    for c in (p.get("status") or {}).get("conditions") or [])]
     assert ready, "no ready gateway pod"
     dep = kube.get("deployment", f"{RELEASE}-kvfleet-gateway", ns)
     (init,) = dep["spec"]["template"]["spec"]["initContainers"]
@@ -86,7 +92,8 @@ def _gateway(kube: Kube, ns: str) -> str:
 
 def _pod_ips(kube: Kube, ns: str, selector: str) -> dict[str, str]:
     return {p["metadata"]["name"]: (p.get("status") or {}).get("podIP", "")
-            for p in kube.get("pods", None, ns, "-l", selector)["items"] if not p["metadata"].get("deletionTimestamp")}
+            for p in kube.get("pods", None, ns, "-l", selector)["items"]
+            if not p["metadata"].get("deletionTimestamp")}
 
 
 def _metrics(ip: str, port: int = 8000) -> str:
@@ -103,7 +110,8 @@ def test_chart_pods_run_and_the_pools_become_ready(crds: Kube, stack: tuple[str,
     assert len(pods) == 3 + 4 + 2  # operator, EPP, gateway; 2 shards x 2; prefill + decode
     for p in pods:
         assert p["spec"]["nodeName"] == node.name
-        assert all(c["restartCount"] == 0 for c in p["status"]["containerStatuses"]), (p["metadata"]["name"], node.describe())
+        assert all(c["restartCount"] == 0 for c in p["status"]["containerStatuses"]), (
+            p["metadata"]["name"], node.describe())
     wait_for(lambda: _gateway(crds, ns), "the gateway pod Ready", timeout_s=60)
 
 
@@ -128,17 +136,20 @@ def test_prefix_routing_and_pd_through_the_gateway(crds: Kube, stack: tuple[str,
     except AssertionError:
         hosts = [(p.dir / "hosts").read_text() for p in node.pods.values() if "gateway" in p.name]
         clusters = ""
-        with contextlib.suppress(OSError), urllib.request.urlopen("http://127.0.0.1:9901/clusters", timeout=5) as r:
-            clusters = r.read().decode()[:3000]  # the gateway's Envoy admin (on 127.0.0.1: the node shares the host network)
-        raise AssertionError(f"{errors[-3:]}\ngateway /etc/hosts: {hosts}\nEnvoy clusters:\n{clusters}\n{node.describe()}") from None
+        with (contextlib.suppress(OSError),
+              urllib.request.urlopen("http://127.0.0.1:9901/clusters", timeout=5) as r):
+            # the gateway's Envoy admin (on 127.0.0.1: the node shares the host network)
+            clusters = r.read().decode()[:3000]
+        raise AssertionError(f"{errors[-3:]}\ngateway /etc/hosts: {hosts}\n"
+                             f"Envoy clusters:\n{clusters}\n{node.describe()}") from None
     check_prefix_routing(url)
     (decode_ip,) = _pod_ips(crds, ns, "kvfleet.io/pool=sim-pd,kvfleet.io/role=decode").values()
     check_pd(url, lambda: _metrics(decode_ip))
 
 
 def test_replaced_pod_is_discovered_and_served(crds: Kube, stack: tuple[str, Node]) -> None:
-    """Delete one engine Pod: its ReplicaSet makes another (a new address), the EPP routes a new prefix to pods that
-    exist, and the new Pod's prefix is reused on follow-ups."""
+    """Delete one engine Pod: its ReplicaSet makes another (a new address), the EPP routes a new prefix to
+    pods that exist, and the new Pod's prefix is reused on follow-ups."""
     ns, node = stack
     _pools_ready(crds, ns, node, "sim-unified")
     url = wait_for(lambda: _gateway(crds, ns), "the gateway pod Ready", timeout_s=60)
@@ -148,9 +159,11 @@ def test_replaced_pod_is_discovered_and_served(crds: Kube, stack: tuple[str, Nod
     crds.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
 
     def replaced() -> dict[str, str] | None:
-        pods = [p for p in crds.get("pods", None, ns, "-l", selector)["items"] if not p["metadata"].get("deletionTimestamp")]
+        pods = [p for p in crds.get("pods", None, ns, "-l", selector)["items"]
+                if not p["metadata"].get("deletionTimestamp")]
         ready = {p["metadata"]["name"]: p["status"]["podIP"] for p in pods
-                 if any(c["type"] == "Ready" and c["status"] == "True" for c in (p.get("status") or {}).get("conditions") or [])}
+                 if any(c["type"] == "Ready" and c["status"] == "True"
+                        for c in (p.get("status") or {}).get("conditions") or [])}
         return ready if victim not in ready and len(ready) == 4 else None
 
     now = wait_for(replaced, "the replacement pod Ready", timeout_s=120, interval_s=1)
@@ -163,5 +176,6 @@ def test_replaced_pod_is_discovered_and_served(crds: Kube, stack: tuple[str, Nod
         assert cached(again) >= (int(first["usage"]["prompt_tokens"]) - 8) * 0.8, (i, again["usage"])
     # every engine still serves: the new Pod takes part (its own prefix-cache counters moved)
     text = _metrics(now[new])
-    queries = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("vllm:prefix_cache_queries_total"))
+    queries = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                  if ln.startswith("vllm:prefix_cache_queries_total"))
     assert queries > 0, "the replacement pod got no requests"

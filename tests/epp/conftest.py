@@ -29,7 +29,8 @@ def make_epp(fleet: PodFleet, **epp_overrides: Any) -> Epp:
     events = epp_overrides.get("events_enabled", True)
     over.update(epp_overrides)
     settings = load(overrides={"epp": over})
-    epp = Epp(settings, datastore=StaticDatastore(data=fleet.pools_config(events=events, roles=roles))).start()
+    epp = Epp(settings,
+              datastore=StaticDatastore(data=fleet.pools_config(events=events, roles=roles))).start()
     assert health_check(f"127.0.0.1:{epp.health_port}")
     return epp
 

@@ -33,7 +33,9 @@ class KVEventPublisher:
     (vLLM's wire format), with faults to inject: lost messages, a restart, a silent replay endpoint,
     holes in replay answers, other topics, arbitrary payloads."""
 
-    def __init__(self, buffer_steps: int = 10_000, topic: bytes = b"", ports: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, buffer_steps: int = 10_000, topic: bytes = b"", ports: tuple[int, int] | None = None
+    ) -> None:
         """``ports``: (PUB, ROUTER) to bind (a restarted pod on its old ports); default free ones."""
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
@@ -73,7 +75,8 @@ class KVEventPublisher:
             self.seq += 1
             self.buffer.append((seq, payload))
             if not drop:
-                self.pub.send_multipart(kvwire.live_frames(self.topic if topic is None else topic, seq, payload))
+                self.pub.send_multipart(
+                    kvwire.live_frames(self.topic if topic is None else topic, seq, payload))
         return seq
 
     def send_frames(self, frames: list[bytes]) -> None:
@@ -165,9 +168,10 @@ class FakePod:
                 data = self.handle(request.path, body)
             finally:
                 self.running -= 1
-            return web.json_response(data, headers={"x-pod": self.name,
-                                                    "x-seen-destination": request.headers.get("x-gateway-destination-endpoint", ""),
-                                                    "x-seen-prefiller": request.headers.get("x-prefiller-host-port", "")})
+            return web.json_response(data, headers={
+                "x-pod": self.name,
+                "x-seen-destination": request.headers.get("x-gateway-destination-endpoint", ""),
+                "x-seen-prefiller": request.headers.get("x-prefiller-host-port", "")})
 
         async def metrics(request: web.Request) -> web.Response:
             text = (
@@ -224,7 +228,9 @@ class PodFleet:
         for pod in self.pods:
             pod.publisher.close()
 
-    def pools_config(self, model: str = "m", events: bool = True, roles: list[str] | None = None) -> dict[str, Any]:
+    def pools_config(
+        self, model: str = "m", events: bool = True, roles: list[str] | None = None
+    ) -> dict[str, Any]:
         pods = []
         for i, pod in enumerate(self.pods):
             entry: dict[str, Any] = {"name": pod.name, "address": "127.0.0.1", "port": pod.port,
@@ -241,7 +247,9 @@ class PodFleet:
         return next(p for p in self.pods if p.port == port)
 
 
-def post(url: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+def post(
+    url: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 10.0
+) -> tuple[int, dict[str, str], bytes]:
     """A plain HTTP POST (urllib); returns (status, headers, body) for any status."""
     return request(url, body, "POST", headers, timeout)
 
@@ -249,12 +257,14 @@ def post(url: str, body: Any, headers: dict[str, str] | None = None, timeout: fl
 def request(
     url: str, body: Any, method: str = "POST", headers: dict[str, str] | None = None, timeout: float = 10.0
 ) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP request (urllib; ``body`` None = none, bytes as they are, else JSON); (status, headers, body)."""
+    """One HTTP request (urllib; ``body`` None = none, bytes as they are, else JSON);
+    (status, headers, body)."""
     import urllib.error
     import urllib.request
 
     data = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()

@@ -95,7 +95,8 @@ class TestWorkloads:
         assert sum(r.group == "storm" for r in storm) == 400
         sessions = multiturn_requests(30, 1.0)
         prompts = {tuple(r.blocks) for r in sessions}
-        assert len({tuple(r.blocks[:MT_SYSTEM]) for r in sessions}) == MT_APPS  # one system prompt per application
+        # one system prompt per application
+        assert len({tuple(r.blocks[:MT_SYSTEM]) for r in sessions}) == MT_APPS
         for r in sessions:  # a later turn extends its session's last prompt by an answer and a user message
             if len(r.blocks) > MT_SYSTEM + 2:
                 assert any(tuple(r.blocks[: len(r.blocks) - n]) in prompts for n in (2, 3))
@@ -141,7 +142,8 @@ class TestReplicas:
             p = self.policy(gossip)
             pod = p.route(req(blocks), 0.0)  # replica 0 picks
             name = p.reps[0].names[pod]
-            assert [rep.index.match(blocks, [name], now=0.0).get(name) for rep in p.reps[1:]] == [None, None]  # in transit
+            # in transit
+            assert [rep.index.match(blocks, [name], now=0.0).get(name) for rep in p.reps[1:]] == [None, None]
             p._at(later)
             held = [rep.index.match(blocks, [name], now=later).get(name) for rep in p.reps[1:]]
             if gossip:

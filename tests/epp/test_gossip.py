@@ -1,4 +1,5 @@
-"""Replica gossip between EPP replicas: picks and in-flight load made on one replica count on another; hostile messages.
+"""Replica gossip between EPP replicas: picks and in-flight load made on one replica count on another; hostile
+messages.
 
 Covers: two in-process pickers (the real :class:`Epp` assembly, ZMQ on loopback) configured as each other's
 peers: a pick made by replica A's router becomes a speculative entry on replica B, so B predicts the hit and
@@ -34,15 +35,18 @@ from tests.epp.pods import PodFleet
 PROMPT = "a long shared system prompt for the burst " * 30
 
 
-def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Callable[..., Epp], fleet: PodFleet) -> None:
+def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(
+    epp_factory: Callable[..., Epp], fleet: PodFleet
+) -> None:
     pa, pb = free_port(), free_port()
     a = epp_factory(gossip_port=pa, gossip_peers=[f"127.0.0.1:{pb}"])
     b = epp_factory(gossip_port=pb, gossip_peers=[f"localhost:{pa}"])  # a name, resolved
     assert a.gossip is not None and b.gossip is not None
     # ZMQ's slow joiner: probe picks from A until B applies one (B's SUB has connected to A's PUB)
     probe = [1, 2, 3]
-    wait_for(lambda: a.index.add_speculative(fleet.pods[0].name, probe, 1.0) is not None and b.gossip is not None
-          and b.gossip.picks_in["applied"] > 0, timeout_s=10.0, what="B to hear A")
+    wait_for(lambda: a.index.add_speculative(fleet.pods[0].name, probe, 1.0) is not None
+             and b.gossip is not None and b.gossip.picks_in["applied"] > 0,
+             timeout_s=10.0, what="B to hear A")
 
     req = InferenceRequest(model="m", prompt=PROMPT)
     keys = b.router.keys_of(b.router.tokens_of(req), None)
@@ -50,7 +54,8 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Ca
     assert b.index.match(keys, pods) == {}  # nothing on B: no KV event exists, B made no pick
     first = a.router.route(req)
     assert first.predicted_hit_tokens == 0
-    wait_for(lambda: getattr(b.index.match(keys, pods).get(first.pod), "blocks", 0) == len(keys), timeout_s=10.0, what="A's pick on B")
+    wait_for(lambda: getattr(b.index.match(keys, pods).get(first.pod), "blocks", 0) == len(keys),
+             timeout_s=10.0, what="A's pick on B")
     spec = b.index.match(keys, pods)[first.pod]
     assert spec.speculative == spec.blocks == len(keys) and set(b.index.match(keys, pods)) == {first.pod}
     again = b.router.route(req)
@@ -60,7 +65,8 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(epp_factory: Ca
     assert 'kvfleet_epp_gossip_picks_total{direction="in",result="applied"}' in text
     assert 'kvfleet_epp_gossip_peers 1.0' in text
     assert a.gossip.picks_out["sent"] >= 2 and a.gossip.picks_out["dropped"] == 0
-    wait_for(lambda: b.gossip is not None and b.gossip.picks_out["sent"] >= 1, timeout_s=10.0, what="B's own pick shared")
+    wait_for(lambda: b.gossip is not None and b.gossip.picks_out["sent"] >= 1, timeout_s=10.0,
+             what="B's own pick shared")
 
 
 def test_in_flight_load_on_one_replica_counts_on_the_other(
@@ -71,13 +77,15 @@ def test_in_flight_load_on_one_replica_counts_on_the_other(
     a = epp_factory(gossip_port=pa, gossip_peers=[f"127.0.0.1:{pb}"])
     b = epp_factory(gossip_port=pb, gossip_peers=[f"127.0.0.1:{pa}"])
     assert a.gossip is not None and b.gossip is not None
-    wait_for(lambda: b.gossip is not None and b.gossip.live_peers == 1, timeout_s=10.0, what="B to hear A's heartbeat")
+    wait_for(lambda: b.gossip is not None and b.gossip.live_peers == 1, timeout_s=10.0,
+             what="B to hear A's heartbeat")
 
     decisions = [a.router.route(InferenceRequest(model="m", prompt=f"request {i} " * 50)) for i in range(6)]
     mine = {d.pod: a.tracker.load(d.pod) for d in decisions}
     assert sum(n for n, _, _ in mine.values()) == 6
     # B has routed nothing, yet sees A's six requests in flight with their pending prefill work
-    wait_for(lambda: {pod: b.tracker.load(pod) for pod in mine} == mine, timeout_s=10.0, what="A's tickets on B")
+    wait_for(lambda: {pod: b.tracker.load(pod) for pod in mine} == mine, timeout_s=10.0,
+             what="A's tickets on B")
     assert b.tracker.remote_count() == 6 and "kvfleet_epp_remote_tickets 6.0" in _metrics(b)
     for d in decisions[:3]:
         assert d.ticket is not None
@@ -106,17 +114,21 @@ def _metrics(epp: Epp) -> str:
 
 
 class TestBoundary:
-    """Every message is checked before it can touch the index or the tracker; each failure is counted by reason."""
+    """Every message is checked before it can touch the index or the tracker; each failure is counted by
+    reason."""
 
     def gossip(self, secret: bytes = b"", max_remote: int = 100) -> tuple[ReplicaGossip, BlockIndex]:
         idx = BlockIndex()
         self.tracker = InflightTracker(max_remote=max_remote)
-        g = ReplicaGossip(idx, host="127.0.0.1", port=0, peers=(), ttl_s=5.0, known_pod=lambda p: p in ("pod-0", "pod-1"),
+        g = ReplicaGossip(idx, host="127.0.0.1", port=0, peers=(), ttl_s=5.0,
+                          known_pod=lambda p: p in ("pod-0", "pod-1"),
                           tracker=self.tracker, secret=secret, replica="me")
         return g, idx
 
     @staticmethod
-    def payload(picks: Sequence[Any] = (), tickets: Sequence[Any] = (), version: int = VERSION, replica: str = "peer") -> bytes:
+    def payload(
+        picks: Sequence[Any] = (), tickets: Sequence[Any] = (), version: int = VERSION, replica: str = "peer"
+    ) -> bytes:
         return msgspec.msgpack.encode([version, replica, list(picks), list(tickets)])
 
     def test_a_valid_pick_is_applied(self) -> None:
@@ -129,12 +141,15 @@ class TestBoundary:
 
     def test_valid_ticket_changes_are_applied(self) -> None:
         g, _ = self.gossip()
-        assert g.apply([self.payload(tickets=[[0, 7, ["pod-0"], 42, 300.0], [0, 8, ["pod-0", "pod-1"], 1, 10.0]])]) == "ok"
+        assert g.apply([self.payload(tickets=[[0, 7, ["pod-0"], 42, 300.0],
+                                              [0, 8, ["pod-0", "pod-1"], 1, 10.0]])]) == "ok"
         assert self.tracker.load("pod-0") == (2, 310.0, 2) and self.tracker.load("pod-1") == (1, 10.0, 1)
         assert self.tracker.same_prefix("pod-0", 42) == 1
-        assert g.apply([self.payload(tickets=[[1, 7, []], [3, 8, ["pod-1", "pod-0"]]])]) == "ok"  # first token; a move
+        # first token; a move
+        assert g.apply([self.payload(tickets=[[1, 7, []], [3, 8, ["pod-1", "pod-0"]]])]) == "ok"
         assert self.tracker.load("pod-0") == (2, 10.0, 1) and self.tracker.same_prefix("pod-0", 42) == 0
-        assert g.apply([self.payload(tickets=[[2, 7, []], [2, 8, []], [2, 99, []]])]) == "ok"  # closes; 99 is unknown
+        # closes; 99 is unknown
+        assert g.apply([self.payload(tickets=[[2, 7, []], [2, 8, []], [2, 99, []]])]) == "ok"
         assert self.tracker.remote_count() == 0 and self.tracker.load("pod-0") == (0, 0.0, 0)
         assert g.tickets_in["applied"] == 7
 
@@ -170,7 +185,9 @@ class TestBoundary:
         ([], [[0, 1, ["pod-0"], 0, 2e9]], "tickets_in", "malformed"),
         ([], [[3, 1, ["pod-0"]]], "tickets_in", "malformed"),
     ])
-    def test_refused_items_touch_nothing(self, picks: list[Any], tickets: list[Any], counter: str, result: str) -> None:
+    def test_refused_items_touch_nothing(
+        self, picks: list[Any], tickets: list[Any], counter: str, result: str
+    ) -> None:
         g, idx = self.gossip()
         assert g.apply([self.payload(picks, tickets)]) == "ok"  # the message is sound; the item is not
         assert getattr(g, counter)[result] == 1
@@ -182,8 +199,10 @@ class TestBoundary:
         opens = [[0, i, ["pod-0"], 0, 1.0] for i in range(5)]
         assert g.apply([self.payload(tickets=opens)]) == "ok"
         assert self.tracker.remote_count() == 3 and g.tickets_in["refused"] == 2
-        assert g.apply([self.payload(tickets=[[0, 0, ["pod-0"], 0, 1.0]], replica="other")]) == "ok"  # per peer
-        assert g.apply([self.payload(tickets=[[0, 0, ["pod-0"], 0, 1.0]], replica="other")]) == "ok"  # a repeated open
+        # per peer
+        assert g.apply([self.payload(tickets=[[0, 0, ["pod-0"], 0, 1.0]], replica="other")]) == "ok"
+        # a repeated open
+        assert g.apply([self.payload(tickets=[[0, 0, ["pod-0"], 0, 1.0]], replica="other")]) == "ok"
         assert self.tracker.remote_count() == 4 and g.tickets_in["refused"] == 3
 
     def test_with_a_secret_every_message_needs_its_tag(self) -> None:
@@ -198,10 +217,12 @@ class TestBoundary:
         assert g.apply([body, good]) == "ok" and idx.num_speculative == 3
 
     def test_the_pick_path_never_blocks(self) -> None:
-        g = ReplicaGossip(BlockIndex(), host="127.0.0.1", port=0, peers=(), ttl_s=5.0, known_pod=lambda p: True, queue_size=2)
+        g = ReplicaGossip(BlockIndex(), host="127.0.0.1", port=0, peers=(), ttl_s=5.0,
+                          known_pod=lambda p: True, queue_size=2)
         tracker = InflightTracker()
         tracker.on_ticket = g.publish_ticket
-        for _ in range(3):  # the gossip thread is not running: the queue fills, then changes are dropped and counted
+        # the gossip thread is not running: the queue fills, then changes are dropped and counted
+        for _ in range(3):
             g.publish("pod-0", [1, 2])
         tracker.open(("pod-0",), 0, 1.0)
         assert g.picks_out["dropped"] == 1 and g.tickets_out["dropped"] == 1

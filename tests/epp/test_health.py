@@ -68,12 +68,16 @@ def test_dead_pod_is_out_within_two_seconds_and_back_when_it_answers(
     data = fleet.pools_config()
     data["pools"][0]["pods"].append({"name": "ghost", "address": "127.0.0.1", "port": ghost_port,
                                      "metrics": f"http://127.0.0.1:{ghost_port}/metrics"})
-    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0,
-                                       "plugins": [{"type": "ready-filter"}, {"type": "round-robin-picker", "params": {"fallbacks": 0}}]}})
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0,
+                                       "metrics_port": 0,
+                                       "plugins": [
+                                           {"type": "ready-filter"},
+                                           {"type": "round-robin-picker", "params": {"fallbacks": 0}}]}})
     started = time.monotonic()
     epp = Epp(settings, datastore=StaticDatastore(data=data)).start()
     try:
-        wait_for(lambda: epp.store.down("ghost"), timeout_s=2.0, what="the dead pod out of rotation", interval_s=0.02)
+        wait_for(lambda: epp.store.down("ghost"), timeout_s=2.0, what="the dead pod out of rotation",
+                 interval_s=0.02)
         out_after = time.monotonic() - started
         print(f"[health] dead pod out of rotation {out_after:.2f}s after the picker started")
         env = envoy_factory(epp_port=epp.grpc_port)
@@ -111,7 +115,9 @@ def test_a_slow_pod_is_not_dead() -> None:
         assert store.down("dead") and not store.down("slow") and store.errors["slow"] == 3
 
 
-def test_gateway_reports_an_unreachable_pod_at_once(fleet: PodFleet, envoy_factory: EnvoyF, ghost_port: int) -> None:
+def test_gateway_reports_an_unreachable_pod_at_once(
+    fleet: PodFleet, envoy_factory: EnvoyF, ghost_port: int
+) -> None:
     """A dead pod without a metrics endpoint (no scrape to notice it): the first request routed there fails
     (503 JSON ``upstream_unavailable``), Envoy tells the picker, and no later request goes there; the client
     never sees the internal header."""
@@ -122,9 +128,11 @@ def test_gateway_reports_an_unreachable_pod_at_once(fleet: PodFleet, envoy_facto
 
     data = fleet.pools_config()
     data["pools"][0]["pods"].insert(0, {"name": "ghost", "address": "127.0.0.1", "port": ghost_port})
-    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0,
-                                       "plugins": [{"type": "ready-filter"},
-                                                   {"type": "round-robin-picker", "params": {"fallbacks": 0}}]}})
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0,
+                                       "metrics_port": 0,
+                                       "plugins": [
+                                           {"type": "ready-filter"},
+                                           {"type": "round-robin-picker", "params": {"fallbacks": 0}}]}})
     epp = Epp(settings, datastore=StaticDatastore(data=data)).start()
     try:
         env = envoy_factory(epp_port=epp.grpc_port)
@@ -153,7 +161,8 @@ def test_a_dropped_kv_event_connection_takes_the_pod_out_at_once(fleet: PodFleet
     data = fleet.pools_config()
     data["pools"][0]["pods"].append({"name": "doomed", "address": "127.0.0.1", "port": free_port(),
                                      "events": f"tcp://127.0.0.1:{port}"})
-    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0}})
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0,
+                                       "metrics_port": 0}})
     epp = Epp(settings, datastore=StaticDatastore(data=data)).start()
     try:
         wait_for(lambda: "doomed" in epp.subscriber.stats, what="the picker subscribed")
@@ -166,7 +175,9 @@ def test_a_dropped_kv_event_connection_takes_the_pod_out_at_once(fleet: PodFleet
         assert not epp.store.down("doomed")
         pub.close(0)
         t0 = time.monotonic()
-        wait_for(lambda: epp.store.down("doomed"), timeout_s=2.0, what="the pod out of rotation", interval_s=0.02)
-        print(f"[health] out of rotation {1000 * (time.monotonic() - t0):.0f} ms after its KV-event socket closed")
+        wait_for(lambda: epp.store.down("doomed"), timeout_s=2.0, what="the pod out of rotation",
+                 interval_s=0.02)
+        print(f"[health] out of rotation {1000 * (time.monotonic() - t0):.0f} ms "
+              "after its KV-event socket closed")
     finally:
         epp.stop()

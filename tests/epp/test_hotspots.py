@@ -27,7 +27,8 @@ def router(n: int, beta: float = 0.1) -> Router:
         {"type": "max-score-picker", "params": {"fallbacks": 0}},
     ]
     s = load(overrides={"epp": {"plugins": plugins, "hotspot_beta": beta}})
-    return Router(s.epp, s.cache, StaticDatastore(data=pools(n)), BlockIndex(), MetricsStore(), load_tokenizer("bytes"))
+    return Router(s.epp, s.cache, StaticDatastore(data=pools(n)), BlockIndex(), MetricsStore(),
+                  load_tokenizer("bytes"))
 
 
 def text(tag: str, blocks: int) -> str:
@@ -74,7 +75,8 @@ class TestSessions:
         r.index.add(a, r.keys_of(r.tokenizer.encode(session), None))
         r.index.add(b, r.keys_of(r.tokenizer.encode(system), None))
         for i in range(40):
-            d = r.route(InferenceRequest(model="m", prompt=system + text(f"other{i}", 2)), subset=["10.0.0.1:8000"])
+            d = r.route(InferenceRequest(model="m", prompt=system + text(f"other{i}", 2)),
+                        subset=["10.0.0.1:8000"])
             assert d.pod == a and d.ticket is not None
             d.ticket.first_byte()  # decoding: in flight until its stream ends
         assert r.tracker.load(a)[0] == 40

@@ -30,9 +30,10 @@ class TestMatch:
         assert (m["a"].blocks, m["b"].blocks) == (2, 2) and "c" not in m
 
     def test_search_beyond_the_walk_budget_credits_past_a_hole(self) -> None:
-        """Beyond ``exact_walk_blocks`` the search's answer stands (chained keys: "held" is monotone unless events
-        were lost): a pod holding the prompt's last block is credited in full despite a hole; one whose chain ends
-        at block 59 with a hole at 49 is credited at one of the two boundaries (a held block, then a missing one)."""
+        """Beyond ``exact_walk_blocks`` the search's answer stands (chained keys: "held" is monotone unless
+        events were lost): a pod holding the prompt's last block is credited in full despite a hole; one whose
+        chain ends at block 59 with a hole at 49 is credited at one of the two boundaries (a held block, then
+        a missing one)."""
         keys = list(range(100, 200))
         for budget in (0, 10_000):
             idx = BlockIndex(exact_walk_blocks=budget)
@@ -84,12 +85,16 @@ class TestMatch:
         idx.add_speculative("a", keys, ttl_s=10, now=0.0)
         assert idx.num_speculative < 250
         assert idx.match(keys, ["a"], now=1.0)["a"].blocks == 2000  # the last block is always sampled
-        credited = idx.match([*keys[:1000], 1, 2], ["a"], now=1.0)["a"].blocks  # a shorter prompt of the same prefix
-        assert credited == max(p for p in spec_positions(2000) if p < 1000) + 1 and 1000 - 16 <= credited <= 1000
-        assert spec_positions(3000)[: len(spec_positions(2000)) - 1] == list(spec_positions(2000))[:-1]  # one grid
+        # a shorter prompt of the same prefix
+        credited = idx.match([*keys[:1000], 1, 2], ["a"], now=1.0)["a"].blocks
+        assert (credited == max(p for p in spec_positions(2000) if p < 1000) + 1
+                and 1000 - 16 <= credited <= 1000)
+        # one grid
+        assert spec_positions(3000)[: len(spec_positions(2000)) - 1] == list(spec_positions(2000))[:-1]
 
     def test_tier_weights_by_search(self) -> None:
-        """Without the walk, L_r (the prefix held in tiers ≤ r) is searched per tier: Σ (L_r − L_{r−1}) · w_r."""
+        """Without the walk, L_r (the prefix held in tiers ≤ r) is searched per tier:
+        Σ (L_r − L_{r−1}) · w_r."""
         keys = list(range(1, 301))
         idx = BlockIndex(exact_walk_blocks=0)
         idx.add("a", keys[:100], Tier.GPU)
@@ -112,9 +117,11 @@ class TestMatch:
         assert idx.num_speculative == 64 and idx.speculative_dropped == 64
         assert idx.match(old, ["a"], now=1.0) == {} and idx.match(new, ["b"], now=1.0)["b"].blocks == 64
         idx.add_speculative("c", old[:30], ttl_s=1, now=0.0)  # 94 entries
-        idx.add_speculative("d", old[:30], ttl_s=10, now=5.0)  # 124 > 100: the expired pick c goes, not the oldest b
+        # 124 > 100: the expired pick c goes, not the oldest b
+        idx.add_speculative("d", old[:30], ttl_s=10, now=5.0)
         assert idx.speculative_dropped == 64 and idx.num_speculative == 94
-        assert idx.match(new, ["b"], now=5.0)["b"].blocks == 64 and idx.match(old[:30], ["c", "d"], now=5.0).keys() == {"d"}
+        assert (idx.match(new, ["b"], now=5.0)["b"].blocks == 64
+                and idx.match(old[:30], ["c", "d"], now=5.0).keys() == {"d"})
 
     def test_repeated_picks_do_not_pile_up(self) -> None:
         """A prompt picked again and again re-uses its entries; the picks taken over are forgotten, so the
@@ -128,8 +135,8 @@ class TestMatch:
         assert idx.expire(now=1000.0) == 128 and idx.num_speculative == 0 and not idx._spec_picks
 
     def test_expiry_follows_the_owning_pick(self) -> None:
-        """Random overlapping picks, extended or not, then expiry at several instants: the entries left are exactly
-        those whose latest pick (the owner) has not expired, as a scan of every entry would find."""
+        """Random overlapping picks, extended or not, then expiry at several instants: the entries left are
+        exactly those whose latest pick (the owner) has not expired, as a scan of every entry would find."""
         rng = random.Random(3)
         idx = BlockIndex(max_speculative=10**6)
         model: dict[tuple[int, str], Lease] = {}
@@ -158,7 +165,8 @@ class TestMatch:
         assert idx.num_keys == 1 and idx.match([1], ["a", "b"]).keys() == {"b"}
 
     def test_a_new_subscription_keeps_the_picks(self) -> None:
-        """Clearing a pod's exact entries for a first subscription leaves its picks; a resync or removal drops them."""
+        """Clearing a pod's exact entries for a first subscription leaves its picks; a resync or removal drops
+        them."""
         idx = BlockIndex()
         idx.add("a", [1, 2])
         idx.add_speculative("a", [1, 2, 3, 4], 30.0)
@@ -173,7 +181,8 @@ class TestTierWeights:
     """Tier weights come from the cost model: what a hit saves after its load cost."""
 
     def test_derived_from_bandwidth(self) -> None:
-        w = tier_weights(CostModelSettings(prefill_tokens_per_s=10_000, kv_bytes_per_token=100_000, cpu_gbps=10, ssd_gbps=1, remote_gbps=0.5))
+        w = tier_weights(CostModelSettings(prefill_tokens_per_s=10_000, kv_bytes_per_token=100_000,
+                                           cpu_gbps=10, ssd_gbps=1, remote_gbps=0.5))
         # prefill 100 µs/token; CPU load 10 µs/token → 0.9; SSD 100 µs → 0; remote slower → 0
         assert w[Tier.GPU.rank] == 1.0 and abs(w[Tier.CPU.rank] - 0.9) < 1e-9
         assert w[Tier.SSD.rank] == 0.0 and w[Tier.REMOTE.rank] == 0.0
@@ -187,7 +196,8 @@ class TestIngest:
         keys = hashes_as_ints(h.hash_tokens(list(range(12))))
         idx = BlockIndex()
         ap = PodEventApplier("p", idx, h)
-        ap.apply(KVEventBatch(ts=0, events=[stored(keys, None, list(range(12)), 4, "GPU"), stored(keys[:1], None, list(range(4)), 4, "CPU")]))
+        ap.apply(KVEventBatch(ts=0, events=[stored(keys, None, list(range(12)), 4, "GPU"),
+                                            stored(keys[:1], None, list(range(4)), 4, "CPU")]))
         assert idx.match(keys, ["p"])["p"].blocks == 3 and idx.pod_tiers("p", keys[0]) == {Tier.GPU, Tier.CPU}
         ap.apply(KVEventBatch(ts=0, events=[removed(keys[1:2], "GPU")]))
         assert idx.match(keys, ["p"])["p"].blocks == 1
@@ -210,7 +220,8 @@ class TestIngest:
 
     def test_recompute_keeps_salted_chains_of_a_pod_that_hashes_like_us(self) -> None:
         """Events carry no salt: after an unsalted block proves the pod hashes like the picker, a salted first
-        block (engine hash ≠ recomputation) is keyed by the engine's hashes, and its later blocks chain from them."""
+        block (engine hash ≠ recomputation) is keyed by the engine's hashes, and its later blocks chain from
+        them."""
         h = BlockHasher(4)
         idx = BlockIndex()
         ap = PodEventApplier("p", idx, h, recompute_keys=True)

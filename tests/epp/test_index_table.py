@@ -1,4 +1,5 @@
-"""The index's hash table against a dict reference model (property-based), and under concurrent writers and readers.
+"""The index's hash table against a dict reference model (property-based), and under concurrent writers and
+readers.
 
 Model: ``(key, pod) → tier mask``. Random add/remove/clear_pod sequences over a
 few pods and keys that include the extremes of the 64-bit range and the values
@@ -115,7 +116,8 @@ def test_prefix_of_any_length_is_found(n: int, seed: int) -> None:
 
 def test_concurrent_writers_and_readers() -> None:
     """Writer threads (one per pod, as ingestion applies each pod in order) grow and rebuild the table while
-    readers match and look up: no exception, readers only see prefixes that were stored, and the final state is exact."""
+    readers match and look up: no exception, readers only see prefixes that were stored, and the final state
+    is exact."""
     idx = BlockIndex(initial_capacity=16, exact_walk_blocks=64)
     chains = {f"p{i}": [(i << 40) + j for j in range(400)] for i in range(4)}
     errors: list[BaseException] = []

@@ -22,8 +22,8 @@ DEFAULT_CASES = [c for c in VECTORS["cases"] if c["seed"] == "default"]
 
 
 def vllm_events(case: dict[str, Any], *, ints: bool = False, per_block: bool = True) -> list[BlockStored]:
-    """BlockStored events as vLLM emits them for one request: the first block without a parent, each later block
-    (decode, follow-up turn, chunked prefill) with the previous block's hash as parent."""
+    """BlockStored events as vLLM emits them for one request: the first block without a parent, each later
+    block (decode, follow-up turn, chunked prefill) with the previous block's hash as parent."""
     bs = case["block_size"]
     hashes: list[int | bytes] = [bytes.fromhex(h) for h in case["block_hashes"]]
     if ints:
@@ -48,7 +48,8 @@ class TestSha256Recompute:
     @pytest.mark.parametrize("ints", [False, True], ids=["bytes", "int-hashes"])
     def test_vllm_chains_with_parents_are_indexed(self, ints: bool) -> None:
         idx = BlockIndex()
-        appliers = {bs: PodEventApplier("p", idx, BlockHasher(bs, "sha256_cbor"), recompute_keys=True) for bs in (16, 32)}
+        appliers = {bs: PodEventApplier("p", idx, BlockHasher(bs, "sha256_cbor"), recompute_keys=True)
+                    for bs in (16, 32)}
         total = 0
         for case in DEFAULT_CASES:
             if case["extra_keys"]:
@@ -88,7 +89,8 @@ class TestSha256Recompute:
         plain = DEFAULT_CASES[0]
         idx = BlockIndex()
         ap = PodEventApplier("p", idx, BlockHasher(16, "sha256_cbor"), recompute_keys=True)
-        ap.apply(KVEventBatch(ts=0.0, events=list(vllm_events(plain))))  # shows the pod hashes like the picker
+        # shows the pod hashes like the picker
+        ap.apply(KVEventBatch(ts=0.0, events=list(vllm_events(plain))))
         ap.apply(KVEventBatch(ts=0.0, events=list(vllm_events(salted))))
         keys = picker_keys(salted)
         assert idx.match(keys, ["p"])["p"].blocks == 2 and ap.stats.orphans == 0
@@ -96,7 +98,8 @@ class TestSha256Recompute:
     def test_foreign_hash_with_an_unknown_parent_is_an_orphan(self) -> None:
         idx = BlockIndex()
         ap = PodEventApplier("p", idx, BlockHasher(16, "sha256_cbor"), recompute_keys=True)
-        ap.apply(KVEventBatch(ts=0.0, events=[stored([b"\x01" * 32], b"\x02" * 32, list(range(16)), 16, "GPU")]))
+        ap.apply(KVEventBatch(ts=0.0,
+                              events=[stored([b"\x01" * 32], b"\x02" * 32, list(range(16)), 16, "GPU")]))
         ap.apply(KVEventBatch(ts=0.0, events=[stored([77], 78, list(range(16)), 16, "GPU")]))
         assert ap.stats.orphans == 2 and idx.num_keys == 0
 
@@ -105,8 +108,9 @@ class TestMediums:
     @pytest.mark.parametrize(
         ("medium", "tier"),
         [("GPU", Tier.GPU), (None, Tier.GPU), ("gpu", Tier.GPU), ("CPU", Tier.CPU), ("CPU_PINNED", Tier.CPU),
-         ("cpu-pinned", Tier.CPU), ("STORAGE", Tier.SSD), ("DISK", Tier.SSD), ("disk", Tier.SSD), ("SSD", Tier.SSD),
-         ("EXTERNAL", Tier.REMOTE), ("external", Tier.REMOTE), ("SHARED_STORAGE", Tier.REMOTE), ("REMOTE", Tier.REMOTE)],
+         ("cpu-pinned", Tier.CPU), ("STORAGE", Tier.SSD), ("DISK", Tier.SSD), ("disk", Tier.SSD),
+         ("SSD", Tier.SSD), ("EXTERNAL", Tier.REMOTE), ("external", Tier.REMOTE),
+         ("SHARED_STORAGE", Tier.REMOTE), ("REMOTE", Tier.REMOTE)],
     )
     def test_real_engine_mediums(self, medium: str | None, tier: Tier) -> None:
         assert Tier.from_medium(medium) is tier
@@ -175,13 +179,14 @@ class TestBoundsAndIsolation:
 
 
 class TestRemovalRuns:
-    """Engines publish one BlockRemoved per evicted block: a run of them is one index operation, and a bad one in a
-    run is still isolated."""
+    """Engines publish one BlockRemoved per evicted block: a run of them is one index operation, and a bad one
+    in a run is still isolated."""
 
     def test_a_run_of_removals_is_applied_at_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
         idx = BlockIndex()
         ap = PodEventApplier("p", idx, BlockHasher(4), recompute_keys=True)
-        ap.apply(KVEventBatch(ts=0.0, events=[stored(list(range(100, 150)), None, list(range(200)), 4, "GPU")]))
+        ap.apply(KVEventBatch(ts=0.0,
+                              events=[stored(list(range(100, 150)), None, list(range(200)), 4, "GPU")]))
         calls: list[int] = []
         real = idx.remove
 
@@ -192,8 +197,10 @@ class TestRemovalRuns:
 
         monkeypatch.setattr(idx, "remove", counted)
         events: list[Any] = [removed([h], "GPU") for h in range(100, 140)]
-        failed = ap.apply(KVEventBatch(ts=0.0, events=[*events, removed([140], "CPU"), removed([141], "GPU")]))
-        assert failed == 0 and calls == [40, 1, 1]  # the GPU run of 40, then the CPU one (a different medium), then one
+        failed = ap.apply(KVEventBatch(ts=0.0,
+                                       events=[*events, removed([140], "CPU"), removed([141], "GPU")]))
+        # the GPU run of 40, then the CPU one (a different medium), then one
+        assert failed == 0 and calls == [40, 1, 1]
         assert idx.num_pod_keys("p") == 9 and ap.stats.removed == 42 and len(ap) == 9
 
     def test_a_bad_event_in_a_run_costs_only_itself(self) -> None:
@@ -201,5 +208,6 @@ class TestRemovalRuns:
         ap = PodEventApplier("p", idx, BlockHasher(4))
         ap.apply(KVEventBatch(ts=0.0, events=[stored([5, 6], None, list(range(8)), 4, "GPU")]))
         bad = removed(["not-a-hash"], "GPU")  # type: ignore[list-item]
-        failed = ap.apply(KVEventBatch(ts=0.0, events=[removed([6], "GPU"), bad, stored([7], None, [1, 2, 3, 4], 4, "GPU")]))
+        failed = ap.apply(KVEventBatch(ts=0.0, events=[removed([6], "GPU"), bad,
+                                                       stored([7], None, [1, 2, 3, 4], 4, "GPU")]))
         assert failed == 1 and ap.stats.rejected == 1 and idx.pod_tiers("p", 7) == {Tier.GPU}

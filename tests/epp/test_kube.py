@@ -1,4 +1,5 @@
-"""The Kubernetes datastore: the pure mapping, and against a Kubernetes API emulator (kmock): list, then watch Pods and InferencePools.
+"""The Kubernetes datastore: the pure mapping, and against a Kubernetes API emulator (kmock): list, then watch
+Pods and InferencePools.
 
 kmock serves list/watch/create/delete; ``tests/kmockapi.py`` adds the
 resourceVersion it does not assign (as the API server would). Label selectors are not needed: the
@@ -28,12 +29,15 @@ from kvfleet.epp.kube import KubernetesDatastore, pools_from_objects
 from tests.conftest import eventually
 from tests.kmockapi import serve
 
-GIE_NO_REF = Path(__file__).parents[1] / "operator/data/gie-v1.6.0/conformance/tests/inferencepool_missing_epp_ref.yaml"
+GIE_NO_REF = (Path(__file__).parents[1]
+              / "operator/data/gie-v1.6.0/conformance/tests/inferencepool_missing_epp_ref.yaml")
 
 RESOURCES = {
-    "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True,
+                                  verbs={"get", "list", "watch", "create", "patch", "delete"}),
     "inference.networking.k8s.io/v1/inferencepools": kmock.ResourceInfo(
-        kind="InferencePool", singular="inferencepool", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"},
+        kind="InferencePool", singular="inferencepool", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
     ),
 }
 
@@ -65,11 +69,13 @@ async def test_pools_follow_the_api(kubeconfig: Path) -> None:
         "metadata": {"name": "llm", "namespace": "ns", "annotations": {"kvfleet.io/models": "m"}},
         "spec": {"selector": {"matchLabels": {"app": "llm"}}, "targetPorts": [{"number": 8000}]},
     }
-    await asyncio.to_thread(custom.create_namespaced_custom_object, "inference.networking.k8s.io", "v1", "ns", "inferencepools", pool)
+    await asyncio.to_thread(custom.create_namespaced_custom_object, "inference.networking.k8s.io", "v1", "ns",
+                            "inferencepools", pool)
     await asyncio.to_thread(core.create_namespaced_pod, "ns", pod("a", "10.0.0.1"))  # type: ignore[arg-type]
     ds = await asyncio.to_thread(KubernetesDatastore, "ns", 0.2, api)
     try:
-        await eventually(lambda: bool(ds.pools()) and [p.name for p in ds.pools()[0].pods] == ["a"], "the pool with pod a")
+        await eventually(lambda: bool(ds.pools()) and [p.name for p in ds.pools()[0].pods] == ["a"],
+                         "the pool with pod a")
         await eventually(ds.has_synced, "the datastore's first lists")
         assert ds.pools()[0].models == ("m",) and ds.pools()[0].pods[0].endpoint == "10.0.0.1:8000"
         await asyncio.to_thread(core.create_namespaced_pod, "ns", pod("b", "10.0.0.2"))  # type: ignore[arg-type]
@@ -101,7 +107,8 @@ def inference_pool(name: str, ref: dict[str, Any] | None = None, app: str = "llm
     spec: dict[str, Any] = {"selector": {"matchLabels": {"app": app}}, "targetPorts": [{"number": 8000}]}
     if ref is not None:
         spec["endpointPickerRef"] = ref
-    return {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": name, "namespace": "ns"}, "spec": spec}
+    return {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": name, "namespace": "ns"}, "spec": spec}
 
 
 OURS = {"name": "kvfleet-epp", "port": {"number": 9002}}
@@ -109,14 +116,16 @@ OURS = {"name": "kvfleet-epp", "port": {"number": 9002}}
 
 def test_pods_carry_their_shard() -> None:
     """Label kvfleet.io/shard becomes Pod.shard; without it the pod is in the pool's only shard ("")."""
-    pods = [pod("a", "10.0.0.1", labels={"kvfleet.io/shard": "0"}), pod("b", "10.0.0.2", labels={"kvfleet.io/shard": "1"}), pod("c", "10.0.0.3")]
+    pods = [pod("a", "10.0.0.1", labels={"kvfleet.io/shard": "0"}),
+            pod("b", "10.0.0.2", labels={"kvfleet.io/shard": "1"}), pod("c", "10.0.0.3")]
     (pool,) = pools_from_objects([inference_pool("llm", OURS)], pods, epp_service="kvfleet-epp")
     assert {p.name: p.shard for p in pool.pods} == {"a": "0", "b": "1", "c": ""}
     assert {p.pool for p in pool.pods} == {"llm"}  # shards are pod subsets of the one pool
 
 
 def test_pools_without_endpoint_picker_ref() -> None:
-    """GIE v1.6's example pool without endpointPickerRef: a pool for an EPP with no Service name, not ours for one with a name."""
+    """GIE v1.6's example pool without endpointPickerRef: a pool for an EPP with no Service name, not ours for
+    one with a name."""
     (upstream,) = [d for d in yaml.safe_load_all(GIE_NO_REF.read_text()) if d["kind"] == "InferencePool"]
     upstream = copy.deepcopy(upstream)
     upstream["metadata"]["namespace"] = "ns"
@@ -127,7 +136,8 @@ def test_pools_without_endpoint_picker_ref() -> None:
 
 
 def test_only_pools_naming_this_picker_are_ours() -> None:
-    """With a Service name: the pool naming it (kind Service, core group, defaults or explicit) is kept; others are skipped."""
+    """With a Service name: the pool naming it (kind Service, core group, defaults or explicit) is kept;
+    others are skipped."""
     pools = [
         inference_pool("ours", OURS),
         inference_pool("explicit", {**OURS, "kind": "Service", "group": ""}),
@@ -140,7 +150,8 @@ def test_only_pools_naming_this_picker_are_ours() -> None:
 
 
 def test_odd_target_ports_fall_back_to_8000() -> None:
-    """A pool whose targetPorts is missing or malformed still maps (port 8000) rather than failing the rebuild."""
+    """A pool whose targetPorts is missing or malformed still maps (port 8000) rather than failing the
+    rebuild."""
     for ports in (None, [], ["x"], [{"number": "nan"}]):
         ip = inference_pool("p")
         ip["spec"]["targetPorts"] = ports
@@ -149,20 +160,25 @@ def test_odd_target_ports_fall_back_to_8000() -> None:
 
 
 async def test_watch_keeps_only_this_pickers_pools(kubeconfig: Path) -> None:
-    """An EPP with a Service name watching a namespace with a pool without endpointPickerRef: only its own pool, pods with shards."""
+    """An EPP with a Service name watching a namespace with a pool without endpointPickerRef: only its own
+    pool, pods with shards."""
     from kubernetes import client, config
 
     config.load_kube_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
     api = client.ApiClient()
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     for ip in (inference_pool("theirs", None), inference_pool("ours", OURS)):
-        await asyncio.to_thread(custom.create_namespaced_custom_object, "inference.networking.k8s.io", "v1", "ns", "inferencepools", ip)
-    await asyncio.to_thread(core.create_namespaced_pod, "ns", pod("a", "10.0.0.1", labels={"kvfleet.io/shard": "1"}))  # type: ignore[arg-type]
+        await asyncio.to_thread(custom.create_namespaced_custom_object, "inference.networking.k8s.io", "v1",
+                                "ns", "inferencepools", ip)
+    await asyncio.to_thread(core.create_namespaced_pod, "ns",
+                            pod("a", "10.0.0.1", labels={"kvfleet.io/shard": "1"}))  # type: ignore[arg-type]
     ds = await asyncio.to_thread(KubernetesDatastore, "ns", 0.2, api, "kvfleet-epp")
     try:
-        await eventually(lambda: [(p.name, [(x.name, x.shard) for x in p.pods]) for p in ds.pools()] == [("ours", [("a", "1")])],
+        await eventually(lambda: [(p.name, [(x.name, x.shard) for x in p.pods]) for p in ds.pools()]
+                         == [("ours", [("a", "1")])],
                          "only our pool, with pod a of shard 1")
-        await asyncio.to_thread(custom.delete_namespaced_custom_object, "inference.networking.k8s.io", "v1", "ns", "inferencepools", "ours")
+        await asyncio.to_thread(custom.delete_namespaced_custom_object, "inference.networking.k8s.io", "v1",
+                                "ns", "inferencepools", "ours")
         await eventually(lambda: not ds.pools(), "no pool left")
     finally:
         ds.stop()

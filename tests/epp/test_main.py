@@ -55,7 +55,8 @@ GOLDEN_METRICS = sorted([
 def test_metric_names_are_stable() -> None:
     """Metric names are API: any rename or addition must update this golden list (and docs/epp.md)."""
     m = EppMetrics()
-    ds = StaticDatastore(data={"pools": [{"name": "a", "models": ["m"], "pods": [{"name": "p", "address": "h", "port": 1}]}]})
+    ds = StaticDatastore(data={"pools": [{"name": "a", "models": ["m"],
+                                          "pods": [{"name": "p", "address": "h", "port": 1}]}]})
     m.attach_state(BlockIndex(), InflightTracker(), MetricsStore(), ds.pools, dict)
     assert sorted({fam.name for fam in m.registry.collect()}) == GOLDEN_METRICS
 
@@ -72,7 +73,8 @@ def test_bad_config_exits_2(tmp_path: Path) -> None:
 def test_process_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
     """``python -m kvfleet.epp.main`` binds the configured ports, reports SERVING, exits 0 on SIGTERM."""
     pods = tmp_path / "pods.yaml"
-    pods.write_text(yaml.safe_dump({"pools": [{"name": "a", "models": ["m"], "pods": [{"name": "p", "address": "127.0.0.1", "port": 1}]}]}))
+    pods.write_text(yaml.safe_dump({"pools": [{"name": "a", "models": ["m"],
+                                               "pods": [{"name": "p", "address": "127.0.0.1", "port": 1}]}]}))
     health = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvfleet.epp.main", "--pods", str(pods), "--host", "127.0.0.1",
@@ -82,7 +84,8 @@ def test_process_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
     try:
         def healthy() -> bool:
             if proc.poll() is not None:
-                pytest.fail(f"the EPP exited ({proc.returncode}): {proc.stderr.read().decode() if proc.stderr else ''}")
+                pytest.fail(f"the EPP exited ({proc.returncode}): "
+                            f"{proc.stderr.read().decode() if proc.stderr else ''}")
             return health_check(f"127.0.0.1:{health}", 0.5)
 
         wait_for(healthy, "the EPP's gRPC health SERVING", timeout_s=20, interval_s=0.1)

@@ -1,4 +1,5 @@
-"""Per-pool cache settings: each pool's block size, hash and routing weights come from the pool, not one global.
+"""Per-pool cache settings: each pool's block size, hash and routing weights come from the pool, not one
+global.
 
 Covers: the static pods file's and the operator's annotation (``kvfleet.io/routing``) forms, validation
 with the entry named; the router keys a prompt with its pool's block size (a pool of 64-token engines
@@ -37,32 +38,38 @@ EnvoyF = Callable[..., EnvoyProcess]
 
 
 def _pool(**extra: Any) -> dict[str, Any]:
-    return {"pools": [{"name": "p", "models": ["m"], "pods": [{"name": "a", "address": "10.0.0.1", "port": 1},
-                                                               {"name": "b", "address": "10.0.0.2", "port": 1}], **extra}]}
+    return {"pools": [{"name": "p", "models": ["m"],
+                       "pods": [{"name": "a", "address": "10.0.0.1", "port": 1},
+                                {"name": "b", "address": "10.0.0.2", "port": 1}], **extra}]}
 
 
 def test_pool_cache_from_the_file_and_the_annotation() -> None:
     """Both spellings give the same PoolCache; bad values name the pool entry."""
-    (pool,) = pools_from_dict(_pool(block_size=64, hash_algo="sha256_cbor", weights={"prefix": 2, "load": 0.5, "hotspotDecay": 0.3}))
-    want = PoolCache(block_size=64, hash_algo="sha256_cbor", prefix_weight=2.0, load_weight=0.5, hotspot_decay=0.3)
+    (pool,) = pools_from_dict(_pool(block_size=64, hash_algo="sha256_cbor",
+                                    weights={"prefix": 2, "load": 0.5, "hotspotDecay": 0.3}))
+    want = PoolCache(block_size=64, hash_algo="sha256_cbor", prefix_weight=2.0, load_weight=0.5,
+                     hotspot_decay=0.3)
     assert pool.cache == want
     ann = json.dumps({"blockSize": 64, "hashAlgo": "sha256_cbor", "prefix_weight": 2, "load_weight": 0.5,
                       "hotspot_decay": 0.3, "failure_mode": "FailOpen", "shards": 2, "disaggregated": False})
     assert routing_cache("p", ann) == want
     assert routing_cache("p", "{not json") == PoolCache() and routing_cache("p", None) == PoolCache()
     assert routing_cache("p", json.dumps({"blockSize": -1})) == PoolCache()
-    for bad in ({"block_size": 0}, {"hash_algo": "md5"}, {"weights": {"prefix": -1}}, {"weights": {"nope": 1}}, {"colour": 1}):
+    for bad in ({"block_size": 0}, {"hash_algo": "md5"}, {"weights": {"prefix": -1}},
+                {"weights": {"nope": 1}}, {"colour": 1}):
         with pytest.raises(DatastoreError, match="pools\\[0\\]"):
             pools_from_dict(_pool(**bad))
 
 
 def _router(data: dict[str, Any], **over: Any) -> Router:
     s = load(overrides={"epp": over})
-    return Router(s.epp, s.cache, StaticDatastore(data=data), BlockIndex(), MetricsStore(), load_tokenizer("bytes"))
+    return Router(s.epp, s.cache, StaticDatastore(data=data), BlockIndex(), MetricsStore(),
+                  load_tokenizer("bytes"))
 
 
 def test_router_keys_with_the_pools_block_size() -> None:
-    """A pool declaring 64-token blocks: its engines' keys (64) match the prompt, every full block predicted."""
+    """A pool declaring 64-token blocks: its engines' keys (64) match the prompt, every full block
+    predicted."""
     r = _router(_pool(block_size=64))
     (pool,) = r.datastore.pools()
     hasher = r.hasher_for(pool)
@@ -90,7 +97,8 @@ def test_routing_weights_scale_the_profile() -> None:
 
 
 def test_keycheck_flags_and_clears() -> None:
-    """Under-predicted hits in most of the window flag the pool; agreeing ones clear it; misses are ignored."""
+    """Under-predicted hits in most of the window flag the pool; agreeing ones clear it; misses are
+    ignored."""
     changes: list[tuple[str, bool]] = []
     kc = KeyCheck(window=20, min_hits=10, on_change=lambda p, bad: changes.append((p, bad)))
     for _ in range(50):
@@ -115,11 +123,11 @@ def _mismatch(epp: Epp) -> float | None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("declared", [16, 64])
 def test_engines_hashing_otherwise_are_detected(envoy_factory: EnvoyF, declared: int) -> None:
-    """Engines with 64-token blocks: a pool declaring 16 is flagged after repeated prompts whose hits the index
-    never predicted; a pool declaring 64 predicts them (routes to the holder) and is not flagged."""
+    """Engines with 64-token blocks: a pool declaring 16 is flagged after repeated prompts whose hits the
+    index never predicted; a pool declaring 64 predicts them (routes to the holder) and is not flagged."""
     fleet = PodFleet(2, block_size=64).start()
-    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0, "metrics_port": 0,
-                                       "speculative_ttl_s": 0.001}})
+    settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0,
+                                       "metrics_port": 0, "speculative_ttl_s": 0.001}})
     data = fleet.pools_config()
     data["pools"][0]["block_size"] = declared
     epp = Epp(settings, datastore=StaticDatastore(data=data)).start()
@@ -134,7 +142,8 @@ def test_engines_hashing_otherwise_are_detected(envoy_factory: EnvoyF, declared:
             prompt = f"{i:03d} " + PROMPT
             before = indexed()
             assert post(url, {"model": "m", "prompt": prompt})[0] == 200
-            if declared == 64:  # the index can hold these keys: wait for the events (else nothing matches anyway)
+            # the index can hold these keys: wait for the events (else nothing matches anyway)
+            if declared == 64:
                 wait_for(lambda before=before: indexed() > before, what="events indexed")  # type: ignore[misc]
             status, _, body = post(url, {"model": "m", "prompt": prompt + " again"})
             assert status == 200

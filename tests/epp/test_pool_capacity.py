@@ -47,7 +47,8 @@ def test_capacity_counts_the_pods_that_compute_prompts() -> None:
 def test_weights_use_blocks_only_when_every_pod_states_them() -> None:
     big, small = pool("big", ["both"], 16384), pool("small", ["both", "both"], 4096)
     assert weights([big, small]) == [16384.0, 8192.0]
-    assert weights([big, pool("unknown", ["both", "both"])]) == [1.0, 2.0]  # one pool without blocks: pods everywhere
+    # one pool without blocks: pods everywhere
+    assert weights([big, pool("unknown", ["both", "both"])]) == [1.0, 2.0]
     assert weights([pool("w", ["both"], 10, weight=3.0)]) == [30.0]
 
 
@@ -60,14 +61,16 @@ def test_rendezvous_shares_follow_capacity() -> None:
 
 
 def test_kv_blocks_from_the_pods_file_and_kubernetes() -> None:
-    data: dict[str, Any] = {"pools": [{"name": "p", "pods": [{"name": "a", "address": "h", "port": 1, "kv_blocks": 512},
-                                                            {"name": "b", "address": "h", "port": 2}]}]}
+    data: dict[str, Any] = {"pools": [{"name": "p",
+                                       "pods": [{"name": "a", "address": "h", "port": 1, "kv_blocks": 512},
+                                                {"name": "b", "address": "h", "port": 2}]}]}
     (p,) = pools_from_dict(data)
     assert [q.kv_blocks for q in p.pods] == [512, None]
     data["pools"][0]["pods"][1]["kv_blocks"] = 0
     with pytest.raises(DatastoreError, match=r"kv_blocks must be > 0"):
         pools_from_dict(data)
-    ip = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "llm", "namespace": "ns"},
+    ip = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+          "metadata": {"name": "llm", "namespace": "ns"},
           "spec": {"selector": {"matchLabels": {"app": "llm"}}, "targetPorts": [{"number": 8000}]}}
 
     def kpod(name: str, blocks: str | None) -> dict[str, Any]:
@@ -86,7 +89,10 @@ def test_the_demo_topology_shards_by_capacity() -> None:
     data = pods_file(specs, "m", kv_blocks=8192)
     assert all(p["kv_blocks"] == 8192 for p in data["pools"][0]["pods"])
     assert "kv_blocks" not in pods_file(specs, "m")["pools"][0]["pods"][0]
-    s = load(overrides={"epp": {"pool_saturation_queue": 1e9, "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}]}})
-    r = Router(s.epp, s.cache, StaticDatastore(data=data), BlockIndex(), MetricsStore(), load_tokenizer("bytes"))
-    shards = [r.route(InferenceRequest(model="m", prompt=f"{i:08d} conversation opening " * 4)).shard for i in range(900)]
+    s = load(overrides={"epp": {"pool_saturation_queue": 1e9,
+                                "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}]}})
+    r = Router(s.epp, s.cache, StaticDatastore(data=data), BlockIndex(), MetricsStore(),
+               load_tokenizer("bytes"))
+    shards = [r.route(InferenceRequest(model="m", prompt=f"{i:08d} conversation opening " * 4)).shard
+              for i in range(900)]
     assert 0.28 < shards.count("pool-b") / len(shards) < 0.39, shards.count("pool-b")

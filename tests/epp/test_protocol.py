@@ -1,4 +1,5 @@
-"""Request parsing (OpenAI completions/chat, limits, typed errors → HTTP status) and ext_proc response shapes."""
+"""Request parsing (OpenAI completions/chat, limits, typed errors → HTTP status) and ext_proc response
+shapes."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ class TestParse:
     """parse_request accepts what OpenAI servers accept and names what is wrong otherwise."""
 
     def test_completions_text_prompt(self) -> None:
-        r = protocol.parse_request("/v1/completions", body({"model": "m", "prompt": "hi", "cache_salt": "s"}), 1000)
+        r = protocol.parse_request("/v1/completions", body({"model": "m", "prompt": "hi", "cache_salt": "s"}),
+                                   1000)
         assert (r.api, r.model, r.prompt, r.cache_salt) == ("/v1/completions", "m", "hi", "s")
 
     def test_completions_token_prompt_and_single_list(self) -> None:
@@ -37,9 +39,11 @@ class TestParse:
         assert r.prompt == "a"
 
     def test_chat_uses_the_shared_template(self) -> None:
-        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+        msgs = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
         r = protocol.parse_request("/v1/chat/completions", body({"model": "m", "messages": msgs}), 10_000)
-        assert r.prompt == render_chat(msgs) == "<|system|>\nbe brief<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\n"
+        assert r.prompt == render_chat(msgs) == ("<|system|>\nbe brief<|end|>\n"
+                                                 "<|user|>\nhi<|end|>\n<|assistant|>\n")
 
     @pytest.mark.parametrize(
         ("path", "payload"),
@@ -52,11 +56,14 @@ class TestParse:
             ("/v1/completions", body({"model": "m", "prompt": [-1]})),
             ("/v1/completions", body({"model": "m", "prompt": "x", "cache_salt": 3})),
             ("/v1/chat/completions", body({"model": "m", "messages": []})),
-            ("/v1/chat/completions", body({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})),
+            ("/v1/chat/completions",
+             body({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})),
             ("/v1/completions", b'{"model": "m", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
-            ("/v1/completions", body({"model": "m", "prompt": "x", "kv_transfer_params": {"do_remote_decode": True}})),
+            ("/v1/completions",
+             body({"model": "m", "prompt": "x", "kv_transfer_params": {"do_remote_decode": True}})),
             ("/v1/completions", body({"model": "m", "prompt": "x", "kv_transfer_params": None})),
-            ("/v1/chat/completions", body({"model": "m", "messages": [{"role": "user", "content": "x"}], "bootstrap_room": 7})),
+            ("/v1/chat/completions",
+             body({"model": "m", "messages": [{"role": "user", "content": "x"}], "bootstrap_room": 7})),
         ],
     )
     def test_bad_requests_are_400(self, path: str, payload: bytes) -> None:
@@ -76,7 +83,8 @@ class TestErrors:
 
     @pytest.mark.parametrize(
         ("err", "status"),
-        [(BadRequestError("x"), 400), (UnknownModelError("x"), 404), (NoEndpointError("x"), 503), (SheddingError("x"), 429)],
+        [(BadRequestError("x"), 400), (UnknownModelError("x"), 404), (NoEndpointError("x"), 503),
+         (SheddingError("x"), 429)],
     )
     def test_immediate_response(self, err: Exception, status: int) -> None:
         resp = protocol.immediate_response(err)  # type: ignore[arg-type]
@@ -90,9 +98,12 @@ class TestResponses:
 
     def test_pick_header_and_metadata_agree(self) -> None:
         resp = protocol.pick_headers_response(protocol.routing_headers(["10.0.0.1:8000"], "10.0.0.2:8000"))
-        hdrs = {h.header.key: h.header.raw_value.decode() for h in resp.request_headers.response.header_mutation.set_headers}
-        assert hdrs == {"x-gateway-destination-endpoint": "10.0.0.1:8000", "x-prefiller-host-port": "10.0.0.2:8000"}
-        meta = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
+        hdrs = {h.header.key: h.header.raw_value.decode()
+                for h in resp.request_headers.response.header_mutation.set_headers}
+        assert hdrs == {"x-gateway-destination-endpoint": "10.0.0.1:8000",
+                        "x-prefiller-host-port": "10.0.0.2:8000"}
+        meta = (resp.dynamic_metadata.fields["envoy.lb"].struct_value
+                .fields["x-gateway-destination-endpoint"].string_value)
         assert meta == "10.0.0.1:8000"
         assert resp.request_headers.response.clear_route_cache
 

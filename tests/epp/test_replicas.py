@@ -41,12 +41,13 @@ class Replica:
         cfg.write_text(yaml.safe_dump({"epp": {"host": "127.0.0.1", "scrape_interval_s": 0.2}}))
         self.log = open(tmp / f"epp-{index}.log", "wb")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfleet", "epp", "--config", str(cfg), "--pods", str(pods), "--grpc-port", str(self.grpc),
-             "--health-port", str(self.health), "--metrics-port", str(self.metrics), "--log-level", "WARNING"],
+            [sys.executable, "-m", "kvfleet", "epp", "--config", str(cfg), "--pods", str(pods),
+             "--grpc-port", str(self.grpc), "--health-port", str(self.health),
+             "--metrics-port", str(self.metrics), "--log-level", "WARNING"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        wait_for(lambda: self.proc.poll() is None and health_check(f"127.0.0.1:{self.health}", 0.3), timeout_s=30,
-                 what=f"replica {index} ready")
+        wait_for(lambda: self.proc.poll() is None and health_check(f"127.0.0.1:{self.health}", 0.3),
+                 timeout_s=30, what=f"replica {index} ready")
 
     def requests(self) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=2) as r:
@@ -154,21 +155,24 @@ def test_restart_of_a_single_replica_under_fail_open_loses_nothing(
             replica.log.close()
             time.sleep(1.0)  # the picker stays away for 1 s under load
             replica = Replica(tmp_path, 1, pods, (replica.grpc, replica.health, replica.metrics))
-            # load goes on until the restarted picker picks again (it is up and Envoy's health check has seen it)
+            # load goes on until the restarted picker picks again (it is up and Envoy's health check has seen
+            # it)
             try:
-                wait_for(lambda: _picks(replica), "the restarted picker picking", timeout_s=20, interval_s=0.2)
+                wait_for(lambda: _picks(replica), "the restarted picker picking", timeout_s=20,
+                         interval_s=0.2)
             finally:
                 stop.set()
         failed = [(t0, t1) for t0, t1, s in results if s != 200]
         in_flight = sum(1 for t0, t1, _ in results if t0 <= killed_at < t1)
-        print(f"[replicas] restart under FailOpen ({body_mode}): {len(results)} requests, {len(failed)} failed "
-              f"({in_flight} in flight at the kill)")
+        print(f"[replicas] restart under FailOpen ({body_mode}): {len(results)} requests, "
+              f"{len(failed)} failed ({in_flight} in flight at the kill)")
         assert len(results) > 50
         if body_mode == "BUFFERED":
             assert failed == []
         else:
             # what was in flight on the picker as it died: started before Envoy could see it gone (≤ 0.1 s)
-            assert len(failed) <= 4 and all(t0 < killed_at + 0.1 and t1 > killed_at for t0, t1 in failed), failed
+            assert len(failed) <= 4 and all(t0 < killed_at + 0.1 and t1 > killed_at
+                                            for t0, t1 in failed), failed
     finally:
         replica.stop()
 

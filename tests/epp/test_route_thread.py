@@ -1,4 +1,5 @@
-"""The pick runs off the gRPC event loop: on the servicer's one-thread executor, while other streams move on."""
+"""The pick runs off the gRPC event loop: on the servicer's one-thread executor, while other streams move
+on."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Routing decisions without a network: plugins registry, scorer formulas, both levels, hot spots, P/D, shedding."""
+"""Routing decisions without a network: plugins registry, scorer formulas, both levels, hot spots, P/D,
+shedding."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def pools(n: int = 3, roles: list[str] | None = None, npools: int = 1, shards: i
     into that many prefix shards (labels "0", "1", ...)."""
     out = []
     for p in range(npools):
-        pods = [{"name": f"p{p}-{i}", "address": "10.0.0.1", "port": 8000 + 10 * p + i, "role": (roles or ["both"] * n)[i],
+        pods = [{"name": f"p{p}-{i}", "address": "10.0.0.1", "port": 8000 + 10 * p + i,
+                 "role": (roles or ["both"] * n)[i],
                  **({"shard": str(i % shards)} if shards > 1 else {})} for i in range(n)]
         out.append({"name": f"pool-{p}", "models": ["m"], "pods": pods})
     return {"pools": out}
@@ -31,7 +33,8 @@ def pools(n: int = 3, roles: list[str] | None = None, npools: int = 1, shards: i
 
 def router(data: Any = None, **over: Any) -> Router:
     s = load(overrides={"epp": over})
-    return Router(s.epp, s.cache, StaticDatastore(data=data or pools()), BlockIndex(), MetricsStore(), load_tokenizer("bytes"))
+    return Router(s.epp, s.cache, StaticDatastore(data=data or pools()), BlockIndex(), MetricsStore(),
+                  load_tokenizer("bytes"))
 
 
 PROMPT = "the same long system prompt " * 40
@@ -46,7 +49,8 @@ class TestRegistry:
         assert "prefix-cache-scorer" in str(ei.value)
 
     def test_every_plugin_has_a_docstring(self) -> None:
-        assert {"ready-filter", "prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer", "max-score-picker"} <= set(REGISTRY)
+        assert {"ready-filter", "prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer",
+                "max-score-picker"} <= set(REGISTRY)
         assert all(r.doc for r in REGISTRY.values())
 
     def test_round_robin_picker_cycles(self) -> None:
@@ -67,7 +71,8 @@ class TestScorers:
 
     def test_formula(self) -> None:
         """hit_s·gain/(1+β·same_prefix) − (pending·t + n_pending·overhead) − w_kv·kv, each term checked;
-        gain = 1 + g·ρ (ρ from the candidates' mean queue) where no request of the prefix is still queued, else 1."""
+        gain = 1 + g·ρ (ρ from the candidates' mean queue) where no request of the prefix is still queued,
+        else 1."""
         prof = Profile([
             PluginSpec(type="prefix-cache-scorer", params={"load_gain": 2.0}),
             PluginSpec(type="queue-scorer", params={"overhead_s": 0.0}),
@@ -83,7 +88,8 @@ class TestScorers:
         scores = dict(zip((c.name for c in ranked.pods), ranked.scores, strict=True))
         q_mean = 4800 / 4 * 1e-4
         gain = 1 + 2.0 * q_mean / (q_mean + 0.16)
-        assert scores["hot"] == pytest.approx(50 * 16 * 1e-4 / 2.0)  # a burst of its prefix queued there: no gain
+        # a burst of its prefix queued there: no gain
+        assert scores["hot"] == pytest.approx(50 * 16 * 1e-4 / 2.0)
         assert scores["busy"] == pytest.approx(100 * 16 * 1e-4 * gain - 0.48)
         assert scores["hit"] == pytest.approx(20 * 16 * 1e-4 * gain)
         assert scores["kv"] == pytest.approx(-0.05)
@@ -98,7 +104,8 @@ class TestScorers:
         assert score == pytest.approx(4 * 16 * 1e-3)
 
     def test_affinity_is_stable_per_shard(self) -> None:
-        """The affinity bonus goes to one pod per shard, the same one every time, spread over pods across shards."""
+        """The affinity bonus goes to one pod per shard, the same one every time, spread over pods across
+        shards."""
         _, plugin = create("prefix-affinity-scorer", {"affinity_s": 0.5})
         cands = [self.cand(f"p{i}") for i in range(4)]
         tops = set()
@@ -127,7 +134,9 @@ class TestRouting:
         d = r.route(InferenceRequest(model="m", prompt=PROMPT, cache_salt="tenant-b"))
         assert d.predicted_hit_tokens == 0
 
-    def burst(self, beta: float, plugins: list[dict[str, Any]] | None = None, decoding: bool = False) -> list[str]:
+    def burst(
+        self, beta: float, plugins: list[dict[str, Any]] | None = None, decoding: bool = False
+    ) -> list[str]:
         """A computed prefix, then 12 same-prefix requests in flight at once (waiting for their first token,
         or with ``decoding`` already past it)."""
         r = router(hotspot_beta=beta, **({"plugins": plugins} if plugins else {}))
@@ -156,8 +165,8 @@ class TestRouting:
         assert spread.count(spread[0]) < flat.count(flat[0])
 
     def test_decoding_requests_are_no_hot_spot(self) -> None:
-        """A request past its first token no longer competes for the pod's prefill: it does not damp the
-        next hit of its prefix (counted until the stream's end, a dozen decoding requests spread the burst)."""
+        """A request past its first token no longer competes for the pod's prefill: it does not damp the next
+        hit of its prefix (counted until the stream's end, a dozen decoding requests spread the burst)."""
         assert len(set(self.burst(beta=1.0, decoding=True))) == 1
 
     def test_without_decay_and_load_the_burst_piles_up(self) -> None:
@@ -201,7 +210,8 @@ class TestPools:
 
     def test_same_prefix_same_shard_and_spill(self) -> None:
         """Level 1 inside one pool: a prefix keeps to its shard (a pod subset) until that shard saturates."""
-        r = router(pools(6, shards=3), pool_saturation_queue=2.0, plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker"}])
+        r = router(pools(6, shards=3), pool_saturation_queue=2.0,
+                   plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker"}])
         first = [r.route(InferenceRequest(model="m", prompt=PROMPT + f"{i}")).shard for i in range(4)]
         assert len(set(first)) == 1  # 2 pods × 2 pending each = saturated after 4
         spilled = r.route(InferenceRequest(model="m", prompt=PROMPT + "x"))
@@ -212,7 +222,8 @@ class TestPools:
         the same prompt always lands in the same pool, and a subset hint picks the pool that holds it."""
         data = pools(3, npools=2, shards=2)
         members = {p["name"]: {f"{q['address']}:{q['port']}" for q in p["pods"]} for p in data["pools"]}
-        r = router(data, plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker", "params": {"fallbacks": 5}}])
+        r = router(data, plugins=[{"type": "queue-scorer"},
+                                  {"type": "max-score-picker", "params": {"fallbacks": 5}}])
         seen, widest = set(), 0
         for i in range(40):
             d = r.route(InferenceRequest(model="m", prompt=f"{i} {PROMPT}"))
@@ -226,7 +237,8 @@ class TestPools:
 
     def test_fallback_served_moves_the_accounting(self) -> None:
         """The gateway reports a fallback served: in-flight load and the speculative prefix move to it."""
-        r = router(pools(3), plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker", "params": {"fallbacks": 2}}])
+        r = router(pools(3), plugins=[{"type": "queue-scorer"},
+                                      {"type": "max-score-picker", "params": {"fallbacks": 2}}])
         d = r.route(InferenceRequest(model="m", prompt=PROMPT))
         other = next(e for e in d.endpoints[1:])
         name = {f"10.0.0.1:{8000 + i}": f"p0-{i}" for i in range(3)}[other]
@@ -238,22 +250,25 @@ class TestPools:
         hits = r.index.match(keys, [d.pod, name])
         assert d.pod not in hits and hits[name].blocks == len(keys)
         assert d.ticket is not None
-        d.ticket.first_byte()  # the same response headers: the TTL refresh must not bring the pick's entry back
+        # the same response headers: the TTL refresh must not bring the pick's entry back
+        d.ticket.first_byte()
         hits = r.index.match(keys, [d.pod, name])
         assert d.pod not in hits and hits[name].blocks == len(keys)
         d.ticket.close()
         assert r.tracker.load(name)[0] == 0 and not d.served("10.9.9.9:1")
 
     def test_single_pool_saturated_still_routes_by_score(self) -> None:
-        """One pool: nowhere to spill, so saturation does not change the pick (the queue scorer still spreads)."""
-        r = router(pools(2), pool_saturation_queue=1.0, plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker"}])
+        """One pool: nowhere to spill, so saturation does not change the pick (the queue scorer still
+        spreads)."""
+        r = router(pools(2), pool_saturation_queue=1.0,
+                   plugins=[{"type": "queue-scorer"}, {"type": "max-score-picker"}])
         got = [r.route(InferenceRequest(model="m", prompt=PROMPT + f"{i}")) for i in range(6)]
         assert {d.pool for d in got} == {"pool-0"}
         assert sorted(d.pod for d in got) == ["p0-0"] * 3 + ["p0-1"] * 3
 
     def test_without_sharding_one_cycle_spans_every_shard(self) -> None:
-        """``prefix_shard_pools: false`` (baselines): the same prompt is spread over every shard's serving pods,
-        and a P/D shard still gets its prefill pod named for an uncached prompt."""
+        """``prefix_shard_pools: false`` (baselines): the same prompt is spread over every shard's serving
+        pods, and a P/D shard still gets its prefill pod named for an uncached prompt."""
         data = pools(4, roles=["both", "both", "prefill", "decode"])
         for i, pod in enumerate(data["pools"][0]["pods"]):
             pod["shard"] = "a" if i < 2 else "b"
@@ -277,8 +292,8 @@ class TestDisaggregated:
         assert d.pod in ("p0-1", "p0-2") and d.prefiller == "10.0.0.1:8000"
 
     def test_prediction_is_the_prefill_pods_hit(self) -> None:
-        """With a prefill pod the engine reports the prefill pod's cached tokens: the prediction is its hit, not
-        the decode pod's (misprediction compares like with like)."""
+        """With a prefill pod the engine reports the prefill pod's cached tokens: the prediction is its hit,
+        not the decode pod's (misprediction compares like with like)."""
         r = router(pools(2, roles=["prefill", "decode"]), pd_min_uncached_tokens=256)
         keys = r.keys_of(r.tokenizer.encode(PROMPT), None)
         r.index.add("p0-0", keys[:10])  # only the prefill pod holds a part of the prompt
@@ -294,7 +309,8 @@ class TestDisaggregated:
 
 
 class TestApproximateMode:
-    """Without KV events the index holds the picker's own picks, for approximate_ttl_s after the first token."""
+    """Without KV events the index holds the picker's own picks, for approximate_ttl_s after the first
+    token."""
 
     def test_picks_alone_route_a_prefix_back(self) -> None:
         r = router(events_enabled=False, approximate_ttl_s=60.0)
@@ -302,14 +318,15 @@ class TestApproximateMode:
         assert first.ticket is not None
         first.ticket.close()
         again = r.route(InferenceRequest(model="m", prompt=PROMPT + " next turn"))
-        # speculative entries: 64 dense blocks, then sampled, and the prompt's last block: all 70 blocks credited
+        # speculative entries: 64 dense blocks, then sampled, and the prompt's last block: all 70 blocks
+        # credited
         assert again.pod == first.pod and again.predicted_hit_tokens == (len(PROMPT) // 16) * 16 == 70 * 16
 
 
     def test_pods_without_kv_events_keep_picks_for_the_approximate_ttl(self) -> None:
-        """With events on, a pod whose engine publishes none (no events endpoint: the operator leaves the annotation
-        empty for engines whose events cannot be indexed) keeps its picks for approximate_ttl_s, the others until
-        their events take over (speculative_ttl_s)."""
+        """With events on, a pod whose engine publishes none (no events endpoint: the operator leaves the
+        annotation empty for engines whose events cannot be indexed) keeps its picks for approximate_ttl_s,
+        the others until their events take over (speculative_ttl_s)."""
         data = pools(2)
         data["pools"][0]["pods"][0]["events"] = "tcp://10.0.0.1:5557"
         r = router(data, speculative_ttl_s=1.0, approximate_ttl_s=60.0)
@@ -344,8 +361,8 @@ class TestScrapedWaiting:
         from kvfleet.epp.inflight import InflightTracker
 
         s = load(overrides={"epp": {}})
-        r = Router(s.epp, s.cache, StaticDatastore(data=pools(2)), BlockIndex(clock=clock), MetricsStore(clock=clock),
-                   load_tokenizer("bytes"), InflightTracker(clock=clock))
+        r = Router(s.epp, s.cache, StaticDatastore(data=pools(2)), BlockIndex(clock=clock),
+                   MetricsStore(clock=clock), load_tokenizer("bytes"), InflightTracker(clock=clock))
         keys = r.keys_of(r.tokenizer.encode(PROMPT), None)
         first = r.route(InferenceRequest(model="m", prompt=PROMPT))  # computes the prefix on one pod
         holder = first.pod
@@ -359,7 +376,8 @@ class TestScrapedWaiting:
         first.ticket.close()
         r.index.add(holder, keys)  # its events arrived
         now[0] = 0.4
-        # a follow-up with a long new suffix: the phantom would cost its whole prefill, more than the hit saves
+        # a follow-up with a long new suffix: the phantom would cost its whole prefill, more than the hit
+        # saves
         d = r.route(InferenceRequest(model="m", prompt=PROMPT + "a new question " * 150))
         assert d.pod == holder and d.predicted_hit_tokens == len(keys) * 16
 
@@ -370,8 +388,8 @@ class TestScrapedWaiting:
         from kvfleet.epp.inflight import InflightTracker
 
         s = load(overrides={"epp": {}})
-        r = Router(s.epp, s.cache, StaticDatastore(data=pools(2)), BlockIndex(clock=clock), MetricsStore(clock=clock),
-                   load_tokenizer("bytes"), InflightTracker(clock=clock))
+        r = Router(s.epp, s.cache, StaticDatastore(data=pools(2)), BlockIndex(clock=clock),
+                   MetricsStore(clock=clock), load_tokenizer("bytes"), InflightTracker(clock=clock))
         fresh = "nobody holds this " * 100  # no hit anywhere; its prefill outweighs the affinity bonus
         r.metrics.put("p0-0", PodMetrics(waiting=3.0, scraped_at=0.0))
         r.metrics.put("p0-1", PodMetrics(waiting=0.0, scraped_at=0.0))

@@ -61,12 +61,16 @@ def connect(
     ap = PodEventApplier(pod, idx, H, recompute_keys=recompute)
     sub.add_pod(pod, pub.endpoint, pub.replay_endpoint if replay else None, ap, **kw)  # type: ignore[arg-type]
     # PUB/SUB joins asynchronously: publish probes until one of them is indexed.
-    wait_for(_publishing_probes(pub, idx, pod), f"the subscriber joined to {pod}'s publisher", timeout_s=10, interval_s=0.1)
+    wait_for(_publishing_probes(pub, idx, pod), f"the subscriber joined to {pod}'s publisher", timeout_s=10,
+             interval_s=0.1)
     return ap
 
 
-def _publishing_probes(pub: KVEventPublisher, idx: BlockIndex, pod: str, probes: Iterator[int] = _PROBE) -> Callable[[], bool]:
-    """A probe for :func:`wait_for` that publishes a new probe batch each time until one of them is indexed."""
+def _publishing_probes(
+    pub: KVEventPublisher, idx: BlockIndex, pod: str, probes: Iterator[int] = _PROBE
+) -> Callable[[], bool]:
+    """A probe for :func:`wait_for` that publishes a new probe batch each time until one of them is
+    indexed."""
     sent: list[int] = []
 
     def probe() -> bool:
@@ -113,7 +117,8 @@ class TestFeed:
         wait_for(lambda: all(indexed(idx, i) for i in range(3)), what="replayed history")
 
     def test_idle_pod_is_known_without_a_new_publish(self, feed: Feed) -> None:
-        """Adding a pod replays its history from 0 right away: an idle pod's blocks are indexed before it publishes."""
+        """Adding a pod replays its history from 0 right away: an idle pod's blocks are indexed before it
+        publishes."""
         pub, sub, idx = feed
         for i in range(3):
             pub.publish(batch(i))
@@ -176,7 +181,8 @@ class TestBadInput:
         pub.publish_raw(b"\xc1garbage")  # not msgpack
         pub.send_frames([b"only-one-frame"])  # not a live message
         pub.send_frames([b"", b"\x00\x01", b"x"])  # a 2-byte sequence number
-        unknown = msgspec.msgpack.encode([0.0, [{"type": "BlockMoved", "x": 1}, msgspec.to_builtins(batch(4).events[0])]])
+        unknown = msgspec.msgpack.encode([0.0, [{"type": "BlockMoved", "x": 1},
+                                                msgspec.to_builtins(batch(4).events[0])]])
         pub.publish_raw(unknown)
         pub.publish(batch(7))
         wait_for(lambda: indexed(idx, 7) and indexed(idx, 4), what="batches after the garbage")
@@ -214,7 +220,8 @@ class TestBadInput:
         assert not indexed(idx, 1) and st.rejected == 1 and st.restarts == 0 and st.resyncs == 0
 
     def test_mediums_of_real_engines(self, feed: Feed) -> None:
-        """SGLang's CPU_PINNED/DISK/EXTERNAL, vLLM's STORAGE, lowercase: indexed in their tiers; unknown names counted."""
+        """SGLang's CPU_PINNED/DISK/EXTERNAL, vLLM's STORAGE, lowercase: indexed in their tiers; unknown names
+        counted."""
         pub, sub, idx = feed
         connect(pub, sub, idx)
         cases = {"CPU_PINNED": Tier.CPU, "cpu_pinned": Tier.CPU, "DISK": Tier.SSD, "STORAGE": Tier.SSD,
@@ -285,8 +292,9 @@ class TestConsistency:
         assert st.resyncs >= 1 and st.replay_holes + st.gaps >= 1 and sub.healthy()
 
     def test_restart_with_seq_0_lost_is_detected(self, feed: Feed) -> None:
-        """The restarted publisher's seq 0 is lost (slow joiner): its seq 1 is below the last seen, so the pod is
-        rebuilt from its new replay buffer; the old blocks go and the new ones (seq 0 included) are indexed."""
+        """The restarted publisher's seq 0 is lost (slow joiner): its seq 1 is below the last seen, so the pod
+        is rebuilt from its new replay buffer; the old blocks go and the new ones (seq 0 included) are
+        indexed."""
         pub, sub, idx = feed
         connect(pub, sub, idx)
         pub.publish(batch(1))
@@ -295,7 +303,8 @@ class TestConsistency:
         pub.restart()
         pub.publish(batch(3), drop=True)  # new seq 0, lost
         pub.publish(batch(4))  # new seq 1
-        wait_for(lambda: indexed(idx, 4) and indexed(idx, 3) and not indexed(idx, 1), what="rebuilt after the restart")
+        wait_for(lambda: indexed(idx, 4) and indexed(idx, 3) and not indexed(idx, 1),
+                 what="rebuilt after the restart")
         assert sub.stats["p"].restarts == 1
 
     def test_restart_without_replay_clears_stale_blocks(self, feed: Feed) -> None:
@@ -324,12 +333,13 @@ class TestConsistency:
             ports = (int(pub.endpoint.rsplit(":", 1)[1]), int(pub.replay_endpoint.rsplit(":", 1)[1]))
             last = pub.seq
             pub.close()
-            time.sleep(0.3)  # a time gap: the subscriber's connection drops before the new publisher binds the ports
+            # a time gap: the subscriber's connection drops before the new publisher binds the ports
+            time.sleep(0.3)
             pub = KVEventPublisher(ports=ports)
             for i in range(last + 3):  # lost while reconnecting
                 pub.publish(batch(200 + i), drop=True)
-            wait_for(_publishing_probes(pub, idx, "p", itertools.count(501)), "the subscriber reconnected", timeout_s=10,
-                     interval_s=0.1)
+            wait_for(_publishing_probes(pub, idx, "p", itertools.count(501)), "the subscriber reconnected",
+                     timeout_s=10, interval_s=0.1)
             wait_for(lambda: indexed(idx, 200) and not indexed(idx, 1), what="rebuilt after the reconnection")
         finally:
             sub.stop()
@@ -376,9 +386,9 @@ class TestWatchdog:
 
 class TestBounds:
     def test_engine_hash_map_is_bounded(self, feed: Feed) -> None:
-        """Blocks whose engine hash differs from the picker's recomputation (a salted request on a pod that hashes
-        like the picker: keyed by the engine's hash, remembered so a child can chain from it): entries go with
-        BlockRemoved, the map is capped (evictions counted), stats labels go with the pod."""
+        """Blocks whose engine hash differs from the picker's recomputation (a salted request on a pod that
+        hashes like the picker: keyed by the engine's hash, remembered so a child can chain from it): entries
+        go with BlockRemoved, the map is capped (evictions counted), stats labels go with the pod."""
         pub, sub, idx = feed
         ap = connect(pub, sub, idx)
         ap.max_keys = 8

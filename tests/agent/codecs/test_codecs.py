@@ -22,7 +22,8 @@ from kvfleet.agent.codecs import (
 FLOATS = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
 
 
-def _block(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...] = (2, 2, 16, 4, 64), scale: float = 3.0) -> npt.NDArray[Any]:
+def _block(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...] = (2, 2, 16, 4, 64),
+           scale: float = 3.0) -> npt.NDArray[Any]:
     x = rng.standard_normal(shape) * scale
     # a few groups with a very different range, and exact zeros
     flat = x.reshape(-1)
@@ -81,7 +82,8 @@ def test_integer_error_bound(name: str, qmax: int, dtype: Any) -> None:
 
 
 def test_fp8_codes_are_ml_dtypes_e4m3() -> None:
-    """The code bytes viewed as ml_dtypes.float8_e4m3fn, times the group's power of two, are the decoded values."""
+    """The code bytes viewed as ml_dtypes.float8_e4m3fn, times the group's power of two, are the decoded
+    values."""
     codec = Fp8E4M3Codec(group_size=64)
     x = (np.random.default_rng(4).standard_normal((8, 64)) * 3).astype(np.float16)
     x[x == 0] = 1.0  # fp16 subnormal inputs keep their bit pattern, not an e4m3 value (see codec doc)
@@ -97,7 +99,8 @@ def test_fp8_codes_are_ml_dtypes_e4m3() -> None:
     assert not np.isnan(codes).any()
 
 
-def _attention(q: npt.NDArray[np.float64], k: npt.NDArray[np.float64], v: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+def _attention(q: npt.NDArray[np.float64], k: npt.NDArray[np.float64],
+               v: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     s = q @ k.T / np.sqrt(q.shape[-1])
     s -= s.max(axis=-1, keepdims=True)
     p = np.exp(s)
@@ -113,7 +116,8 @@ def test_attention_cosine(name: str, min_cosine: float) -> None:
     rng = np.random.default_rng(5)
     worst = 1.0
     for _ in range(6):
-        q, k, v = (rng.standard_normal(shape).astype(np.float16) for shape in ((64, 128), (512, 128), (512, 128)))
+        q, k, v = (rng.standard_normal(shape).astype(np.float16)
+                   for shape in ((64, 128), (512, 128), (512, 128)))
         k2 = codec.decode(codec.encode(k), k.dtype, k.shape)
         v2 = codec.decode(codec.encode(v), v.dtype, v.shape)
         ref = _attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
@@ -123,7 +127,8 @@ def test_attention_cosine(name: str, min_cosine: float) -> None:
     assert worst >= min_cosine
 
 
-@pytest.mark.parametrize(("name", "max_ratio"), [("none", 1.0), ("fp8_e4m3", 0.52), ("int8", 0.52), ("int4", 0.32)])
+@pytest.mark.parametrize(("name", "max_ratio"), [("none", 1.0), ("fp8_e4m3", 0.52), ("int8", 0.52),
+                                                 ("int4", 0.32)])
 def test_encoded_size(name: str, max_ratio: float) -> None:
     """encoded_nbytes is exact, and quantized payloads are smaller than fp16."""
     codec = get_codec(name)
@@ -166,7 +171,8 @@ def test_bad_input(name: str) -> None:
 @pytest.mark.parametrize("name", ["none", "fp8_e4m3", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])
 def test_encode_into_and_decode_into_match(name: str, dtype: Any) -> None:
-    """``encode_into``/``decode_into`` write the same bytes as ``encode``/``decode``, and nothing past them."""
+    """``encode_into``/``decode_into`` write the same bytes as ``encode``/``decode``, and nothing past
+    them."""
     codec = get_codec(name)
     x = _block(np.random.default_rng(8), dtype, shape=(3, 7, 64))
     payload = codec.encode(x)
@@ -208,7 +214,8 @@ def test_integer_tiny_groups_stay_in_bound(name: str, qmax: int, dtype: Any, ker
     tiny = float(np.finfo(np.float32).tiny)
     g = codec.group_size
     rng = np.random.default_rng(7)
-    x = np.concatenate([rng.uniform(-1, 1, g) * tiny * 2.0 ** -k for k in (0, 3, 6, 9)] + [np.zeros(g), rng.standard_normal(g)])
+    x = np.concatenate([rng.uniform(-1, 1, g) * tiny * 2.0 ** -k for k in (0, 3, 6, 9)]
+                       + [np.zeros(g), rng.standard_normal(g)])
     x = x.astype(dtype)
     x[1] = 0.0
     y = codec.decode(codec.encode(x), x.dtype, x.shape)

@@ -35,7 +35,8 @@ from kvfleet.agent.codecs.base import KERNELS_ENV, GroupedCodec, load_kernels
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
-FACTORIES: dict[str, Callable[..., GroupedCodec]] = {"fp8_e4m3": Fp8E4M3Codec, "int8": Int8Codec, "int4": Int4Codec}
+FACTORIES: dict[str, Callable[..., GroupedCodec]] = {"fp8_e4m3": Fp8E4M3Codec, "int8": Int8Codec,
+                                                     "int4": Int4Codec}
 NAMES = sorted(FACTORIES)
 
 
@@ -66,7 +67,8 @@ def _same(name: str, x: npt.NDArray[Any], group_size: int | None = None) -> None
     assert out.tobytes() == dr.tobytes()
 
 
-def _with_group_scales(rng: np.random.Generator, n: int, g: int, lo: float, hi: float) -> npt.NDArray[np.float64]:
+def _with_group_scales(rng: np.random.Generator, n: int, g: int, lo: float,
+                       hi: float) -> npt.NDArray[np.float64]:
     """Normal values times a power of two per group (exponent uniform in [lo, hi]), with zeros,
     negative zeros and exact powers of two sprinkled in."""
     x = rng.standard_normal(n)
@@ -78,7 +80,8 @@ def _with_group_scales(rng: np.random.Generator, n: int, g: int, lo: float, hi: 
     return x
 
 
-_RANGES = {"float16": (-26.0, 14.0), "bfloat16": (-135.0, 120.0), "float32": (-150.0, 120.0), "float64": (-160.0, 120.0)}
+_RANGES = {"float16": (-26.0, 14.0), "bfloat16": (-135.0, 120.0), "float32": (-150.0, 120.0),
+           "float64": (-160.0, 120.0)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
@@ -119,7 +122,8 @@ def test_special_values_bit_identical(name: str, dtype: np.dtype[Any]) -> None:
         warnings.simplefilter("ignore", RuntimeWarning)
         _same(name, pairs, 2)
         _same(name, pairs[:-1], 2)
-        scaled = (s.astype(np.float64)[:, None] * np.exp2(np.arange(-16, 1))[None, :]).reshape(-1).astype(dtype)
+        scaled = (s.astype(np.float64)[:, None]
+                  * np.exp2(np.arange(-16, 1))[None, :]).reshape(-1).astype(dtype)
         _same(name, scaled, 32)
         _same(name, np.concatenate([scaled, s])[:-3], 128)
 
@@ -166,7 +170,8 @@ _F32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 def test_hypothesis_bit_identical(name: str, dtype_name: str, data: st.DataObject, g: int) -> None:
     """Arbitrary finite blocks (any shape up to 3-d, any group size) encode and decode identically."""
     base = np.float16 if dtype_name == "float16" else np.float32
-    x = data.draw(hnp.arrays(base, hnp.array_shapes(min_dims=1, max_dims=3, max_side=40), elements=_F16 if base is np.float16 else _F32))
+    x = data.draw(hnp.arrays(base, hnp.array_shapes(min_dims=1, max_dims=3, max_side=40),
+                             elements=_F16 if base is np.float16 else _F32))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         y = x.astype(np.dtype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else dtype_name)
@@ -193,7 +198,8 @@ def test_random_payloads_decode_identically(name: str, dtype: np.dtype[Any]) -> 
             warnings.simplefilter("ignore", RuntimeWarning)
             assert kern.decode(payload, dtype, shape).tobytes() == ref.decode(payload, dtype, shape).tobytes()
             out = np.empty(shape, dtype=dtype)
-            assert kern.decode_into(memoryview(payload), out).tobytes() == ref.decode(payload, dtype, shape).tobytes()
+            assert (kern.decode_into(memoryview(payload), out).tobytes()
+                    == ref.decode(payload, dtype, shape).tobytes())
 
 
 def test_float_conversions_match_numpy() -> None:
@@ -216,10 +222,13 @@ def test_float_conversions_match_numpy() -> None:
 
     rng = np.random.default_rng(16)
     hi = rng.integers(0, 1 << 19, size=1 << 14, dtype=np.uint64) << 13
-    ties = (hi[:, None] + np.array([0xFFF, 0x1000, 0x1001, 0x2FFF, 0x3000, 0x3001], dtype=np.uint64)).reshape(-1)
+    ties = (hi[:, None]
+            + np.array([0xFFF, 0x1000, 0x1001, 0x2FFF, 0x3000, 0x3001], dtype=np.uint64)).reshape(-1)
     hi = rng.integers(0, 1 << 16, size=1 << 14, dtype=np.uint64) << 16
-    bties = (hi[:, None] + np.array([0x7FFF, 0x8000, 0x8001, 0x17FFF, 0x18000, 0x18001], dtype=np.uint64)).reshape(-1)
-    u = np.concatenate([rng.integers(0, 1 << 32, size=1 << 18, dtype=np.uint64), ties, bties]).astype(np.uint32)
+    bties = (hi[:, None]
+             + np.array([0x7FFF, 0x8000, 0x8001, 0x17FFF, 0x18000, 0x18001], dtype=np.uint64)).reshape(-1)
+    u = np.concatenate([rng.integers(0, 1 << 32, size=1 << 18, dtype=np.uint64), ties,
+                        bties]).astype(np.uint32)
     o16, ob = np.empty(u.size, np.uint16), np.empty(u.size, np.uint16)
     narrow(u, o16, ob)
     f = u.view(np.float32)

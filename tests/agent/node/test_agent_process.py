@@ -35,7 +35,8 @@ def test_peer_pulls_a_block_the_agent_holds_and_sees_its_event(tmp_path: Path) -
     """A block put into the agent's CPU tier is announced (medium CPU) and a peer pulls it byte-exact."""
     settings = Settings(tiers=small_settings(tmp_path / "ssd"))
     ev_port, replay_port = free_port(), free_port()
-    agent = Agent(settings, SECRET, host="127.0.0.1", transfer_port=0, kv_events_port=ev_port, kv_events_replay_port=replay_port)
+    agent = Agent(settings, SECRET, host="127.0.0.1", transfer_port=0, kv_events_port=ev_port,
+                  kv_events_replay_port=replay_port)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -99,9 +100,11 @@ def test_agent_process_serves_metrics_and_stops_on_sigterm(tmp_path: Path) -> No
     try:
         def metrics() -> str | None:
             if proc.poll() is not None:
-                pytest.fail(f"the agent exited ({proc.returncode}): {proc.stderr.read() if proc.stderr else ''!r}")
+                pytest.fail(f"the agent exited ({proc.returncode}): "
+                            f"{proc.stderr.read() if proc.stderr else ''!r}")
             try:
-                return str(urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1).read().decode())
+                return str(urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                                  timeout=1).read().decode())
             except OSError:
                 return None
 
@@ -122,6 +125,7 @@ def test_missing_secret_and_bad_config_are_clear_errors(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "KVFLEET_TRANSFER_SECRET" in err
     bad = tmp_path / "bad.yaml"
     bad.write_text("tiers:\n  nope: 1\n")
-    out = subprocess.run([sys.executable, "-m", "kvfleet", "agent", "--config", str(bad)], capture_output=True, text=True, timeout=30)
+    out = subprocess.run([sys.executable, "-m", "kvfleet", "agent", "--config", str(bad)],
+                         capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "tiers.nope" in out.stderr
 

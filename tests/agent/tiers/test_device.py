@@ -46,7 +46,8 @@ def _store(device: str = "cpu", blocks: int = 4, slab_bytes: int = 64 << 20) -> 
     pytest.importorskip("torch")
     from kvfleet.agent.tiers.device import TorchDeviceStore
 
-    store = open_store(Tier.GPU, MemoryTierSpec(capacity_bytes=blocks * BLOCK_NBYTES, device=device, slab_bytes=slab_bytes))
+    store = open_store(Tier.GPU, MemoryTierSpec(capacity_bytes=blocks * BLOCK_NBYTES, device=device,
+                                                slab_bytes=slab_bytes))
     assert isinstance(store, TorchDeviceStore)
     return store
 
@@ -79,7 +80,8 @@ def _round_trip(device: str) -> None:
         if device == "cpu":
             assert not np.shares_memory(out, t.numpy())  # a copy, not the slot
     fp16 = make_block(3)
-    store.write(_meta(3), fp16.reshape(-1).view(np.uint8))  # any dtype: its bytes; an earlier copy's slot is freed
+    # any dtype: its bytes; an earlier copy's slot is freed
+    store.write(_meta(3), fp16.reshape(-1).view(np.uint8))
     np.testing.assert_array_equal(store.read(3)[1].view(np.float16).reshape(fp16.shape), fp16)
     assert store.used_bytes == 8 * BLOCK_NBYTES
 
@@ -184,12 +186,14 @@ def test_torch_probe_measures_copies() -> None:
 
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
-def test_manager_gpu_tier_on_torch(tmp_path: Path, manager_factory: Factory, events: EventBuffer, codec: str) -> None:
+def test_manager_gpu_tier_on_torch(tmp_path: Path, manager_factory: Factory, events: EventBuffer,
+                                   codec: str) -> None:
     """gpu on the torch backend: demotion to cpu and promotion back keep the bytes; events say GPU."""
     pytest.importorskip("torch")
     s = small_settings(
         tmp_path,
-        gpu=MemoryTierSpec(capacity_bytes=6 * BLOCK_NBYTES, device="cpu", codec=codec, high_watermark=0.9, low_watermark=0.5),
+        gpu=MemoryTierSpec(capacity_bytes=6 * BLOCK_NBYTES, device="cpu", codec=codec, high_watermark=0.9,
+                           low_watermark=0.5),
         cpu=MemoryTierSpec(capacity_bytes=16 * BLOCK_NBYTES, high_watermark=0.9, low_watermark=0.5),
         ssd=SsdTierSpec(enabled=False),
         calibrate=True,
@@ -207,7 +211,8 @@ def test_manager_gpu_tier_on_torch(tmp_path: Path, manager_factory: Factory, eve
     assert demoted and m.usage(Tier.GPU) <= 0.9
     batch = events.drain()
     assert batch is not None
-    seen = {(type(e).__name__, h, e.medium) for e in batch.events if isinstance(e, BlockStored | BlockRemoved) for h in e.block_hashes}
+    seen = {(type(e).__name__, h, e.medium) for e in batch.events if isinstance(e, BlockStored | BlockRemoved)
+            for h in e.block_hashes}
     assert ("BlockStored", n - 1, "GPU") in seen
     for h in demoted:
         assert ("BlockStored", h, "CPU") in seen and ("BlockRemoved", h, "GPU") in seen
@@ -224,18 +229,21 @@ def test_manager_gpu_tier_on_torch(tmp_path: Path, manager_factory: Factory, eve
     np.testing.assert_allclose(m.get(back), make_block(back), atol=tol)  # type: ignore[arg-type]
     batch = events.drain()
     assert batch is not None
-    moves = {(type(e).__name__, e.medium) for e in batch.events if isinstance(e, BlockStored | BlockRemoved) and back in e.block_hashes}
+    moves = {(type(e).__name__, e.medium) for e in batch.events
+             if isinstance(e, BlockStored | BlockRemoved) and back in e.block_hashes}
     assert moves == {("BlockStored", "GPU"), ("BlockRemoved", "CPU")}
 
 
 @no_cuda
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
-def test_cuda_device_without_cuda_fails_at_start(tmp_path: Path, manager_factory: Factory, device: str) -> None:
+def test_cuda_device_without_cuda_fails_at_start(tmp_path: Path, manager_factory: Factory,
+                                                 device: str) -> None:
     pytest.importorskip("torch")
     from kvfleet.agent.tiers.device import DeviceError
 
     with pytest.raises(DeviceError, match=r"torch\.cuda\.is_available\(\) is false"):
-        manager_factory(small_settings(tmp_path, gpu=MemoryTierSpec(capacity_bytes=BLOCK_NBYTES, device=device)))
+        manager_factory(small_settings(tmp_path,
+                                       gpu=MemoryTierSpec(capacity_bytes=BLOCK_NBYTES, device=device)))
 
 
 @no_cuda
@@ -247,18 +255,21 @@ def test_torch_backend_with_auto_device_needs_cuda() -> None:
 
 
 @no_cuda
-def test_auto_device_without_cuda_is_the_arena_stand_in(tmp_path: Path, manager_factory: Factory, caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_device_without_cuda_is_the_arena_stand_in(tmp_path: Path, manager_factory: Factory,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
     """No torch needed: auto without CUDA (or without torch) is the host arena, labelled as a stand-in."""
     with caplog.at_level(logging.WARNING):
         m = manager_factory(small_settings(tmp_path, ssd=SsdTierSpec(enabled=False)))
     store = m.stores[Tier.GPU]
     assert store.backend == "arena" and store.stand_in
     assert "host arena standing in for HBM" in caplog.text
-    assert 'kvfleet_tier_info{backend="arena",stand_in="true",tier="gpu"} 1.0' in generate_latest(m.metrics.registry).decode()
+    assert ('kvfleet_tier_info{backend="arena",stand_in="true",tier="gpu"} 1.0'
+            in generate_latest(m.metrics.registry).decode())
 
 
 def test_host_device_never_imports_torch(tmp_path: Path) -> None:
-    """``import kvfleet``, the manager module and the arena path (device host; auto without a GPU driver) leave torch unimported."""
+    """``import kvfleet``, the manager module and the arena path (device host; auto without a GPU driver)
+    leave torch unimported."""
     code = (
         "import sys, kvfleet, kvfleet.agent.tiers.manager\n"
         "from kvfleet.agent.tiers import open_store\n"
@@ -268,7 +279,8 @@ def test_host_device_never_imports_torch(tmp_path: Path) -> None:
         "s = open_store(Tier.GPU, MemoryTierSpec(capacity_bytes=4096, device='host'))\n"
         "assert s.backend == 'arena' and s.stand_in\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
-        "if not gpu_driver_present():  # auto on a machine without a GPU driver does not import torch either\n"
+        "if not gpu_driver_present():  # auto on a machine without a GPU driver does not import torch"
+        " either\n"
         "    assert open_store(Tier.GPU, MemoryTierSpec(capacity_bytes=4096)).backend == 'arena'\n"
         "    assert 'torch' not in sys.modules, 'torch was imported by device auto'\n"
     )
@@ -295,7 +307,8 @@ def test_without_torch(tmp_path: Path) -> None:
         "from kvfleet.config.tiers import MemoryTierSpec\n"
         "s = open_store(Tier.GPU, MemoryTierSpec(capacity_bytes=4096))\n"
         "assert s.backend == 'arena' and s.stand_in\n"
-        "for spec, msg in [(MemoryTierSpec(device='cpu'), 'needs torch'), (MemoryTierSpec(backend='torch'), 'torch does not import')]:\n"
+        "for spec, msg in [(MemoryTierSpec(device='cpu'), 'needs torch'),"
+        " (MemoryTierSpec(backend='torch'), 'torch does not import')]:\n"
         "    try:\n"
         "        open_store(Tier.GPU, spec)\n"
         "    except DeviceError as exc:\n"

@@ -1,5 +1,6 @@
-"""Bad input and broken media (``files`` backend; the slab backend's are in test_slab.py): a full disk (real ENOSPC from /dev/full) keeps blocks in memory,
-a record corrupted while indexed is dropped on read, bad settings and codec names are clear errors."""
+"""Bad input and broken media (``files`` backend; the slab backend's are in test_slab.py): a full disk (real
+ENOSPC from /dev/full) keeps blocks in memory, a record corrupted while indexed is dropped on read, bad
+settings and codec names are clear errors."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def test_corrupted_while_indexed(tmp_path: Path, manager_factory: Factory, event
     assert m.locate(5) is None
     assert m.metrics.errors.labels(tier="ssd", kind="corrupt")._value.get() == 1
     batch = events.drain()
-    assert batch is not None and [(type(e), getattr(e, "medium", None)) for e in batch.events] == [(BlockRemoved, "SSD")]
+    assert batch is not None and [(type(e), getattr(e, "medium", None)) for e in batch.events] == [
+        (BlockRemoved, "SSD")]
 
 
 def test_bad_settings_are_clear() -> None:
@@ -70,7 +72,8 @@ def test_unknown_codec_at_start(tmp_path: Path, manager_factory: Factory) -> Non
         manager_factory(small_settings(tmp_path, cpu=MemoryTierSpec(codec="fp4")))
 
 
-def test_prefetch_of_a_corrupted_record(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
+def test_prefetch_of_a_corrupted_record(tmp_path: Path, manager_factory: Factory,
+                                        events: EventBuffer) -> None:
     """The direct ssd → slot promotion checks the record too: a damaged one is dropped, not promoted."""
     m = manager_factory(small_settings(tmp_path / "ssd", ssd_backend="files"))
     for h in (6, 7):

@@ -45,11 +45,13 @@ def items(hashes: range) -> list[tuple[int, np.ndarray, int | None, tuple[int, .
 
 def removed(events: EventBuffer, medium: str) -> list[object]:
     batch = events.drain()
-    return [h for e in (batch.events if batch else []) if isinstance(e, BlockRemoved) and e.medium == medium for h in e.block_hashes]
+    return [h for e in (batch.events if batch else []) if isinstance(e, BlockRemoved) and e.medium == medium
+            for h in e.block_hashes]
 
 
 def test_block_charge_sizes_a_tier_in_blocks(tmp_path: Path, manager_factory: Factory) -> None:
-    assert block_charge(Tier.CPU, MemoryTierSpec(), META) == META.raw_nbytes  # one slot, 64-byte aligned already
+    # one slot, 64-byte aligned already
+    assert block_charge(Tier.CPU, MemoryTierSpec(), META) == META.raw_nbytes
     assert block_charge(Tier.CPU, MemoryTierSpec(codec="fp8_e4m3"), META) < META.raw_nbytes
     assert block_charge(Tier.SSD, SsdTierSpec(), META) == SSD_SLOT_BYTES
     assert SlabStore.block_charge(SsdTierSpec(direct_io=False), META) == SSD_SLOT_BYTES
@@ -57,8 +59,8 @@ def test_block_charge_sizes_a_tier_in_blocks(tmp_path: Path, manager_factory: Fa
     assert META.raw_nbytes < files < META.raw_nbytes + 300
     for backend in ("", "files"):
         # no watermark demotion: the tier fills up to what its capacity holds, later writes find no room
-        m = manager_factory(gpu_off(tmp_path / (backend or "slab"), cpu_blocks=0, ssd_blocks=5, backend=backend,
-                                    high_watermark=1.0, low_watermark=1.0))
+        m = manager_factory(gpu_off(tmp_path / (backend or "slab"), cpu_blocks=0, ssd_blocks=5,
+                                    backend=backend, high_watermark=1.0, low_watermark=1.0))
         for h in range(8):
             m.put(h, make_block(h), tier=Tier.SSD, token_ids=range(16))
             m.drain(10)
@@ -68,7 +70,8 @@ def test_block_charge_sizes_a_tier_in_blocks(tmp_path: Path, manager_factory: Fa
             assert (tmp_path / "slab" / "slab-00000.kvs").stat().st_size == 4096 + 5 * SSD_SLOT_BYTES
 
 
-def test_the_cpu_tier_is_an_lru_when_nothing_in_memory_is_below_it(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
+def test_the_cpu_tier_is_an_lru_when_nothing_in_memory_is_below_it(tmp_path: Path, manager_factory: Factory,
+                                                                    events: EventBuffer) -> None:
     m = manager_factory(gpu_off(tmp_path / "ssd", cpu_blocks=4))
     for h in range(6):
         assert m.put(h, make_block(h), tier=Tier.CPU) is Tier.CPU
@@ -88,7 +91,8 @@ def test_the_cpu_lru_block_goes_to_the_ssd_writers(tmp_path: Path, manager_facto
     np.testing.assert_array_equal(m.read(0), make_block(0))
 
 
-def test_put_many_ends_as_a_put_per_item(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
+def test_put_many_ends_as_a_put_per_item(tmp_path: Path, manager_factory: Factory,
+                                         events: EventBuffer) -> None:
     one = manager_factory(gpu_off(tmp_path / "a", cpu_blocks=6), sink=EventBuffer())
     many = manager_factory(gpu_off(tmp_path / "b", cpu_blocks=6))
     for batch in (range(0, 4), range(4, 8), range(2, 5), range(8, 11)):
@@ -98,14 +102,16 @@ def test_put_many_ends_as_a_put_per_item(tmp_path: Path, manager_factory: Factor
     assert [many.locate(h) for h in range(11)] == [one.locate(h) for h in range(11)]
     assert list(many.index.lru[Tier.CPU]) == list(one.index.lru[Tier.CPU])
     assert many.metrics.stores.labels(tier="cpu")._value.get() == 11
-    stored = [h for e in events.drain().events if isinstance(e, BlockStored) for h in e.block_hashes]  # type: ignore[union-attr]
+    stored = [h for e in events.drain().events  # type: ignore[union-attr]
+              if isinstance(e, BlockStored) for h in e.block_hashes]
     assert stored == list(range(11))
     # a batch larger than the tier: its newest items are kept, the others counted as not kept
     assert many.put_many(items(range(20, 29)), Tier.CPU) == 3
     assert sorted(many.index.lru[Tier.CPU]) == list(range(23, 29))
 
 
-def test_read_leaves_a_block_where_it_is_and_drops_a_corrupt_record(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
+def test_read_leaves_a_block_where_it_is_and_drops_a_corrupt_record(tmp_path: Path, manager_factory: Factory,
+                                                                     events: EventBuffer) -> None:
     m = manager_factory(gpu_off(tmp_path / "ssd", cpu_blocks=2, ssd_blocks=8, backend="files"))
     m.put_many(items(range(4)), Tier.CPU)
     assert m.drain(10)
@@ -123,10 +129,12 @@ def test_read_leaves_a_block_where_it_is_and_drops_a_corrupt_record(tmp_path: Pa
 
 
 @pytest.mark.parametrize("codec", ["fp8_e4m3"])
-def test_put_many_into_a_compressed_tier_takes_the_usual_path(tmp_path: Path, manager_factory: Factory, codec: str) -> None:
+def test_put_many_into_a_compressed_tier_takes_the_usual_path(tmp_path: Path, manager_factory: Factory,
+                                                              codec: str) -> None:
     s = gpu_off(tmp_path / "ssd", cpu_blocks=3)
     cpu = dataclasses.replace(s.cpu, codec=codec)
-    s = dataclasses.replace(s, cpu=dataclasses.replace(cpu, capacity_bytes=3 * block_charge(Tier.CPU, cpu, META)))
+    s = dataclasses.replace(
+        s, cpu=dataclasses.replace(cpu, capacity_bytes=3 * block_charge(Tier.CPU, cpu, META)))
     m = manager_factory(s)
     assert m.put_many(items(range(5)), Tier.CPU) == 0
     assert [m.locate(h) for h in range(5)] == [None, None, Tier.CPU, Tier.CPU, Tier.CPU]

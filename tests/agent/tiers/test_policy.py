@@ -112,19 +112,22 @@ def test_quantized_tier_holds_more_blocks(tmp_path: Path, manager_factory: Facto
     """Capacity counts encoded bytes: an fp8 cpu tier holds about twice the blocks of an fp16 one."""
     held = {}
     for codec in ("none", "fp8_e4m3"):
-        cpu = MemoryTierSpec(capacity_bytes=8 * BLOCK_NBYTES, codec=codec, high_watermark=1.0, low_watermark=1.0)
+        cpu = MemoryTierSpec(capacity_bytes=8 * BLOCK_NBYTES, codec=codec, high_watermark=1.0,
+                             low_watermark=1.0)
         s = small_settings(tmp_path / codec, gpu_blocks=1, cpu=cpu)
         m = manager_factory(s)
         for h in range(40):
             m.put(h, make_block(h), tier=Tier.CPU)
         m.drain(10)
         held[codec] = m.blocks_in(Tier.CPU)
-        assert m.metrics.codec_saved.labels(tier="cpu", codec=codec)._value.get() >= (0 if codec == "none" else held[codec] * BLOCK_NBYTES * 0.45)
+        assert m.metrics.codec_saved.labels(tier="cpu", codec=codec)._value.get() >= (
+            0 if codec == "none" else held[codec] * BLOCK_NBYTES * 0.45)
         if codec == "fp8_e4m3":
             x = make_block(0).astype(np.float64)
             y = m.get(0)
             assert y is not None and y.dtype == np.float16
-            assert np.all(np.abs(y - x) <= 2.0**-4 * np.abs(x) + 2.0**-13 * np.abs(x).max() + 1e-3 * np.abs(x))
+            assert np.all(np.abs(y - x) <= 2.0**-4 * np.abs(x) + 2.0**-13 * np.abs(x).max()
+                          + 1e-3 * np.abs(x))
     assert held["none"] == 8
     assert held["fp8_e4m3"] >= 15
 
@@ -145,13 +148,15 @@ def test_put_rejects_non_arrays(tmp_path: Path, manager_factory: Factory) -> Non
     assert m.locate(1) is None
 
 
-def test_full_memory_pushes_lru_blocks_down(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
+def test_full_memory_pushes_lru_blocks_down(tmp_path: Path, manager_factory: Factory,
+                                            events: EventBuffer) -> None:
     """A put into a full gpu tier keeps the new block in the gpu: the gpu's LRU block moves to a free
     cpu slot (on the caller's thread); when the cpu is full too, the cpu's LRU block is first queued
     to the ssd writers (a miss until written). Background demotion is off (watermarks 1.0)."""
     s = small_settings(
         tmp_path,
-        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0, device="host"),
+        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0,
+                           device="host"),
         cpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0),
     )
     m = manager_factory(s)
@@ -170,7 +175,8 @@ def test_full_memory_goes_to_ssd_when_nothing_can_move(tmp_path: Path, manager_f
     """When every memory block is pinned, put() queues the new block itself to the ssd tier."""
     s = small_settings(
         tmp_path,
-        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0, device="host"),
+        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0,
+                           device="host"),
         cpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0),
     )
     m = manager_factory(s)
@@ -187,7 +193,8 @@ def test_full_gpu_keeps_pinned_blocks(tmp_path: Path, manager_factory: Factory) 
     block goes to the cpu tier instead."""
     s = small_settings(
         tmp_path,
-        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0, device="host"),
+        gpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0,
+                           device="host"),
         cpu=MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES, high_watermark=1.0, low_watermark=1.0),
     )
     m = manager_factory(s)

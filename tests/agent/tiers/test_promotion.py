@@ -21,9 +21,12 @@ def _settings(tmp_path: Path, prefill_tokens_per_s: float, gpu_write_latency_us:
     # Fixed costs: ssd read 100 µs + bytes at 2 GB/s; gpu write as given, 1000 GB/s.
     return small_settings(
         tmp_path,
-        gpu=MemoryTierSpec(capacity_bytes=8 * BLOCK_NBYTES, latency_us=gpu_write_latency_us, read_gbps=1000, write_gbps=1000),
-        ssd=SsdTierSpec(capacity_bytes=16 * (BLOCK_NBYTES + 200), path=str(tmp_path / "ssd"), latency_us=100, read_gbps=2, write_gbps=1),
-        model=ModelProfile(kv_bytes_per_token=BLOCK_NBYTES // 16, prefill_tokens_per_s=prefill_tokens_per_s, block_size=16),
+        gpu=MemoryTierSpec(capacity_bytes=8 * BLOCK_NBYTES, latency_us=gpu_write_latency_us, read_gbps=1000,
+                           write_gbps=1000),
+        ssd=SsdTierSpec(capacity_bytes=16 * (BLOCK_NBYTES + 200), path=str(tmp_path / "ssd"), latency_us=100,
+                        read_gbps=2, write_gbps=1),
+        model=ModelProfile(kv_bytes_per_token=BLOCK_NBYTES // 16, prefill_tokens_per_s=prefill_tokens_per_s,
+                           block_size=16),
     )
 
 
@@ -33,7 +36,8 @@ def _in_ssd(m: TierManager, h: int) -> None:
     assert m.locate(h) is Tier.SSD
 
 
-def test_promote_when_prefill_costs_more(tmp_path: Path, manager_factory: Factory, events: EventBuffer) -> None:
+def test_promote_when_prefill_costs_more(tmp_path: Path, manager_factory: Factory,
+                                         events: EventBuffer) -> None:
     """A slow model (8k tokens/s: 2 ms per block) ≫ ssd read + gpu write: the hit moves up."""
     m = manager_factory(_settings(tmp_path, 8000.0))
     _in_ssd(m, 1)
@@ -54,7 +58,8 @@ def test_promote_when_prefill_costs_more(tmp_path: Path, manager_factory: Factor
 
 
 def test_recompute_when_prefill_is_cheaper(tmp_path: Path, manager_factory: Factory) -> None:
-    """A very fast model (prefill cheaper than even reading the block): get() reports a miss, nothing moves."""
+    """A very fast model (prefill cheaper than even reading the block): get() reports a miss, nothing
+    moves."""
     m = manager_factory(_settings(tmp_path, 1e12))
     _in_ssd(m, 2)
     d = m.decide(2)

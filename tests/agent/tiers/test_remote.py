@@ -49,9 +49,11 @@ def test_store_namespaces(redis_server: RedisServer) -> None:
     b.close()
 
 
-def test_demote_to_remote_and_promote_back(tmp_path: Path, redis_server: RedisServer, manager_factory: Factory, events: EventBuffer) -> None:
+def test_demote_to_remote_and_promote_back(tmp_path: Path, redis_server: RedisServer,
+                                           manager_factory: Factory, events: EventBuffer) -> None:
     """A full ssd tier sinks blocks into Redis (int8 there); a hit in Redis is promoted back to gpu."""
-    s = small_settings(tmp_path, gpu_blocks=4, cpu_blocks=4, ssd_blocks=4, remote=_remote(redis_server, codec="int8"))
+    s = small_settings(tmp_path, gpu_blocks=4, cpu_blocks=4, ssd_blocks=4,
+                       remote=_remote(redis_server, codec="int8"))
     m = manager_factory(s)
     for h in range(20):
         m.put(h, make_block(h))
@@ -72,7 +74,8 @@ def test_demote_to_remote_and_promote_back(tmp_path: Path, redis_server: RedisSe
     assert not redis_server.client().exists(f"kvfleet:p1:m:{key_name(h)}")
 
 
-def test_restart_reindexes_remote(tmp_path: Path, redis_server: RedisServer, manager_factory: Factory) -> None:
+def test_restart_reindexes_remote(tmp_path: Path, redis_server: RedisServer,
+                                  manager_factory: Factory) -> None:
     """A new manager finds the namespace's blocks; a truncated value is dropped and counted."""
     s = small_settings(tmp_path, remote=_remote(redis_server))
     s_remote_only = type(s)(
@@ -91,12 +94,14 @@ def test_restart_reindexes_remote(tmp_path: Path, redis_server: RedisServer, man
     assert [second.locate(h) for h in (1, 2, 3)] == [Tier.REMOTE, None, Tier.REMOTE]
     assert second.metrics.dropped.labels(tier="remote", reason="truncated")._value.get() == 1
     batch = events.drain()
-    assert batch is not None and sorted(e.block_hashes[0] for e in batch.events if isinstance(e, BlockStored)) == [1, 3]
+    assert batch is not None and sorted(e.block_hashes[0] for e in batch.events
+                                        if isinstance(e, BlockStored)) == [1, 3]
     assert len(batch.events) == 2
     np.testing.assert_array_equal(second.get(3), make_block(3))
 
 
-def test_redis_goes_away(tmp_path: Path, redis_server: RedisServer, manager_factory: Factory, events: EventBuffer) -> None:
+def test_redis_goes_away(tmp_path: Path, redis_server: RedisServer, manager_factory: Factory,
+                         events: EventBuffer) -> None:
     """With Redis gone: errors are counted, the other tiers keep serving, the ssd tier becomes the
     last one (drops its LRU blocks with BlockRemoved), and a block that lived in Redis reads as a miss."""
     s = small_settings(tmp_path, gpu_blocks=4, cpu_blocks=4, ssd_blocks=6, remote=_remote(redis_server))

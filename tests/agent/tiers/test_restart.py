@@ -1,6 +1,6 @@
-"""SSD restart (``files`` backend; slab files: test_slab.py): a new manager on the same directory re-indexes and re-announces valid blocks,
-drops a corrupt and a truncated record (counted by reason), removes a partial write,
-leaves a foreign file alone, and serves the surviving blocks bit for bit."""
+"""SSD restart (``files`` backend; slab files: test_slab.py): a new manager on the same directory re-indexes
+and re-announces valid blocks, drops a corrupt and a truncated record (counted by reason), removes a partial
+write, leaves a foreign file alone, and serves the surviving blocks bit for bit."""
 
 from __future__ import annotations
 

@@ -45,7 +45,8 @@ def io_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     init = SlabStore.__init__
 
     def patched(self: SlabStore, tier: Tier, spec: SsdTierSpec) -> None:
-        init(self, tier, dataclasses.replace(spec, direct_io=direct) if isinstance(spec, SsdTierSpec) else spec)
+        init(self, tier,
+             dataclasses.replace(spec, direct_io=direct) if isinstance(spec, SsdTierSpec) else spec)
 
     monkeypatch.setattr(SlabStore, "__init__", patched)
     yield direct
@@ -176,7 +177,8 @@ def test_slot_corrupted_while_indexed(tmp_path: Path, manager_factory: Factory, 
     assert m.get(5) is None and m.locate(5) is None
     assert m.metrics.errors.labels(tier="ssd", kind="corrupt")._value.get() == 1
     batch = events.drain()
-    assert batch is not None and [(type(e), getattr(e, "medium", None)) for e in batch.events] == [(BlockRemoved, "SSD")]
+    assert batch is not None and [(type(e), getattr(e, "medium", None)) for e in batch.events] == [
+        (BlockRemoved, "SSD")]
 
 
 def test_prefetch_of_a_corrupted_slot(tmp_path: Path, manager_factory: Factory) -> None:
@@ -197,7 +199,8 @@ def test_prefetch_of_a_corrupted_slot(tmp_path: Path, manager_factory: Factory) 
     assert m.stores[Tier.GPU].used_bytes == m.used_bytes(Tier.GPU)
 
 
-def test_full_disk_keeps_blocks_in_memory(tmp_path: Path, manager_factory: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_disk_keeps_blocks_in_memory(tmp_path: Path, manager_factory: Factory,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Slot writes failing with ENOSPC leave the blocks in memory, counted as no_space, the slot free.
 
     A real ENOSPC needs a full filesystem, which a test cannot make without privileges; the error is

@@ -29,7 +29,8 @@ def _meta(h: int) -> BlockMeta:
 
 
 def _store(path: Path, slots: int, direct: bool = True) -> SlabStore:
-    store = open_store(Tier.SSD, SsdTierSpec(capacity_bytes=slots * SSD_SLOT_BYTES, path=str(path), direct_io=direct))
+    store = open_store(Tier.SSD, SsdTierSpec(capacity_bytes=slots * SSD_SLOT_BYTES, path=str(path),
+                                             direct_io=direct))
     assert isinstance(store, SlabStore)
     return store
 
@@ -49,7 +50,8 @@ def test_slot_io_mode(tmp_path: Path, io_mode: bool) -> None:
     store.close()
 
 
-def test_direct_io_refused_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_direct_io_refused_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
     """A filesystem that refuses O_DIRECT (EINVAL, injected: the tmpfs here accepts it) gets buffered I/O,
     one log line, same data."""
     real_open = os.open
@@ -108,7 +110,8 @@ def _big(i: int, aligned: bool) -> np.ndarray:
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["page-aligned", "unaligned"])
-def test_large_blocks_direct_without_bounce(tmp_path: Path, aligned: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_blocks_direct_without_bounce(tmp_path: Path, aligned: bool,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Under direct I/O a large record gets a page-sized head and a page-aligned payload is written
     and read in place (no bounce copy; counted here by spying on the bounce buffer); an unaligned
     one goes through the bounce buffer. Both round-trip, survive a restart and fail their checksum

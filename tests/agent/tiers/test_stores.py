@@ -1,4 +1,5 @@
-"""Stores on their own: the record format, host arena slots and views, the file store, the backend registry."""
+"""Stores on their own: the record format, host arena slots and views, the file store, the backend
+registry."""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def test_gpu_arena_reports_stand_in() -> None:
 
 def test_file_store_write_read_delete(tmp_path: Path) -> None:
     """One record file per block; capacity counts record bytes; delete removes the file."""
-    store = open_store(Tier.SSD, SsdTierSpec(capacity_bytes=2 * (BLOCK_NBYTES + 200), path=str(tmp_path), backend="files"))
+    store = open_store(Tier.SSD, SsdTierSpec(capacity_bytes=2 * (BLOCK_NBYTES + 200), path=str(tmp_path),
+                                             backend="files"))
     payload = get_codec("none").encode(make_block(1))
     store.write(_meta(1), payload)
     store.write(_meta(2), payload)

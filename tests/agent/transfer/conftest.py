@@ -18,13 +18,15 @@ BLOCK = 64 * 1024
 
 @pytest.fixture
 def shm_dir() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="kvfleet-shm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+    with tempfile.TemporaryDirectory(prefix="kvfleet-shm-",
+                                     dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         yield d
 
 
 @pytest.fixture
 def settings(shm_dir: str) -> TransferSettings:
-    return TransferSettings(streams=3, window_blocks=4, max_retries=3, stall_timeout_s=5.0, shm_dir=shm_dir, host_id="node-a")
+    return TransferSettings(streams=3, window_blocks=4, max_retries=3, stall_timeout_s=5.0, shm_dir=shm_dir,
+                            host_id="node-a")
 
 
 @pytest.fixture

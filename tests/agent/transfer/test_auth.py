@@ -1,4 +1,5 @@
-"""The HMAC challenge: right secret passes both ways, wrong secret is rejected, logged and counted; secret loading."""
+"""The HMAC challenge: right secret passes both ways, wrong secret is rejected, logged and counted; secret
+loading."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ async def test_wrong_secret_is_rejected_logged_and_counted(
     assert len(await good.pull(peer(server), hashes[:2]).collect()) == 2
 
 
-async def test_client_rejects_a_server_without_the_secret(settings: TransferSettings, store: object, hashes: list[int]) -> None:
+async def test_client_rejects_a_server_without_the_secret(settings: TransferSettings, store: object,
+                                                          hashes: list[int]) -> None:
     """Mutual: a server that does not know the secret cannot pass as the peer."""
     from kvfleet.agent.transfer import MemoryBlockStore
 

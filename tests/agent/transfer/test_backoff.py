@@ -67,14 +67,16 @@ async def test_retries_on_the_same_backend_wait_the_drawn_delays(
 
 
 async def test_a_failover_to_the_next_backend_does_not_wait(
-    server: TransferServer, client: TransferClient, hashes: list[int], settings: TransferSettings, tmp_path: object
+    server: TransferServer, client: TransferClient, hashes: list[int], settings: TransferSettings,
+    tmp_path: object,
 ) -> None:
     slept: list[float] = []
 
     async def sleep(s: float) -> None:
         slept.append(s)
 
-    async with TransferServer(server.source, SECRET, settings=replace(settings, shm_dir=str(tmp_path))) as srv:
+    async with TransferServer(server.source, SECRET,
+                              settings=replace(settings, shm_dir=str(tmp_path))) as srv:
         client._sleep = sleep
         handle = client.pull(peer(srv), hashes)  # shm cannot attach on the server: tcp takes over
         assert len(await handle.collect()) == len(hashes)
@@ -94,7 +96,8 @@ async def test_a_dead_peer_fails_within_a_bounded_time(settings: TransferSetting
                 return
 
     threading.Thread(target=accept, daemon=True).start()
-    s = replace(settings, max_retries=3, handshake_timeout_s=0.2, retry_backoff_s=0.1, retry_backoff_max_s=0.15)
+    s = replace(settings, max_retries=3, handshake_timeout_s=0.2, retry_backoff_s=0.1,
+                retry_backoff_max_s=0.15)
     client = TransferClient(SECRET, settings=s)
     t = time.monotonic()
     try:

@@ -1,4 +1,5 @@
-"""Delivery over real loopback sockets and shared memory: every block exactly once, in sequence order, as it lands."""
+"""Delivery over real loopback sockets and shared memory: every block exactly once, in sequence order, as it
+lands."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _check(blocks: list[Block], hashes: list[int], store: MemoryBlockStore) -> N
 
 @pytest.mark.parametrize(("backend", "streams"), [("tcp", 1), ("tcp", 3), ("tcp", 8), ("shm", 1)])
 async def test_iteration_yields_every_block_once_in_order(
-    server: TransferServer, client: TransferClient, store: MemoryBlockStore, hashes: list[int], backend: str, streams: int
+    server: TransferServer, client: TransferClient, store: MemoryBlockStore, hashes: list[int], backend: str,
+    streams: int,
 ) -> None:
     handle = client.pull(peer(server), hashes, backends=[backend], streams=streams)
     blocks = await handle.collect()
@@ -32,13 +34,15 @@ async def test_iteration_yields_every_block_once_in_order(
     assert stats.blocks == len(hashes) and stats.bytes == sum(len(b.data) for b in blocks)
 
 
-async def test_topology_picks_shm_on_the_same_host(server: TransferServer, client: TransferClient, hashes: list[int]) -> None:
+async def test_topology_picks_shm_on_the_same_host(server: TransferServer, client: TransferClient,
+                                                   hashes: list[int]) -> None:
     handle = client.pull(peer(server), hashes)
     await handle.collect()
     assert handle.stats.backends == ["shm"]
 
 
-async def test_topology_picks_tcp_across_hosts(server: TransferServer, settings: TransferSettings, hashes: list[int]) -> None:
+async def test_topology_picks_tcp_across_hosts(server: TransferServer, settings: TransferSettings,
+                                               hashes: list[int]) -> None:
     other = TransferClient(SECRET, settings=replace(settings, host_id="node-b"))
     handle = other.pull(f"127.0.0.1:{server.port}", hashes)
     await handle.collect()
@@ -63,7 +67,8 @@ async def test_blocks_land_in_the_callers_preallocated_slots(
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     arena = bytearray(sum(sizes))
     view = memoryview(arena)
-    handle = client.pull(peer(server), hashes, alloc=lambda seq, h, n: view[offsets[seq] : offsets[seq] + n], backends=["tcp"])
+    handle = client.pull(peer(server), hashes, alloc=lambda seq, h, n: view[offsets[seq] : offsets[seq] + n],
+                         backends=["tcp"])
     await handle.collect()
     assert bytes(arena) == b"".join(bytes(store.get_block(h)) for h in hashes)  # type: ignore[arg-type]
 
@@ -75,7 +80,8 @@ async def test_bytes_hashes_and_repeated_blocks(settings: TransferSettings) -> N
         store.put(h, os.urandom(1000))
     batch = [*hs, hs[0]]  # the same block twice in one batch is two deliveries
     async with TransferServer(store, SECRET, settings=settings) as srv:
-        blocks = await TransferClient(SECRET, settings=settings).pull(peer(srv), batch, backends=["tcp"]).collect()
+        blocks = await TransferClient(SECRET, settings=settings).pull(peer(srv), batch,
+                                                                      backends=["tcp"]).collect()
     assert [b.block_hash for b in blocks] == batch
     assert bytes(blocks[-1].data) == bytes(blocks[0].data)
 
@@ -89,7 +95,8 @@ async def test_empty_batch_completes_at_once(server: TransferServer, client: Tra
 async def test_first_block_is_delivered_before_the_batch_is_sent(
     store: MemoryBlockStore, hashes: list[int], settings: TransferSettings
 ) -> None:
-    """Pipelining: with a 2-block window the first block reaches the consumer while most of the batch is unsent."""
+    """Pipelining: with a 2-block window the first block reaches the consumer while most of the batch is
+    unsent."""
     s = replace(settings, window_blocks=2, streams=1)
     async with TransferServer(store, SECRET, settings=s) as srv:
         handle = TransferClient(SECRET, settings=s).pull(peer(srv), hashes, backends=["tcp"])
@@ -152,7 +159,8 @@ async def test_pooled_streams_of_a_restarted_peer_are_replaced(
     client.close()
 
 
-async def test_unknown_backend_names_are_refused_with_the_known_ones(client: TransferClient, hashes: list[int]) -> None:
+async def test_unknown_backend_names_are_refused_with_the_known_ones(client: TransferClient,
+                                                                     hashes: list[int]) -> None:
     from kvfleet.agent.transfer import UnknownBackendError
 
     with pytest.raises(UnknownBackendError, match="known: mooncake, shm, tcp"):

@@ -29,7 +29,8 @@ from tests.conftest import eventually
 
 
 class OneShot:
-    """A fault hook that misbehaves on the ``at``-th BLOCK frame sent (``times`` times), else sends normally."""
+    """A fault hook that misbehaves on the ``at``-th BLOCK frame sent (``times`` times), else sends
+    normally."""
 
     def __init__(self, at: int, mode: str, times: int = 1) -> None:
         self.at, self.mode, self.left = at, mode, times
@@ -56,14 +57,16 @@ class OneShot:
         if self.mode == "bad-magic":
             return b"XX" + hdr[2:] + bytes(view), False
         if self.mode == "wrong-seq":  # a well-formed frame for a block that was not asked for next
-            return hdr[:8] + (int.from_bytes(hdr[8:12], "big") + 1000).to_bytes(4, "big") + hdr[12:] + bytes(view), False
+            return (hdr[:8] + (int.from_bytes(hdr[8:12], "big") + 1000).to_bytes(4, "big") + hdr[12:]
+                    + bytes(view), False)
         if self.mode == "stall":
             self.release.wait(10)
             return hdr + bytes(view), False
         raise AssertionError(self.mode)
 
 
-async def _pull_all(client: TransferClient, srv: TransferServer, hashes: list[int], store: MemoryBlockStore, streams: int) -> None:
+async def _pull_all(client: TransferClient, srv: TransferServer, hashes: list[int], store: MemoryBlockStore,
+                    streams: int) -> None:
     handle = client.pull(peer(srv), hashes, backends=["tcp"], streams=streams)
     blocks = await handle.collect()
     assert [b.seq for b in blocks] == list(range(len(hashes)))
@@ -74,7 +77,8 @@ async def _pull_all(client: TransferClient, srv: TransferServer, hashes: list[in
 @pytest.mark.parametrize("mode", ["kill", "corrupt", "bad-magic", "wrong-seq"])
 @pytest.mark.parametrize("streams", [1, 3])
 async def test_a_broken_stream_resumes_after_the_last_verified_block(
-    server: TransferServer, client: TransferClient, store: MemoryBlockStore, hashes: list[int], mode: str, streams: int
+    server: TransferServer, client: TransferClient, store: MemoryBlockStore, hashes: list[int], mode: str,
+    streams: int,
 ) -> None:
     hook = OneShot(at=5, mode=mode)
     server.fault_hook = hook
@@ -170,18 +174,21 @@ def _raw_connect(srv: TransferServer) -> socket.socket:
 async def test_malformed_frames_close_only_that_connection_and_are_counted(
     server: TransferServer, client: TransferClient, hashes: list[int]
 ) -> None:
-    for junk in (b"\x00" * HEADER_SIZE, b"GET / HTTP/1.1\r\n\r\n" + b"x" * 60, encode_control(FrameType.REQUEST, [[0, 1]])):
+    for junk in (b"\x00" * HEADER_SIZE, b"GET / HTTP/1.1\r\n\r\n" + b"x" * 60,
+                 encode_control(FrameType.REQUEST, [[0, 1]])):
         s = await asyncio.to_thread(_raw_connect, server)
         s.sendall(junk)
         assert await asyncio.to_thread(s.recv, 100) == b""  # closed by the server
         s.close()
     # after a successful handshake too
-    ch, _remote, _backend = await asyncio.to_thread(_connect, "127.0.0.1", server.port, SECRET, client.local, client.settings, "tcp")
+    ch, _remote, _backend = await asyncio.to_thread(_connect, "127.0.0.1", server.port, SECRET, client.local,
+                                                    client.settings, "tcp")
     ch.send(b"KT" + bytes([VERSION, 0x63]) + b"\x00" * (HEADER_SIZE - 4))
     with pytest.raises(StreamError):
         await asyncio.to_thread(ch.recv_header)
     ch.close()
-    await eventually(lambda: server.metrics.errors.labels("frame")._value.get() >= 4, "four frame errors counted", timeout_s=2)
+    await eventually(lambda: server.metrics.errors.labels("frame")._value.get() >= 4,
+                     "four frame errors counted", timeout_s=2)
     assert server.metrics.errors.labels("frame")._value.get() == 4
     assert len(await client.pull(peer(server), hashes[:4]).collect()) == 4
 
@@ -202,4 +209,5 @@ async def test_a_failing_consumer_ends_the_transfer_with_its_error(
     assert handle.state == "failed" and len(seen) == 3
     assert handle._task is not None
     task = handle._task
-    await eventually(task.done, "the driver stopped (its streams closed instead of waiting forever)", timeout_s=1)
+    await eventually(task.done, "the driver stopped (its streams closed instead of waiting forever)",
+                     timeout_s=1)

@@ -21,7 +21,8 @@ def test_header_round_trip_keeps_hash_kind_and_value(h: int | bytes) -> None:
     raw = encode_header(FrameType.BLOCK, seq=7, length=100, checksum_=42, block_hash=h, slot=3)
     assert len(raw) == HEADER_SIZE
     got = decode_header(raw, max_length=1000)
-    assert (got.type, got.seq, got.length, got.checksum, got.block_hash, got.slot) == (FrameType.BLOCK, 7, 100, 42, h, 3)
+    assert (got.type, got.seq, got.length, got.checksum, got.block_hash, got.slot) == (
+        FrameType.BLOCK, 7, 100, 42, h, 3)
     assert type(got.block_hash) is type(h)
 
 

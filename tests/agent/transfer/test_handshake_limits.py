@@ -66,9 +66,11 @@ def _connect(srv: TransferServer) -> socket.socket:
 
 
 class Drip:
-    """Connections that each send ``payload`` one byte every ``interval`` seconds until the server closes them."""
+    """Connections that each send ``payload`` one byte every ``interval`` seconds until the server closes
+    them."""
 
-    def __init__(self, srv: TransferServer, n: int, payload: bytes, *, first: int = 0, interval: float = 0.05) -> None:
+    def __init__(self, srv: TransferServer, n: int, payload: bytes, *, first: int = 0,
+                 interval: float = 0.05) -> None:
         self.payload, self.first, self.interval = payload, first, interval
         self.socks: list[socket.socket] = []
         self.opened: list[float] = []
@@ -100,7 +102,8 @@ class Drip:
 
     def lifetimes(self) -> list[float]:
         """Seconds from connect to close, per connection (inf: still open)."""
-        return [self.closed_at[i] - self.opened[i] if i in self.closed_at else float("inf") for i in range(len(self.socks))]
+        return [self.closed_at[i] - self.opened[i] if i in self.closed_at else float("inf")
+                for i in range(len(self.socks))]
 
     def close(self) -> None:
         for s in self.socks:
@@ -112,7 +115,8 @@ def limited(settings: TransferSettings) -> TransferSettings:
     return replace(settings, handshake_timeout_s=1.0, backends=("tcp",))
 
 
-async def _transfer_during(client: TransferClient, srv: TransferServer, hashes: list[int], store: MemoryBlockStore, **kw: object) -> None:
+async def _transfer_during(client: TransferClient, srv: TransferServer, hashes: list[int],
+                           store: MemoryBlockStore, **kw: object) -> None:
     blocks = await client.pull(peer(srv), hashes, **kw).collect()  # type: ignore[arg-type]
     assert [b.seq for b in blocks] == list(range(len(hashes)))
     assert all(bytes(b.data) == bytes(store.get_block(b.block_hash)) for b in blocks)  # type: ignore[arg-type]
@@ -178,7 +182,8 @@ async def test_400_idle_connections_take_no_thread_each_and_the_cap_refuses_the_
     s = replace(settings, backends=("tcp",), max_connections=64, max_handshakes=128, handshake_timeout_s=30.0)
     async with TransferServer(store, SECRET, settings=s) as srv:
         client = TransferClient(SECRET, settings=s)
-        await _transfer_during(client, srv, hashes[:3], store, streams=1)  # one pooled, authenticated connection
+        # one pooled, authenticated connection
+        await _transfer_during(client, srv, hashes[:3], store, streams=1)
         threads0 = threading.active_count()
         idle = await asyncio.to_thread(_open_idle, srv, 400)
         try:
@@ -187,7 +192,8 @@ async def test_400_idle_connections_take_no_thread_each_and_the_cap_refuses_the_
             assert threads - threads0 < 10, f"{threads - threads0} threads for 400 idle connections"
             # the pooled connection still works during the flood
             await _transfer_during(client, srv, hashes, store, streams=1)
-            await eventually(lambda: sum(map(_closed, idle)) >= 400 - 63, "the connections over the cap closed", timeout_s=10)
+            await eventually(lambda: sum(map(_closed, idle)) >= 400 - 63,
+                             "the connections over the cap closed", timeout_s=10)
             closed = sum(map(_closed, idle))
             assert srv.pending_handshakes + srv.connections == 64
             assert _errors(srv, "max_connections") == 400 - 63
@@ -214,8 +220,8 @@ async def test_at_max_handshakes_the_oldest_makes_room_for_a_peer_that_answers(
             # a fresh peer (no pooled connection) gets in while the idle ones fill every handshake slot
             await _transfer_during(client, srv, hashes, store, streams=2)
             assert srv.connections == 2
-            await eventually(lambda: sum(map(_closed, idle)) + srv.pending_handshakes >= 100, "every idle connection closed or pending",
-                             timeout_s=10)
+            await eventually(lambda: sum(map(_closed, idle)) + srv.pending_handshakes >= 100,
+                             "every idle connection closed or pending", timeout_s=10)
             closed = sum(map(_closed, idle))
             assert closed >= 100 - 16 and _errors(srv, "max_handshakes") == closed
             assert closed + srv.pending_handshakes == 100 and srv.pending_handshakes <= 16
@@ -225,7 +231,8 @@ async def test_at_max_handshakes_the_oldest_makes_room_for_a_peer_that_answers(
             client.close()
 
 
-async def test_a_valid_peer_is_unaffected_by_the_limits(server: TransferServer, client: TransferClient, hashes: list[int]) -> None:
+async def test_a_valid_peer_is_unaffected_by_the_limits(server: TransferServer, client: TransferClient,
+                                                        hashes: list[int]) -> None:
     """The AUTH a real client sends is far below the limit; the exchange takes well under the deadline."""
     assert len(_auth_frame()) - 64 < auth.MAX_AUTH_BYTES // 16
     assert len(await client.pull(peer(server), hashes).collect()) == len(hashes)

@@ -25,7 +25,8 @@ from tests.conftest import eventually
 
 
 class Tamper:
-    """A man in the middle without the key: alters the ``at``-th BLOCK payload and fixes up its xxh3 checksum."""
+    """A man in the middle without the key: alters the ``at``-th BLOCK payload and fixes up its xxh3
+    checksum."""
 
     def __init__(self, at: int = 1, times: int = 1, *, header_only: bool = False) -> None:
         self.at, self.left, self.header_only = at, times, header_only
@@ -105,7 +106,8 @@ async def test_without_payload_mac_the_header_is_still_tagged(
     s = replace(settings, payload_mac=False)
     async with TransferServer(store, SECRET, settings=s) as srv:
         client = TransferClient(SECRET, settings=s)
-        assert len(await client.pull(peer(srv), hashes, backends=["tcp"]).collect()) == len(hashes)  # happy path
+        # happy path
+        assert len(await client.pull(peer(srv), hashes, backends=["tcp"]).collect()) == len(hashes)
         srv.fault_hook = Tamper(at=1, times=1000, header_only=True)
         handle = client.pull(peer(srv), hashes[:3], backends=["tcp"], streams=1)
         with pytest.raises(IntegrityError):
@@ -134,12 +136,14 @@ async def test_a_wrong_session_key_is_rejected_by_the_sender(
     with pytest.raises(StreamError):
         await handle.collect()
     assert handle.delivered == 0 and server.sent_blocks == 0  # the REQUEST's tag failed: nothing was sent
-    await eventually(lambda: server.metrics.errors.labels("mac")._value.get() >= 1, "a MAC error counted", timeout_s=2)
+    await eventually(lambda: server.metrics.errors.labels("mac")._value.get() >= 1, "a MAC error counted",
+                     timeout_s=2)
     assert server.metrics.errors.labels("mac")._value.get() == client.settings.max_retries + 1
 
 
 def _old_hello() -> bytes:
-    frame = bytearray(encode_control(FrameType.HELLO, {"nonce": auth.new_nonce(), "host": "old", "backends": ["tcp"]}))
+    frame = bytearray(encode_control(FrameType.HELLO, {"nonce": auth.new_nonce(), "host": "old",
+                                                       "backends": ["tcp"]}))
     frame[2] = 1  # protocol version 1: no frame tags
     return bytes(frame)
 
@@ -173,16 +177,19 @@ async def test_an_old_server_is_refused_with_a_version_error_and_not_retried(
         lsock.close()
 
 
-async def test_an_old_client_is_refused_and_counted(server: TransferServer, client: TransferClient, hashes: list[int]) -> None:
+async def test_an_old_client_is_refused_and_counted(server: TransferServer, client: TransferClient,
+                                                    hashes: list[int]) -> None:
     def old_client() -> bytes:
         with socket.create_connection(peer(server), timeout=5) as s:
             s.recv(4096)  # the HELLO
-            frame = bytearray(encode_control(FrameType.AUTH, {"nonce": auth.new_nonce(), "mac": b"x" * 32, "backend": "tcp"}))
+            frame = bytearray(encode_control(FrameType.AUTH, {"nonce": auth.new_nonce(), "mac": b"x" * 32,
+                                                              "backend": "tcp"}))
             frame[2] = 1
             s.sendall(frame)
             return s.recv(100)
 
     assert await asyncio.to_thread(old_client) == b""  # closed, nothing misread
-    await eventually(lambda: server.metrics.errors.labels("version")._value.get() >= 1, "a version error counted", timeout_s=2)
+    await eventually(lambda: server.metrics.errors.labels("version")._value.get() >= 1,
+                     "a version error counted", timeout_s=2)
     assert server.metrics.errors.labels("version")._value.get() == 1
     assert len(await client.pull(peer(server), hashes[:3]).collect()) == 3

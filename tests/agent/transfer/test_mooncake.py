@@ -70,7 +70,8 @@ async def test_a_failed_mooncake_read_fails_over_to_tcp(
     assert handle.stats.backends == ["mooncake", "tcp"] and handle.stats.failovers == 1
 
 
-async def test_same_host_still_prefers_shm(mc_server: TransferServer, mc_settings: TransferSettings, hashes: list[int]) -> None:
+async def test_same_host_still_prefers_shm(mc_server: TransferServer, mc_settings: TransferSettings,
+                                           hashes: list[int]) -> None:
     c = TransferClient(SECRET, settings=mc_settings)
     handle = c.pull(peer(mc_server), hashes)
     await handle.collect()

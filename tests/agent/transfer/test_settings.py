@@ -20,8 +20,9 @@ def test_overrides_load() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"streams": 0}, {"window_blocks": 0}, {"max_retries": -1}, {"backends": ["carrier-pigeon"]}, {"port": 70000},
-     {"stall_timeout_s": 0}, {"handshake_timeout_s": 0}, {"max_connections": 0}, {"max_handshakes": 0}, {"strems": 2}],
+    [{"streams": 0}, {"window_blocks": 0}, {"max_retries": -1}, {"backends": ["carrier-pigeon"]},
+     {"port": 70000}, {"stall_timeout_s": 0}, {"handshake_timeout_s": 0}, {"max_connections": 0},
+     {"max_handshakes": 0}, {"strems": 2}],
 )
 def test_bad_values_are_clear_errors(bad: dict[str, object]) -> None:
     with pytest.raises(ConfigError):

@@ -1,4 +1,5 @@
-"""``deliver="thread"``: on_block runs in the receiving I/O thread, in order, once per block, also across failover.
+"""``deliver="thread"``: on_block runs in the receiving I/O thread, in order, once per block, also across
+failover.
 
 Covers: the callback's thread is not the event loop's; sequence order and
 exactly-once over 1 and 3 tcp streams and shm; a stream killed mid-transfer
@@ -41,10 +42,12 @@ class Recorder:
 
 @pytest.mark.parametrize(("backend", "streams"), [("tcp", 1), ("tcp", 3), ("shm", 1)])
 async def test_blocks_reach_the_callback_in_the_io_thread_in_order_once(
-    server: TransferServer, client: TransferClient, store: MemoryBlockStore, hashes: list[int], backend: str, streams: int
+    server: TransferServer, client: TransferClient, store: MemoryBlockStore, hashes: list[int], backend: str,
+    streams: int,
 ) -> None:
     rec = Recorder()
-    handle = client.pull(peer(server), hashes, on_block=rec, backends=[backend], streams=streams, deliver="thread")
+    handle = client.pull(peer(server), hashes, on_block=rec, backends=[backend], streams=streams,
+                         deliver="thread")
     stats = await handle.wait()
     rec.check(hashes, store)
     assert threading.get_ident() not in rec.threads
@@ -58,7 +61,8 @@ async def test_a_killed_stream_resumes_without_duplicates(
 ) -> None:
     server.fault_hook = OneShot(at=5, mode="kill")
     rec = Recorder()
-    handle = client.pull(peer(server), hashes, on_block=rec, backends=["tcp"], streams=streams, deliver="thread")
+    handle = client.pull(peer(server), hashes, on_block=rec, backends=["tcp"], streams=streams,
+                         deliver="thread")
     stats = await handle.wait()
     rec.check(hashes, store)
     assert stats.retries >= 1
@@ -80,7 +84,8 @@ async def test_a_failing_consumer_in_the_io_thread_ends_the_transfer(
     assert handle.state == "failed" and seen == [0, 1, 2]
 
 
-async def test_bad_delivery_arguments_are_rejected(server: TransferServer, client: TransferClient, hashes: list[int]) -> None:
+async def test_bad_delivery_arguments_are_rejected(server: TransferServer, client: TransferClient,
+                                                   hashes: list[int]) -> None:
     with pytest.raises(ValueError, match="loop, thread"):
         client.pull(peer(server), hashes, on_block=print, deliver="gpu")
     with pytest.raises(ValueError, match="needs an on_block"):
@@ -90,7 +95,8 @@ async def test_bad_delivery_arguments_are_rejected(server: TransferServer, clien
 async def test_a_warm_pull_requests_block_0_before_returning(
     server: TransferServer, client: TransferClient, store: MemoryBlockStore, hashes: list[int]
 ) -> None:
-    """With pooled streams, block 0 reaches an in-thread consumer while the event loop is blocked right after pull()."""
+    """With pooled streams, block 0 reaches an in-thread consumer while the event loop is blocked right after
+    pull()."""
     await client.pull(peer(server), hashes, backends=["tcp"], streams=1).collect()  # warms the pool
     first = threading.Event()
     rec = Recorder()
@@ -99,7 +105,8 @@ async def test_a_warm_pull_requests_block_0_before_returning(
         rec(block)
         first.set()
 
-    handle = client.pull(peer(server), hashes, on_block=on_block, backends=["tcp"], streams=1, deliver="thread")
+    handle = client.pull(peer(server), hashes, on_block=on_block, backends=["tcp"], streams=1,
+                         deliver="thread")
     assert first.wait(10)  # blocks the event loop: only a request sent inside pull() can bring block 0
     await handle.wait()
     rec.check(hashes, store)
@@ -117,5 +124,6 @@ async def test_a_warm_pull_cancelled_before_its_driver_runs_leaves_nothing_behin
     with contextlib.suppress(asyncio.CancelledError):
         await handle._task
     rec = Recorder()
-    await client.pull(peer(server), hashes, on_block=rec, backends=["tcp"], streams=3, deliver="thread").wait()
+    await client.pull(peer(server), hashes, on_block=rec, backends=["tcp"], streams=3,
+                      deliver="thread").wait()
     rec.check(hashes, store)

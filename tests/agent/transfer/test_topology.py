@@ -1,4 +1,5 @@
-"""Topology-aware backend choice: same host → shm; common RDMA-class engine → it; else tcp; the tail is the failover path."""
+"""Topology-aware backend choice: same host → shm; common RDMA-class engine → it; else tcp; the tail is the
+failover path."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from kvfleet.agent.transfer import PeerInfo, choose_backends, local_host_id
         (PeerInfo("a", ("shm", "nixl", "mooncake", "tcp")), PeerInfo("a", ("shm", "nixl", "mooncake", "tcp")),
          ["shm", "mooncake", "nixl", "tcp"]),
         (PeerInfo("a", ("nixl", "tcp")), PeerInfo("b", ("mooncake", "tcp")), ["tcp"]),
-        (PeerInfo("", ("shm", "tcp")), PeerInfo("", ("shm", "tcp")), ["tcp"]),  # unknown hosts are never "same"
+        # unknown hosts are never "same"
+        (PeerInfo("", ("shm", "tcp")), PeerInfo("", ("shm", "tcp")), ["tcp"]),
         (PeerInfo("a", ("shm",)), PeerInfo("b", ("tcp",)), []),
     ],
 )

@@ -51,7 +51,8 @@ def load(name: str = "conversation", limit: int | None = None) -> list[Request]:
             if limit is not None and len(out) >= limit:
                 break
             row = json.loads(line)
-            out.append(Request(int(row["timestamp"]), int(row["input_length"]), int(row["output_length"]), tuple(row["hash_ids"])))
+            out.append(Request(int(row["timestamp"]), int(row["input_length"]), int(row["output_length"]),
+                               tuple(row["hash_ids"])))
     return out
 
 

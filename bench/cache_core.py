@@ -65,7 +65,8 @@ def replay_tree(reqs: list[traces.Request], capacity: int, hasher: BlockHasher) 
             hit += h
             total += n
         busy += time.perf_counter() - t0
-    return {"blocks": total, "hits": hit, "seconds": busy, "tree_blocks": tree.total_blocks, "nodes": tree.num_nodes}
+    return {"blocks": total, "hits": hit, "seconds": busy, "tree_blocks": tree.total_blocks,
+            "nodes": tree.num_nodes}
 
 
 def replay_lru(reqs: list[traces.Request], capacity: int, hasher: BlockHasher) -> dict[str, Any]:
@@ -125,7 +126,8 @@ def traced_bytes_per_block(reqs: list[traces.Request], hasher: BlockHasher, whic
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cache_core", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="first 3,000 requests (< 60 s on 2 cores)")
-    ap.add_argument("--trace", default="conversation", help="conversation | synthetic | path to a JSONL trace")
+    ap.add_argument("--trace", default="conversation",
+                    help="conversation | synthetic | path to a JSONL trace")
     ap.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--capacity", type=int, default=None, help="cache capacity in 16-token blocks")
     ap.add_argument("--algo", default="xxh3_64", help="block hash algorithm (xxh3_64 | sha256_cbor)")
@@ -134,11 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     reqs = traces.load(args.trace, limit)
     capacity = args.capacity or (200_000 if args.quick else 1_000_000)
     hasher = BlockHasher(block_size=BLOCK, algo=args.algo)
-    print(f"cache_core: {len(reqs)} requests of {args.trace}, capacity {capacity} blocks of {BLOCK} tokens", file=sys.stderr)
+    print(f"cache_core: {len(reqs)} requests of {args.trace}, capacity {capacity} blocks of {BLOCK} tokens",
+          file=sys.stderr)
     tree = replay_tree(reqs, capacity, hasher)
-    print(f"  radix tree + pool: {tree['blocks'] / tree['seconds'] / 1e6:.2f} M blocks/s, hit {tree['hits'] / tree['blocks']:.4f}", file=sys.stderr)
+    print(f"  radix tree + pool: {tree['blocks'] / tree['seconds'] / 1e6:.2f} M blocks/s, "
+          f"hit {tree['hits'] / tree['blocks']:.4f}", file=sys.stderr)
     lru = replay_lru(reqs, capacity, hasher)
-    print(f"  reference LRU:     {lru['blocks'] / lru['seconds'] / 1e6:.2f} M blocks/s, hit {lru['hits'] / lru['blocks']:.4f}", file=sys.stderr)
+    print(f"  reference LRU:     {lru['blocks'] / lru['seconds'] / 1e6:.2f} M blocks/s, "
+          f"hit {lru['hits'] / lru['blocks']:.4f}", file=sys.stderr)
     mem_reqs = reqs[: min(len(reqs), 1500)]
     bpb = traced_bytes_per_block(mem_reqs, hasher, "tree")
     base_bpb = traced_bytes_per_block(mem_reqs, hasher, "lru")

@@ -1,4 +1,5 @@
-"""bench.chaos: the one-machine stack under steady load while its processes are killed and its inputs abused.
+"""bench.chaos: the one-machine stack under steady load while its processes are killed and its inputs
+abused.
 
 The stack: four simulated engines (two unified pods and a prefill/decode pair, in one pool of two prefix
 shards, each with a CPU tier), two EPP replicas (each subscribes to every pod's KV events; they gossip their
@@ -19,7 +20,8 @@ Warm-up: steady load, then as many distinct 4k-token prompts as the flood, so ev
 the baseline RSS is taken. Measured: ``lost_requests`` (failed requests other than those in flight on a
 killed process at its kill — for a killed EPP replica, a stream opened on it in the 0.1 s before Envoy
 could see it gone counts as in flight; ``lost_to_dead_engine`` counts the lost requests the gateway sent to
-the killed engine within 1 s, before anything could know it was gone), ``failed_requests`` (all of them), ``index_freezes`` (a replica's KV-event batch counter for the live pods
+the killed engine within 1 s, before anything could know it was gone), ``failed_requests`` (all of
+them), ``index_freezes`` (a replica's KV-event batch counter for the live pods
 standing still for ≥ 3 s while requests complete), ``epp_rss_growth`` and ``engine_rss_growth`` (the largest
 RSS growth of any replica / engine from the end of warm-up to the end, as a fraction; both taken
 ``SETTLE_S`` after the last flood, under the steady load: past the speculative TTL and the heap trim
@@ -139,7 +141,8 @@ class Stack:
         if rogue:
             data["pools"][0]["pods"].append({
                 "name": "rogue", "address": "127.0.0.1", "port": self.rogue_port, "shard": self.pods[0].pool,
-                "events": f"tcp://127.0.0.1:{self.rogue_events}", "metrics": f"http://127.0.0.1:{self.rogue_port}/metrics",
+                "events": f"tcp://127.0.0.1:{self.rogue_events}",
+                "metrics": f"http://127.0.0.1:{self.rogue_port}/metrics",
             })
         tmp = self.pods_path.with_suffix(".tmp")
         write_yaml(tmp, data)
@@ -157,7 +160,8 @@ class Stack:
 
     def start_epp(self, i: int) -> Child:
         grpc, health, metrics = self.epp_ports[i]
-        plugins = msgspec.to_builtins(default_plugins(fallbacks=2))  # the gateway retries a dead pick on the next one
+        # the gateway retries a dead pick on the next one
+        plugins = msgspec.to_builtins(default_plugins(fallbacks=2))
         cfg = write_yaml(self.stack.workdir / f"epp-{i}.yaml", {"epp": {
             "host": "127.0.0.1", "grpc_port": grpc, "health_port": health, "metrics_port": metrics,
             "pods_file": str(self.pods_path), "prefix_shard_blocks": 64, "pool_saturation_queue": 4.0,
@@ -179,12 +183,14 @@ class Stack:
         for i in range(2):
             self.start_epp(i)
         admin = free_port()
-        path = write_bootstrap(self.stack.workdir / "envoy.yaml", listen_port=self.gateway_port, admin_port=admin,
-                               epp_endpoints=[f"127.0.0.1:{g}" for g, _, _ in self.epp_ports], body_mode="BUFFERED",
-                               routing="override_host",
-                               pod_endpoints=[f"127.0.0.1:{p.port}" for p in self.pods] + [f"127.0.0.1:{self.rogue_port}"])
-        envoy = self.stack.spawn("envoy", [envoy_binary(), "-c", str(path), "--base-id", str(admin), "-l", "warning",
-                                           "--concurrency", "2", "--disable-hot-restart"])
+        path = write_bootstrap(self.stack.workdir / "envoy.yaml", listen_port=self.gateway_port,
+                               admin_port=admin,
+                               epp_endpoints=[f"127.0.0.1:{g}" for g, _, _ in self.epp_ports],
+                               body_mode="BUFFERED", routing="override_host",
+                               pod_endpoints=[f"127.0.0.1:{p.port}" for p in self.pods]
+                               + [f"127.0.0.1:{self.rogue_port}"])
+        envoy = self.stack.spawn("envoy", [envoy_binary(), "-c", str(path), "--base-id", str(admin),
+                                           "-l", "warning", "--concurrency", "2", "--disable-hot-restart"])
         self.stack.wait_http(envoy, f"http://127.0.0.1:{admin}/ready", timeout_s=60)
 
     def kill(self, child: Child) -> None:
@@ -203,7 +209,8 @@ def rogue_publisher(port: int, stop: threading.Event) -> None:
     seq = 0
     bad_token = [time.time(), [["BlockStored", [12345], None, [2**32 + 7] * 16, 16, None, "GPU", None]], None]
     payloads = [enc.encode(bad_token), b"\xc1not msgpack", enc.encode([time.time(), [["Mystery", 1]], None]),
-                enc.encode([time.time(), [["BlockStored", list(range(4096)), None, list(range(4096 * 16)), 16, None, "GPU", None]], None])]
+                enc.encode([time.time(), [["BlockStored", list(range(4096)), None, list(range(4096 * 16)), 16,
+                                           None, "GPU", None]], None])]
     while not stop.wait(0.2):
         for i, payload in enumerate(payloads):
             topic = b"wrong-topic" if i == 2 else b""
@@ -212,13 +219,15 @@ def rogue_publisher(port: int, stop: threading.Event) -> None:
     pub.close(0)
 
 
-async def client(url: str, run: Run, prompts: list[str], stop: asyncio.Event, rng: random.Random) -> None:
+async def client(url: str, run: Run, prompts: list[str], stop: asyncio.Event,
+                 rng: random.Random) -> None:
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         while not stop.is_set():
             system = rng.choice(prompts)
             body = {"model": MODEL, "stream": True, "max_tokens": 4,
-                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{rng.random()}"}]}
+                    "messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": f"q{rng.random()}"}]}
             t0 = time.monotonic()
             ttft, ok, error = None, False, ""
             try:
@@ -265,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     gap = 3.0 if args.quick else 6.0
     flood_n = 400 if args.quick else 2000
     rng = random.Random(args.seed)
-    prompts = [f"System prompt {k}: " + " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "kv", "cache"])
-                                                 for _ in range(700)) for k in range(6)]
+    prompts = [f"System prompt {k}: "
+               + " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "kv", "cache"]) for _ in range(700))
+               for k in range(6)]
     run = Run()
     with tempfile.TemporaryDirectory(prefix="kvfleet-chaos-") as tmp, ProcessStack(Path(tmp)) as ps:
         st = Stack(ps, gpu_blocks=4096)
@@ -278,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         loop_thread.start()
         stop_load = asyncio.Event()
         clients = [asyncio.run_coroutine_threadsafe(
-            client(url + "/v1/chat/completions", run, prompts, stop_load, random.Random(k)), loop) for k in range(args.clients)]
+            client(url + "/v1/chat/completions", run, prompts, stop_load, random.Random(k)), loop)
+            for k in range(args.clients)]
         rogue_stop = threading.Event()
         timeline: list[str] = []
 
@@ -310,10 +321,11 @@ def main(argv: list[str] | None = None) -> int:
                     last[i] = batches
                 done_before = done
 
-        print(f"warm-up: steady load and {flood_n} distinct 4k-token prompts to fill every cache ...", file=sys.stderr, flush=True)
+        print(f"warm-up: steady load and {flood_n} distinct 4k-token prompts to fill every cache ...",
+              file=sys.stderr, flush=True)
         at(2 * gap)
-        asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n, 4 * args.clients, random.Random(-1)),
-                                         loop).result()
+        asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n, 4 * args.clients,
+                                               random.Random(-1)), loop).result()
         at(max(gap, SETTLE_S))
         rss0_epp = [rss_mb(c.proc.pid) for c, _ in st.epps]
         rss0_eng = {n: rss_mb(c.proc.pid) for n, c in st.engines.items()}
@@ -328,11 +340,12 @@ def main(argv: list[str] | None = None) -> int:
                                    "engines": [round(rss_mb(c.proc.pid), 1) for c in st.engines.values()]}
             text = epp_metrics()[-1]  # the replica that is never killed: what it holds
             rss["epp_state"] = {m: metric_sum(text, m) for m in (
-                "kvfleet_epp_index_entries", "kvfleet_epp_index_speculative_blocks", "kvfleet_epp_engine_hash_map_entries")}
+                "kvfleet_epp_index_entries", "kvfleet_epp_index_speculative_blocks",
+                "kvfleet_epp_engine_hash_map_entries")}
             timeline.append(what)
             rss_timeline.append({"before": what, **rss})
-            print(f"{what}   (RSS MB: EPP {rss['epp']}, engines {rss['engines']}; EPP 1 holds {rss['epp_state']})",
-                  file=sys.stderr, flush=True)
+            print(f"{what}   (RSS MB: EPP {rss['epp']}, engines {rss['engines']}; "
+                  f"EPP 1 holds {rss['epp_state']})", file=sys.stderr, flush=True)
 
         rss_timeline: list[dict[str, Any]] = []
         step("kill -9 EPP replica 0")
@@ -357,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         at(gap)
 
         step(f"flood: {flood_n} distinct 4k-token prompts")
-        flood_failed = asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n, 4 * args.clients, rng),
-                                                        loop).result()
+        flood_failed = asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n,
+                                                              4 * args.clients, rng), loop).result()
         at(max(gap, SETTLE_S))
 
         loop.call_soon_threadsafe(stop_load.set)
@@ -375,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         rss1_eng = {n: rss_mb(c.proc.pid) for n, c in st.engines.items()}
         texts = epp_metrics()
         resyncs = sum(metric_sum(t, "kvfleet_epp_kv_event_resyncs_total{") for t in texts)
-        resyncs_by_pod = {p: sum(metric_sum(t, f'kvfleet_epp_kv_event_resyncs_total{{pod="{p}"}}') for t in texts)
+        resyncs_by_pod = {p: sum(metric_sum(t, f'kvfleet_epp_kv_event_resyncs_total{{pod="{p}"}}')
+                                 for t in texts)
                           for p in [*(p.name for p in st.pods), "rogue"]}
         alive = all(c.alive() for c, _ in st.epps) and all(c.alive() for c in st.engines.values())
 
@@ -386,15 +400,18 @@ def main(argv: list[str] | None = None) -> int:
     def on_killed(r: Record) -> bool:
         """In flight on a killed process: under way at its kill; for a killed EPP replica also a stream opened
         on it in the 0.1 s before Envoy could see it gone (its health check and outlier ejection)."""
-        return any(r.start <= t + (0.1 if name.startswith("epp") else 0.0) and r.end > t for name, t in run.kills)
+        return any(r.start <= t + (0.1 if name.startswith("epp") else 0.0) and r.end > t
+                   for name, t in run.kills)
 
     lost_list = [r for r in failed if not on_killed(r)]
     engine_kills = [t for name, t in run.kills if not name.startswith("epp")]
-    to_dead = [r for r in lost_list if "upstream_unavailable" in r.error and any(t <= r.start < t + 1.0 for t in engine_kills)]
+    to_dead = [r for r in lost_list
+               if "upstream_unavailable" in r.error and any(t <= r.start < t + 1.0 for t in engine_kills)]
     lost = len(lost_list)
     errors: dict[str, int] = {}
     for r in failed:
-        key = r.error.split(" ", 1)[0] + (" upstream_unavailable" if "upstream_unavailable" in r.error else "")
+        key = (r.error.split(" ", 1)[0]
+               + (" upstream_unavailable" if "upstream_unavailable" in r.error else ""))
         errors[key] = errors.get(key, 0) + 1
     ttfts = sorted(r.ttft for r in run.records if r.ok and r.ttft is not None)
 
@@ -404,18 +421,23 @@ def main(argv: list[str] | None = None) -> int:
     def growth(before: float, after: float) -> float:
         return round((after - before) / before, 3) if before > 0 else float("nan")
 
-    epp_growth = max((growth(b, a) for b, a in zip(rss0_epp[1:], rss1_epp[1:], strict=True)), default=float("nan"))
+    epp_growth = max((growth(b, a) for b, a in zip(rss0_epp[1:], rss1_epp[1:], strict=True)),
+                     default=float("nan"))
     engine_growth = max(growth(rss0_eng[n], rss1_eng[n]) for n in rss1_eng if n != victim.name)
     result: dict[str, Any] = {
         "bench": "chaos", "quick": args.quick, "requests": len(run.records), "failed_requests": len(failed),
-        "lost_requests": lost, "lost_to_dead_engine": len(to_dead), "errors": errors, "flood_failed": flood_failed, "index_freezes": sum(freezes),
+        "lost_requests": lost, "lost_to_dead_engine": len(to_dead), "errors": errors,
+        "flood_failed": flood_failed, "index_freezes": sum(freezes),
         "epp_rss_growth": epp_growth, "engine_rss_growth": engine_growth,
-        "epp_rss_mb": [round(x, 1) for x in rss1_epp], "engine_rss_mb": {n: round(x, 1) for n, x in rss1_eng.items()},
-        "resyncs": int(resyncs), "resyncs_by_pod": {k: int(v) for k, v in resyncs_by_pod.items() if v}, "ttft_p50_ms": pct(0.5), "ttft_p99_ms": pct(0.99), "all_alive": alive,
+        "epp_rss_mb": [round(x, 1) for x in rss1_epp],
+        "engine_rss_mb": {n: round(x, 1) for n, x in rss1_eng.items()},
+        "resyncs": int(resyncs), "resyncs_by_pod": {k: int(v) for k, v in resyncs_by_pod.items() if v},
+        "ttft_p50_ms": pct(0.5), "ttft_p99_ms": pct(0.99), "all_alive": alive,
         "timeline": timeline, "rss_timeline": rss_timeline,
     }
     print(f"{len(run.records)} requests, {len(failed)} failed, {lost} lost; index freezes {sum(freezes)}; "
-          f"EPP RSS growth {epp_growth}, engine RSS growth {engine_growth}; TTFT p50 {pct(0.5)} ms, p99 {pct(0.99)} ms")
+          f"EPP RSS growth {epp_growth}, engine RSS growth {engine_growth}; "
+          f"TTFT p50 {pct(0.5)} ms, p99 {pct(0.99)} ms")
     print(json.dumps(result))
     return 0
 

@@ -37,7 +37,8 @@ def free_port() -> int:
 
 
 def bench_admit(n: int, tokens: int) -> tuple[float, float]:
-    s = load(None, {"engine": {"num_gpu_blocks": 4 * tokens // 16, "tiers": {"cpu_blocks": 4 * tokens // 16}}})
+    s = load(None, {"engine": {"num_gpu_blocks": 4 * tokens // 16,
+                               "tiers": {"cpu_blocks": 4 * tokens // 16}}})
     kv = EngineKV(s.engine, s.cache, model=s.tiers.model)
     hasher = BlockHasher()
     prompts = [np.arange(i * tokens, (i + 1) * tokens, dtype=np.uint32) for i in range(n)]
@@ -70,13 +71,15 @@ async def _drive(url: str, bodies: list[bytes], concurrency: int) -> float:
 
 async def bench_http(n: int, tokens: int) -> tuple[float, float]:
     bodies = [
-        json.dumps({"model": "llama-3-8b", "prompt": list(range(i * tokens, (i + 1) * tokens)), "max_tokens": 4}).encode()
+        json.dumps({"model": "llama-3-8b", "prompt": list(range(i * tokens, (i + 1) * tokens)),
+                    "max_tokens": 4}).encode()
         for i in range(n)
     ]
 
     async def echo(request: web.Request) -> web.Response:
         data: Any = await request.json()
-        return web.json_response({"choices": [{"text": "abcd"}], "usage": {"prompt_tokens": len(data["prompt"])}})
+        return web.json_response({"choices": [{"text": "abcd"}],
+                                  "usage": {"prompt_tokens": len(data["prompt"])}})
 
     raw_app = web.Application(client_max_size=64 << 20)
     raw_app.router.add_post("/v1/completions", echo)
@@ -89,7 +92,8 @@ async def bench_http(n: int, tokens: int) -> tuple[float, float]:
 
     port = free_port()
     server = EngineServer(load(None, {"engine": {"port": port, "time_factor": 0.0, "num_gpu_blocks": 16384,
-                                                 "kv_events_port": free_port(), "kv_events_replay_port": free_port()}}))
+                                                 "kv_events_port": free_port(),
+                                                 "kv_events_replay_port": free_port()}}))
     server.start_publisher()
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()

@@ -92,7 +92,8 @@ def messages(body: bytes) -> list[pb.ProcessingRequest]:
     ]
 
 
-async def decisions_per_s(target: str, bodies: list[bytes], seconds: float, concurrency: int = 16) -> tuple[float, int]:
+async def decisions_per_s(target: str, bodies: list[bytes], seconds: float,
+                          concurrency: int = 16) -> tuple[float, int]:
     opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(target, options=opts) as ch:
         stub = pb_grpc.ExternalProcessorStub(ch)
@@ -108,7 +109,9 @@ async def decisions_per_s(target: str, bodies: list[bytes], seconds: float, conc
                     picked = bool(resp.request_headers.response.header_mutation.set_headers)
                 if resp.HasField("immediate_response"):
                     return False
-                if resp.HasField("request_body") and resp.request_body.response.body_mutation.streamed_response.end_of_stream:
+                if resp.HasField("request_body") and (
+                    resp.request_body.response.body_mutation.streamed_response.end_of_stream
+                ):
                     break
             call.cancel()
             return picked
@@ -147,7 +150,9 @@ class Upstream:
     async def _start(self) -> None:
         async def completions(request: web.Request) -> web.Response:
             await request.read()
-            return web.json_response({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}})
+            return web.json_response({"choices": [{"text": "ok"}],
+                                      "usage": {"prompt_tokens": 1,
+                                                "prompt_tokens_details": {"cached_tokens": 0}}})
 
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/completions", completions)
@@ -164,13 +169,15 @@ class Upstream:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux ``/proc``), to price a decision independently of contention."""
+    """User + system CPU time of a process (Linux ``/proc``), to price a decision independently of
+    contention."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def timed_post(url: str, body: bytes) -> float:
-    req = urllib.request.Request(url, data=body, method="POST", headers={"content-type": "application/json"})
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"content-type": "application/json"})
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=10) as r:
         r.read()
@@ -179,15 +186,18 @@ def timed_post(url: str, body: bytes) -> float:
     return time.perf_counter() - t0
 
 
-def start_epp(workdir: Path, pods: list[dict[str, Any]], **epp: Any) -> tuple[subprocess.Popen[bytes], int, int]:
+def start_epp(workdir: Path, pods: list[dict[str, Any]],
+              **epp: Any) -> tuple[subprocess.Popen[bytes], int, int]:
     """The EPP in its own process on a static pool of ``pods``; returns it, its gRPC and its metrics port."""
     pods_file = workdir / "pods.yaml"
     pods_file.write_text(yaml.safe_dump({"pools": [{"name": "bench", "models": ["m"], "pods": pods}]}))
     grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
     cfg = workdir / "epp.yaml"
-    cfg.write_text(yaml.safe_dump({"epp": {"host": "127.0.0.1", "grpc_port": grpc_port, "health_port": health_port,
-                                           "metrics_port": metrics_port, "pods_file": str(pods_file), **epp}}))
-    proc = subprocess.Popen([sys.executable, "-m", "kvfleet.epp.main", "--config", str(cfg), "--log-level", "WARNING"],
+    cfg.write_text(yaml.safe_dump({"epp": {"host": "127.0.0.1", "grpc_port": grpc_port,
+                                           "health_port": health_port, "metrics_port": metrics_port,
+                                           "pods_file": str(pods_file), **epp}}))
+    proc = subprocess.Popen([sys.executable, "-m", "kvfleet.epp.main", "--config", str(cfg),
+                             "--log-level", "WARNING"],
                             stdout=subprocess.DEVNULL, stderr=open(workdir / "epp.log", "wb"))  # noqa: SIM115
     deadline = time.monotonic() + 30
     while not health_check(f"127.0.0.1:{health_port}", 0.5):
@@ -198,7 +208,8 @@ def start_epp(workdir: Path, pods: list[dict[str, Any]], **epp: Any) -> tuple[su
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.epp", description="EPP decision rate and added latency")
+    ap = argparse.ArgumentParser(prog="python -m bench.epp",
+                                 description="EPP decision rate and added latency")
     ap.add_argument("--quick", action="store_true", help="short measurements (a few minutes on 2 busy cores)")
     ap.add_argument("--warm-entries", type=int, default=0,
                     help="(block, pod) entries of the warm run's index (default 10.5M; 0 with --no-warm)")
@@ -208,11 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.publish:
         return publish_plan(args.publish)
     seconds = 4.0 if args.quick else 15.0
-    print(f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (other processes skew every figure)")
+    print(f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs "
+          "(other processes skew every figure)")
     n_lat = 300 if args.quick else 2000
     workdir = Path(tempfile.mkdtemp(prefix="kvfleet-bench-epp-"))
     upstream = Upstream().start()
-    pods = [{"name": f"pod-{i}", "address": "127.0.0.1", "port": upstream.port if i == 0 else 20000 + i} for i in range(8)]
+    pods = [{"name": f"pod-{i}", "address": "127.0.0.1", "port": upstream.port if i == 0 else 20000 + i}
+            for i in range(8)]
     proc, grpc_port, _ = start_epp(workdir, pods)
     envoys: list[EnvoyProcess] = []
     try:
@@ -226,9 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decisions/s, 4k-token prompts:  {d4k:8.0f}  (errors {e4k}); EPP CPU {cpu4k:.2f} ms/decision")
         d220, e220 = asyncio.run(decisions_per_s(target, large, seconds))
         cpu220 = (cpu_seconds(proc.pid) - c1) / max(1.0, d220 * seconds + 16) * 1e3
-        print(f"decisions/s, 220 KB prompts:   {d220:8.0f}  (errors {e220}); EPP CPU {cpu220:.2f} ms/decision")
+        print(f"decisions/s, 220 KB prompts:   {d220:8.0f}  (errors {e220}); "
+              f"EPP CPU {cpu220:.2f} ms/decision")
         cold_lat = asyncio.run(pick_latencies(target, small, min(n_lat, 300)))
-        print(f"pick, one at a time, 4k-token prompts: p50 {np.percentile(cold_lat, 50):.2f} ms, p99 {np.percentile(cold_lat, 99):.2f} ms")
+        print(f"pick, one at a time, 4k-token prompts: p50 {np.percentile(cold_lat, 50):.2f} ms, "
+              f"p99 {np.percentile(cold_lat, 99):.2f} ms")
         proc.terminate()
         proc.wait(10)
         # latency: a single-pod pool so every pick lands on the real upstream
@@ -251,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         wa, wb = np.array(a) * 1e3, np.array(b_) * 1e3
         added_p50 = float(np.percentile(wa, 50) - np.percentile(wb, 50))
         added_p99 = float(np.percentile(wa, 99) - np.percentile(wb, 99))
-        print(f"through Envoy, 4k-token prompts: p50 {np.percentile(wa, 50):.2f} ms with EPP vs {np.percentile(wb, 50):.2f} ms without; "
+        print(f"through Envoy, 4k-token prompts: p50 {np.percentile(wa, 50):.2f} ms with EPP "
+              f"vs {np.percentile(wb, 50):.2f} ms without; "
               f"p99 {np.percentile(wa, 99):.2f} vs {np.percentile(wb, 99):.2f}")
         out = {
             "bench": "epp",
@@ -303,19 +319,21 @@ def _text(rng: np.random.Generator, n: int) -> str:
 
 def _keys(text: str) -> list[int]:
     """The EPP's block keys of a ``/v1/completions`` prompt (byte tokenizer, the default cache settings)."""
-    return hashes_as_ints(BlockHasher(BLOCK).hash_tokens(ByteTokenizer().encode(text), extra_keys=salt_extra_keys(None)))
+    return hashes_as_ints(BlockHasher(BLOCK).hash_tokens(ByteTokenizer().encode(text),
+                                                         extra_keys=salt_extra_keys(None)))
 
 
 class WarmPlan:
-    """What the warm fleet holds and what it is asked, derived from ``seed`` alone (the bench and its publisher
-    process build the same plan).
+    """What the warm fleet holds and what it is asked, derived from ``seed`` alone (the bench and its
+    publisher process build the same plan).
 
-    Requested prefixes, so that many pods partly hold every prompt: 16 system prompts of 2 KiB, each held by
-    32 of the 64 pods; 256 conversations of 1.5 KiB on them, each held by 2 pods; a 4k-token prompt is system +
-    conversation + a fresh 512-byte turn (2,048 prompts, so a prompt repeats only after 2,048 decisions). For 220 KB prompts: 4 system prompts of 8 KiB (32 pods each), 32
-    conversations of 208 KiB (2 pods each), a fresh 4 KiB turn. Filler, up to ``entries`` (block, pod) entries:
-    48 shared system prompts of 64–1,024 blocks, each held by 8–64 pods, and conversations of 64–4,096 blocks on
-    them held by 1 pod (70 %), 2 (20 %) or 3 (10 %); 30 % of the conversations sit in the CPU tier.
+    Requested prefixes, so that many pods partly hold every prompt: 16 system prompts of 2 KiB, each held
+    by 32 of the 64 pods; 256 conversations of 1.5 KiB on them, each held by 2 pods; a 4k-token prompt is
+    system + conversation + a fresh 512-byte turn (2,048 prompts, so a prompt repeats only after 2,048
+    decisions). For 220 KB prompts: 4 system prompts of 8 KiB (32 pods each), 32 conversations of 208 KiB
+    (2 pods each), a fresh 4 KiB turn. Filler, up to ``entries`` (block, pod) entries: 48 shared system
+    prompts of 64–1,024 blocks, each held by 8–64 pods, and conversations of 64–4,096 blocks on them held
+    by 1 pod (70 %), 2 (20 %) or 3 (10 %); 30 % of the conversations sit in the CPU tier.
     """
 
     def __init__(self, seed: int, entries: int, pods: int = WARM_PODS) -> None:
@@ -325,24 +343,30 @@ class WarmPlan:
         self.seed = seed
         self.sys4k = [_text(rng, 2048) for _ in range(16)]
         self.sys4k_holders = [sorted(rng.choice(pods, pods // 2, replace=False).tolist()) for _ in self.sys4k]
-        self.conv4k = [(int(rng.integers(len(self.sys4k))), _text(rng, 1536), sorted(rng.choice(pods, 2, replace=False).tolist()))
+        self.conv4k = [(int(rng.integers(len(self.sys4k))), _text(rng, 1536),
+                        sorted(rng.choice(pods, 2, replace=False).tolist()))
                        for _ in range(256)]
         self.sys220 = [_text(rng, 8192) for _ in range(4)]
-        self.sys220_holders = [sorted(rng.choice(pods, pods // 2, replace=False).tolist()) for _ in self.sys220]
-        self.conv220 = [(int(rng.integers(len(self.sys220))), _text(rng, 208 * 1024), sorted(rng.choice(pods, 2, replace=False).tolist()))
+        self.sys220_holders = [sorted(rng.choice(pods, pods // 2, replace=False).tolist())
+                               for _ in self.sys220]
+        self.conv220 = [(int(rng.integers(len(self.sys220))), _text(rng, 208 * 1024),
+                         sorted(rng.choice(pods, 2, replace=False).tolist()))
                         for _ in range(32)]
 
     def prompts_4k(self, n: int = 2048) -> list[bytes]:
         """``n`` prompts: conversation ``i % 256`` on its system prompt, then a fresh 512-byte turn."""
         rng = np.random.default_rng(self.seed + 2)
-        return [json.dumps({"model": "m", "prompt": self.sys4k[s] + h + _text(rng, 512), "max_tokens": 1}).encode()
+        return [json.dumps({"model": "m", "prompt": self.sys4k[s] + h + _text(rng, 512),
+                            "max_tokens": 1}).encode()
                 for s, h, _ in (self.conv4k[i % len(self.conv4k)] for i in range(n))]
 
     def prompts_220kb(self, n: int = 128) -> list[bytes]:
-        """``n`` prompts: conversation ``i % 32`` on its system prompt, then a fresh 4 KiB turn (220 KiB in all)."""
+        """``n`` prompts: conversation ``i % 32`` on its system prompt, then a fresh 4 KiB turn (220 KiB in
+        all)."""
         rng = np.random.default_rng(self.seed + 3)
         tail = 220 * 1024 - 8192 - 208 * 1024
-        return [json.dumps({"model": "m", "prompt": self.sys220[s] + h + _text(rng, tail), "max_tokens": 1}).encode()
+        return [json.dumps({"model": "m", "prompt": self.sys220[s] + h + _text(rng, tail),
+                            "max_tokens": 1}).encode()
                 for s, h, _ in (self.conv220[i % len(self.conv220)] for i in range(n))]
 
     def holdings(self) -> Iterator[tuple[list[int], list[int], list[int], str]]:
@@ -358,8 +382,10 @@ class WarmPlan:
                 yield pods, sys_keys[s], full[len(sys_keys[s]):], "GPU"
         rng = np.random.default_rng(self.seed + 1)
         u64 = np.iinfo(np.uint64).max
-        fsys = [rng.integers(0, u64, int(rng.integers(64, 1025)), dtype=np.uint64, endpoint=True).tolist() for _ in range(48)]
-        fsys_holders = [rng.choice(self.pods, int(rng.integers(8, self.pods + 1)), replace=False).tolist() for _ in fsys]
+        fsys = [rng.integers(0, u64, int(rng.integers(64, 1025)), dtype=np.uint64, endpoint=True).tolist()
+                for _ in range(48)]
+        fsys_holders = [rng.choice(self.pods, int(rng.integers(8, self.pods + 1)), replace=False).tolist()
+                        for _ in fsys]
         for keys, pods in zip(fsys, fsys_holders, strict=True):
             yield pods, keys, [], "GPU"
         while True:
@@ -372,11 +398,12 @@ class WarmPlan:
 
 def publish_plan(spec_path: str) -> int:
     """The publisher process: one vLLM-format PUB + replay ROUTER per pod (:class:`ZmqPublisher`); waits for
-    ``go`` on stdin, publishes the plan's holdings, reports ``published <entries> <seconds>``, and closes at EOF."""
+    ``go`` on stdin, publishes the plan's holdings, reports ``published <entries> <seconds>``, and closes at
+    EOF."""
     spec = json.loads(Path(spec_path).read_text())
     plan = WarmPlan(spec["seed"], spec["entries"], len(spec["ports"]))
-    pubs = [ZmqPublisher(f"tcp://127.0.0.1:{a}", f"tcp://127.0.0.1:{b}", buffer_steps=1 << 20, buffer_bytes=1 << 30,
-                         sndhwm=1 << 20) for a, b in spec["ports"]]
+    pubs = [ZmqPublisher(f"tcp://127.0.0.1:{a}", f"tcp://127.0.0.1:{b}", buffer_steps=1 << 20,
+                         buffer_bytes=1 << 30, sndhwm=1 << 20) for a, b in spec["ports"]]
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return 1
@@ -442,7 +469,8 @@ async def pick_latencies(target: str, bodies: list[bytes], n: int) -> npt.NDArra
             call = stub.Process(iter(messages(bodies[i % len(bodies)])))
             async for resp in call:
                 if resp.HasField("immediate_response") or (
-                    resp.HasField("request_body") and resp.request_body.response.body_mutation.streamed_response.end_of_stream
+                    resp.HasField("request_body")
+                    and resp.request_body.response.body_mutation.streamed_response.end_of_stream
                 ):
                     break
             call.cancel()
@@ -452,12 +480,13 @@ async def pick_latencies(target: str, bodies: list[bytes], n: int) -> npt.NDArra
 
 
 def reference_bytes_per_entry(entries: int, pods: int = WARM_PODS, seed: int = 5) -> tuple[float, float]:
-    """Bytes per (block, pod) entry of the previous index layout (``key → {pod: mask}`` dicts plus a per-pod key
-    ``set``) and of :class:`BlockIndex`, both measured with ``tracemalloc`` on the same entries (keys shared by
-    1–3 pods, as the warm plan's conversations)."""
+    """Bytes per (block, pod) entry of the previous index layout (``key → {pod: mask}`` dicts plus a per-pod
+    key ``set``) and of :class:`BlockIndex`, both measured with ``tracemalloc`` on the same entries (keys
+    shared by 1–3 pods, as the warm plan's conversations)."""
     rng = np.random.default_rng(seed)
     keys = rng.integers(0, np.iinfo(np.uint64).max, entries // 2, dtype=np.uint64, endpoint=True)
-    holders = [rng.choice(pods, int(n), replace=False).tolist() for n in rng.choice([1, 2, 3], len(keys), p=[0.7, 0.2, 0.1])]
+    holders = [rng.choice(pods, int(n), replace=False).tolist()
+               for n in rng.choice([1, 2, 3], len(keys), p=[0.7, 0.2, 0.1])]
     names = [f"pod-{i}" for i in range(pods)]
     by_pod: dict[int, list[int]] = {}
     for k, hs in zip(keys.tolist(), holders, strict=True):
@@ -491,21 +520,24 @@ def reference_bytes_per_entry(entries: int, pods: int = WARM_PODS, seed: int = 5
 
 
 def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int = 7) -> dict[str, Any]:
-    """The EPP's index filled through its real subscriber from ``WARM_PODS`` publishing pods, then decisions."""
+    """The EPP's index filled through its real subscriber from ``WARM_PODS`` publishing pods, then
+    decisions."""
     print(f"warm: planning {WARM_PODS} pods, {entries:,} (block, pod) entries", flush=True)
     plan = WarmPlan(seed, entries)
     ports = [(free_port(), free_port()) for _ in range(WARM_PODS)]
     spec = workdir / "warm.json"
     spec.write_text(json.dumps({"seed": seed, "entries": entries, "ports": ports}))
-    helper = subprocess.Popen([sys.executable, "-m", "bench.epp", "--publish", str(spec)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    helper = subprocess.Popen([sys.executable, "-m", "bench.epp", "--publish", str(spec)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).parents[1])
     proc: subprocess.Popen[bytes] | None = None
     try:
         assert helper.stdout is not None and helper.stdin is not None
         if helper.stdout.readline().strip() != "ready":
             raise RuntimeError("publisher process did not start")
         pods = [{"name": f"pod-{i}", "address": "127.0.0.1", "port": 20000 + i,
-                 "events": f"tcp://127.0.0.1:{a}", "replay": f"tcp://127.0.0.1:{b}"} for i, (a, b) in enumerate(ports)]
+                 "events": f"tcp://127.0.0.1:{a}", "replay": f"tcp://127.0.0.1:{b}"}
+                for i, (a, b) in enumerate(ports)]
         proc, grpc_port, metrics_port = start_epp(workdir, pods, recompute_keys=False)
         time.sleep(2.0)  # the subscriber's SUB sockets join (and ask each pod's replay endpoint from 0)
         rss0 = rss_mb(proc.pid)
@@ -519,10 +551,12 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
             line = helper.stdout.readline() if published < 0 else ""
             if line.startswith("published"):
                 published = int(line.split()[1])
-                print(f"warm: {published:,} entries published in {float(line.split()[2]):.1f} s", flush=True)
+                print(f"warm: {published:,} entries published in {float(line.split()[2]):.1f} s",
+                      flush=True)
             elif line.startswith("progress"):
                 m = _scrape(metrics_port)
-                print(f"warm: published {int(line.split()[1]):,}, indexed {m.get('kvfleet_epp_index_entries', 0):,.0f}", flush=True)
+                print(f"warm: published {int(line.split()[1]):,}, "
+                      f"indexed {m.get('kvfleet_epp_index_entries', 0):,.0f}", flush=True)
                 continue
             elif published < 0:
                 raise RuntimeError(f"publisher process ended: {line!r}")
@@ -538,29 +572,34 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
         ingest_s = time.perf_counter() - t0
         m = _scrape(metrics_port)
         rss1 = rss_mb(proc.pid)
-        print(f"warm: {seen:,.0f} entries indexed in {ingest_s:.1f} s ({seen / ingest_s:,.0f} blocks/s); table "
-              f"{m['kvfleet_epp_index_bytes'] / seen:.1f} B/entry; EPP RSS {rss0:.0f} → {rss1:.0f} MB", flush=True)
+        print(f"warm: {seen:,.0f} entries indexed in {ingest_s:.1f} s ({seen / ingest_s:,.0f} blocks/s); "
+              f"table {m['kvfleet_epp_index_bytes'] / seen:.1f} B/entry; EPP RSS {rss0:.0f} → {rss1:.0f} MB",
+              flush=True)
         target = f"127.0.0.1:{grpc_port}"
         small, large = plan.prompts_4k(), plan.prompts_220kb()
         c0 = cpu_seconds(proc.pid)
         d4k, e4k = asyncio.run(decisions_per_s(target, small, seconds))
         c1 = cpu_seconds(proc.pid)
         cpu4k = (c1 - c0) / max(1.0, d4k * seconds + 16) * 1e3
-        print(f"warm decisions/s, 4k-token prompts: {d4k:8.0f}  (errors {e4k}); EPP CPU {cpu4k:.2f} ms/decision", flush=True)
+        print(f"warm decisions/s, 4k-token prompts: {d4k:8.0f}  (errors {e4k}); "
+              f"EPP CPU {cpu4k:.2f} ms/decision", flush=True)
         d220, e220 = asyncio.run(decisions_per_s(target, large, seconds))
         cpu220 = (cpu_seconds(proc.pid) - c1) / max(1.0, d220 * seconds + 16) * 1e3
-        print(f"warm decisions/s, 220 KB prompts:  {d220:8.0f}  (errors {e220}); EPP CPU {cpu220:.2f} ms/decision", flush=True)
+        print(f"warm decisions/s, 220 KB prompts:  {d220:8.0f}  (errors {e220}); "
+              f"EPP CPU {cpu220:.2f} ms/decision", flush=True)
         m2 = _scrape(metrics_port)
-        hit = (m2["kvfleet_epp_predicted_hit_tokens_total"] - m["kvfleet_epp_predicted_hit_tokens_total"]) / max(
+        hit = (m2["kvfleet_epp_predicted_hit_tokens_total"]
+               - m["kvfleet_epp_predicted_hit_tokens_total"]) / max(
             1.0, m2["kvfleet_epp_prompt_tokens_total"] - m["kvfleet_epp_prompt_tokens_total"])
         lat = asyncio.run(pick_latencies(target, small, n_lat))
         lat220 = asyncio.run(pick_latencies(target, large, max(20, n_lat // 10)))
-        print(f"warm pick, one at a time: 4k p50 {np.percentile(lat, 50):.2f} ms, p99 {np.percentile(lat, 99):.2f} ms; "
+        print(f"warm pick, one at a time: 4k p50 {np.percentile(lat, 50):.2f} ms, "
+              f"p99 {np.percentile(lat, 99):.2f} ms; "
               f"220 KB p50 {np.percentile(lat220, 50):.2f} ms; predicted hit ratio {hit:.3f}", flush=True)
         rss2 = rss_mb(proc.pid)
         ref = reference_bytes_per_entry(min(entries, 1_000_000))
-        print(f"index bytes per entry (tracemalloc, same 1M entries): dict-of-dicts {ref[0]:.0f}, table {ref[1]:.1f} "
-              f"({ref[0] / ref[1]:.1f}×)", flush=True)
+        print(f"index bytes per entry (tracemalloc, same 1M entries): dict-of-dicts {ref[0]:.0f}, "
+              f"table {ref[1]:.1f} ({ref[0] / ref[1]:.1f}×)", flush=True)
         return {
             "warm_decisions_per_s_4k": round(d4k, 1),
             "warm_decisions_per_s_220kb": round(d220, 1),

@@ -102,8 +102,9 @@ BLOCK = traces.TRACE_BLOCK
 
 @dataclass(frozen=True)
 class SimConfig:
-    """One simulated cluster (cost model of an 8B model on one H100 per pod: a faster prefill than the product's
-    default profile, :data:`kvfleet.cache.cost.DEFAULT_PREFILL_TOKENS_PER_S`; the rule is the same module's)."""
+    """One simulated cluster (cost model of an 8B model on one H100 per pod: a faster prefill than the
+    product's default profile, :data:`kvfleet.cache.cost.DEFAULT_PREFILL_TOKENS_PER_S`; the rule is the same
+    module's)."""
 
     pods: int = 8
     gpu_blocks: int = 1000
@@ -111,7 +112,8 @@ class SimConfig:
     ssd_blocks: int = 0
     prefill_tokens_per_s: float = 16_000.0
     decode_step_s: float = 0.009
-    #: inter-token latency while decoding in a batch: a stream lasts ``output tokens × itl_s`` after its first token
+    #: inter-token latency while decoding in a batch: a stream lasts ``output tokens × itl_s`` after its first
+    #: token
     itl_s: float = 0.025
     kv_bytes_per_token: int = 131_072
     cpu_gbps: float = 20.0
@@ -167,7 +169,8 @@ class SimPod:
                 break
             hit += 1
         hit_tokens = min(hit * BLOCK, r.tokens)
-        return max(now, self.busy_until) - now + (r.tokens - hit_tokens) / cfg.prefill_tokens_per_s + load + cfg.decode_step_s
+        return (max(now, self.busy_until) - now + (r.tokens - hit_tokens) / cfg.prefill_tokens_per_s + load
+                + cfg.decode_step_s)
 
     def serve(self, r: Req, now: float) -> tuple[float, int, list[tuple[str, list[int], Tier]]]:
         """Queue ``r``; returns (finish time, hit tokens, KV events the pod emits at finish)."""
@@ -216,7 +219,8 @@ class SimPod:
 
     def _spill(self, events: list[tuple[str, list[int], Tier]]) -> None:
         cfg = self.cfg
-        tiers = [(self.gpu, cfg.gpu_blocks, Tier.GPU), (self.cpu, cfg.cpu_blocks, Tier.CPU), (self.ssd, cfg.ssd_blocks, Tier.SSD)]
+        tiers = [(self.gpu, cfg.gpu_blocks, Tier.GPU), (self.cpu, cfg.cpu_blocks, Tier.CPU),
+                 (self.ssd, cfg.ssd_blocks, Tier.SSD)]
         for i, (cache, cap, tier) in enumerate(tiers):
             if len(cache) <= cap:
                 continue
@@ -345,7 +349,8 @@ class GieApproxPrefix(Policy):
 
     def __init__(self, cfg: SimConfig, pods: list[SimPod]) -> None:
         super().__init__(cfg, pods)
-        # the plugin's per-server LRU is sized to the pod's cache (every tier: what an operator would configure)
+        # the plugin's per-server LRU is sized to the pod's cache (every tier: what an operator would
+        # configure)
         self.lru = [_RouterLRU(cfg.gpu_blocks + cfg.cpu_blocks + cfg.ssd_blocks) for _ in pods]
 
     def route(self, r: Req, now: float) -> int:
@@ -415,8 +420,8 @@ class Kvfleet(Policy):
     name = "kvfleet"
 
     def __init__(
-        self, cfg: SimConfig, pods: list[SimPod], plugins: Sequence[PluginSpec], hotspot_beta: float, spec_ttl_s: float,
-        prev: bool = False,
+        self, cfg: SimConfig, pods: list[SimPod], plugins: Sequence[PluginSpec], hotspot_beta: float,
+        spec_ttl_s: float, prev: bool = False,
     ) -> None:
         super().__init__(cfg, pods)
         self.now = 0.0
@@ -426,7 +431,8 @@ class Kvfleet(Policy):
             prefill_tokens_per_s=cfg.prefill_tokens_per_s, kv_bytes_per_token=cfg.kv_bytes_per_token,
             cpu_gbps=cfg.cpu_gbps, ssd_gbps=cfg.ssd_gbps, remote_gbps=cfg.ssd_gbps / 2,
         )
-        settings = EppSettings(plugins=tuple(plugins), hotspot_beta=hotspot_beta, speculative_ttl_s=spec_ttl_s, cost=cost)
+        settings = EppSettings(plugins=tuple(plugins), hotspot_beta=hotspot_beta,
+                               speculative_ttl_s=spec_ttl_s, cost=cost)
         # every pod publishes KV events (the simulation delivers them): picks count as cached for
         # speculative_ttl_s after their first token, not the approximate mode's approximate_ttl_s
         data = {"pools": [{"name": "pool", "models": ["m"], "pods": [
@@ -436,21 +442,23 @@ class Kvfleet(Policy):
         self.index = BlockIndex(clock=clock)
         cls = PrevRouter if prev else Router
         self.router = cls(
-            settings, CacheSettings(block_size=BLOCK), StaticDatastore(data=data), self.index, MetricsStore(clock=clock),
-            load_tokenizer("bytes"), InflightTracker(clock=clock, hot_until_close=prev),
+            settings, CacheSettings(block_size=BLOCK), StaticDatastore(data=data), self.index,
+            MetricsStore(clock=clock), load_tokenizer("bytes"),
+            InflightTracker(clock=clock, hot_until_close=prev),
         )
         self._last: Any = None
         self._next_scrape = 0.0
 
     def scrape(self, now: float) -> None:
-        """The EPP's metrics scrape (every ``SCRAPE_S``, as ``epp.scrape_interval_s``): each pod's waiting and running
-        requests and KV usage, as vLLM reports them, into the router's metrics store."""
+        """The EPP's metrics scrape (every ``SCRAPE_S``, as ``epp.scrape_interval_s``): each pod's waiting and
+        running requests and KV usage, as vLLM reports them, into the router's metrics store."""
         if now < self._next_scrape:
             return
         for name, pod in zip(self.names, self.pods, strict=True):
             waiting, running = pod.waiting_running(now)
             usage = len(pod.gpu) / max(1, self.cfg.gpu_blocks)
-            self.router.metrics.put(name, PodMetrics(waiting=waiting, running=running, kv_usage=usage, scraped_at=now))
+            self.router.metrics.put(name, PodMetrics(waiting=waiting, running=running, kv_usage=usage,
+                                                     scraped_at=now))
         self._next_scrape = now + SCRAPE_S
 
     def route(self, r: Req, now: float) -> int:
@@ -485,19 +493,20 @@ SCRAPE_S = 0.5
 
 
 class KvfleetReplicas(Policy):
-    """``n`` kvfleet pickers behind one gateway (active-active EPP replicas): streams go to them round-robin, as
-    Envoy spreads them; each has its own index, speculative picks and in-flight tickets (its own view of the
-    load); every pod's KV events reach all of them. With ``gossip`` a pick is shared with the others at once
-    (sim time) as a speculative entry for ``GOSSIP_TTL_S``, and every change of a ticket (open, first token,
-    close) as a peer's ticket in their in-flight trackers, as kvfleet/epp/gossip.py does over ZMQ."""
+    """``n`` kvfleet pickers behind one gateway (active-active EPP replicas): streams go to them round-robin,
+    as Envoy spreads them; each has its own index, speculative picks and in-flight tickets (its own view of
+    the load); every pod's KV events reach all of them. With ``gossip`` a pick is shared with the others at
+    once (sim time) as a speculative entry for ``GOSSIP_TTL_S``, and every change of a ticket (open, first
+    token, close) as a peer's ticket in their in-flight trackers, as kvfleet/epp/gossip.py does over ZMQ."""
 
     GOSSIP_TTL_S = 30.0
-    #: a gossip message's delivery delay (sim seconds): a pick or ticket change reaches the other replicas this
-    #: much later (ZMQ on loopback or a LAN takes well under a millisecond; this leaves room for a busy thread)
+    #: a gossip message's delivery delay (sim seconds): a pick or ticket change reaches the other replicas
+    #: this much later (ZMQ on loopback or a LAN takes well under a millisecond; this leaves room for a busy
+    #: thread)
     GOSSIP_DELAY_S = 0.002
 
-    def __init__(self, cfg: SimConfig, pods: list[SimPod], plugins: Sequence[PluginSpec], hotspot_beta: float, spec_ttl_s: float,
-                 n: int, gossip: bool) -> None:
+    def __init__(self, cfg: SimConfig, pods: list[SimPod], plugins: Sequence[PluginSpec], hotspot_beta: float,
+                 spec_ttl_s: float, n: int, gossip: bool) -> None:
         super().__init__(cfg, pods)
         self.reps = [Kvfleet(cfg, pods, plugins, hotspot_beta, spec_ttl_s) for _ in range(n)]
         self.turn = 0
@@ -675,12 +684,13 @@ class Stat:
         return Stat(float(v.mean()), float(v.min()), float(v.max()), half)
 
     def js(self, nd: int = 4) -> dict[str, float]:
-        return {"mean": round(self.mean, nd), "min": round(self.lo, nd), "max": round(self.hi, nd), "ci95": round(self.ci95, nd)}
+        return {"mean": round(self.mean, nd), "min": round(self.lo, nd), "max": round(self.hi, nd),
+                "ci95": round(self.ci95, nd)}
 
 
 #: Student's t 97.5 % quantiles by degrees of freedom (index 0 unused), then the normal value
-_T95 = (0.0, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 1.96)
+_T95 = (0.0, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 1.96)
 
 
 @dataclass
@@ -710,7 +720,8 @@ class Runs:
 
 
 def ideal_hits(reqs: list[Req], capacity: int) -> list[int]:
-    """Each request's hit tokens on one node with one LRU of ``capacity`` blocks, infinite compute, arrival order."""
+    """Each request's hit tokens on one node with one LRU of ``capacity`` blocks, infinite compute, arrival
+    order."""
     lru: OrderedDict[int, None] = OrderedDict()
     out = []
     for r in reqs:
@@ -744,13 +755,14 @@ def utilisation(reqs: list[Req], cfg: SimConfig, hits: Sequence[int] | None = No
 
 
 def load_requests(name: str, limit: int | None, speed: float, offset: int = 0) -> list[Req]:
-    """Rows ``offset … offset + limit`` of a trace, arrivals from the slice's first row, ``speed``× the trace rate."""
+    """Rows ``offset … offset + limit`` of a trace, arrivals from the slice's first row, ``speed``× the trace
+    rate."""
     rows = traces.load(name, None if limit is None else offset + limit)[offset:]
     if not rows:
         raise SystemExit(f"bench.routing: trace {name!r} has no rows from {offset}")
     t0 = rows[0].timestamp_ms
-    return [Req(arrival=(row.timestamp_ms - t0) / 1000.0 / speed, tokens=row.input_length, blocks=list(row.hash_ids),
-                output=row.output_length) for row in rows]
+    return [Req(arrival=(row.timestamp_ms - t0) / 1000.0 / speed, tokens=row.input_length,
+                blocks=list(row.hash_ids), output=row.output_length) for row in rows]
 
 
 def _tokens(rng: random.Random, blocks: int) -> int:
@@ -827,8 +839,8 @@ def multiturn_requests(sessions: int, speed: float, seed: int = 15, itl_s: float
 
 
 def kvfleet_plugins(
-    hit_weight: float = 1.0, load_gain: float = 20.0, kv_weight: float = 0.05, overhead_s: float = 0.009, seed: int = 0,
-    affinity_s: float = 0.02, prev: bool = False,
+    hit_weight: float = 1.0, load_gain: float = 20.0, kv_weight: float = 0.05, overhead_s: float = 0.009,
+    seed: int = 0, affinity_s: float = 0.02, prev: bool = False,
 ) -> list[PluginSpec]:
     return [
         PluginSpec(type="prefix-cache-scorer-prev" if prev else "prefix-cache-scorer", weight=hit_weight,
@@ -892,19 +904,22 @@ def make_policy(name: str, knobs: Knobs) -> Callable[[SimConfig, list[SimPod]], 
         n, gossip = int(m.group(1)), m.group(2) is None
 
         def build_replicas(cfg: SimConfig, pods: list[SimPod]) -> Policy:
-            plugins = kvfleet_plugins(knobs.hit_weight, knobs.load_gain, seed=cfg.seed, affinity_s=knobs.affinity_s)
+            plugins = kvfleet_plugins(knobs.hit_weight, knobs.load_gain, seed=cfg.seed,
+                                      affinity_s=knobs.affinity_s)
             p = KvfleetReplicas(cfg, pods, plugins, knobs.beta, knobs.spec_ttl_s, n, gossip)
             p.name = name
             return p
 
         return build_replicas
     if not is_kvfleet(name):
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join([*peers(), ORACLE, 'kvfleet', 'kvfleet-prev'])} "
+        raise ValueError(f"unknown policy {name!r}; "
+                         f"known: {', '.join([*peers(), ORACLE, 'kvfleet', 'kvfleet-prev'])} "
                          "(each also with -tiered)")
     prev = base == "kvfleet-prev"
 
     def build(cfg: SimConfig, pods: list[SimPod]) -> Policy:
-        plugins = kvfleet_plugins(knobs.hit_weight, knobs.load_gain, seed=cfg.seed, affinity_s=knobs.affinity_s, prev=prev)
+        plugins = kvfleet_plugins(knobs.hit_weight, knobs.load_gain, seed=cfg.seed,
+                                  affinity_s=knobs.affinity_s, prev=prev)
         p = Kvfleet(cfg, pods, plugins, knobs.beta, knobs.spec_ttl_s, prev=prev)
         p.name = name
         return p
@@ -983,9 +998,10 @@ def _best(runs: Sequence[Runs], q: str) -> Runs:
     return min(runs, key=lambda r: r.ttft(q).mean)
 
 
-def replica_figures(configs: Sequence[Config], by_config: Sequence[dict[str, Runs]], n: int) -> dict[str, Any]:
-    """``n`` EPP replicas against one, with and without pick gossip: the lowest hit ratio and the highest TTFT p90
-    ratio over the configs that ran them (paired seeds)."""
+def replica_figures(configs: Sequence[Config], by_config: Sequence[dict[str, Runs]],
+                    n: int) -> dict[str, Any]:
+    """``n`` EPP replicas against one, with and without pick gossip: the lowest hit ratio and the highest TTFT
+    p90 ratio over the configs that ran them (paired seeds)."""
     out: dict[str, Any] = {}
     print(f"\n{n} EPP replicas against one (hit ratio, TTFT p90 ratio; paired seeds):")
     for variant, suffix in (("", ""), ("-nogossip", "_nogossip")):
@@ -999,7 +1015,8 @@ def replica_figures(configs: Sequence[Config], by_config: Sequence[dict[str, Run
             t = many.ttft("p90").mean / max(one.ttft("p90").mean, 1e-9)
             hits.append(h)
             p90s.append(t)
-            print(f"  {c.label:<40} {'gossip' if not variant else 'no gossip':<10} hit × {h:.3f}  p90 × {t:.3f}")
+            print(f"  {c.label:<40} {'gossip' if not variant else 'no gossip':<10} hit × {h:.3f}  "
+                  f"p90 × {t:.3f}")
         if hits:
             out[f"replicas{n}_hit_vs_1{suffix}"] = round(min(hits), 4)
             out[f"replicas{n}_p90_vs_1{suffix}"] = round(max(p90s), 4)
@@ -1017,7 +1034,8 @@ def figures(configs: Sequence[Config], by_config: Sequence[dict[str, Runs]], kv:
         if c.kind == "tiered":
             tiered = runs[f"{kv}-tiered"].ttft("p90").mean
             gpu_peers = [r for n, r in runs.items() if n in peers()]
-            tiered_peers = [r for n, r in runs.items() if n.removesuffix("-tiered") in peers() and n.endswith("-tiered")]
+            tiered_peers = [r for n, r in runs.items()
+                            if n.removesuffix("-tiered") in peers() and n.endswith("-tiered")]
             out["tiered_capacity_gain_p90"] = round(runs[kv].ttft("p90").mean / tiered, 4)
             out["tiered_routing_gain_p90"] = round(_best(tiered_peers, "p90").ttft("p90").mean / tiered, 4)
             out["tiered_routing_gain_p90_at"] = f"{c.label} vs {_best(tiered_peers, 'p90').policy}"
@@ -1035,9 +1053,11 @@ def figures(configs: Sequence[Config], by_config: Sequence[dict[str, Runs]], kv:
             out["multiturn_hit_vs_ideal_spread"] = rel.js()
         if c.kind == "storm":
             orc = runs[ORACLE]
-            out["storm_p90_vs_oracle"] = round(k.group("storm", "p90").mean / orc.group("storm", "p90").mean, 4)
+            out["storm_p90_vs_oracle"] = round(
+                k.group("storm", "p90").mean / orc.group("storm", "p90").mean, 4)
             out["storm_p90_vs_oracle_spread"] = Stat.of(
-                [a.groups["storm"]["p90"] / b.groups["storm"]["p90"] for a, b in zip(k.results, orc.results, strict=True)]).js()
+                [a.groups["storm"]["p90"] / b.groups["storm"]["p90"]
+                 for a, b in zip(k.results, orc.results, strict=True)]).js()
             out["storm_p90_s"] = {n: round(r.group("storm", "p90").mean, 3) for n, r in runs.items()}
         if ORACLE in runs:
             vs_oracle.append((k.ttft("p90").mean / runs[ORACLE].ttft("p90").mean, c.label))
@@ -1045,18 +1065,22 @@ def figures(configs: Sequence[Config], by_config: Sequence[dict[str, Runs]], kv:
             # the best peer on seed-averaged values; the spread from the paired per-seed ratios against it
             best = _best(peer_runs, q)
             ratio = k.ttft(q).mean / best.ttft(q).mean
-            paired = Stat.of([a / b for a, b in zip(k.per_seed(q, nseeds), best.per_seed(q, nseeds), strict=True)])
+            paired = Stat.of([a / b for a, b in zip(k.per_seed(q, nseeds), best.per_seed(q, nseeds),
+                                                    strict=True)])
             ratios.append((ratio, paired, f"{c.label} {q} vs {best.policy}", c.kind))
     if hit_stats:
         worst_hit, worst_hit_at = min(hit_stats, key=lambda x: x[0].mean)
-        out |= {"hit_vs_ideal": round(worst_hit.mean, 4), "hit_vs_ideal_spread": worst_hit.js(), "hit_vs_ideal_at": worst_hit_at}
+        out |= {"hit_vs_ideal": round(worst_hit.mean, 4), "hit_vs_ideal_spread": worst_hit.js(),
+                "hit_vs_ideal_at": worst_hit_at}
     grid = [x for x in ratios if x[3] == "grid"]
     if grid:
         r, paired, at, _ = max(grid, key=lambda x: x[0])
-        out |= {"ttft_vs_best_peer": round(r, 4), "ttft_vs_best_peer_spread": paired.js(), "ttft_vs_best_peer_at": at}
+        out |= {"ttft_vs_best_peer": round(r, 4), "ttft_vs_best_peer_spread": paired.js(),
+                "ttft_vs_best_peer_at": at}
     if ratios:
         r, paired, at, _ = max(ratios, key=lambda x: x[0])
-        out |= {"worst_vs_best_peer": round(r, 4), "worst_vs_best_peer_spread": paired.js(), "worst_vs_best_peer_at": at}
+        out |= {"worst_vs_best_peer": round(r, 4), "worst_vs_best_peer_spread": paired.js(),
+                "worst_vs_best_peer_at": at}
     if vs_oracle:
         r2, at2 = max(vs_oracle)
         out |= {"p90_vs_oracle": round(r2, 4), "p90_vs_oracle_at": at2}
@@ -1064,35 +1088,46 @@ def figures(configs: Sequence[Config], by_config: Sequence[dict[str, Runs]], kv:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="a prefix of each trace, smaller generated workloads, GPU-only grid")
+    ap = argparse.ArgumentParser(prog="python -m bench.routing",
+                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true",
+                    help="a prefix of each trace, smaller generated workloads, GPU-only grid")
     ap.add_argument("--pods", type=int, default=12)
     ap.add_argument("--seeds", type=int, default=0,
-                    help="runs per policy (picker seeds: random tie-breaks), paired across policies; default 8 quick, 12 full")
-    ap.add_argument("--jobs", type=int, default=0, help="worker processes (default: the CPU count, at most 4)")
+                    help="runs per policy (picker seeds: random tie-breaks), paired across policies; "
+                         "default 8 quick, 12 full")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="worker processes (default: the CPU count, at most 4)")
     ap.add_argument("--rho", type=str, default="0.3,0.55,0.8",
                     help="target utilisations of the trace configs (no-cache prefill work ÷ capacity)")
-    ap.add_argument("--storm-rho", type=float, default=0.5, help="utilisation of the storm's background traffic")
+    ap.add_argument("--storm-rho", type=float, default=0.5,
+                    help="utilisation of the storm's background traffic")
     ap.add_argument("--multiturn-rho", type=float, default=1.5,
-                    help="utilisation of the multi-turn workload (no-cache work: at the ideal hit it is ≈ 0.2)")
-    ap.add_argument("--prev", action="store_true", help="also run kvfleet-prev (the scorer and hot-spot counter before issue 15)")
-    ap.add_argument("--only", type=str, default="", help="comma-separated config kinds to run (grid, storm, multiturn, tiered)")
+                    help="utilisation of the multi-turn workload (no-cache work: at the ideal hit it is "
+                         "≈ 0.2)")
+    ap.add_argument("--prev", action="store_true",
+                    help="also run kvfleet-prev (the scorer and hot-spot counter before issue 15)")
+    ap.add_argument("--only", type=str, default="",
+                    help="comma-separated config kinds to run (grid, storm, multiturn, tiered)")
     ap.add_argument("--replicas", type=int, default=3,
-                    help="on the storm and multi-turn configs, also N EPP replicas with and without pick gossip (0: off)")
-    ap.add_argument("--beta", type=float, default=0.1, help="hot-spot decay β of the prefix scorer (the EPP's default)")
+                    help="on the storm and multi-turn configs, also N EPP replicas with and without pick "
+                         "gossip (0: off)")
+    ap.add_argument("--beta", type=float, default=0.1,
+                    help="hot-spot decay β of the prefix scorer (the EPP's default)")
     ap.add_argument("--hit-weight", type=float, default=1.0, help="weight of the prefix-cache scorer")
     ap.add_argument("--load-gain", type=float, default=20.0, help="load_gain of the prefix-cache scorer")
     ap.add_argument("--affinity", type=float, default=0.02, help="affinity_s of the prefix-affinity scorer")
     ap.add_argument("--spec-ttl", type=float, default=10.0, help="speculative index TTL (s)")
     ap.add_argument("--offset", type=str, default="0,0",
-                    help="first row of the conversation,synthetic slices (default 0,0; the held-out check of the "
-                         "weights chosen on rows 0… is --offset 4000,2000)")
+                    help="first row of the conversation,synthetic slices (default 0,0; the held-out check of "
+                         "the weights chosen on rows 0… is --offset 4000,2000)")
     args = ap.parse_args(argv)
     if args.seeds <= 0:
         args.seeds = 8 if args.quick else 12
     if args.jobs <= 0:
         args.jobs = max(1, min(4, os.cpu_count() or 1))
-    limits: dict[str, int | None] = {"conversation": 4000, "synthetic": 2000} if args.quick else {"conversation": None, "synthetic": None}
+    limits: dict[str, int | None] = ({"conversation": 4000, "synthetic": 2000} if args.quick
+                                     else {"conversation": None, "synthetic": None})
     try:
         off_c, off_s = (int(x) for x in args.offset.split(","))
         rhos = tuple(float(x) for x in args.rho.split(","))
@@ -1111,15 +1146,18 @@ def main(argv: list[str] | None = None) -> int:
             for gpu in gpu_sizes:
                 for rho in rhos:
                     cfg = SimConfig(pods=args.pods, gpu_blocks=gpu)
-                    configs.append(Config(at_utilisation(Workload(trace, limits[trace], offsets[trace], 1.0), cfg, rho), cfg, "grid", rho))
+                    configs.append(Config(at_utilisation(Workload(trace, limits[trace], offsets[trace], 1.0),
+                                                         cfg, rho), cfg, "grid", rho))
     for kind, rho in (("storm", args.storm_rho), ("multiturn", args.multiturn_rho)):
         if kind in only:
             cfg = SimConfig(pods=args.pods, gpu_blocks=gpu_sizes[0])
-            configs.append(Config(at_utilisation(Workload(kind, GENERATED_SIZE[kind][size], 0, 1.0), cfg, rho), cfg, kind, rho))
+            configs.append(Config(at_utilisation(Workload(kind, GENERATED_SIZE[kind][size], 0, 1.0), cfg,
+                                                 rho), cfg, kind, rho))
     if "tiered" in only:
         # the tiering headline: the whole synthetic trace at the highest load with small GPU caches
         cfg = SimConfig(pods=args.pods, gpu_blocks=gpu_sizes[1])
-        configs.append(Config(at_utilisation(Workload("synthetic", None, 0, 1.0), cfg, max(rhos)), cfg, "tiered", max(rhos)))
+        configs.append(Config(at_utilisation(Workload("synthetic", None, 0, 1.0), cfg, max(rhos)), cfg,
+                              "tiered", max(rhos)))
     head_seeds = 2 if args.quick else args.seeds
     kvs = ["kvfleet"] + (["kvfleet-prev"] if args.prev else [])
     tasks: list[tuple[Workload, SimConfig, str, Knobs]] = []
@@ -1128,12 +1166,14 @@ def main(argv: list[str] | None = None) -> int:
         if c.kind == "tiered":
             policies = [*peers(), *(f"{p}-tiered" for p in peers()), *kvs, *(f"{k}-tiered" for k in kvs)]
         else:
-            policies = [*peers(), ORACLE, *kvs] + (["kvfleet-tiered"] if not args.quick and c.kind == "grid" else [])
+            policies = [*peers(), ORACLE, *kvs] + (["kvfleet-tiered"] if not args.quick and c.kind == "grid"
+                                                    else [])
             if args.replicas > 1 and c.kind in GENERATED:
                 policies += [f"kvfleet-x{args.replicas}", f"kvfleet-x{args.replicas}-nogossip"]
         for name in policies:
             cl = tiers_of(c.cluster) if name.endswith("-tiered") else c.cluster
-            for k in range(1 if name in DETERMINISTIC else (head_seeds if c.kind == "tiered" else args.seeds)):
+            for k in range(1 if name in DETERMINISTIC
+                           else (head_seeds if c.kind == "tiered" else args.seeds)):
                 tasks.append((c.workload, replace(cl, seed=k), name, knobs))
                 slots.append((ci, name))
     print(f"{len(tasks)} simulations on {args.jobs} processes, {args.seeds} seeds per policy", flush=True)
@@ -1155,8 +1195,10 @@ def main(argv: list[str] | None = None) -> int:
         groups = sorted({g for r in runs.values() for g in r.results[0].groups})
         print(f"\n{c.label}{' (tiering headline)' if c.kind == 'tiered' else ''}: {len(reqs)} req"
               f"{f' from row {w.offset}' if w.trace not in GENERATED else ''} at ×{w.speed:g}, ρ {rho:.2f} "
-              f"(ρ at the ideal hit {rho_ideal:.2f}), ideal hit {ideal:.3f}; mean [min–max] over {nseeds} seeds")
-        print(f"  {'policy':<28} {'hit':>6} {'/ideal':>7} {'[min–max]':>13} {'p50':>7} {'mean':>7} {'p90':>7} {'p99':>7} "
+              f"(ρ at the ideal hit {rho_ideal:.2f}), ideal hit {ideal:.3f}; "
+              f"mean [min–max] over {nseeds} seeds")
+        print(f"  {'policy':<28} {'hit':>6} {'/ideal':>7} {'[min–max]':>13} "
+              f"{'p50':>7} {'mean':>7} {'p90':>7} {'p99':>7} "
               f"{'p90/orc':>7} {'max/mean':>8}" + "".join(f"  {g} p50/p90/p99" for g in groups))
         orc = runs.get(ORACLE)
         for name, run in runs.items():
@@ -1164,7 +1206,8 @@ def main(argv: list[str] | None = None) -> int:
             rel = Stat.of([r.hit_rate / ideal if ideal > 0 else 1.0 for r in run.results])
             tt = {q: run.ttft(q) for q in ("p50", "mean", "p90", "p99")}
             vs = f"{tt['p90'].mean / orc.ttft('p90').mean:7.3f}" if orc is not None else f"{'':>7}"
-            extra = "".join(f"  {run.group(g, 'p50').mean:.2f}/{run.group(g, 'p90').mean:.2f}/{run.group(g, 'p99').mean:.2f}"
+            extra = "".join(f"  {run.group(g, 'p50').mean:.2f}/{run.group(g, 'p90').mean:.2f}"
+                            f"/{run.group(g, 'p99').mean:.2f}"
                             for g in groups)
             print(f"  {name:<28} {h.mean:6.3f} {rel.mean:7.3f} {f'[{rel.lo:.3f}–{rel.hi:.3f}]':>13} "
                   + " ".join(f"{tt[q].mean:7.3f}" for q in tt) + f" {vs} {run.load():8.2f}" + extra)
@@ -1181,7 +1224,8 @@ def main(argv: list[str] | None = None) -> int:
     summary |= {
         "rho": utils,
         "configs": sum(1 for c in configs if c.kind == "grid"),
-        "requests_per_config": {c.workload.trace: len(_requests(c.workload)) for c in configs if c.kind != "tiered"},
+        "requests_per_config": {c.workload.trace: len(_requests(c.workload)) for c in configs
+                                if c.kind != "tiered"},
         "offset": args.offset,
         "seeds": args.seeds,
         "seconds": round(time.perf_counter() - t_start, 1),

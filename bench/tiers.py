@@ -61,7 +61,13 @@ import numpy as np  # noqa: E402
 from kvfleet.agent.codecs import get_codec, warm_up  # noqa: E402
 from kvfleet.agent.tiers import TierManager  # noqa: E402
 from kvfleet.cache.tiers import Tier  # noqa: E402
-from kvfleet.config.tiers import MemoryTierSpec, ModelProfile, RemoteTierSpec, SsdTierSpec, TierSettings  # noqa: E402
+from kvfleet.config.tiers import (  # noqa: E402
+    MemoryTierSpec,
+    ModelProfile,
+    RemoteTierSpec,
+    SsdTierSpec,
+    TierSettings,
+)
 
 GiB = 1 << 30
 
@@ -78,7 +84,8 @@ def _blocks(n: int, nbytes: int) -> list[np.ndarray]:
     return out
 
 
-def _settings(root: Path, cpu_bytes: int, gpu: MemoryTierSpec | None = None, direct: bool = True) -> TierSettings:
+def _settings(root: Path, cpu_bytes: int, gpu: MemoryTierSpec | None = None,
+              direct: bool = True) -> TierSettings:
     return TierSettings(
         gpu=gpu or MemoryTierSpec(enabled=False),
         cpu=MemoryTierSpec(capacity_bytes=cpu_bytes, high_watermark=0.9, low_watermark=0.5),
@@ -155,7 +162,8 @@ def migrations(root: Path, blocks: list[np.ndarray], direct: bool) -> tuple[floa
 
 
 def migration_figures(root: Path, blocks: list[np.ndarray], direct: bool) -> dict[str, float]:
-    """Tier moves and the raw baseline of the same I/O mode: raw before and after, the faster of each counts."""
+    """Tier moves and the raw baseline of the same I/O mode: raw before and after, the faster of each
+    counts."""
     total = sum(b.nbytes for b in blocks)
     raw_w, raw_r = raw_write_read(root / "ssd" / "raw.bin", blocks, direct)
     demote_s, promote_s = migrations(root, blocks, direct)
@@ -171,7 +179,8 @@ def migration_figures(root: Path, blocks: list[np.ndarray], direct: bool) -> dic
     }
 
 
-def codec_gbps(name: str, data: np.ndarray, reps: int, kernels: bool | None = None, cpu: bool = False) -> float:
+def codec_gbps(name: str, data: np.ndarray, reps: int, kernels: bool | None = None,
+               cpu: bool = False) -> float:
     """Best of ``reps`` encode+decode; ``kernels=False`` the numpy path; ``cpu`` in thread CPU time."""
     codec = get_codec(name) if kernels is None else get_codec(name, kernels=kernels)
     clock = time.thread_time if cpu else time.perf_counter
@@ -217,7 +226,8 @@ def step_loop(root: Path, steps: int, block_bytes: int, gpu_blocks: int) -> list
     large one nothing moves. The large tier's slots are written once before the loop, so that its
     steps do not pay first-touch page faults the small tier's reused slots never pay.
     """
-    s = _settings(root, cpu_bytes=8 * block_bytes, gpu=MemoryTierSpec(capacity_bytes=gpu_blocks * block_bytes))
+    s = _settings(root, cpu_bytes=8 * block_bytes,
+                  gpu=MemoryTierSpec(capacity_bytes=gpu_blocks * block_bytes))
     m = TierManager(s)
     blocks = _blocks(8, block_bytes)
     a = np.random.default_rng(1).standard_normal((128, 128)).astype(np.float32)
@@ -251,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (under a minute)")
     ap.add_argument("--dir", default=None, help="directory for the ssd tier (default: a temp dir)")
     args = ap.parse_args(argv)
-    n_blocks, block_bytes, codec_mb, steps = (96, 1 << 20, 32, 1000) if args.quick else (512, 2 << 20, 128, 5000)
+    n_blocks, block_bytes, codec_mb, steps = ((96, 1 << 20, 32, 1000) if args.quick
+                                              else (512, 2 << 20, 128, 5000))
     root = Path(tempfile.mkdtemp(prefix="kvfleet-bench-tiers-", dir=args.dir))
     result: dict[str, Any] = {"bench": "tiers", "quick": args.quick}
     try:
@@ -262,9 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         for direct in (True, False):
             fig = migration_figures(root, blocks, direct)
             suffix = "" if direct else "_buffered"
-            result.update({k.replace("_gbps", f"{suffix}_gbps") if k.endswith("_gbps") else k + suffix: v for k, v in fig.items()})
-            print(f"migration ({'O_DIRECT, the default' if direct else 'buffered: page cache'}): demote {fig['demote_gbps']} GB/s "
-                  f"vs raw write {fig['raw_write_gbps']} GB/s (x{fig['demote_ratio']}); promote {fig['promote_gbps']} GB/s "
+            result.update({k.replace("_gbps", f"{suffix}_gbps") if k.endswith("_gbps") else k + suffix: v
+                           for k, v in fig.items()})
+            print(f"migration ({'O_DIRECT, the default' if direct else 'buffered: page cache'}): "
+                  f"demote {fig['demote_gbps']} GB/s vs raw write {fig['raw_write_gbps']} GB/s "
+                  f"(x{fig['demote_ratio']}); promote {fig['promote_gbps']} GB/s "
                   f"vs raw read {fig['raw_read_gbps']} GB/s (x{fig['promote_ratio']})", file=sys.stderr)
         shutil.rmtree(root / "ssd")
 
@@ -278,16 +291,18 @@ def main(argv: list[str] | None = None) -> int:
         result["fp8_cpu_gbps"] = round(codec_gbps("fp8_e4m3", data, 5, cpu=True), 3)
         result["fp8_numpy_gbps"] = round(codec_gbps("fp8_e4m3", data, 5, kernels=False), 3)
         print(f"codecs (encode+decode, one thread, {'kernels' if result['codec_kernels'] else 'numpy'}): fp8 "
-              f"{result['fp8_gbps']} GB/s ({result['fp8_into_gbps']} into preallocated outputs, {result['fp8_cpu_gbps']} "
-              f"per CPU second; numpy {result['fp8_numpy_gbps']}), int8 {result['int8_gbps']}, "
-              f"int4 {result['int4_gbps']}; memcpy {result['memcpy_gbps']} GB/s", file=sys.stderr)
+              f"{result['fp8_gbps']} GB/s ({result['fp8_into_gbps']} into preallocated outputs, "
+              f"{result['fp8_cpu_gbps']} per CPU second; numpy {result['fp8_numpy_gbps']}), "
+              f"int8 {result['int8_gbps']}, int4 {result['int4_gbps']}; memcpy {result['memcpy_gbps']} GB/s",
+              file=sys.stderr)
 
         idle: list[list[float]] = []
         busy: list[list[float]] = []
         for _ in range(5):  # interleaved rounds; the median round's p99 shrugs off a stall from elsewhere
             idle.append(step_loop(root, steps // 5, 256 << 10, gpu_blocks=4 * steps))
             busy.append(step_loop(root, steps // 5, 256 << 10, gpu_blocks=8))
-        p99_idle, p99_busy = (float(np.median([np.percentile(np.array(r) * 1e3, 99) for r in rounds])) for rounds in (idle, busy))
+        p99_idle, p99_busy = (float(np.median([np.percentile(np.array(r) * 1e3, 99) for r in rounds]))
+                              for rounds in (idle, busy))
         result.update(
             step_p50_ms=round(float(np.median(np.concatenate(idle))) * 1e3, 3),
             step_p50_demoting_ms=round(float(np.median(np.concatenate(busy))) * 1e3, 3),
@@ -295,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             step_p99_demoting_ms=round(p99_busy, 3),
             step_p99_delta_ms=round(p99_busy - p99_idle, 3),
         )
-        print(f"step loop: p99 {p99_idle:.2f} ms idle, {p99_busy:.2f} ms with full-speed demotion", file=sys.stderr)
+        print(f"step loop: p99 {p99_idle:.2f} ms idle, {p99_busy:.2f} ms with full-speed demotion",
+              file=sys.stderr)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(result))

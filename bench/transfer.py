@@ -135,7 +135,8 @@ _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 
 
 def _raw_first_block(sock: socket.socket, arena: memoryview, n: int) -> tuple[float, float]:
-    """Request the whole batch; (first byte, last byte) of block 0 after the request; drain the rest untimed."""
+    """Request the whole batch; (first byte, last byte) of block 0 after the request; drain the rest
+    untimed."""
     view = arena[:BLOCK]
     if _QUICKACK is not None:  # what kvfleet's receiver does before each block
         sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
@@ -153,11 +154,13 @@ def _raw_first_block(sock: socket.socket, arena: memoryview, n: int) -> tuple[fl
     return t_first, t_last
 
 
-def _mooncake_batch(engine: mooncake.MooncakeEngine, info: dict[str, Any], arena_addr: int, n: int) -> float:
+def _mooncake_batch(engine: mooncake.MooncakeEngine, info: dict[str, Any], arena_addr: int,
+                    n: int) -> float:
     """Mooncake TE's own TCP transport: one batched read of the whole batch, no kvfleet in the path."""
     t = time.perf_counter()
     rc = engine._te.batch_transfer_sync_read(
-        info["mc_rpc"], [arena_addr + i * BLOCK for i in range(n)], [info["mc_addr"] + i * BLOCK for i in range(n)], [BLOCK] * n
+        info["mc_rpc"], [arena_addr + i * BLOCK for i in range(n)],
+        [info["mc_addr"] + i * BLOCK for i in range(n)], [BLOCK] * n
     )
     if rc != 0:
         raise RuntimeError(f"mooncake batch read failed (rc={rc})")
@@ -168,7 +171,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     n, reps = int(args.blocks), int(args.reps)
     shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
     child = subprocess.Popen(
-        [sys.executable, "-m", "bench.transfer", "--role", "sender", "--blocks", str(n), "--shm-dir", shm_dir],
+        [sys.executable, "-m", "bench.transfer", "--role", "sender", "--blocks", str(n),
+         "--shm-dir", shm_dir],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -189,14 +193,16 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         def alloc(seq: int, _h: object, length: int) -> memoryview:
             return arena[seq * BLOCK : seq * BLOCK + length]
 
-        settings = TransferSettings(host_id="bench-host", shm_dir=shm_dir, window_blocks=8, streams=4, backends=BACKENDS)
+        settings = TransferSettings(host_id="bench-host", shm_dir=shm_dir, window_blocks=8, streams=4,
+                                    backends=BACKENDS)
         client = TransferClient(SECRET, settings=settings)
         unkeyed = TransferClient(SECRET, settings=replace(settings, payload_mac=False))
         peer = (HOST, ports["port"])
 
         async def run(backend: str, streams: int, keyed: bool = True) -> tuple[float, float]:
             t = time.perf_counter()
-            handle = (client if keyed else unkeyed).pull(peer, hashes, alloc=alloc, backends=[backend], streams=streams)
+            handle = (client if keyed else unkeyed).pull(peer, hashes, alloc=alloc, backends=[backend],
+                                                         streams=streams)
             count = 0
             async for _b in handle:
                 count += 1
@@ -219,14 +225,16 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(reps):
             raw_s.append(_raw_batch(raw, arena, n))
             for backend, streams in configs:
-                results[f"{backend}{streams}" if backend == "tcp" else backend].append((await run(backend, streams))[0])
+                results[f"{backend}{streams}" if backend == "tcp" else backend].append(
+                    (await run(backend, streams))[0])
             results["tcp1_unkeyed"].append((await run("tcp", 1, keyed=False))[0])
             t = time.perf_counter()
             for i in range(n):  # the receiver's per-block SHA-256, alone on one core
                 hashlib.sha256(arena[i * BLOCK : (i + 1) * BLOCK]).digest()
             sha_s.append(time.perf_counter() - t)
         async def run_in_thread(keyed: bool = True) -> float:
-            """on_block in the receiving I/O thread: block 0 reaches the consumer without an event-loop hop."""
+            """on_block in the receiving I/O thread: block 0 reaches the consumer without an event-loop
+            hop."""
             count = 0
 
             def on_block(_b: object) -> None:
@@ -240,7 +248,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
             assert count == n, handle.exception()
             return handle.stats.first_block_s or 0.0
 
-        # first block: one stream, warm connection, the whole batch requested; next to raw block 0 of a whole batch
+        # first block: one stream, warm connection, the whole batch requested; next to raw block 0 of a
+        # whole batch
         await run_in_thread()  # warm-up
         await run_in_thread(keyed=False)
         one_block_s: list[float] = []
@@ -300,22 +309,28 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     print(f"batch: {n} blocks × {BLOCK >> 20} MiB = {n * BLOCK >> 20} MiB, best of {reps}")
     print(f"raw socket pair     {raw_gbps:6.2f} GB/s (median {gb / statistics.median(raw_s):.2f})")
     for s in (1, 2, 4):
-        print(f"kvfleet tcp x{s}      {tcp[s]:6.2f} GB/s (median {gb / statistics.median(results[f'tcp{s}']):.2f})  "
+        print(f"kvfleet tcp x{s}      {tcp[s]:6.2f} GB/s "
+              f"(median {gb / statistics.median(results[f'tcp{s}']):.2f})  "
               f"ratio {tcp[s] / raw_gbps:.2f}")
     unkeyed_gbps = gbps(results["tcp1_unkeyed"])
-    print(f"kvfleet tcp x1, payload_mac off {unkeyed_gbps:6.2f} GB/s (median {gb / statistics.median(results['tcp1_unkeyed']):.2f})  "
+    print(f"kvfleet tcp x1, payload_mac off {unkeyed_gbps:6.2f} GB/s "
+          f"(median {gb / statistics.median(results['tcp1_unkeyed']):.2f})  "
           f"MAC'd / unkeyed {tcp[1] / unkeyed_gbps:.2f}; SHA-256 on one core {gbps(sha_s):.2f} GB/s")
-    print(f"kvfleet shm         {gbps(results['shm']):6.2f} GB/s (median {gb / statistics.median(results['shm']):.2f})  "
+    print(f"kvfleet shm         {gbps(results['shm']):6.2f} GB/s "
+          f"(median {gb / statistics.median(results['shm']):.2f})  "
           f"vs memcpy {gbps(memcpy_s):.2f} GB/s: ratio {gbps(results['shm']) / gbps(memcpy_s):.2f}")
     mc_gbps = round(gbps(mc_s), 3) if mc_s else None
     kv_mc = round(gbps(results["mooncake"]), 3) if "mooncake" in results else None
     if mc_s:
-        print(f"mooncake TE tcp     {gbps(mc_s):6.2f} GB/s (its own batched read); kvfleet over mooncake {kv_mc:.2f} GB/s")
+        print(f"mooncake TE tcp     {gbps(mc_s):6.2f} GB/s (its own batched read); "
+              f"kvfleet over mooncake {kv_mc:.2f} GB/s")
     else:
         print("mooncake TE         not importable here")
-    print(f"raw block 0: first byte {fb_byte * 1e3:.2f} ms, last byte {one * 1e3:.2f} ms (median of {len(first)})")
-    print(f"first block in I/O thread {fb * 1e3:.2f} ms (x{fb / one:.2f}); via event loop {fb_loop * 1e3:.2f} ms "
-          f"(x{fb_loop / one:.2f}); whole batch {whole_tcp1 * 1e3:.1f} ms (first/whole {fb / whole_tcp1:.3f})")
+    print(f"raw block 0: first byte {fb_byte * 1e3:.2f} ms, last byte {one * 1e3:.2f} ms "
+          f"(median of {len(first)})")
+    print(f"first block in I/O thread {fb * 1e3:.2f} ms (x{fb / one:.2f}); "
+          f"via event loop {fb_loop * 1e3:.2f} ms (x{fb_loop / one:.2f}); "
+          f"whole batch {whole_tcp1 * 1e3:.1f} ms (first/whole {fb / whole_tcp1:.3f})")
     print(f"first block in I/O thread, payload_mac off {fb_unkeyed * 1e3:.2f} ms (x{fb_unkeyed / one:.2f})")
     return {
         "bench": "transfer",
@@ -358,7 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repetitions (finishes well within 60 s)")
     p.add_argument("--blocks", type=int, default=128, help="blocks per batch (128 × 2 MiB = 256 MiB)")
-    p.add_argument("--reps", type=int, default=0, help="timed runs per configuration (default 3 quick, 7 full)")
+    p.add_argument("--reps", type=int, default=0,
+                   help="timed runs per configuration (default 3 quick, 7 full)")
     p.add_argument("--role", choices=["receiver", "sender"], default="receiver", help=argparse.SUPPRESS)
     p.add_argument("--shm-dir", default="/dev/shm", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -31,22 +31,27 @@ class RunningEngine:
     host_port: str
     runner: web.AppRunner
 
-    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+    async def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any, dict[str, str]]:
         async with aiohttp.ClientSession() as s, s.post(self.url + path, json=body, headers=headers) as r:
             data = await r.json(content_type=None)
             return r.status, data, dict(r.headers)
 
     async def call(
-        self, method: str, path: str, body: Any = None, headers: Any = None, *, signed: bool = False, secret: bytes = SECRET
+        self, method: str, path: str, body: Any = None, headers: Any = None, *, signed: bool = False,
+        secret: bytes = SECRET,
     ) -> tuple[int, Any, str]:
-        """One request with a JSON body (or none); ``signed`` adds the peer signature. Returns status, JSON, raw text."""
+        """One request with a JSON body (or none); ``signed`` adds the peer signature. Returns status, JSON,
+        raw text."""
         raw = b"" if body is None else json.dumps(body).encode()
         hdrs: Any = headers if headers is not None else {}
         if signed:
             hdrs = {**hdrs, **sign_request(secret, method, path, raw)}
         if body is not None and isinstance(hdrs, dict):
             hdrs = {"Content-Type": "application/json", **hdrs}
-        async with aiohttp.ClientSession() as s, s.request(method, self.url + path, data=raw, headers=hdrs) as r:
+        async with (aiohttp.ClientSession() as s,
+                    s.request(method, self.url + path, data=raw, headers=hdrs) as r):
             text = await r.text()
             try:
                 data = json.loads(text)
@@ -69,7 +74,9 @@ async def make_engine() -> AsyncIterator[EngineFactory]:
     """Start engines with ``engine`` setting overrides; all are stopped at teardown."""
     started: list[RunningEngine] = []
 
-    async def start(cache: dict[str, Any] | None = None, sections: dict[str, Any] | None = None, **engine: Any) -> RunningEngine:
+    async def start(
+        cache: dict[str, Any] | None = None, sections: dict[str, Any] | None = None, **engine: Any
+    ) -> RunningEngine:
         port = free_port()
         overrides: dict[str, Any] = {
             "engine": {

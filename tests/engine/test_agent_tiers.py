@@ -47,7 +47,8 @@ def tee(eng: RunningEngine) -> list[AnyEvent]:
 
 
 async def complete(eng: RunningEngine, prompt: list[int], max_tokens: int = 5) -> dict[str, Any]:
-    st, body, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+    st, body, _ = await eng.post("/v1/completions",
+                                 {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
     assert st == 200, body
     out: dict[str, Any] = body
     return out
@@ -63,7 +64,8 @@ async def metrics(eng: RunningEngine) -> dict[tuple[str, str], float]:
     """``(sample name, tier label)`` → value, from the engine's ``/metrics``."""
     async with aiohttp.ClientSession() as s, s.get(eng.url + "/metrics") as r:
         text = await r.text()
-    return {(x.name, x.labels.get("tier", "")): x.value for f in text_string_to_metric_families(text) for x in f.samples}
+    return {(x.name, x.labels.get("tier", "")): x.value
+            for f in text_string_to_metric_families(text) for x in f.samples}
 
 
 PROMPT = list(range(5000, 5000 + 320))  # 20 blocks
@@ -87,7 +89,8 @@ async def test_demoted_blocks_come_back_from_the_agent_cpu_tier(make_engine: Eng
 
 
 async def test_a_lossy_cpu_codec_changes_the_answer(make_engine: EngineFactory) -> None:
-    eng = await make_engine(num_gpu_blocks=48, tiers={"cpu_blocks": 64}, sections={"tiers": {"cpu": {"codec": "int4"}}})
+    eng = await make_engine(num_gpu_blocks=48, tiers={"cpu_blocks": 64},
+                            sections={"tiers": {"cpu": {"codec": "int4"}}})
     first = await complete(eng, PROMPT)
     await push_out(eng)
     again = await complete(eng, PROMPT)
@@ -102,7 +105,8 @@ async def test_reset_empties_the_tiers_with_the_blocks_recovered_at_start(
     eng = await make_engine(num_gpu_blocks=48, tiers=tiers)
     await complete(eng, PROMPT)
     await push_out(eng)
-    await asyncio.to_thread(eng.server.kv.close)  # the first engine's tiers close (its writes land); its SSD blocks stay
+    # the first engine's tiers close (its writes land); its SSD blocks stay
+    await asyncio.to_thread(eng.server.kv.close)
     eng = await make_engine(num_gpu_blocks=48, tiers=tiers)
     agent = eng.server.kv.tiers
     assert isinstance(agent, AgentTiers)
@@ -112,14 +116,18 @@ async def test_reset_empties_the_tiers_with_the_blocks_recovered_at_start(
     st, out, _ = await eng.call("POST", "/kvfleet/v1/reset", signed=True)
     assert st == 200, out
     assert agent.mgr.blocks_in(agent.top) == 0
-    assert len([h for e in seen if isinstance(e, BlockRemoved) and e.medium == "SSD" for h in e.block_hashes]) == held
+    assert len([h for e in seen if isinstance(e, BlockRemoved) and e.medium == "SSD"
+                for h in e.block_hashes]) == held
     again = await complete(eng, PROMPT)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 @pytest.mark.timeout(30)
-async def test_events_of_writes_landing_on_ssd_are_published_while_idle(make_engine: EngineFactory, tmp_path: Path) -> None:
-    eng = await make_engine(num_gpu_blocks=48, tiers={"cpu_blocks": 0, "ssd_dir": str(tmp_path), "ssd_blocks": 256})
+async def test_events_of_writes_landing_on_ssd_are_published_while_idle(
+    make_engine: EngineFactory, tmp_path: Path
+) -> None:
+    eng = await make_engine(num_gpu_blocks=48,
+                            tiers={"cpu_blocks": 0, "ssd_dir": str(tmp_path), "ssd_blocks": 256})
     published: list[AnyEvent] = []
     publish = eng.server.flush_events
 
@@ -137,9 +145,11 @@ async def test_events_of_writes_landing_on_ssd_are_published_while_idle(make_eng
     def on_ssd() -> int:
         return sum(len(e.block_hashes) for e in published if isinstance(e, BlockStored) and e.medium == "SSD")
 
-    assert await eventually(lambda: on_ssd() >= 20, "the SSD writes published with no request running", timeout_s=10)
+    assert await eventually(lambda: on_ssd() >= 20, "the SSD writes published with no request running",
+                            timeout_s=10)
     # an event a tier thread adds while no request runs (as the writer does) goes out on its own
     late = stored([12345], None, list(range(16)), 16, "SSD")
     threading.Thread(target=eng.server.events, args=(late,)).start()
-    assert await eventually(lambda: late in published, "an event added by another thread published while idle", timeout_s=5)
+    assert await eventually(lambda: late in published,
+                            "an event added by another thread published while idle", timeout_s=5)
     eng.server.flush_events = publish  # type: ignore[method-assign]

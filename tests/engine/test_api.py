@@ -32,7 +32,8 @@ async def test_completion_reports_cached_prefix_on_repeat(make_engine: EngineFac
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     # A prompt that shares only the first 40 tokens hits two full blocks.
-    st, other, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": prompt[:40] + [7] * 30, "max_tokens": 4})
+    st, other, _ = await eng.post("/v1/completions",
+                                  {"model": MODEL, "prompt": prompt[:40] + [7] * 30, "max_tokens": 4})
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
 
 
@@ -41,7 +42,8 @@ async def test_text_prompt_is_byte_tokenized_and_salt_separates_caches(make_engi
     text = "x" * 40
     _, a, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
     assert a["usage"]["prompt_tokens"] == 40
-    _, b, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1, "cache_salt": "tenant-a"})
+    _, b, _ = await eng.post("/v1/completions",
+                             {"model": MODEL, "prompt": text, "max_tokens": 1, "cache_salt": "tenant-a"})
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     _, c, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
     assert c["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
@@ -49,7 +51,8 @@ async def test_text_prompt_is_byte_tokenized_and_salt_separates_caches(make_engi
 
 async def test_chat_stream_sse_framing(make_engine: EngineFactory) -> None:
     eng = await make_engine()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": True, "max_tokens": 3}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": True,
+            "max_tokens": 3}
     async with aiohttp.ClientSession() as s, s.post(eng.url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200
         assert r.headers["Content-Type"].startswith("text/event-stream")
@@ -101,7 +104,8 @@ async def test_errors_are_openai_shaped(make_engine: EngineFactory) -> None:
         ({"model": MODEL, "prompt": "a", "min_p": 1.5}, 400, "min_p"),
         ({"model": MODEL, "prompt": "a", "presence_penalty": 3}, 400, "presence_penalty"),
         ({"model": MODEL, "prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "a"}], "frequency_penalty": -9}, 400, "frequency_penalty"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "a"}], "frequency_penalty": -9}, 400,
+         "frequency_penalty"),
     ]
     for body, status, param in cases:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -111,12 +115,14 @@ async def test_errors_are_openai_shaped(make_engine: EngineFactory) -> None:
     st, data, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": "a", "temperature": -1})
     assert data["error"]["message"] == "temperature must be non-negative, got -1."  # vLLM's words
     # The engine keeps serving after bad input; valid sampling values (and nulls) are accepted.
-    st, _, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 1, "temperature": 0,
-                                                  "top_p": 1, "top_k": -1, "n": 1, "min_p": None})
+    st, _, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 1,
+                                                  "temperature": 0, "top_p": 1, "top_k": -1, "n": 1,
+                                                  "min_p": None})
     assert st == 200
 
 
 async def test_prompt_larger_than_the_kv_pool_is_rejected(make_engine: EngineFactory) -> None:
     eng = await make_engine(num_gpu_blocks=4)
-    st, data, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": list(range(100)), "max_tokens": 1})
+    st, data, _ = await eng.post("/v1/completions",
+                                 {"model": MODEL, "prompt": list(range(100)), "max_tokens": 1})
     assert st == 400 and "KV blocks" in data["error"]["message"]

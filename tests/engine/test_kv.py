@@ -1,4 +1,5 @@
-"""The simulator's KV: deterministic block bytes, GPU → CPU → SSD demotion into the agent's tiers, promotion, SSD restart.
+"""The simulator's KV: deterministic block bytes, GPU → CPU → SSD demotion into the agent's tiers, promotion,
+SSD restart.
 
 Covers: ``project_block`` is a pure function of (tokens, parent); reclaimed GPU
 blocks are demoted into the node agent's tier manager (BlockRemoved GPU,
@@ -46,8 +47,8 @@ def make_kv() -> Iterator[KVFactory]:
     """EngineKVs with ``engine.tiers`` (and top-level ``tiers``) overrides; closed at teardown."""
     made: list[EngineKV] = []
 
-    def make(events: list[AnyEvent] | None = None, num_gpu_blocks: int = 8, sections: dict[str, Any] | None = None,
-             **tiers: object) -> EngineKV:
+    def make(events: list[AnyEvent] | None = None, num_gpu_blocks: int = 8,
+             sections: dict[str, Any] | None = None, **tiers: object) -> EngineKV:
         s = load(None, {"engine": {"num_gpu_blocks": num_gpu_blocks, "tiers": tiers}, **(sections or {})})
         sink = events.append if events is not None else (lambda e: None)
         below = open_tiers(s.engine, s.cache.block_size, s.tiers, sink=sink)
@@ -157,7 +158,8 @@ def slot_offsets(slab: Path) -> list[int]:
     """Offsets of the records in a slab file (file header, then slots; a used slot starts with the magic)."""
     raw = slab.read_bytes()
     slot_bytes, slots = struct.unpack_from("<QQ", raw, 8)
-    return [4096 + i * slot_bytes for i in range(slots) if raw[4096 + i * slot_bytes : 4100 + i * slot_bytes] == b"KVFB"]
+    return [4096 + i * slot_bytes for i in range(slots)
+            if raw[4096 + i * slot_bytes : 4100 + i * slot_bytes] == b"KVFB"]
 
 
 def flip_payload_byte(slab: Path, offset: int) -> None:
@@ -193,7 +195,8 @@ def test_ssd_tier_survives_a_restart_and_drops_corrupt_records(make_kv: KVFactor
     again = make_kv(events, cpu_blocks=0, ssd_dir=str(tmp_path), ssd_blocks=64)
     tiers = agent(again)
     assert counter(tiers, "reindexed", "ssd") == 3
-    assert counter(tiers, "dropped", "ssd", "corrupt") == 1 and counter(tiers, "dropped", "ssd", "foreign") == 1
+    assert (counter(tiers, "dropped", "ssd", "corrupt") == 1
+            and counter(tiers, "dropped", "ssd", "foreign") == 1)
     announced = [e for e in events if isinstance(e, BlockStored)]
     assert all(e.medium == "SSD" for e in announced) and len(announced) == 3
     kept = {e.block_hashes[0]: e for e in announced}
@@ -209,10 +212,13 @@ def test_ssd_tier_survives_a_restart_and_drops_corrupt_records(make_kv: KVFactor
     assert all(again.block(h).data == own[h] for h in first.block_hashes)  # type: ignore[union-attr]
 
 
-def test_a_record_corrupted_while_held_is_dropped_when_read(make_kv: KVFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_record_corrupted_while_held_is_dropped_when_read(
+    make_kv: KVFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     prompt = np.arange(700, 764, dtype=np.uint32)
     events: list[AnyEvent] = []
-    kv = make_kv(events, cpu_blocks=0, ssd_dir=str(tmp_path), ssd_blocks=64, sections={"tiers": {"ssd": {"direct_io": False}}})
+    kv = make_kv(events, cpu_blocks=0, ssd_dir=str(tmp_path), ssd_blocks=64,
+                 sections={"tiers": {"ssd": {"direct_io": False}}})
     first = kv.admit("a", prompt)
     own = {h: kv.block(h).data for h in first.block_hashes}  # type: ignore[union-attr]
     kv.free("a")
@@ -242,7 +248,8 @@ def _foreign_entries(d: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str
     elsewhere = d.parent / f"{d.name}-elsewhere"
     elsewhere.mkdir(exist_ok=True)
     (elsewhere / "record").write_bytes(b"KVFB" + bytes(60))
-    (d / f"{key_name(0xEE)}.kvb").symlink_to(elsewhere / "record")  # a link to a regular file is not followed either
+    # a link to a regular file is not followed either
+    (d / f"{key_name(0xEE)}.kvb").symlink_to(elsewhere / "record")
     locked = d / f"{key_name(0xDD)}.kvb"
     locked.write_bytes(b"unreadable")
     locked.chmod(0)
@@ -263,7 +270,8 @@ def _foreign_entries(d: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str
 @pytest.mark.timeout(20)  # a FIFO opened for reading would block forever
 @pytest.mark.parametrize("backend", ["slab", "files"])
 def test_foreign_entries_named_like_record_files_are_skipped_and_counted(
-    make_kv: KVFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, backend: str
+    make_kv: KVFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    backend: str,
 ) -> None:
     ssd = tmp_path / "ssd"
     sections = {"tiers": {"ssd": {"backend": backend}}}
@@ -299,8 +307,10 @@ async def test_an_engine_over_an_ssd_dir_with_foreign_entries_starts_and_serves(
     eng = await make_engine(tiers={"ssd_dir": str(tmp_path), "ssd_blocks": 64})
     tiers = eng.server.kv.tiers
     assert isinstance(tiers, AgentTiers)
-    assert counter(tiers, "dropped", "ssd", "foreign") + counter(tiers, "dropped", "ssd", "io") == len(foreign) + len(unreadable)
-    st, body, _ = await eng.post("/v1/completions", {"model": "llama-3-8b", "prompt": list(range(64)), "max_tokens": 2})
+    assert (counter(tiers, "dropped", "ssd", "foreign") + counter(tiers, "dropped", "ssd", "io")
+            == len(foreign) + len(unreadable))
+    st, body, _ = await eng.post("/v1/completions",
+                                 {"model": "llama-3-8b", "prompt": list(range(64)), "max_tokens": 2})
     assert st == 200 and body["usage"]["completion_tokens"] == 2
 
 
@@ -314,7 +324,8 @@ def test_an_ssd_dir_that_cannot_hold_the_tier_is_a_clear_error(tmp_path: Path) -
 
 
 def test_received_blocks_are_used_only_if_they_equal_our_own(make_kv: KVFactory) -> None:
-    """A transferred block whose bytes differ from this engine's projection is dropped and counted, before or after admission."""
+    """A transferred block whose bytes differ from this engine's projection is dropped and counted, before or
+    after admission."""
     kv = make_kv()
     toks = np.arange(500, 564, dtype=np.uint32)  # 4 blocks
     own = kv.expected_blocks(toks)

@@ -45,8 +45,8 @@ def test_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_an_ssd_dir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     afile = tmp_path / "ssd"
     afile.write_bytes(b"")
-    rc = main(["--port", str(free_port()), "--kv-events-port", str(free_port()), "--kv-events-replay-port", "0",
-               "--ssd-dir", str(afile)])
+    rc = main(["--port", str(free_port()), "--kv-events-port", str(free_port()),
+               "--kv-events-replay-port", "0", "--ssd-dir", str(afile)])
     assert rc == 2
     err = capsys.readouterr().err
     assert "engine.tiers.ssd_dir" in err and "is not a directory" in err and "Traceback" not in err

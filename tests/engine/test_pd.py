@@ -66,13 +66,17 @@ def body(prompt: Sequence[int], max_tokens: int = 8) -> dict[str, Any]:
     return {"model": MODEL, "prompt": list(prompt), "max_tokens": max_tokens}
 
 
-async def post_headers(eng: RunningEngine, headers: CIMultiDict[str], prompt: Sequence[int]) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as s, s.post(eng.url + "/v1/completions", json=body(prompt), headers=headers) as r:
+async def post_headers(
+    eng: RunningEngine, headers: CIMultiDict[str], prompt: Sequence[int]
+) -> tuple[int, Any]:
+    async with (aiohttp.ClientSession() as s,
+                s.post(eng.url + "/v1/completions", json=body(prompt), headers=headers) as r):
         return r.status, await r.json(content_type=None)
 
 
 def is_openai_error(out: Any, status: int) -> bool:
-    return isinstance(out, dict) and set(out) == {"error"} and set(out["error"]) == {"message", "type", "param", "code"} and out["error"]["code"] == status
+    return (isinstance(out, dict) and set(out) == {"error"}
+            and set(out["error"]) == {"message", "type", "param", "code"} and out["error"]["code"] == status)
 
 
 async def test_pd_with_a_member_equals_single_engine(make_engine: EngineFactory, pool_secret: bytes) -> None:
@@ -81,7 +85,8 @@ async def test_pd_with_a_member_equals_single_engine(make_engine: EngineFactory,
     decode = await make_engine(role="decode", prefill_peers=[prefill.host_port])
     prompt = list(range(7000, 7000 + 150))
     _, ref, _ = await single.post("/v1/completions", body(prompt, 12))
-    st, out, hdrs = await decode.post("/v1/completions", body(prompt, 12), headers={PREFILLER_HEADER: prefill.host_port})
+    st, out, hdrs = await decode.post("/v1/completions", body(prompt, 12),
+                                      headers={PREFILLER_HEADER: prefill.host_port})
     assert st == 200, out
     assert out["choices"][0]["text"] == ref["choices"][0]["text"]
     assert "kv_transfer_params" not in out
@@ -93,7 +98,8 @@ async def test_pd_with_a_member_equals_single_engine(make_engine: EngineFactory,
     assert prefill.server.sched.held == {} and prefill.server.holds == {}
     assert prefill.server.sched.stats.prompt_tokens == 150
     # A second P/D request (prefill now hits its own cache) gives the same text again.
-    st, again, _ = await decode.post("/v1/completions", body(prompt, 12), headers={PREFILLER_HEADER: prefill.host_port})
+    st, again, _ = await decode.post("/v1/completions", body(prompt, 12),
+                                     headers={PREFILLER_HEADER: prefill.host_port})
     assert st == 200 and again["choices"][0]["text"] == ref["choices"][0]["text"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 144
 
@@ -113,10 +119,12 @@ async def test_a_dns_name_admits_its_addresses(make_engine: EngineFactory, pool_
     decode.server.prefill_peers = PrefillPeers([name], resolver=resolver)
     prompt = list(range(500, 580))
     for _ in range(2):  # one lookup serves both (cached for the TTL)
-        st, out, _ = await decode.post("/v1/completions", body(prompt), headers={PREFILLER_HEADER: f"127.0.0.1:{port}"})
+        st, out, _ = await decode.post("/v1/completions", body(prompt),
+                                       headers={PREFILLER_HEADER: f"127.0.0.1:{port}"})
         assert st == 200, out
     assert lookups == ["prefill-pool.ns.svc"]
-    # Another port on a resolved address is not a member; nor is a name that is not configured (never resolved).
+    # Another port on a resolved address is not a member; nor is a name that is not configured (never
+    # resolved).
     for other in (f"127.0.0.1:{free_port()}", f"other.ns.svc:{port}", f"10.255.0.10:{port}"):
         st, out, _ = await decode.post("/v1/completions", body(prompt), headers={PREFILLER_HEADER: other})
         assert st == 403 and is_openai_error(out, 403), out
@@ -124,7 +132,8 @@ async def test_a_dns_name_admits_its_addresses(make_engine: EngineFactory, pool_
     # The configured name itself: the engine connects to an address the name resolves to.
     answers[:] = ["127.0.0.1"]
     decode.server.prefill_peers = PrefillPeers([name], resolver=resolver)
-    st, out, _ = await decode.post("/v1/completions", body(prompt), headers={PREFILLER_HEADER: f"Prefill-Pool.ns.svc.:{port}"})
+    st, out, _ = await decode.post("/v1/completions", body(prompt),
+                                   headers={PREFILLER_HEADER: f"Prefill-Pool.ns.svc.:{port}"})
     assert st == 200, out
     assert decode.server.kv.mismatched_blocks == 0
 
@@ -135,12 +144,14 @@ async def test_a_non_member_prefiller_is_refused_without_a_connection(
 ) -> None:
     for role in ("decode", "both"):
         eng = await make_engine(role=role, prefill_peers=peers)
-        st, out, _ = await eng.post("/v1/completions", body(range(64)), headers={PREFILLER_HEADER: listener.host_port})
+        st, out, _ = await eng.post("/v1/completions", body(range(64)),
+                                    headers={PREFILLER_HEADER: listener.host_port})
         assert st == 403 and is_openai_error(out, 403), out
         assert out["error"]["type"] == "permission_error" and out["error"]["param"] == PREFILLER_HEADER
         assert "engine.prefill_peers" in out["error"]["message"]
         assert eng.server.sched.stats.prompt_tokens == 0
-    await asyncio.sleep(0.2)  # a time gap: a connection to the prefiller, had one been made, would have arrived
+    # a time gap: a connection to the prefiller, had one been made, would have arrived
+    await asyncio.sleep(0.2)
     assert listener.accepted == 0
 
 
@@ -150,14 +161,19 @@ async def test_without_a_transfer_secret_pd_is_refused(
     monkeypatch.delenv("KVFLEET_TRANSFER_SECRET", raising=False)
     decode = await make_engine(role="decode", prefill_peers=[listener.host_port])
     assert decode.server.puller is None
-    st, out, _ = await decode.post("/v1/completions", body(range(64)), headers={PREFILLER_HEADER: listener.host_port})
+    st, out, _ = await decode.post("/v1/completions", body(range(64)),
+                                   headers={PREFILLER_HEADER: listener.host_port})
     assert st == 403 and is_openai_error(out, 403), out
-    assert "transfer secret" in out["error"]["message"] and "KVFLEET_TRANSFER_SECRET" in out["error"]["message"]
-    await asyncio.sleep(0.2)  # a time gap: a connection to the prefiller, had one been made, would have arrived
+    assert ("transfer secret" in out["error"]["message"]
+            and "KVFLEET_TRANSFER_SECRET" in out["error"]["message"])
+    # a time gap: a connection to the prefiller, had one been made, would have arrived
+    await asyncio.sleep(0.2)
     assert listener.accepted == 0
 
 
-async def test_hostile_header_values_are_a_400(make_engine: EngineFactory, pool_secret: bytes, listener: Listener) -> None:
+async def test_hostile_header_values_are_a_400(
+    make_engine: EngineFactory, pool_secret: bytes, listener: Listener
+) -> None:
     decode = await make_engine(role="decode", prefill_peers=[listener.host_port])
     member = listener.host_port
     cases: list[list[str]] = [
@@ -184,12 +200,16 @@ async def test_hostile_header_values_are_a_400(make_engine: EngineFactory, pool_
     ) as r:
         assert r.status == 400
     assert decode.server.sched.stats.prompt_tokens == 0
-    await asyncio.sleep(0.2)  # a time gap: a connection to the prefiller, had one been made, would have arrived
+    # a time gap: a connection to the prefiller, had one been made, would have arrived
+    await asyncio.sleep(0.2)
     assert listener.accepted == 0
 
 
-async def test_a_forged_block_is_dropped_and_recomputed(make_engine: EngineFactory, pool_secret: bytes) -> None:
-    """A member prefill engine serving forged bytes: the decode engine answers as if it computed the prompt itself."""
+async def test_a_forged_block_is_dropped_and_recomputed(
+    make_engine: EngineFactory, pool_secret: bytes
+) -> None:
+    """A member prefill engine serving forged bytes: the decode engine answers as if it computed the prompt
+    itself."""
     single = await make_engine()
     prefill = await make_engine(role="prefill")
     decode = await make_engine(role="decode", prefill_peers=[prefill.host_port])
@@ -200,10 +220,12 @@ async def test_a_forged_block_is_dropped_and_recomputed(make_engine: EngineFacto
     assert st == 200
     forged = 0
     for h, blk in list(prefill.server.kv.gpu_data.items()):
-        prefill.server.kv.gpu_data[h] = SlowBlock(blk.block_hash, blk.parent, blk.token_ids, bytes(len(blk.data)))
+        prefill.server.kv.gpu_data[h] = SlowBlock(blk.block_hash, blk.parent, blk.token_ids,
+                                                  bytes(len(blk.data)))
         forged += 1
     assert forged == 4
-    st, out, _ = await decode.post("/v1/completions", body(prompt), headers={PREFILLER_HEADER: prefill.host_port})
+    st, out, _ = await decode.post("/v1/completions", body(prompt),
+                                   headers={PREFILLER_HEADER: prefill.host_port})
     assert st == 200, out
     assert out["choices"][0]["text"] == ref["choices"][0]["text"]
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing usable was cached anywhere
@@ -218,14 +240,17 @@ async def test_a_forged_block_is_dropped_and_recomputed(make_engine: EngineFacto
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
 
 
-async def test_a_busy_prefiller_leaves_the_prompt_to_the_decode_engine(make_engine: EngineFactory, pool_secret: bytes) -> None:
+async def test_a_busy_prefiller_leaves_the_prompt_to_the_decode_engine(
+    make_engine: EngineFactory, pool_secret: bytes
+) -> None:
     """A member at its hold cap answers 503; the decode engine then prefills the prompt itself."""
     single = await make_engine()
     prefill = await make_engine(role="prefill", num_gpu_blocks=64)  # cap: 32 blocks
     decode = await make_engine(role="decode", prefill_peers=[prefill.host_port])
     prompt = list(range(9000, 9000 + 600))  # 38 blocks: over the prefill engine's cap
     _, ref, _ = await single.post("/v1/completions", body(prompt))
-    st, out, _ = await decode.post("/v1/completions", body(prompt), headers={PREFILLER_HEADER: prefill.host_port})
+    st, out, _ = await decode.post("/v1/completions", body(prompt),
+                                   headers={PREFILLER_HEADER: prefill.host_port})
     assert st == 200, out
     assert out["choices"][0]["text"] == ref["choices"][0]["text"]
     assert prefill.server.sched.stats.prompt_tokens == 0 and prefill.server.holds == {}

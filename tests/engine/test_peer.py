@@ -8,9 +8,10 @@ or port; a signed one is served and its blocks are held; ``DELETE
 /kvfleet/v1/kv/{id}`` and ``POST /kvfleet/v1/reset`` unsigned are 403 and change
 nothing, signed they work; an engine without a transfer secret refuses them
 all; blocks held for remote decode stop at half the GPU blocks (503, then
-accepted again after a release), also for requests admitted together. Directly: the signature covers method, path,
-timestamp, nonce and body, within ±30 s; ``PrefillPeers`` matches IP literals,
-resolved names and configured names only, and caches lookups.
+accepted again after a release), also for requests admitted together. Directly:
+the signature covers method, path, timestamp, nonce and body, within ±30 s;
+``PrefillPeers`` matches IP literals, resolved names and configured names only,
+and caches lookups.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def assert_refused(eng: RunningEngine, st: int, out: Any, text: str) -> None:
 
 
 @pytest.mark.parametrize("ktp", [{"do_remote_decode": True}, {}, None, "yes", {"do_remote_decode": False}])
-async def test_unsigned_kv_transfer_params_are_refused(make_engine: EngineFactory, pool_secret: bytes, ktp: Any) -> None:
+async def test_unsigned_kv_transfer_params_are_refused(
+    make_engine: EngineFactory, pool_secret: bytes, ktp: Any
+) -> None:
     eng = await make_engine(role="prefill")
     raw_body = prefill_body(ktp=ktp)
     raw_body["kv_transfer_params"] = ktp
@@ -73,14 +76,17 @@ async def test_unsigned_kv_transfer_params_are_refused(make_engine: EngineFactor
     assert eng.server.kv.blocks.usage == 0
 
 
-async def test_badly_signed_kv_transfer_params_are_refused(make_engine: EngineFactory, pool_secret: bytes) -> None:
+async def test_badly_signed_kv_transfer_params_are_refused(
+    make_engine: EngineFactory, pool_secret: bytes
+) -> None:
     eng = await make_engine(role="both")
     path = "/v1/completions"
     raw = json.dumps(prefill_body()).encode()
     stale = sign_request(SECRET, "POST", path, raw, now=time.time() - 120)
     tampered = sign_request(SECRET, "POST", path, json.dumps(prefill_body(start=1)).encode())
     wrong_path = sign_request(SECRET, "POST", "/v1/chat/completions", raw)
-    for headers in (stale, tampered, wrong_path, {**sign_request(SECRET, "POST", path, raw), SIGNATURE_HEADER: "0" * 64}):
+    for headers in (stale, tampered, wrong_path,
+                    {**sign_request(SECRET, "POST", path, raw), SIGNATURE_HEADER: "0" * 64}):
         st, out, text = await eng.call("POST", path, prefill_body(), headers=headers)
         assert_refused(eng, st, out, text)
     st, out, text = await eng.call("POST", path, prefill_body(), signed=True, secret=b"another-pool")
@@ -96,7 +102,9 @@ async def test_badly_signed_kv_transfer_params_are_refused(make_engine: EngineFa
     assert list(eng.server.sched.held) == list(eng.server.holds) and len(eng.server.holds) == 1
 
 
-async def test_signed_prefill_is_held_then_released_only_when_signed(make_engine: EngineFactory, pool_secret: bytes) -> None:
+async def test_signed_prefill_is_held_then_released_only_when_signed(
+    make_engine: EngineFactory, pool_secret: bytes
+) -> None:
     eng = await make_engine(role="prefill")
     st, out, _ = await eng.call("POST", "/v1/completions", prefill_body(70), signed=True)
     assert st == 200, out
@@ -133,7 +141,9 @@ async def test_reset_needs_a_signature(make_engine: EngineFactory, pool_secret: 
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-async def test_without_a_secret_internal_requests_are_refused(make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_without_a_secret_internal_requests_are_refused(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("KVFLEET_TRANSFER_SECRET", raising=False)
     eng = await make_engine(role="prefill")
     for method, path, body in (
@@ -147,7 +157,9 @@ async def test_without_a_secret_internal_requests_are_refused(make_engine: Engin
     assert eng.server.sched.stats.prompt_tokens == 0
 
 
-async def test_blocks_held_for_remote_decode_are_capped(make_engine: EngineFactory, pool_secret: bytes) -> None:
+async def test_blocks_held_for_remote_decode_are_capped(
+    make_engine: EngineFactory, pool_secret: bytes
+) -> None:
     eng = await make_engine(role="prefill", num_gpu_blocks=64)  # cap: 32 blocks
     st, first, _ = await eng.call("POST", "/v1/completions", prefill_body(320), signed=True)  # 21 blocks
     assert st == 200
@@ -165,7 +177,8 @@ async def test_blocks_held_for_remote_decode_are_capped(make_engine: EngineFacto
 
 
 async def test_the_cap_holds_for_concurrent_prefills(make_engine: EngineFactory, pool_secret: bytes) -> None:
-    """Two prefill-only requests admitted together: the one whose hold would pass the cap is a 503 and freed."""
+    """Two prefill-only requests admitted together: the one whose hold would pass the cap is a 503 and
+    freed."""
     eng = await make_engine(role="prefill", num_gpu_blocks=64)  # cap: 32 blocks
     calls = [eng.call("POST", "/v1/completions", prefill_body(320, start=s), signed=True) for s in (0, 5000)]
     results = await asyncio.gather(*calls)
@@ -174,7 +187,9 @@ async def test_the_cap_holds_for_concurrent_prefills(make_engine: EngineFactory,
     assert len(eng.server.holds) == 1
 
 
-async def test_a_decode_engine_does_not_prefill_for_others(make_engine: EngineFactory, pool_secret: bytes) -> None:
+async def test_a_decode_engine_does_not_prefill_for_others(
+    make_engine: EngineFactory, pool_secret: bytes
+) -> None:
     eng = await make_engine(role="decode")
     st, out, text = await eng.call("POST", "/v1/completions", prefill_body(), signed=True)
     assert st == 503 and "no KV transfer port" in out["error"]["message"], text
@@ -189,7 +204,8 @@ def test_signature_covers_every_part_and_the_window() -> None:
     v = PeerVerifier(SECRET, clock=lambda: clock[0])
     h = sign_request(SECRET, "POST", "/kvfleet/v1/reset", b"", now=clock[0])
     assert set(h) == {TIMESTAMP_HEADER, NONCE_HEADER, SIGNATURE_HEADER}
-    for method, path, body in (("GET", "/kvfleet/v1/reset", b""), ("POST", "/kvfleet/v1/reset?x=1", b""), ("POST", "/kvfleet/v1/reset", b"{}")):
+    for method, path, body in (("GET", "/kvfleet/v1/reset", b""), ("POST", "/kvfleet/v1/reset?x=1", b""),
+                               ("POST", "/kvfleet/v1/reset", b"{}")):
         with pytest.raises(PeerAuthError):
             v.verify(method, path, h, body)
     clock[0] += 29
@@ -214,15 +230,18 @@ async def test_prefill_peers_membership() -> None:
             raise OSError("NXDOMAIN")
         return ["10.1.0.5", "fd00::5", "::ffff:10.1.0.6"]
 
-    peers = PrefillPeers(["10.0.0.1:8000", "[fd00::1]:8000", "pool.ns.svc:8000", "gone.ns.svc:9000"], resolver=resolver)
-    for ok in ("10.0.0.1:8000", "[fd00:0::1]:8000", "10.1.0.5:8000", "[fd00::5]:8000", "10.1.0.6:8000", "[::ffff:10.1.0.5]:8000"):
+    peers = PrefillPeers(["10.0.0.1:8000", "[fd00::1]:8000", "pool.ns.svc:8000", "gone.ns.svc:9000"],
+                         resolver=resolver)
+    for ok in ("10.0.0.1:8000", "[fd00:0::1]:8000", "10.1.0.5:8000", "[fd00::5]:8000", "10.1.0.6:8000",
+               "[::ffff:10.1.0.5]:8000"):
         got = await peers.admit(parse_host_port(ok))
         assert got == parse_host_port(ok)
     for bad in ("10.0.0.1:8001", "10.1.0.7:8000", "other.ns.svc:8000", "pool.ns.svc:8001", "10.1.0.5:9000"):
         with pytest.raises(NotAPeerError):
             await peers.admit(parse_host_port(bad))
     named = await peers.admit(parse_host_port("POOL.ns.svc:8000"))
-    assert named.ip is not None and str(named.ip) in ("10.1.0.5", "fd00::5", "10.1.0.6") and named.port == 8000
+    assert (named.ip is not None and str(named.ip) in ("10.1.0.5", "fd00::5", "10.1.0.6")
+            and named.port == 8000)
     with pytest.raises(PeerUnresolvedError):
         await peers.admit(parse_host_port("gone.ns.svc:9000"))
     assert "other.ns.svc" not in lookups
@@ -230,7 +249,8 @@ async def test_prefill_peers_membership() -> None:
 
 
 def test_prefill_peers_setting_is_validated() -> None:
-    assert load(None, {"engine": {"prefill_peers": ["p.ns.svc:8000", "[::1]:1"]}}).engine.prefill_peers == ("p.ns.svc:8000", "[::1]:1")
+    assert (load(None, {"engine": {"prefill_peers": ["p.ns.svc:8000", "[::1]:1"]}}).engine.prefill_peers
+            == ("p.ns.svc:8000", "[::1]:1"))
     for bad in (["p.ns.svc"], ["10.0.0.1:70000"], ["a:1,b:2"]):
         with pytest.raises(ConfigError, match="prefill_peers"):
             load(None, {"engine": {"prefill_peers": bad}})

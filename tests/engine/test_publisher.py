@@ -69,13 +69,15 @@ async def test_events_are_published_and_replayed(make_engine: EngineFactory) -> 
 
 
 async def test_reset_drops_older_history_from_replay(make_engine: EngineFactory, pool_secret: bytes) -> None:
-    """After a cache reset, replay starts at the reset (its AllBlocksCleared), not at the stale blocks before it."""
+    """After a cache reset, replay starts at the reset (its AllBlocksCleared), not at the stale blocks before
+    it."""
     from kvfleet.cache.events import AllBlocksCleared
 
     eng = await make_engine()
     es = eng.server.es
     for base in (0, 1000):
-        await eng.post("/v1/completions", {"model": es.model, "prompt": list(range(base, base + 48)), "max_tokens": 1})
+        await eng.post("/v1/completions",
+                       {"model": es.model, "prompt": list(range(base, base + 48)), "max_tokens": 1})
     st, _, _ = await eng.call("POST", "/kvfleet/v1/reset", signed=True)
     assert st == 200
     ctx = zmq.asyncio.Context.instance()
@@ -91,11 +93,12 @@ async def test_reset_drops_older_history_from_replay(make_engine: EngineFactory,
                 if seq == kvwire.END:
                     break
                 batches.append((seq, decode_batch(payload)))
-            return batches if batches and any(isinstance(e, AllBlocksCleared) for e in batches[0][1].events) else None
+            return (batches if batches and any(isinstance(e, AllBlocksCleared) for e in batches[0][1].events)
+                    else None)
 
         # the publisher thread applies the reset asynchronously
-        batches = await eventually(replay_from_the_reset, "a replay starting at the reset's AllBlocksCleared", timeout_s=5,
-                                   interval_s=0.05)
+        batches = await eventually(replay_from_the_reset, "a replay starting at the reset's AllBlocksCleared",
+                                   timeout_s=5, interval_s=0.05)
         assert batches[0][0] > 0, "sequence numbers keep counting across a reset"
         first = batches[0][1].events
         cleared = next(i for i, e in enumerate(first) if isinstance(e, AllBlocksCleared))

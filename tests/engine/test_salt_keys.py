@@ -41,8 +41,10 @@ def _vector() -> dict[str, Any]:
 
 def _epp_router() -> Router:
     s = load(overrides={"cache": CACHE})
-    pools = {"pools": [{"name": "a", "models": ["m"], "pods": [{"name": "p", "address": "127.0.0.1", "port": 1}]}]}
-    return Router(s.epp, s.cache, StaticDatastore(data=pools), BlockIndex(), MetricsStore(), load_tokenizer("bytes"))
+    pools = {"pools": [{"name": "a", "models": ["m"],
+                        "pods": [{"name": "p", "address": "127.0.0.1", "port": 1}]}]}
+    return Router(s.epp, s.cache, StaticDatastore(data=pools), BlockIndex(), MetricsStore(),
+                  load_tokenizer("bytes"))
 
 
 async def _published_hashes(replay_port: int) -> list[int]:
@@ -65,7 +67,8 @@ async def _published_hashes(replay_port: int) -> list[int]:
 
 
 def test_salt_extra_keys_is_vllms_rule() -> None:
-    """The one-element tuple on block 0 only; an empty or missing salt adds nothing (vLLM skips a falsy salt)."""
+    """The one-element tuple on block 0 only; an empty or missing salt adds nothing (vLLM skips a falsy
+    salt)."""
     assert salt_extra_keys("my-salt") == [("my-salt",)]
     assert salt_extra_keys("") is None and salt_extra_keys(None) is None
 
@@ -77,14 +80,17 @@ async def test_epp_keys_equal_engine_events_and_vllm_vector(make_engine: EngineF
     vllm = [to_int64(bytes.fromhex(h)) for h in case["block_hashes"]]
 
     router = _epp_router()
-    epp_salted = router.keys_of(router.tokens_of(InferenceRequest(model="m", prompt_token_ids=tuple(tokens))), "my-salt")
+    epp_salted = router.keys_of(router.tokens_of(InferenceRequest(model="m", prompt_token_ids=tuple(tokens))),
+                                "my-salt")
     assert epp_salted == vllm
 
     eng = await make_engine(cache=CACHE)
     es = eng.server.es
-    st, body, _ = await eng.post("/v1/completions", {"model": es.model, "prompt": tokens, "max_tokens": 1, "cache_salt": "my-salt"})
+    st, body, _ = await eng.post("/v1/completions", {"model": es.model, "prompt": tokens, "max_tokens": 1,
+                                                     "cache_salt": "my-salt"})
     assert st == 200, body
     assert await _published_hashes(es.kv_events_replay_port) == vllm
 
-    unsalted = router.keys_of(router.tokens_of(InferenceRequest(model="m", prompt_token_ids=tuple(tokens))), None)
+    unsalted = router.keys_of(router.tokens_of(InferenceRequest(model="m", prompt_token_ids=tuple(tokens))),
+                              None)
     assert all(a != b for a, b in zip(unsalted, vllm, strict=True))

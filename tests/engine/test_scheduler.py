@@ -3,8 +3,8 @@
 Covers: concurrent requests share steps (fewer steps than run one by one) and all
 finish with their own tokens; ``max_num_seqs`` bounds the running batch; only the
 uncached suffix is charged as prefill; a request that must wait for KV blocks is
-admitted once another finishes; ``reset`` (signed with the pool secret) empties every tier and is refused while
-requests run.
+admitted once another finishes; ``reset`` (signed with the pool secret) empties
+every tier and is refused while requests run.
 """
 
 from __future__ import annotations

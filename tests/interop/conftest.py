@@ -1,5 +1,6 @@
-"""Fixtures of the interop suite: the interpreters of the real vLLM and SGLang releases (scripts/interop_venvs.py builds
-them), the engine arguments the operator renders for a pool, and running a checker script in a release's venv.
+"""Fixtures of the interop suite: the interpreters of the real vLLM and SGLang releases
+(scripts/interop_venvs.py builds them), the engine arguments the operator renders for a pool, and running a
+checker script in a release's venv.
 
 Every test here is marked ``interop`` (``make test-interop``; ``make unit`` leaves them to it). A
 release whose venv is not built makes its tests skip with the command that builds it, unless
@@ -57,7 +58,8 @@ def engine_python(engine: str, version: str) -> Path:
         sys.path.remove(str(ROOT / "scripts"))
     found: Path | None = interop_venvs.python(engine, version)
     if found is None:
-        reason = f"{engine} {version} interop venv not built (python scripts/interop_venvs.py build, or make interop)"
+        reason = (f"{engine} {version} interop venv not built "
+                  "(python scripts/interop_venvs.py build, or make interop)")
         if os.environ.get("KVFLEET_REQUIRE_INTEROP", "") not in ("", "0"):
             pytest.fail(reason)
         pytest.skip(reason)
@@ -68,28 +70,37 @@ def vllm_python(version: str) -> Path:
     return engine_python("vllm", version)
 
 
-def engine_args(pool: dict[str, Any], command: list[str], local_model: Callable[[list[str]], list[str]]) -> dict[str, list[str]]:
+def engine_args(
+    pool: dict[str, Any], command: list[str], local_model: Callable[[list[str]], list[str]],
+) -> dict[str, list[str]]:
     """role → the arguments of the engine container the operator renders for ``pool`` (whose command must be
-    ``command``), passed through ``local_model``, which points them at the local config (no weights, no hub)."""
+    ``command``), passed through ``local_model``, which points them at the local config (no weights, no
+    hub)."""
     out: dict[str, list[str]] = {}
     for child in render_children(pool, parse_spec(pool["spec"], "p"), Settings()):
         if child["kind"] != "Deployment":
             continue
-        (engine,) = [c for c in child["spec"]["template"]["spec"]["containers"] if c["name"] == ENGINE_CONTAINER]
+        (engine,) = [c for c in child["spec"]["template"]["spec"]["containers"]
+                     if c["name"] == ENGINE_CONTAINER]
         assert engine["command"] == command
         out[child["metadata"]["labels"]["kvfleet.io/role"]] = local_model(list(engine["args"]))
     return out
 
 
-def run_checker(engine: str, version: str, script: str, cases: Mapping[str, list[str]], tmp: Path, env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    """``script`` (tests/interop/, it prints one ``RESULT {json}`` line per case) in ``engine`` ``version``'s venv over
-    ``cases`` (id → argv); id → its result. Fails with the script's stderr when a case has no result."""
+def run_checker(
+    engine: str, version: str, script: str, cases: Mapping[str, list[str]], tmp: Path, env: Mapping[str, str],
+) -> dict[str, dict[str, Any]]:
+    """``script`` (tests/interop/, it prints one ``RESULT {json}`` line per case) in ``engine`` ``version``'s
+    venv over ``cases`` (id → argv); id → its result. Fails with the script's stderr when a case has no
+    result."""
     py = engine_python(engine, version)
     path = tmp / f"cases-{engine}-{version}.json"
     path.write_text(json.dumps([{"id": k, "argv": v} for k, v in cases.items()]))
-    proc = subprocess.run([str(py), str(HERE / script), str(path)], capture_output=True, text=True, timeout=900,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **env})
-    results = {r["id"]: r for r in (json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT "))}
+    proc = subprocess.run([str(py), str(HERE / script), str(path)], capture_output=True, text=True,
+                          timeout=900, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "HF_HUB_OFFLINE": "1",
+                                            "TRANSFORMERS_OFFLINE": "1", **env})
+    results = {r["id"]: r for r in (json.loads(line[7:]) for line in proc.stdout.splitlines()
+                                    if line.startswith("RESULT "))}
     assert set(results) == set(cases), f"{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     return results
 
@@ -98,16 +109,18 @@ def run_checker(engine: str, version: str, script: str, cases: Mapping[str, list
 
 
 class Driver:
-    """A driver script (tests/interop/*_publish.py) in ``engine`` ``version``'s venv, fed one JSON command a line; each
-    command is answered by one ``OK {json}`` line. Its publisher binds the ``--kv-events-config`` the operator renders,
-    on free ports."""
+    """A driver script (tests/interop/*_publish.py) in ``engine`` ``version``'s venv, fed one JSON command a
+    line; each command is answered by one ``OK {json}`` line. Its publisher binds the ``--kv-events-config``
+    the operator renders, on free ports."""
 
-    def __init__(self, engine: str, version: str, script: str, ports: tuple[int, int], tmp: Path, env: Mapping[str, str]) -> None:
+    def __init__(self, engine: str, version: str, script: str, ports: tuple[int, int], tmp: Path,
+                 env: Mapping[str, str]) -> None:
         config = kv_events_config(OperatorSettings(kv_events_port=ports[0], kv_events_replay_port=ports[1]))
         self.config = config
-        self.proc = subprocess.Popen([str(engine_python(engine, version)), str(HERE / script)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=(tmp / f"{engine}-{time.monotonic_ns()}.log").open("wb"), text=True,
-                                     env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "PYTHONHASHSEED": "0", **env})
+        self.proc = subprocess.Popen(
+            [str(engine_python(engine, version)), str(HERE / script)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=(tmp / f"{engine}-{time.monotonic_ns()}.log").open("wb"),
+            text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "PYTHONHASHSEED": "0", **env})
 
     def cmd(self, **kw: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -135,8 +148,11 @@ def held(idx: BlockIndex, hasher: BlockHasher, toks: Sequence[int], pod: str) ->
     return m.blocks if m else 0
 
 
-def join(sub: EventSubscriber, idx: BlockIndex, hasher: BlockHasher, ports: tuple[int, int], pod: str) -> PodEventApplier:
-    """The EPP subscribing to ``pod``'s publisher as it does in a cluster: recomputed keys, the rendered topic."""
+def join(
+    sub: EventSubscriber, idx: BlockIndex, hasher: BlockHasher, ports: tuple[int, int], pod: str,
+) -> PodEventApplier:
+    """The EPP subscribing to ``pod``'s publisher as it does in a cluster: recomputed keys, the rendered
+    topic."""
     applier = PodEventApplier(pod, idx, hasher, recompute_keys=True)
     sub.add_pod(pod, f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", applier, topic="kv-events")
     return applier

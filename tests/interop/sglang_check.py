@@ -1,4 +1,5 @@
-"""Run by an SGLang interop venv's interpreter (not by kvfleet's): SGLang's own ``launch_server`` checks on argument lists.
+"""Run by an SGLang interop venv's interpreter (not by kvfleet's): SGLang's own ``launch_server`` checks on
+argument lists.
 
 ``python sglang_check.py CASES.json`` reads ``[{"id": ..., "argv": [...]}, ...]`` (``sglang.launch_server``
 arguments, the model given as ``--model-path DIR`` of a local config, ``--device cpu``) and prints one
@@ -29,13 +30,16 @@ def check(argv: list[str]) -> dict[str, Any]:
         if hasattr(args, "resolve_once"):
             args.resolve_once()
     except SystemExit:
-        return {"ok": False, "stage": stage, "error": err.getvalue().strip().splitlines()[-1:] or ["argparse exit"]}
+        return {"ok": False, "stage": stage,
+                "error": err.getvalue().strip().splitlines()[-1:] or ["argparse exit"]}
     except Exception as exc:  # whatever SGLang raises is the answer
         return {"ok": False, "stage": stage, "error": [f"{type(exc).__name__}: {exc}"[:800]]}
     return {"ok": True, "stage": "done", "error": [], "page_size": getattr(args, "page_size", None),
-            "hicache": bool(getattr(args, "enable_hierarchical_cache", False)), "hicache_size": getattr(args, "hicache_size", None),
+            "hicache": bool(getattr(args, "enable_hierarchical_cache", False)),
+            "hicache_size": getattr(args, "hicache_size", None),
             "hicache_storage_backend": getattr(args, "hicache_storage_backend", None),
-            "disaggregation": [getattr(args, "disaggregation_mode", None), getattr(args, "disaggregation_transfer_backend", None)],
+            "disaggregation": [getattr(args, "disaggregation_mode", None),
+                               getattr(args, "disaggregation_transfer_backend", None)],
             "kv_events_config": getattr(args, "kv_events_config", None)}
 
 

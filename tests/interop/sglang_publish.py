@@ -1,23 +1,25 @@
-"""Run by an SGLang interop venv's interpreter: SGLang's own radix cache and KV-event publisher, driven from stdin.
+"""Run by an SGLang interop venv's interpreter: SGLang's own radix cache and KV-event publisher, driven from
+stdin.
 
 SGLang's scheduler publishes KV events by taking the radix cache's queued events after each step and
 publishing them as one ``KVEventBatch`` through the publisher that ``EventPublisherFactory.create`` built from
-``--kv-events-config`` (``SchedulerKvEventsPublisher.publish_kv_events`` in 0.5.23, ``Scheduler._publish_kv_events``
-in 0.5.3). This script does the same with SGLang's real ``RadixCache`` (the CPU-only simulated constructor SGLang's
-own tests use, events enabled, the pool's page size) and SGLang's real publisher: the events, their hashes, their
-parents, their coalescing and their framing are SGLang's.
+``--kv-events-config`` (``SchedulerKvEventsPublisher.publish_kv_events`` in 0.5.23,
+``Scheduler._publish_kv_events`` in 0.5.3). This script does the same with SGLang's real ``RadixCache`` (the
+CPU-only simulated constructor SGLang's own tests use, events enabled, the pool's page size) and SGLang's real
+publisher: the events, their hashes, their parents, their coalescing and their framing are SGLang's.
 
 Commands, one JSON object a line (each answered with one ``OK {...}`` line on stdout):
 
 * ``{"op": "start", "config": {...}, "page_size": 16}``: the publisher (``json.dumps(config)``, as the flag
   carries it) and an empty radix cache;
-* ``{"op": "insert", "tokens": [...]}``: what the scheduler does when a request's KV is cached (the page-aligned
-  key inserted; a follow-up turn or a decode step inserts a longer key, a diverging prompt splits a node), then
-  one publish step; answers ``{"events": N}``;
-* ``{"op": "match", "tokens": [...]}``: SGLang's own ``match_prefix``: how many leading full pages the cache holds
-  (answers ``{"pages": N, "total_pages": M}``, ``M`` = every page in the tree);
+* ``{"op": "insert", "tokens": [...]}``: what the scheduler does when a request's KV is cached (the
+  page-aligned key inserted; a follow-up turn or a decode step inserts a longer key, a diverging prompt splits
+  a node), then one publish step; answers ``{"events": N}``;
+* ``{"op": "match", "tokens": [...]}``: SGLang's own ``match_prefix``: how many leading full pages the cache
+  holds (answers ``{"pages": N, "total_pages": M}``, ``M`` = every page in the tree);
 * ``{"op": "evict", "tokens": N}``: ``evict`` of at least ``N`` tokens (LRU leaves), then one publish step;
-* ``{"op": "clear"}``: ``reset()`` (``AllBlocksCleared``) and a publish step; ``{"op": "exit"}``: ``shutdown()``.
+* ``{"op": "clear"}``: ``reset()`` (``AllBlocksCleared``) and a publish step; ``{"op": "exit"}``:
+  ``shutdown()``.
 
 Nothing of kvfleet is imported here.
 """
@@ -60,8 +62,10 @@ def main() -> int:
 
     def make_tree(page_size: int) -> Any:
         if hasattr(RadixCache, "create_simulated"):
-            return RadixCache.create_simulated(page_size=page_size, enable_kv_cache_events=True, mock_allocator=_Allocator())
-        return RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=_Allocator(), page_size=page_size, enable_kv_cache_events=True)
+            return RadixCache.create_simulated(page_size=page_size, enable_kv_cache_events=True,
+                                               mock_allocator=_Allocator())
+        return RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=_Allocator(),
+                          page_size=page_size, enable_kv_cache_events=True)
 
     def pages(tokens: list[int]) -> int:
         key = RadixKey(list(tokens))

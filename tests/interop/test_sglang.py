@@ -1,16 +1,16 @@
-"""The operator's SGLang pods against real SGLang: every rendered ``sglang.launch_server`` command line checked by SGLang.
+"""The operator's SGLang pods against real SGLang: every rendered ``sglang.launch_server`` command line
+checked by SGLang.
 
-For each supported release (:data:`kvfleet.operator.engines.SGLANG_TESTED`: 0.5.3, the chart's default
-image, and 0.5.23), a matrix of KVCachePools
-(unified and prefill/decode × tiers gpu, gpu+cpu, gpu+ssd, gpu+cpu+ssd × P/D backends nixl, mooncake,
-tcp (from 0.5.23; before, an InvalidSpec) × page sizes 16 and 64) is rendered by the operator and every engine container's arguments go
-through SGLang's own ``prepare_server_args`` and ``ServerArgs.resolve_once()`` (tests/interop/
-sglang_check.py in the release's venv; a local 2-layer Llama config in place of the weights: ``--model-path
-DIR``, and ``--device cpu``). What SGLang resolved must be what the pool asked for: the page size,
-HiCache with its host size and ``file`` storage on prefill/unified pods and not on decode pods (SGLang's
-decode mode refuses it), the disaggregation mode and transfer backend, the KV events with their replay
-endpoint. The check can fail: an unknown flag, and ``--enable-hierarchical-cache`` on a decode pod (what
-the operator rendered before for a cpu tier) are refused.
+For each supported release (:data:`kvfleet.operator.engines.SGLANG_TESTED`: 0.5.3, the chart's default image,
+and 0.5.23), a matrix of KVCachePools (unified and prefill/decode × tiers gpu, gpu+cpu, gpu+ssd, gpu+cpu+ssd ×
+P/D backends nixl, mooncake, tcp (from 0.5.23; before, an InvalidSpec) × page sizes 16 and 64) is rendered by
+the operator and every engine container's arguments go through SGLang's own ``prepare_server_args`` and
+``ServerArgs.resolve_once()`` (tests/interop/sglang_check.py in the release's venv; a local 2-layer Llama
+config in place of the weights: ``--model-path DIR``, and ``--device cpu``). What SGLang resolved must be what
+the pool asked for: the page size, HiCache with its host size and ``file`` storage on prefill/unified pods and
+not on decode pods (SGLang's decode mode refuses it), the disaggregation mode and transfer backend, the KV
+events with their replay endpoint. The check can fail: an unknown flag, and ``--enable-hierarchical-cache`` on
+a decode pod (what the operator rendered before for a cpu tier) are refused.
 """
 
 from __future__ import annotations
@@ -34,13 +34,16 @@ TIERS: dict[str, list[dict[str, Any]]] = {
     "gpu": [{"name": "gpu", "gpuShare": 0.8}],
     "cpu": [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"}],
     "ssd": [{"name": "gpu", "gpuShare": 0.8}, {"name": "ssd", "capacity": "20Gi"}],
-    "cpu-ssd": [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"}, {"name": "ssd", "capacity": "20Gi"}],
+    "cpu-ssd": [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"},
+                {"name": "ssd", "capacity": "20Gi"}],
 }
 
 
 def _pool(version: str, **spec: Any) -> dict[str, Any]:
-    body = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "engine": {"kind": "sglang", "image": f"lmsysorg/sglang:v{version}"}, **spec}
-    return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "KVCachePool", "metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": body}
+    body = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+            "engine": {"kind": "sglang", "image": f"lmsysorg/sglang:v{version}"}, **spec}
+    return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "KVCachePool",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": body}
 
 
 def _matrix(version: str) -> dict[str, dict[str, Any]]:
@@ -49,8 +52,9 @@ def _matrix(version: str) -> dict[str, dict[str, Any]]:
     for tiers, tier_spec in TIERS.items():
         pools[f"unified-{tiers}"] = _pool(version, tiers=tier_spec)
         for backend in ("nixl", "mooncake", *tcp):
-            pools[f"pd-{tiers}-{backend}"] = _pool(version, tiers=tier_spec, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
-                                                  transfer={"backends": [backend]})
+            pools[f"pd-{tiers}-{backend}"] = _pool(
+                version, tiers=tier_spec, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+                transfer={"backends": [backend]})
     pools["page64"] = _pool(version, blockSize=64, tiers=TIERS["cpu"])
     return pools
 
@@ -69,20 +73,26 @@ def run_sglang(version: str, cases: dict[str, list[str]], tmp: Path) -> dict[str
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
-def checked(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any], dict[str, dict[str, Any]]]:
+def checked(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[str, dict[str, Any], dict[str, dict[str, Any]]]:
     version: str = request.param
     pools = _matrix(version)
     cases = {f"{name}/{role}": argv for name, pool in pools.items() for role, argv in _argv(pool).items()}
     return version, pools, run_sglang(version, cases, tmp_path_factory.mktemp("sglang"))
 
 
-def test_every_rendered_pod_is_accepted(checked: tuple[str, dict[str, Any], dict[str, dict[str, Any]]]) -> None:
+def test_every_rendered_pod_is_accepted(
+    checked: tuple[str, dict[str, Any], dict[str, dict[str, Any]]],
+) -> None:
     version, _, results = checked
     refused = {k: (r["stage"], r["error"]) for k, r in results.items() if not r["ok"]}
     assert not refused, f"SGLang {version} refused: {json.dumps(refused, indent=1)}"
 
 
-def test_sglang_resolves_what_the_pool_asked_for(checked: tuple[str, dict[str, Any], dict[str, dict[str, Any]]]) -> None:
+def test_sglang_resolves_what_the_pool_asked_for(
+    checked: tuple[str, dict[str, Any], dict[str, dict[str, Any]]],
+) -> None:
     version, pools, results = checked
     for case, r in results.items():
         if not r["ok"]:
@@ -104,25 +114,29 @@ def test_sglang_resolves_what_the_pool_asked_for(checked: tuple[str, dict[str, A
         if wants_hicache and "ssd" in tiers:
             assert r["hicache_storage_backend"] == "file", (case, r)
         if role in ("prefill", "decode"):
-            backend = {"nixl": "nixl", "mooncake": "mooncake", "tcp": "mooncake_tcp"}[spec["transfer"]["backends"][0]]
+            backend = {"nixl": "nixl", "mooncake": "mooncake", "tcp": "mooncake_tcp"}[
+                spec["transfer"]["backends"][0]]
             assert r["disaggregation"] == [role, backend], (case, r)
 
 
 def test_what_sglang_refuses_fails_the_check(tmp_path: Path) -> None:
     """An unknown flag, and HiCache on a decode pod (SGLang's decode mode runs without the radix cache)."""
     for version in VERSIONS:
-        pd = {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, "transfer": {"backends": ["nixl"]}}
+        pd = {"roles": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+              "transfer": {"backends": ["nixl"]}}
         decode = _argv(_pool(version, **pd))["decode"]
         cases = {"unknown": [*_argv(_pool(version))["unified"], "--no-such-flag", "1"],
                  "decode-hicache": [*decode, "--enable-hierarchical-cache", "--hicache-size", "2"]}
         results = run_sglang(version, cases, tmp_path)
-        assert not results["unknown"]["ok"] and "--no-such-flag" in " ".join(results["unknown"]["error"]), results["unknown"]
+        assert not results["unknown"]["ok"] and "--no-such-flag" in " ".join(results["unknown"]["error"]), (
+            results["unknown"])
         assert not results["decode-hicache"]["ok"], results["decode-hicache"]
 
 
 def test_tcp_transfer_before_mooncake_tcp_is_an_invalid_spec() -> None:
     for version in VERSIONS:
-        pool = _pool(version, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, transfer={"backends": ["tcp"]})
+        pool = _pool(version, roles={"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+                     transfer={"backends": ["tcp"]})
         if release(version) >= SGLANG_MOONCAKE_TCP:
             assert "mooncake_tcp" in _argv(pool)["decode"]
         else:

@@ -1,21 +1,23 @@
-"""SGLang's own radix cache and KV-event publisher into kvfleet's EPP subscriber: the index holds what SGLang holds.
+"""SGLang's own radix cache and KV-event publisher into kvfleet's EPP subscriber: the index holds what SGLang
+holds.
 
 tests/interop/sglang_publish.py runs in an SGLang venv: SGLang's ``RadixCache`` (its simulated constructor,
-events on, page size 16) and the publisher ``EventPublisherFactory.create`` builds from the ``--kv-events-config``
-the operator renders (ZMQ PUB and the replay ROUTER, topic ``kv-events``; only the ports are free ones). What
-SGLang emits (one event per inserted node, its pages' position-aware SHA-256 chain as int64 hashes, the parent
-link of the node's first page, coalesced batches, ``BlockRemoved`` per evicted leaf) is indexed by kvfleet's
-:class:`EventSubscriber` and :class:`PodEventApplier` with recomputed keys, as the EPP runs, for both pool hash
-algorithms.
+events on, page size 16) and the publisher ``EventPublisherFactory.create`` builds from the
+``--kv-events-config`` the operator renders (ZMQ PUB and the replay ROUTER, topic ``kv-events``; only the
+ports are free ones). What SGLang emits (one event per inserted node, its pages' position-aware SHA-256 chain
+as int64 hashes, the parent link of the node's first page, coalesced batches, ``BlockRemoved`` per evicted
+leaf) is indexed by kvfleet's :class:`EventSubscriber` and :class:`PodEventApplier` with recomputed keys, as
+the EPP runs, for both pool hash algorithms.
 
-SGLang 0.5.23 (``SGLANG_CHAINED_EVENTS`` and later): after every step (a first turn, a follow-up turn, a decode
-page, a diverging prompt that splits a node, evictions of LRU leaves) each prompt's indexed prefix equals SGLang's
-own ``match_prefix`` and the pod's entries equal the pages in SGLang's tree; nothing is an orphan, nothing
-resyncs. An EPP that joins late replays instead of resyncing; a restarted SGLang is rebuilt with no stale block.
+SGLang 0.5.23 (``SGLANG_CHAINED_EVENTS`` and later): after every step (a first turn, a follow-up turn, a
+decode page, a diverging prompt that splits a node, evictions of LRU leaves) each prompt's indexed prefix
+equals SGLang's own ``match_prefix`` and the pod's entries equal the pages in SGLang's tree; nothing is an
+orphan, nothing resyncs. An EPP that joins late replays instead of resyncing; a restarted SGLang is rebuilt
+with no stale block.
 
 SGLang 0.5.3 (before ``SGLANG_CHAINED_EVENTS``): its events hash a page by its tokens alone and give every
-node's first page no parent, so a follow-up turn or the tail of a split node cannot be placed in its prompt. The
-test pins what that costs (first turns only), which is why the operator publishes no KV events from those
+node's first page no parent, so a follow-up turn or the tail of a split node cannot be placed in its prompt.
+The test pins what that costs (first turns only), which is why the operator publishes no KV events from those
 images and the EPP routes their pods on its own picks (docs/operator.md).
 """
 
@@ -53,8 +55,9 @@ class SglangPublisher(Driver):
 
 @dataclass
 class Epp:
-    """One EPP view of the SGLang pod: the pool's hash algorithm, its index, the pod's name in it. Both algorithms
-    subscribe to the same SGLang process (SGLang hashes the same way whatever the pool declares)."""
+    """One EPP view of the SGLang pod: the pool's hash algorithm, its index, the pod's name in it. Both
+    algorithms subscribe to the same SGLang process (SGLang hashes the same way whatever the pool
+    declares)."""
 
     algo: str
     idx: BlockIndex = field(default_factory=BlockIndex)
@@ -86,8 +89,9 @@ def _agrees(epps: list[Epp], pub: SglangPublisher, prompts: list[list[int]]) -> 
 
 
 @pytest.mark.parametrize("version", CHAINED)
-def test_turns_splits_decode_and_evictions_match_sglang(version: str, ports: tuple[int, int], subscriber: EventSubscriber,
-                                                        tmp_path: Path) -> None:
+def test_turns_splits_decode_and_evictions_match_sglang(
+    version: str, ports: tuple[int, int], subscriber: EventSubscriber, tmp_path: Path,
+) -> None:
     epps = [Epp(a) for a in ALGOS]
     pub = SglangPublisher(version, ports, tmp_path)
     try:
@@ -96,28 +100,34 @@ def test_turns_splits_decode_and_evictions_match_sglang(version: str, ports: tup
         first = tokens(1, 4 * PAGE + 5)  # SGLang caches the page-aligned 4 pages
         follow = first[:4 * PAGE] + tokens(2, 3 * PAGE)  # the next turn: a child node of 3 pages
         decoded = follow + tokens(3, PAGE)  # one decode page
-        branch = first[:2 * PAGE] + tokens(4, 2 * PAGE)  # diverges after 2 pages: SGLang splits the first node
+        # diverges after 2 pages: SGLang splits the first node
+        branch = first[:2 * PAGE] + tokens(4, 2 * PAGE)
         prompts = [first, follow, decoded, branch]
         expected = [4, 7, 8, 4]
         for i, p in enumerate(prompts):
             assert pub.cmd(op="insert", tokens=p)["events"] >= 1
-            wait_for(lambda p=p, n=expected[i]: all(e.held(p) == n for e in epps), f"prompt {i}: {expected[i]} blocks indexed")  # type: ignore[misc]
+            wait_for(lambda p=p, n=expected[i]: all(e.held(p) == n for e in epps),  # type: ignore[misc]
+                     f"prompt {i}: {expected[i]} blocks indexed")
             wait_for(lambda: _agrees(epps, pub, prompts), f"the index agreeing with SGLang after prompt {i}")
         assert all(e.idx.num_pod_keys(e.pod) == 10 for e in epps)
         for n in (PAGE, 3 * PAGE, 100 * PAGE):  # LRU leaves, then everything
             pub.cmd(op="evict", tokens=n)
-            wait_for(lambda: _agrees(epps, pub, prompts), f"the index agreeing with SGLang after evicting {n} tokens")
+            wait_for(lambda: _agrees(epps, pub, prompts),
+                     f"the index agreeing with SGLang after evicting {n} tokens")
         assert all(e.idx.num_pod_keys(e.pod) == 0 for e in epps)
         for e in epps:
             stats = subscriber.stats[e.pod]
             assert stats.resyncs == 0 and stats.restarts == 0 and stats.rejected == 0, stats
-            assert stats.ingest.orphans == 0 and stats.ingest.stored == 10 and stats.ingest.unknown_medium == 0, stats.ingest
+            assert (stats.ingest.orphans == 0 and stats.ingest.stored == 10
+                    and stats.ingest.unknown_medium == 0), stats.ingest
     finally:
         pub.close()
 
 
 @pytest.mark.parametrize("version", CHAINED)
-def test_late_epp_replays_and_restart_rebuilds(version: str, ports: tuple[int, int], subscriber: EventSubscriber, tmp_path: Path) -> None:
+def test_late_epp_replays_and_restart_rebuilds(
+    version: str, ports: tuple[int, int], subscriber: EventSubscriber, tmp_path: Path,
+) -> None:
     epps = [Epp(a) for a in ALGOS]
     pub = SglangPublisher(version, ports, tmp_path)
     old = [tokens(10 + i, 2 * PAGE) for i in range(3)]
@@ -126,7 +136,8 @@ def test_late_epp_replays_and_restart_rebuilds(version: str, ports: tuple[int, i
             pub.cmd(op="insert", tokens=prompt)
         for e in epps:
             e.join(subscriber, ports)
-        wait_for(lambda: all(e.held(t) == 2 for t in old for e in epps), "the history, from SGLang's replay endpoint")
+        wait_for(lambda: all(e.held(t) == 2 for t in old for e in epps),
+                 "the history, from SGLang's replay endpoint")
         for e in epps:
             stats = subscriber.stats[e.pod]
             assert e.idx.num_pod_keys(e.pod) == 6 and stats.resyncs == 0 and stats.replayed >= 3, stats
@@ -158,10 +169,12 @@ def test_late_epp_replays_and_restart_rebuilds(version: str, ports: tuple[int, i
 
 
 @pytest.mark.parametrize("version", UNCHAINED)
-def test_unchained_events_lose_follow_up_turns(version: str, ports: tuple[int, int], subscriber: EventSubscriber, tmp_path: Path) -> None:
-    """What SGLang before SGLANG_CHAINED_EVENTS publishes: a first turn is indexed, a follow-up turn (a child node whose
-    first page has no parent in the event) and the tail of a split node are not: the operator publishes no KV events
-    from these images."""
+def test_unchained_events_lose_follow_up_turns(
+    version: str, ports: tuple[int, int], subscriber: EventSubscriber, tmp_path: Path,
+) -> None:
+    """What SGLang before SGLANG_CHAINED_EVENTS publishes: a first turn is indexed, a follow-up turn (a child
+    node whose first page has no parent in the event) and the tail of a split node are not: the operator
+    publishes no KV events from these images."""
     assert release(version) < SGLANG_CHAINED_EVENTS
     idx, hasher = BlockIndex(), BlockHasher(PAGE, "sha256_cbor")
     pub = SglangPublisher(version, ports, tmp_path)
@@ -176,9 +189,13 @@ def test_unchained_events_lose_follow_up_turns(version: str, ports: tuple[int, i
         wait_for(lambda: subscriber.stats[POD].ingest.stored >= 7, "the second turn's events")
         assert held(idx, hasher, follow, POD) == 4  # its three new pages were keyed as a prompt of their own
         branch = first[:2 * PAGE] + tokens(4, 2 * PAGE)
-        pub.cmd(op="insert", tokens=branch)  # splits the first node: its 4 pages removed, 2 + 2 stored again, 2 new ones
-        wait_for(lambda: subscriber.stats[POD].ingest.removed >= 4 and subscriber.stats[POD].ingest.stored >= 13, "the split's events")
-        assert pub.cmd(op="match", tokens=first)["pages"] == 4 and pub.cmd(op="match", tokens=branch)["pages"] == 4
-        assert held(idx, hasher, first, POD) == 2 and held(idx, hasher, branch, POD) == 2  # both tails stored parentless
+        # splits the first node: its 4 pages removed, 2 + 2 stored again, 2 new ones
+        pub.cmd(op="insert", tokens=branch)
+        wait_for(lambda: (subscriber.stats[POD].ingest.removed >= 4
+                          and subscriber.stats[POD].ingest.stored >= 13), "the split's events")
+        assert (pub.cmd(op="match", tokens=first)["pages"] == 4
+                and pub.cmd(op="match", tokens=branch)["pages"] == 4)
+        # both tails stored parentless
+        assert held(idx, hasher, first, POD) == 2 and held(idx, hasher, branch, POD) == 2
     finally:
         pub.close()

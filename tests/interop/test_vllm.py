@@ -1,4 +1,5 @@
-"""The operator's vLLM pods against real vLLM: every rendered ``vllm serve`` command line checked by vLLM itself.
+"""The operator's vLLM pods against real vLLM: every rendered ``vllm serve`` command line checked by vLLM
+itself.
 
 For each supported release (:data:`kvfleet.operator.engines.VLLM_TESTED`: the chart's default image
 v0.11.0 and v0.33.0), a matrix of KVCachePools (unified and prefill/decode × tiers gpu, gpu+cpu,
@@ -35,15 +36,19 @@ TIERS: dict[str, list[dict[str, Any]]] = {
     "gpu": [{"name": "gpu", "gpuShare": 0.8}],
     "cpu": [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"}],
     "ssd": [{"name": "gpu", "gpuShare": 0.8}, {"name": "ssd", "capacity": "20Gi"}],
-    "all": [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"}, {"name": "ssd", "capacity": "20Gi"},
+    "all": [{"name": "gpu", "gpuShare": 0.8}, {"name": "cpu", "capacity": "2Gi"},
+            {"name": "ssd", "capacity": "20Gi"},
             {"name": "remote", "capacity": "1Ti", "redis": {"urlSecretRef": {"name": "kv-redis"}}}],
 }
-ROLES = {"unified": {"unified": {"replicas": 1}}, "pd": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}
+ROLES = {"unified": {"unified": {"replicas": 1}},
+         "pd": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}
 
 
 def _pool(version: str, name: str, **spec: Any) -> dict[str, Any]:
-    body = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "engine": {"kind": "vllm", "image": f"vllm/vllm-openai:v{version}"}, **spec}
-    return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "KVCachePool", "metadata": {"name": name, "namespace": "ns", "uid": "u"}, "spec": body}
+    body = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+            "engine": {"kind": "vllm", "image": f"vllm/vllm-openai:v{version}"}, **spec}
+    return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "KVCachePool",
+            "metadata": {"name": name, "namespace": "ns", "uid": "u"}, "spec": body}
 
 
 def _matrix(version: str) -> dict[str, dict[str, Any]]:
@@ -52,11 +57,13 @@ def _matrix(version: str) -> dict[str, dict[str, Any]]:
         for tiers, tier_spec in TIERS.items():
             for algo in ("xxh3_64", "sha256_cbor"):
                 extra: dict[str, Any] = {"transfer": {"backends": ["nixl", "tcp"]}} if roles == "pd" else {}
-                pools[f"{roles}-{tiers}-{algo}"] = _pool(version, "p", roles=role_spec, tiers=tier_spec, hashAlgo=algo, **extra)
+                pools[f"{roles}-{tiers}-{algo}"] = _pool(version, "p", roles=role_spec, tiers=tier_spec,
+                                                        hashAlgo=algo, **extra)
     pools["fp8"] = _pool(version, "p", tiers=[{"name": "gpu", "gpuShare": 0.9, "codec": "fp8_e4m3"}])
     pools["block32"] = _pool(version, "p", blockSize=32, tiers=TIERS["cpu"])
     if release(version) >= VLLM_MOONCAKE:
-        pools["pd-mooncake-cpu"] = _pool(version, "p", roles=ROLES["pd"], tiers=TIERS["cpu"], transfer={"backends": ["mooncake"]})
+        pools["pd-mooncake-cpu"] = _pool(version, "p", roles=ROLES["pd"], tiers=TIERS["cpu"],
+                                         transfer={"backends": ["mooncake"]})
     return pools
 
 
@@ -67,7 +74,8 @@ def _local(args: list[str]) -> list[str]:
 
 
 def _engine_argv(pool: dict[str, Any]) -> dict[str, list[str]]:
-    """role → the engine container's arguments, the model name replaced by the local config (no weights, no hub)."""
+    """role → the engine container's arguments, the model name replaced by the local config (no weights, no
+    hub)."""
     return engine_args(pool, ["vllm", "serve"], _local)
 
 
@@ -89,15 +97,19 @@ def _connectors(kv: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
-def checked(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any], dict[str, dict[str, Any]]]:
+def checked(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[str, dict[str, Any], dict[str, dict[str, Any]]]:
     version: str = request.param
     pools = _matrix(version)
-    cases = {f"{name}/{role}": argv for name, pool in pools.items() for role, argv in _engine_argv(pool).items()}
+    cases = {f"{name}/{role}": argv
+             for name, pool in pools.items() for role, argv in _engine_argv(pool).items()}
     return version, pools, run_vllm(version, cases, tmp_path_factory.mktemp("vllm"))
 
 
-#: Refusals of vLLM's CPU platform itself (``CpuPlatform.check_and_update_config``), which a GPU build does not make:
-#: the case's arguments passed the parser, validation and the engine arguments, the CPU platform cannot build it.
+#: Refusals of vLLM's CPU platform itself (``CpuPlatform.check_and_update_config``), which a GPU build does
+#: not make: the case's arguments passed the parser, validation and the engine arguments, the CPU platform
+#: cannot build it.
 CPU_PLATFORM_ONLY = ("requires intel_extension_for_pytorch", "on the CPU backend is not compatible")
 
 
@@ -105,16 +117,21 @@ def _cpu_platform_only(r: dict[str, Any]) -> bool:
     return r["stage"] == "engine_config" and any(m in e for e in r["error"] for m in CPU_PLATFORM_ONLY)
 
 
-def test_every_rendered_pod_is_accepted(checked: tuple[str, dict[str, Any], dict[str, dict[str, Any]]]) -> None:
+def test_every_rendered_pod_is_accepted(
+    checked: tuple[str, dict[str, Any], dict[str, dict[str, Any]]],
+) -> None:
     version, _, results = checked
-    refused = {k: (r["stage"], r["error"]) for k, r in results.items() if not r["ok"] and not _cpu_platform_only(r)}
+    refused = {k: (r["stage"], r["error"]) for k, r in results.items()
+               if not r["ok"] and not _cpu_platform_only(r)}
     assert not refused, f"vLLM {version} refused: {json.dumps(refused, indent=1)}"
     cpu_only = sorted(k for k, r in results.items() if not r["ok"] and _cpu_platform_only(r))
     if cpu_only:
         print(f"vLLM {version}: parsed and validated, not buildable on the CPU platform: {cpu_only}")
 
 
-def test_vllm_builds_what_the_pool_asked_for(checked: tuple[str, dict[str, Any], dict[str, dict[str, Any]]]) -> None:
+def test_vllm_builds_what_the_pool_asked_for(
+    checked: tuple[str, dict[str, Any], dict[str, dict[str, Any]]],
+) -> None:
     version, pools, results = checked
     v = release(version)
     for case, r in results.items():
@@ -143,10 +160,11 @@ def test_vllm_builds_what_the_pool_asked_for(checked: tuple[str, dict[str, Any],
 
 
 def test_a_flag_a_release_does_not_know_fails(tmp_path: Path) -> None:
-    """The check can fail: an unknown flag (through engine.args) on every release, and vLLM's ``xxhash`` prefix hash,
-    which the operator rendered for xxh3_64 pools before and v0.11 does not have."""
+    """The check can fail: an unknown flag (through engine.args) on every release, and vLLM's ``xxhash``
+    prefix hash, which the operator rendered for xxh3_64 pools before and v0.11 does not have."""
     for version in VERSIONS:
-        pool = _pool(version, "p", engine={"kind": "vllm", "image": f"vllm/vllm-openai:v{version}", "args": ["--no-such-flag", "1"]})
+        pool = _pool(version, "p", engine={"kind": "vllm", "image": f"vllm/vllm-openai:v{version}",
+                                           "args": ["--no-such-flag", "1"]})
         bad_xxhash = copy.deepcopy(_pool(version, "p"))
         bad_xxhash["spec"]["engine"]["args"] = ["--prefix-caching-hash-algo", "xxhash"]
         cases = {"unknown": _engine_argv(pool)["unified"], "xxhash": _engine_argv(bad_xxhash)["unified"]}

@@ -1,4 +1,5 @@
-"""vLLM's own KV-event publisher into kvfleet's EPP subscriber: the index holds exactly the blocks vLLM stored.
+"""vLLM's own KV-event publisher into kvfleet's EPP subscriber: the index holds exactly the blocks vLLM
+stored.
 
 vLLM 0.33.0's ``EventPublisherFactory.create(KVEventsConfig(...))`` runs in its interop venv
 (tests/interop/vllm_publish.py) with the ``--kv-events-config`` the operator renders (ZMQ PUB and the
@@ -23,7 +24,8 @@ from tests.interop.conftest import Driver, held, join, tokens
 
 VERSION = "0.33.0"
 BS = 16
-VLLM_HASH = {"sha256_cbor": "sha256_cbor", "xxh3_64": "sha256"}  # what the operator renders for the pool (docs/operator.md)
+# what the operator renders for the pool (docs/operator.md)
+VLLM_HASH = {"sha256_cbor": "sha256_cbor", "xxh3_64": "sha256"}
 POD = "vllm-0"
 
 
@@ -32,11 +34,14 @@ class VllmPublisher(Driver):
 
     def __init__(self, algo: str, ports: tuple[int, int], tmp: Path) -> None:
         super().__init__("vllm", VERSION, "vllm_publish.py", ports, tmp,
-                         {"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_NO_USAGE_STATS": "1"})
+                         {"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR",
+                          "VLLM_NO_USAGE_STATS": "1"})
         self.cmd(op="start", config=self.config, hash=VLLM_HASH[algo], block_size=BS)
 
 
-def test_real_publisher_turns_decode_and_eviction(algo: str, ports: tuple[int, int], subscriber: EventSubscriber, tmp_path: Path) -> None:
+def test_real_publisher_turns_decode_and_eviction(
+    algo: str, ports: tuple[int, int], subscriber: EventSubscriber, tmp_path: Path,
+) -> None:
     idx, hasher = BlockIndex(), BlockHasher(BS, algo)
     pub = VllmPublisher(algo, ports, tmp_path)
     try:
@@ -61,7 +66,9 @@ def test_real_publisher_turns_decode_and_eviction(algo: str, ports: tuple[int, i
         pub.close()
 
 
-def test_late_epp_replays_and_restart_rebuilds(algo: str, ports: tuple[int, int], subscriber: EventSubscriber, tmp_path: Path) -> None:
+def test_late_epp_replays_and_restart_rebuilds(
+    algo: str, ports: tuple[int, int], subscriber: EventSubscriber, tmp_path: Path,
+) -> None:
     idx, hasher = BlockIndex(), BlockHasher(BS, algo)
     pub = VllmPublisher(algo, ports, tmp_path)
     old = [tokens(10 + i, 2 * BS) for i in range(3)]
@@ -69,7 +76,8 @@ def test_late_epp_replays_and_restart_rebuilds(algo: str, ports: tuple[int, int]
         for prompt in old:  # published before any EPP listens
             pub.cmd(op="store", tokens=prompt)
         join(subscriber, idx, hasher, ports, POD)
-        wait_for(lambda: all(held(idx, hasher, t, POD) == 2 for t in old), "the history, from vLLM's replay endpoint")
+        wait_for(lambda: all(held(idx, hasher, t, POD) == 2 for t in old),
+                 "the history, from vLLM's replay endpoint")
         assert idx.num_pod_keys(POD) == 6
         stats = subscriber.stats[POD]
         assert stats.resyncs == 0 and stats.replayed >= 3, stats

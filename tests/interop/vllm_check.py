@@ -1,14 +1,15 @@
-"""Run by a vLLM interop venv's interpreter (not by kvfleet's): vLLM's own ``vllm serve`` checks on argument lists.
+"""Run by a vLLM interop venv's interpreter (not by kvfleet's): vLLM's own ``vllm serve`` checks on argument
+lists.
 
-``python vllm_check.py CASES.json`` reads ``[{"id": ..., "argv": [...]}, ...]`` (``vllm serve`` arguments,
-the model given as ``--model DIR`` of a local config) and prints one JSON object per case:
+``python vllm_check.py CASES.json`` reads ``[{"id": ..., "argv": [...]}, ...]`` (``vllm serve`` arguments, the
+model given as ``--model DIR`` of a local config) and prints one JSON object per case:
 ``{"id", "ok", "stage", "error", "kv_transfer", "kv_events", "block_size", "hash_algo"}``. For each case it
 runs what ``vllm serve`` runs before it touches a GPU: the real parser
 (``make_arg_parser(FlexibleArgumentParser())``), ``validate_parsed_serve_args``,
 ``AsyncEngineArgs.from_cli_args`` and ``create_engine_config()`` on vLLM's CPU platform
-(``VLLM_TARGET_DEVICE=cpu``, installed explicitly where a CUDA build of vLLM ignores it), which builds and validates every config class (``KVEventsConfig``,
-``KVTransferConfig``, ``CacheConfig``, ...). Nothing of kvfleet is imported here: the interop venvs
-hold vLLM and its dependencies only.
+(``VLLM_TARGET_DEVICE=cpu``, installed explicitly where a CUDA build of vLLM ignores it), which builds and
+validates every config class (``KVEventsConfig``, ``KVTransferConfig``, ``CacheConfig``, ...). Nothing of
+kvfleet is imported here: the interop venvs hold vLLM and its dependencies only.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 def _cpu_platform() -> None:
-    """vLLM's CPU platform: 0.33 picks it from ``VLLM_TARGET_DEVICE=cpu``; 0.11 only for a CPU build of vLLM, so it is
-    installed explicitly (``vllm.platforms``' lazy ``current_platform`` reads ``_current_platform``)."""
+    """vLLM's CPU platform: 0.33 picks it from ``VLLM_TARGET_DEVICE=cpu``; 0.11 only for a CPU build of vLLM,
+    so it is installed explicitly (``vllm.platforms``' lazy ``current_platform`` reads
+    ``_current_platform``)."""
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
 
@@ -71,11 +73,13 @@ def check(parser: Any, validate: Any, argv: list[str]) -> dict[str, Any]:
         stage = "engine_config"
         cfg = engine_args.create_engine_config()
     except SystemExit:
-        return {"ok": False, "stage": stage, "error": err.getvalue().strip().splitlines()[-1:] or ["argparse exit"]}
+        return {"ok": False, "stage": stage,
+                "error": err.getvalue().strip().splitlines()[-1:] or ["argparse exit"]}
     except Exception as exc:  # whatever vLLM raises is the answer
         return {"ok": False, "stage": stage, "error": [f"{type(exc).__name__}: {exc}"[:800]]}
     cache = cfg.cache_config
-    return {"ok": True, "stage": "done", "error": [], "kv_transfer": _plain(cfg.kv_transfer_config), "kv_events": _plain(cfg.kv_events_config),
+    return {"ok": True, "stage": "done", "error": [], "kv_transfer": _plain(cfg.kv_transfer_config),
+            "kv_events": _plain(cfg.kv_events_config),
             "block_size": cache.block_size, "hash_algo": getattr(cache, "prefix_caching_hash_algo", None),
             "prefix_caching": cache.enable_prefix_caching}
 

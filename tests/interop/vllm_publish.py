@@ -64,14 +64,17 @@ def main() -> int:
             hashes = chain(tokens)
             first = cached // block_size
             new = hashes[first:]
-            event = BlockStored(block_hashes=[ext(h) for h in new], parent_block_hash=ext(hashes[first - 1]) if first else None,
-                                token_ids=tokens[first * block_size:len(hashes) * block_size], block_size=block_size, lora_id=None,
+            event = BlockStored(block_hashes=[ext(h) for h in new],
+                                parent_block_hash=ext(hashes[first - 1]) if first else None,
+                                token_ids=tokens[first * block_size:len(hashes) * block_size],
+                                block_size=block_size, lora_id=None,
                                 medium=cmd.get("medium", "GPU"), lora_name=None)
             publisher.publish(KVEventBatch(ts=time.time(), events=[event]))
             out["blocks"] = len(new)
         elif op == "remove":
             hashes = chain(list(cmd["tokens"]))[-int(cmd["blocks"]):]
-            publisher.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[ext(h) for h in hashes], medium="GPU")]))
+            publisher.publish(KVEventBatch(ts=time.time(), events=[
+                BlockRemoved(block_hashes=[ext(h) for h in hashes], medium="GPU")]))
         elif op == "clear":
             publisher.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
         elif op == "exit":

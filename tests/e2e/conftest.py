@@ -1,4 +1,5 @@
-"""The local stack for e2e tests: real Envoy → kvfleet EPP → simulated engines, all child processes on loopback.
+"""The local stack for e2e tests: real Envoy → kvfleet EPP → simulated engines, all child processes on
+loopback.
 
 The ``fleet`` fixture (one per module) starts 4 engines in 2 pools (``pool-a``:
 two unified pods; ``pool-b``: a prefill and a decode pod), the EPP with a
@@ -52,9 +53,11 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def http_json(url: str, body: Any | None = None, headers: dict[str, str] | None = None, timeout: float = 30.0) -> tuple[int, Any, dict[str, str]]:
+def http_json(url: str, body: Any | None = None, headers: dict[str, str] | None = None,
+              timeout: float = 30.0) -> tuple[int, Any, dict[str, str]]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(url, data=data,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
@@ -89,7 +92,8 @@ class Fleet:
         return next(p for p in self.pods if p.name == name)
 
     def start_engine(self, p: PodSpec, **extra: Any) -> Child:
-        cfg = {"engine": engine_settings(self.pods, p, MODEL, **{"time_factor": 0.01, "num_gpu_blocks": 2048, **extra})}
+        cfg = {"engine": engine_settings(self.pods, p, MODEL,
+                                         **{"time_factor": 0.01, "num_gpu_blocks": 2048, **extra})}
         path = write_yaml(self.workdir / f"{p.name}.yaml", cfg)
         child = self.stack.spawn_kvfleet(p.name, ["engine", "--config", str(path)], engine_env(self.secret))
         self.stack.wait_http(child, f"http://127.0.0.1:{p.port}/health", timeout_s=60)
@@ -134,9 +138,10 @@ def start_fleet(workdir: Path) -> Iterator[Fleet]:
             fleet.start_engine(p)
         fleet.start_epp()
         listen, admin = free_port(), free_port()
-        boot = write_bootstrap(workdir / "envoy.yaml", listen_port=listen, epp_port=fleet.epp_ports[0], admin_port=admin)
-        envoy = stack.spawn("envoy", [envoy_binary(), "-c", str(boot), "--base-id", str(admin), "-l", "warning",
-                                      "--concurrency", "1", "--disable-hot-restart"])
+        boot = write_bootstrap(workdir / "envoy.yaml", listen_port=listen, epp_port=fleet.epp_ports[0],
+                               admin_port=admin)
+        envoy = stack.spawn("envoy", [envoy_binary(), "-c", str(boot), "--base-id", str(admin), "-l",
+                                      "warning", "--concurrency", "1", "--disable-hot-restart"])
         stack.wait_http(envoy, f"http://127.0.0.1:{admin}/ready", timeout_s=60)
         fleet.gateway = f"http://127.0.0.1:{listen}"
         yield fleet

@@ -39,13 +39,15 @@ def processes_mentioning(text: str) -> list[int]:
 
 def run_demo(*args: str, timeout: float = 160) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvfleet", "demo", "--quiet", *args], capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "kvfleet", "demo", "--quiet", *args], capture_output=True, text=True,
+        timeout=timeout,
     )
 
 
 def test_demo_runs_to_its_report_and_leaves_no_process(tmp_path: Path) -> None:
     out = tmp_path / "report"
-    proc = run_demo("--requests", "16", "--policies", "kvfleet,random", "--out", str(out), "--time-factor", "0.05")
+    proc = run_demo("--requests", "16", "--policies", "kvfleet,random", "--out", str(out), "--time-factor",
+                    "0.05")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = re.search(r"logs in (\S+)", proc.stderr)
     assert m, proc.stderr

@@ -75,9 +75,12 @@ def test_restarted_engine_serves_from_its_ssd_tier(tmp_path: Path) -> None:
             keys = hashes_as_ints(hasher.hash_tokens(prompt))
             st, first, _ = http_json(url, {"model": MODEL, "prompt": prompt, "max_tokens": 6})
             assert st == 200
-            wait_index(lambda: held(idx, keys, pod.name) == 40, idx, keys, pod.name, sub)  # the EPP follows the first process
-            for base in (90_000, 95_000):  # 63 blocks each: push every block of the first prompt out of the GPU to SSD
-                st, _, _ = http_json(url, {"model": MODEL, "prompt": list(range(base, base + 1000)), "max_tokens": 1})
+            # the EPP follows the first process
+            wait_index(lambda: held(idx, keys, pod.name) == 40, idx, keys, pod.name, sub)
+            # 63 blocks each: push every block of the first prompt out of the GPU to SSD
+            for base in (90_000, 95_000):
+                st, _, _ = http_json(url, {"model": MODEL, "prompt": list(range(base, base + 1000)),
+                                           "max_tokens": 1})
                 assert st == 200
             metrics = f"http://127.0.0.1:{pod.port}/metrics"
             wait_for(lambda: tier_sample(scrape(metrics), "kvfleet_tier_blocks", "ssd") >= 30,
@@ -86,9 +89,11 @@ def test_restarted_engine_serves_from_its_ssd_tier(tmp_path: Path) -> None:
             fleet.start_engine(pod, **tiers)
             assert tier_sample(scrape(metrics), "kvfleet_tier_reindexed_blocks_total", "ssd") >= 30
             assert replayed_ssd_blocks(pod.replay_port) >= 30
-            # the EPP side, before the prompt is served again: the restart was seen (sequence numbers from 0 again), the
-            # pod rebuilt from what the new process announced, and the prompt's recovered blocks indexed on SSD for it
-            wait_index(lambda: sub.stats[pod.name].restarts + sub.stats[pod.name].resyncs >= 1 and on_ssd(idx, keys, pod.name) >= 30,
+            # the EPP side, before the prompt is served again: the restart was seen (sequence numbers from 0
+            # again), the pod rebuilt from what the new process announced, and the prompt's recovered blocks
+            # indexed on SSD for it
+            wait_index(lambda: sub.stats[pod.name].restarts + sub.stats[pod.name].resyncs >= 1
+                       and on_ssd(idx, keys, pod.name) >= 30,
                        idx, keys, pod.name, sub)
             st, again, _ = http_json(url, {"model": MODEL, "prompt": prompt, "max_tokens": 6})
             assert st == 200
@@ -102,9 +107,11 @@ def test_restarted_engine_serves_from_its_ssd_tier(tmp_path: Path) -> None:
             sub.stop()
 
 
-def wait_index(probe: Callable[[], bool], idx: BlockIndex, keys: list[int], pod: str, sub: EventSubscriber) -> None:
+def wait_index(probe: Callable[[], bool], idx: BlockIndex, keys: list[int], pod: str,
+               sub: EventSubscriber) -> None:
     def indexed() -> bool:
-        assert probe(), f"EPP index: {held(idx, keys, pod)} blocks held, {on_ssd(idx, keys, pod)} on SSD, {sub.stats.get(pod)}"
+        assert probe(), (f"EPP index: {held(idx, keys, pod)} blocks held, {on_ssd(idx, keys, pod)} on SSD, "
+                         f"{sub.stats.get(pod)}")
         return True
 
     wait_for(indexed, f"the EPP's index of {pod}", timeout_s=20, interval_s=0.1)

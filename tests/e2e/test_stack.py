@@ -46,7 +46,8 @@ def predicted_hits(fleet: Fleet) -> float:
     return counter(fleet.epp_metrics(), "kvfleet_epp_predicted_hit_tokens_total")
 
 
-def wait_routed_with_cache(fleet: Fleet, prefix: list[int], want_pod: str, timeout_s: float) -> tuple[float, dict[str, str], Any]:
+def wait_routed_with_cache(fleet: Fleet, prefix: list[int], want_pod: str,
+                           timeout_s: float) -> tuple[float, dict[str, str], Any]:
     """Send prefix + a new suffix until the EPP predicts a hit and the answer comes from ``want_pod``
     with cached tokens (so the pick was prefix-aware, not luck); returns the wait."""
     t0 = time.monotonic()
@@ -62,7 +63,8 @@ def wait_routed_with_cache(fleet: Fleet, prefix: list[int], want_pod: str, timeo
         ), f"answer {(st, body, hdrs)}"
         return hdrs, body
 
-    hdrs, body = wait_for(routed, f"a request routed to {want_pod} with a cache hit", timeout_s=timeout_s, interval_s=0.2)
+    hdrs, body = wait_for(routed, f"a request routed to {want_pod} with a cache hit", timeout_s=timeout_s,
+                          interval_s=0.2)
     return time.monotonic() - t0, hdrs, body
 
 
@@ -84,7 +86,8 @@ def test_pd_returns_the_same_tokens_as_a_unified_engine(fleet: Fleet) -> None:
     decode = next(p for p in fleet.pods if p.role == "decode")
     prefill = next(p for p in fleet.pods if p.role == "prefill")
     unified = next(p for p in fleet.pods if p.role == "both")
-    for _ in range(40):  # level 1 shards prompts over pools by prefix: try prompts until one goes to the P/D pool
+    # level 1 shards prompts over pools by prefix: try prompts until one goes to the P/D pool
+    for _ in range(40):
         prompt = fresh_prompt(900)
         before = counter(scrape(f"http://127.0.0.1:{prefill.port}/metrics"), "vllm:prompt_tokens_total")
         st, via_pd, hdrs = fleet.complete(prompt, max_tokens=8)
@@ -93,10 +96,12 @@ def test_pd_returns_the_same_tokens_as_a_unified_engine(fleet: Fleet) -> None:
             continue
         after = counter(scrape(f"http://127.0.0.1:{prefill.port}/metrics"), "vllm:prompt_tokens_total")
         assert after - before == len(prompt), "the prefill pod did not run the prompt"
-        st, direct, _ = http_json(f"http://127.0.0.1:{unified.port}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8})
+        st, direct, _ = http_json(f"http://127.0.0.1:{unified.port}/v1/completions",
+                                  {"model": MODEL, "prompt": prompt, "max_tokens": 8})
         assert st == 200
         assert via_pd["choices"][0]["text"] == direct["choices"][0]["text"]
-        mism = counter(scrape(f"http://127.0.0.1:{decode.port}/metrics"), "kvfleet_engine_kv_mismatched_blocks_total")
+        mism = counter(scrape(f"http://127.0.0.1:{decode.port}/metrics"),
+                       "kvfleet_engine_kv_mismatched_blocks_total")
         assert mism == 0
         return
     pytest.fail("no prompt was routed to the P/D pool in 40 tries")
@@ -127,7 +132,8 @@ def test_client_supplied_pd_controls_are_refused(fleet: Fleet) -> None:
             st, body, _ = fleet.complete(fresh_prompt(300), kv_transfer_params={"do_remote_decode": True})
             assert st == 400, body  # the picker refuses it before any engine
             text = str(body)
-            assert "kv_transfer_params" not in (body or {}) and "remote_request_id" not in text and "transfer_port" not in text
+            assert ("kv_transfer_params" not in (body or {}) and "remote_request_id" not in text
+                    and "transfer_port" not in text)
         for p in fleet.pods:  # no cache state changed: nothing is held for a pull on any engine
             held = [s for f in text_string_to_metric_families(scrape(f"http://127.0.0.1:{p.port}/metrics"))
                     if f.name == "kvfleet_engine_held_blocks" for s in f.samples]
@@ -135,8 +141,9 @@ def test_client_supplied_pd_controls_are_refused(fleet: Fleet) -> None:
         for p in fleet.pods:
             st, body, _ = http_json(f"http://127.0.0.1:{p.port}/kvfleet/v1/reset", {})
             assert st == 403, body
-            st, body, _ = http_json(f"http://127.0.0.1:{p.port}/v1/completions", {"model": MODEL, "prompt": fresh_prompt(40),
-                                    "max_tokens": 1}, headers={"x-prefiller-host-port": attacker})
+            st, body, _ = http_json(f"http://127.0.0.1:{p.port}/v1/completions",
+                                    {"model": MODEL, "prompt": fresh_prompt(40), "max_tokens": 1},
+                                    headers={"x-prefiller-host-port": attacker})
             assert st == 403 if p.role != "prefill" else st == 200, body
         time.sleep(0.3)  # a time gap: a connection to the attacker, had one been made, would have arrived
         assert accepted == [], "an engine connected to a prefiller outside its pool"
@@ -147,7 +154,8 @@ def test_client_supplied_pd_controls_are_refused(fleet: Fleet) -> None:
     fleet.check_alive()
 
 
-def test_epp_down_fails_closed_then_restart_rebuilds_the_index(fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+def test_epp_down_fails_closed_then_restart_rebuilds_the_index(fleet: Fleet,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     prefix = fresh_prompt(640)
     st, _, hdrs = fleet.complete(prefix + fresh_prompt(20))
     assert st == 200
@@ -156,7 +164,8 @@ def test_epp_down_fails_closed_then_restart_rebuilds_the_index(fleet: Fleet, cap
     assert fleet.epp is not None
     fleet.stack.stop(fleet.epp, sig=signal.SIGKILL)
     st, body, _ = fleet.complete(prefix + fresh_prompt(20))
-    assert st >= 500, f"with the EPP down and failure_mode_allow off Envoy must fail the request, got {st} {body}"
+    assert st >= 500, ("with the EPP down and failure_mode_allow off Envoy must fail the request, "
+                       f"got {st} {body}")
     t0 = time.monotonic()
     fleet.start_epp()
     waited, _, _ = wait_routed_with_cache(fleet, prefix, holder, timeout_s=30)
@@ -167,9 +176,10 @@ def test_epp_down_fails_closed_then_restart_rebuilds_the_index(fleet: Fleet, cap
         fleet.complete(fresh_prompt(20))  # an idle pod publishes nothing; any event lets the EPP see its gap
         return False
 
-    wait_for(index_rebuilt, "the EPP's index rebuilt from the engines' KV events", timeout_s=max(0.0, 30 - (time.monotonic() - t0)),
-             interval_s=0.2)
+    wait_for(index_rebuilt, "the EPP's index rebuilt from the engines' KV events",
+             timeout_s=max(0.0, 30 - (time.monotonic() - t0)), interval_s=0.2)
     wait_routed_with_cache(fleet, prefix, holder, timeout_s=10)
     rebuilt = time.monotonic() - t0
     with capsys.disabled():
-        print(f"\n[e2e] EPP restart → prefix-aware routing again after {rebuilt:.2f}s (first matching answer after {waited:.2f}s)")
+        print(f"\n[e2e] EPP restart → prefix-aware routing again after {rebuilt:.2f}s "
+              f"(first matching answer after {waited:.2f}s)")

@@ -58,7 +58,8 @@ def test_free_keeps_blocks_cached_until_reclaimed_lru_tail_first() -> None:
     batch = buf.drain()
     assert batch is not None
     removed = [e for e in batch.events if isinstance(e, BlockRemoved)]
-    # a's tail block went first (when c allocated), so its head is still cached now or reclaimed after c's blocks
+    # a's tail block went first (when c allocated), so its head is still cached now or reclaimed after c's
+    # blocks
     assert m.num_cached_prefix_tokens([1, 2, 3, 4]) in (0, 2)
     assert all(len(e.block_hashes) == 1 for e in removed)
     assert a.block_hashes[1] not in m.cached

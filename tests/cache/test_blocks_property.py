@@ -32,7 +32,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     def _snapshot(self) -> tuple[Any, ...]:
-        return (list(self.m.ref_cnt), list(self.m._free), dict(self.m.cached), {k: list(v) for k, v in self.tokens.items()})
+        return (list(self.m.ref_cnt), list(self.m._free), dict(self.m.cached),
+                {k: list(v) for k, v in self.tokens.items()})
 
     def _write(self, sid: int, start_token: int) -> None:
         toks = self.tokens[sid]

@@ -1,5 +1,6 @@
-"""The one cost rule (kvfleet/cache/cost.py): the seeds' promotion inequality in its three outcomes, the value of a
-hit, and the parts that decide with it (the agent's tier costs, the engine simulator, the EPP's tier weights)."""
+"""The one cost rule (kvfleet/cache/cost.py): the seeds' promotion inequality in its three outcomes, the value
+of a hit, and the parts that decide with it (the agent's tier costs, the engine simulator, the EPP's tier
+weights)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,14 @@ def test_hit_value_is_the_share_of_the_prefill_a_hit_saves() -> None:
 
 def test_every_part_decides_with_the_same_rule() -> None:
     """The agent's CostModel, the EPP's tier weights and the settings' defaults come from the core module."""
-    m = CostModel(ModelProfile(prefill_tokens_per_s=1000.0), {Tier.CPU: TierCost(1e9, 1e9, 0.0), Tier.GPU: TierCost(1e9, 1e9, 0.0)})
+    m = CostModel(ModelProfile(prefill_tokens_per_s=1000.0),
+                  {Tier.CPU: TierCost(1e9, 1e9, 0.0), Tier.GPU: TierCost(1e9, 1e9, 0.0)})
     d = m.decide(Tier.CPU, Tier.GPU, 16, 4_000_000, 4_000_000)  # prefill 16 ms, read 4 ms, write 4 ms
     assert d.action is cost.promotion(d.prefill_s, d.read_s, d.write_s) is Action.PROMOTE
-    w = tier_weights(CostModelSettings(prefill_tokens_per_s=10_000, kv_bytes_per_token=100_000, cpu_gbps=10, ssd_gbps=1, remote_gbps=0.5))
+    w = tier_weights(CostModelSettings(prefill_tokens_per_s=10_000, kv_bytes_per_token=100_000, cpu_gbps=10,
+                                       ssd_gbps=1, remote_gbps=0.5))
     assert w[Tier.CPU.rank] == pytest.approx(cost.hit_value(1e-4, 1e-5))
-    assert ModelProfile().prefill_tokens_per_s == CostModelSettings().prefill_tokens_per_s == cost.DEFAULT_PREFILL_TOKENS_PER_S
-    assert ModelProfile().kv_bytes_per_token == CostModelSettings().kv_bytes_per_token == cost.DEFAULT_KV_BYTES_PER_TOKEN
+    assert (ModelProfile().prefill_tokens_per_s == CostModelSettings().prefill_tokens_per_s
+            == cost.DEFAULT_PREFILL_TOKENS_PER_S)
+    assert (ModelProfile().kv_bytes_per_token == CostModelSettings().kv_bytes_per_token
+            == cost.DEFAULT_KV_BYTES_PER_TOKEN)

@@ -24,7 +24,8 @@ from kvfleet.cache.events import (
 
 
 def test_decode_vllm_batch(vllm_batch_bytes: bytes) -> None:
-    """The four events vLLM encoded: two BlockStored (GPU, CPU with parent), BlockRemoved, AllBlocksCleared."""
+    """The four events vLLM encoded: two BlockStored (GPU, CPU with parent), BlockRemoved,
+    AllBlocksCleared."""
     batch = decode_batch(vllm_batch_bytes)
     assert batch.data_parallel_rank == 0
     kinds = [type(e) for e in batch.events]
@@ -76,7 +77,8 @@ def test_tolerates_unknown_fields_and_omitted_lora_name() -> None:
     assert isinstance(ev, BlockStored) and ev.medium == "CPU" and ev.lora_name is msgspec.UNSET
 
 
-@pytest.mark.parametrize("payload", [b"", b"\xc1", msgspec.msgpack.encode([1.0, [{"type": "Nope"}]]), msgspec.msgpack.encode({"a": 1})])
+@pytest.mark.parametrize("payload", [b"", b"\xc1", msgspec.msgpack.encode([1.0, [{"type": "Nope"}]]),
+                                     msgspec.msgpack.encode({"a": 1})])
 def test_malformed_payloads_raise_typed_error(payload: bytes) -> None:
     with pytest.raises(EventDecodeError):
         decode_batch(payload)
@@ -103,18 +105,22 @@ def test_sglang_and_older_vllm_layouts() -> None:
                     ["BlockRemoved", [1]],
                     ["AllBlocksCleared"]], 3]
     batch = decode_batch(msgspec.msgpack.encode(arrays))
-    assert batch.data_parallel_rank == 3 and [type(e) for e in batch.events] == [BlockStored, BlockStored, BlockRemoved, AllBlocksCleared]
+    assert batch.data_parallel_rank == 3 and [type(e) for e in batch.events] == [
+        BlockStored, BlockStored, BlockRemoved, AllBlocksCleared]
     first, second = batch.events[0], batch.events[1]
     assert isinstance(first, BlockStored) and first.medium == "CPU_PINNED" and first.block_hashes == [1, 2]
     assert isinstance(second, BlockStored) and second.medium is None and second.parent_block_hash == 2
-    mapped = {"ts": 1.0, "events": [{"type": "BlockRemoved", "block_hashes": [b"\x01" * 32], "medium": "GPU"}], "attn_dp_rank": 1}
+    mapped = {"ts": 1.0,
+              "events": [{"type": "BlockRemoved", "block_hashes": [b"\x01" * 32], "medium": "GPU"}],
+              "attn_dp_rank": 1}
     batch = decode_batch(msgspec.msgpack.encode(mapped))
     assert batch.data_parallel_rank == 1 and isinstance(batch.events[0], BlockRemoved)
 
 
 def test_lenient_decoding_keeps_the_valid_events() -> None:
     good = msgspec.to_builtins(stored([1], None, [1, 2], 2, "GPU"))
-    doc = [0.0, [good, {"type": "BlockMoved"}, {**good, "token_ids": [2**32, 1]}, {**good, "block_size": 0}, good]]
+    doc = [0.0, [good, {"type": "BlockMoved"}, {**good, "token_ids": [2**32, 1]}, {**good, "block_size": 0},
+                 good]]
     out = decode_batch_lenient(msgspec.msgpack.encode(doc))
     assert len(out.batch.events) == 2 and len(out.refused) == 3 and out.reset_at is None
     assert "unknown event type" in out.refused[0] and "4294967295" in out.refused[1]
@@ -122,7 +128,8 @@ def test_lenient_decoding_keeps_the_valid_events() -> None:
         decode_batch(msgspec.msgpack.encode(doc))
     unsafe = [0.0, [good, {"type": "BlockRemoved", "block_hashes": "x", "medium": None}, good, 7]]
     out = decode_batch_lenient(msgspec.msgpack.encode(unsafe))
-    assert len(out.batch.events) == 2 and out.reset_at == 2  # the last unreadable event may have removed blocks
+    # the last unreadable event may have removed blocks
+    assert len(out.batch.events) == 2 and out.reset_at == 2
 
 
 # --- the wire module: frames and the per-publisher sequencer ------------------------------------
@@ -139,7 +146,8 @@ def test_frames_are_vllms() -> None:
     assert kvwire.replay_end(b"id") == [b"id", b"", (-1).to_bytes(8, "big", signed=True), b""]
     assert kvwire.parse_replay_answer([b"", (7).to_bytes(8, "big"), b"p"]) == (7, b"p")
     assert kvwire.parse_replay_answer([b"", kvwire.END_SEQ, b""]) == (kvwire.END, b"")
-    assert kvwire.parse_replay_answer([b"", b"topic", (7).to_bytes(8, "big"), b"p"]) == (7, b"p")  # earlier kvfleet
+    # earlier kvfleet
+    assert kvwire.parse_replay_answer([b"", b"topic", (7).to_bytes(8, "big"), b"p"]) == (7, b"p")
     for bad in ([b"x"], [b"t", b"\x00" * 7, b"p"], [b"t", kvwire.END_SEQ, b"p"]):
         with pytest.raises(kvwire.KVWireError):
             kvwire.parse_live(bad)
@@ -184,7 +192,8 @@ class TestSequencer:
         s, sink = started()
         s.on_live(0, 3, b"x")  # waits for the bootstrap answer
         answer(s, [0, 1, 2])
-        assert sink.take() == [("clear", -1), ("request", 0), ("replayed", 0), ("replayed", 1), ("replayed", 2), ("live", 3)]
+        assert sink.take() == [("clear", -1), ("request", 0), ("replayed", 0), ("replayed", 1),
+                               ("replayed", 2), ("live", 3)]
         s.on_live(0, 5, b"x")
         assert sink.take() == [("request", 4)] and s.stats.gaps == 1
         s.on_live(0, 6, b"x")
@@ -218,9 +227,11 @@ class TestSequencer:
         s, sink = started(max_full_retries=1)
         for q in (0, 1, 3):
             s.on_replay(0, q, b"x")
-        assert sink.take() == [("clear", -1), ("request", 0), ("replayed", 0), ("replayed", 1), ("clear", -1), ("request", 0)]
+        assert sink.take() == [("clear", -1), ("request", 0), ("replayed", 0), ("replayed", 1), ("clear", -1),
+                               ("request", 0)]
         answer(s, [0, 1, 3, 4])
-        assert sink.take() == [("replayed", 0), ("replayed", 1), ("clear", -1), ("replayed", 3), ("replayed", 4)]
+        assert sink.take() == [("replayed", 0), ("replayed", 1), ("clear", -1), ("replayed", 3),
+                               ("replayed", 4)]
         assert s.stats.replay_holes == 2 and s.stats.resyncs == 2
 
     def test_hole_between_replay_and_live(self) -> None:

@@ -29,7 +29,8 @@ def test_sha256_cbor_matches_vllm_vectors(sha256_vectors: dict[str, Any]) -> Non
 def test_sha256_cbor_root_is_vllm_none_hash(sha256_vectors: dict[str, Any]) -> None:
     """NONE_HASH for the default seed and for PYTHONHASHSEED=0."""
     assert BlockHasher(algo="sha256_cbor").root.hex() == sha256_vectors["none_hash"]["default"]  # type: ignore[union-attr]
-    assert BlockHasher(algo="sha256_cbor", seed="0").root.hex() == sha256_vectors["none_hash"]["PYTHONHASHSEED=0"]  # type: ignore[union-attr]
+    assert (BlockHasher(algo="sha256_cbor", seed="0").root.hex()  # type: ignore[union-attr]
+            == sha256_vectors["none_hash"]["PYTHONHASHSEED=0"])
 
 
 def test_int_form_matches_vllm_int_hashes(sha256_vectors: dict[str, Any]) -> None:

@@ -46,7 +46,8 @@ print(before, rss_mb())
 
 def test_trim_returns_freed_heap_to_the_system() -> None:
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
-    out = subprocess.run([sys.executable, "-c", _BURST], capture_output=True, text=True, env=env, timeout=60, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", _BURST], capture_output=True, text=True, env=env, timeout=60,
+                         check=True).stdout
     before, after = (float(x) for x in out.split())
     assert before > 100  # 4 threads × 3,000 × 24 KiB were allocated, 99 % freed, and stay resident
     assert after < before - 100, (before, after)
@@ -57,7 +58,8 @@ def test_limit_arenas_unless_the_environment_says() -> None:
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
 
     def run(e: dict[str, str]) -> str:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=60, check=True).stdout.strip()
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=60,
+                              check=True).stdout.strip()
 
     assert run(env) == "True"
     assert run({**env, "MALLOC_ARENA_MAX": "4"}) == "False"

@@ -103,7 +103,8 @@ def test_sha256_tree_and_index_only_blocks() -> None:
     assert r.new_block_ids.tolist() == [-1, -1]
     assert isinstance(t.match_prefix(np.arange(40)).block_hashes[1], bytes)
     r2 = t.insert(np.arange(48))
-    assert r2.new_block_hashes.tolist() == BlockHasher(block_size=16, algo="sha256_cbor").hash_tokens(np.arange(48))[2:].tolist()
+    assert (r2.new_block_hashes.tolist()
+            == BlockHasher(block_size=16, algo="sha256_cbor").hash_tokens(np.arange(48))[2:].tolist())
 
 
 def test_insert_needs_enough_block_ids() -> None:

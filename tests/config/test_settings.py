@@ -44,12 +44,16 @@ def test_nested_lists_dict_values_and_unknown_keys_name_the_path() -> None:
     """Types are checked everywhere, not only at the top of a class: a list element's field, a dict's values
     (a scorer's params once passed through unchecked) and an unknown key inside a list element."""
     with pytest.raises(ConfigError, match=r"^epp\.plugins\[1\]\.weight: Expected `float`, got `str`"):
-        load(overrides={"epp": {"plugins": [{"type": "queue-scorer"}, {"type": "prefix-cache-scorer", "weight": "high"}]}})
+        load(overrides={"epp": {"plugins": [{"type": "queue-scorer"},
+                                            {"type": "prefix-cache-scorer", "weight": "high"}]}})
     with pytest.raises(ConfigError, match=r"^epp\.plugins\[0\]\.params.*Expected `float`, got `str`"):
-        load(overrides={"epp": {"plugins": [{"type": "prefix-cache-scorer", "params": {"load_gain": "high"}}]}})
-    with pytest.raises(ConfigError, match=r"unknown setting\(s\): epp\.plugins\[0\]\.wieght; known: params, type, weight"):
+        load(overrides={"epp": {"plugins": [{"type": "prefix-cache-scorer",
+                                             "params": {"load_gain": "high"}}]}})
+    with pytest.raises(ConfigError,
+                       match=r"unknown setting\(s\): epp\.plugins\[0\]\.wieght; known: params, type, weight"):
         load(overrides={"epp": {"plugins": [{"type": "queue-scorer", "wieght": 1}]}})
-    assert load(overrides={"epp": {"plugins": [{"type": "queue-scorer", "weight": 2}]}}).epp.plugins[0].weight == 2.0
+    assert load(overrides={"epp": {"plugins": [
+        {"type": "queue-scorer", "weight": 2}]}}).epp.plugins[0].weight == 2.0
 
 
 def test_top_level_must_be_mapping(tmp_path: Path) -> None:
@@ -59,10 +63,12 @@ def test_top_level_must_be_mapping(tmp_path: Path) -> None:
         load(path)
 
 
-@pytest.mark.parametrize("clash", [{"agent_transfer_port": 7000}, {"agent_kv_events_port": 5557}, {"agent_kv_events_port": 5556},
-                                   {"agent_metrics_port": 8000}, {"agent_transfer_port": 0}])
+@pytest.mark.parametrize("clash", [{"agent_transfer_port": 7000}, {"agent_kv_events_port": 5557},
+                                   {"agent_kv_events_port": 5556}, {"agent_metrics_port": 8000},
+                                   {"agent_transfer_port": 0}])
 def test_engine_pod_ports_must_differ(clash: dict[str, Any]) -> None:
-    """The engine and the agent sidecar share a pod's network namespace: a port both would bind (the agent's KV-event
-    replay port is its events port + 1) is refused when the settings load, not found as a crash loop in the pod."""
+    """The engine and the agent sidecar share a pod's network namespace: a port both would bind (the agent's
+    KV-event replay port is its events port + 1) is refused when the settings load, not found as a crash loop
+    in the pod."""
     with pytest.raises(ValueError, match=r"must differ|port number"):
         OperatorSettings(**clash)

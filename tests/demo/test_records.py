@@ -33,19 +33,24 @@ def test_records_join_the_decision_log(tmp_path: Path) -> None:
         Outcome(2, 503, "", 0, 0, 0, None, None, error="down", request_id="kvfleet.1-2"),
     ]
     recs = request_records(outs, ["46-47", "46-47", "9-10"], decisions)
-    assert recs[0] == {"i": 0, "pod": "pod-0", "group": "46-47", "predicted": 512, "reported": 480, "ttft_ms": 123.4}
+    assert recs[0] == {"i": 0, "pod": "pod-0", "group": "46-47", "predicted": 512, "reported": 480,
+                       "ttft_ms": 123.4}
     assert recs[1]["predicted"] == 0 and recs[1]["reported"] == 16
-    assert recs[2]["predicted"] is None and recs[2]["reported"] is None and recs[2]["error"].startswith("HTTP 503")
+    assert (recs[2]["predicted"] is None and recs[2]["reported"] is None
+            and recs[2]["error"].startswith("HTTP 503"))
 
 
 def test_summary_keeps_one_record_per_line(tmp_path: Path) -> None:
-    res = summarize("gie-approx", [Outcome(0, 200, "a", 100, 50, 2, 0.05, 0.1, request_id="x-0")], 1.0, {}, [], 16, None)
-    res.records = [{"i": i, "pod": "a", "group": "g", "predicted": 16 * i, "reported": 16, "ttft_ms": 1.5} for i in range(50)]
+    res = summarize("gie-approx", [Outcome(0, 200, "a", 100, 50, 2, 0.05, 0.1, request_id="x-0")], 1.0, {},
+                    [], 16, None)
+    res.records = [{"i": i, "pod": "a", "group": "g", "predicted": 16 * i, "reported": 16, "ttft_ms": 1.5}
+                   for i in range(50)]
     paths = write_report(tmp_path, [res], {"workload": "w", "requests": 50, "warnings": []})
     text = paths["summary"].read_text()
     summary = json.loads(text)
     assert summary["policies"]["gie-approx"]["records"] == res.records
-    assert list(summary["policies"]["gie-approx"])[-1] == "records" and summary["policies"]["gie-approx"]["requests"] == 1
+    assert (list(summary["policies"]["gie-approx"])[-1] == "records"
+            and summary["policies"]["gie-approx"]["requests"] == 1)
     assert text.count("\n") < 100  # 50 records, one line each, plus the figures
     assert json.loads(dump_json({"a": [1, 2], "b": {"c": [{"d": 1}], "e": []}, "f": None})) == {
         "a": [1, 2], "b": {"c": [{"d": 1}], "e": []}, "f": None}
@@ -61,7 +66,9 @@ def test_single_prompt_group_warns() -> None:
 
 def test_report_shows_the_warning(tmp_path: Path) -> None:
     res = summarize("kvfleet", [Outcome(0, 200, "a", 100, 50, 2, 0.05, 0.1)], 1.0, {}, [], 16, None)
-    text = write_report(tmp_path, [res], {"workload": "w", "warnings": ["the replayed slice holds a single prompt group"]})["report"].read_text()
+    text = write_report(
+        tmp_path, [res], {"workload": "w", "warnings": ["the replayed slice holds a single prompt group"]}
+    )["report"].read_text()
     assert "**Warning:** the replayed slice holds a single prompt group." in text
     plain = write_report(tmp_path / "b", [res], {"workload": "w", "warnings": []})["report"].read_text()
     assert "Warning" not in plain
@@ -81,4 +88,5 @@ def test_policies() -> None:
     gie = POLICIES["gie-approx"]
     assert gie["prefix_shard_pools"] is False and gie["events_enabled"] is False
     assert {p["type"]: p.get("weight") for p in gie["plugins"]} == {
-        "gie-queue-scorer": 2.0, "gie-kv-cache-utilization-scorer": 2.0, "gie-prefix-cache-scorer": 3.0, "gie-max-score-picker": None}
+        "gie-queue-scorer": 2.0, "gie-kv-cache-utilization-scorer": 2.0, "gie-prefix-cache-scorer": 3.0,
+        "gie-max-score-picker": None}

@@ -49,7 +49,8 @@ def test_summary_numbers() -> None:
 
 def test_report_files(tmp_path: Path) -> None:
     ok = summarize("kvfleet", [Outcome(0, 200, "a", 100, 50, 2, 0.05, 0.1)], 1.0, {}, [], 16, None)
-    paths = write_report(tmp_path, [ok, skipped("round-robin", "unknown plugin")], {"workload": "w", "requests": 1})
+    paths = write_report(tmp_path, [ok, skipped("round-robin", "unknown plugin")],
+                         {"workload": "w", "requests": 1})
     text = paths["report"].read_text()
     assert "| kvfleet | 50.0 %" in text and "round-robin | not run: unknown plugin" in text
     summary = json.loads(paths["summary"].read_text())

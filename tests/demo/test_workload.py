@@ -48,7 +48,8 @@ def test_contiguous_and_session_slices(tmp_path: Path) -> None:
 
 def test_bad_trace_rows_name_the_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+                    '{"timestamp": 1}\n')
     with pytest.raises(WorkloadError, match=r"bad\.jsonl:2"):
         load_trace(path)
     with pytest.raises(WorkloadError, match="cannot read"):

@@ -89,13 +89,14 @@ def test_unified_pods_serve_both_roles() -> None:
 
 
 def test_every_shard_is_a_pod_subset_of_the_one_pool() -> None:
-    """pools: 3 → one EPP pool holding every shard's pods, each pod carrying the shard of the Deployment it came from."""
+    """pools: 3 → one EPP pool holding every shard's pods, each pod carrying the shard of the Deployment it
+    came from."""
     obj = samples.kvcachepool(name="sharded", pools=3, roles={"unified": {"replicas": 2}})
     obj["metadata"]["uid"] = "uid-3"
     spec = parse_spec(obj["spec"], obj["metadata"]["name"])
     children = render_children(obj, spec, Settings())
-    (pool,) = pools_from_objects([c for c in children if c["kind"] == "InferencePool"], _running_pods(children),
-                                 epp_service=Settings().operator.epp_service)
+    (pool,) = pools_from_objects([c for c in children if c["kind"] == "InferencePool"],
+                                 _running_pods(children), epp_service=Settings().operator.epp_service)
     assert pool.name == "sharded" and len(pool.pods) == 6
     for pod in pool.pods:
         deployment = pod.name.rsplit("-", 1)[0]  # <pool>-p<i>-<role>-<n> → <pool>-p<i>-<role>

@@ -36,11 +36,13 @@ _unavailable: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "cluster: runs against a real kube-apiserver (e2e/controlplane; make test-cluster)")
+    config.addinivalue_line(
+        "markers", "cluster: runs against a real kube-apiserver (e2e/controlplane; make test-cluster)")
 
 
 def mark_folder(items: list[pytest.Item], folder: Path, marker: pytest.MarkDecorator) -> None:
-    """Give every collected test under ``folder`` ``marker`` (a folder's conftest calls it from its collection hook)."""
+    """Give every collected test under ``folder`` ``marker`` (a folder's conftest calls it from its collection
+    hook)."""
     for item in items:
         if folder in Path(str(item.fspath)).parents:
             item.add_marker(marker)
@@ -88,7 +90,8 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.
 
 @pytest.fixture(scope="session")
 def kube_apiserver(control_plane: cluster.ControlPlane) -> Path:
-    """Path of an admin kubeconfig (client certificate in group system:masters) for the session's API server."""
+    """Path of an admin kubeconfig (client certificate in group system:masters) for the session's API
+    server."""
     return control_plane.kubeconfig
 
 
@@ -108,12 +111,15 @@ class _Waiting:
         AssertionError naming ``what``."""
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise AssertionError(f"timed out after {self.timeout_s:g} s waiting for {self.what}; last: {self.last!r}")
+            raise AssertionError(f"timed out after {self.timeout_s:g} s waiting for {self.what}; "
+                                 f"last: {self.last!r}")
         pause, self.pause = min(self.pause, left), min(self.pause * 2, self.interval_s)
         return pause
 
 
-def wait_for(probe: Callable[[], T | None], what: str, timeout_s: float = 30.0, interval_s: float = 0.25) -> T:
+def wait_for(
+    probe: Callable[[], T | None], what: str, timeout_s: float = 30.0, interval_s: float = 0.25
+) -> T:
     """Call ``probe`` until it returns a truthy value, and return that value.
 
     ``what`` names the awaited condition in the failure (an AssertionError after ``timeout_s``
@@ -137,13 +143,20 @@ def wait_for(probe: Callable[[], T | None], what: str, timeout_s: float = 30.0, 
 
 
 @overload
-async def eventually(probe: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = ..., interval_s: float = ...) -> T: ...
+async def eventually(
+    probe: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = ..., interval_s: float = ...
+) -> T: ...
 @overload
-async def eventually(probe: Callable[[], T | None], what: str, timeout_s: float = ..., interval_s: float = ...) -> T: ...
+async def eventually(
+    probe: Callable[[], T | None], what: str, timeout_s: float = ..., interval_s: float = ...
+) -> T: ...
 
 
-async def eventually(probe: Callable[[], Any], what: str, timeout_s: float = 30.0, interval_s: float = 0.25) -> Any:
-    """:func:`wait_for` inside an event loop: ``probe`` may be a coroutine function, and the loop runs between probes."""
+async def eventually(
+    probe: Callable[[], Any], what: str, timeout_s: float = 30.0, interval_s: float = 0.25
+) -> Any:
+    """:func:`wait_for` inside an event loop: ``probe`` may be a coroutine function, and the loop runs between
+    probes."""
     waiting = _Waiting(what, timeout_s, interval_s)
     while True:
         try:

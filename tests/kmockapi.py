@@ -28,13 +28,26 @@ from kmock._internal import enums
 
 #: The resources the operator reads and writes (kmock serves only what it is told).
 OPERATOR_RESOURCES: dict[str, kmock.ResourceInfo] = {
-    "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"get", "list", "watch", "create"}),
-    "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
-    "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
-    "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}),
-    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True, verbs={"get", "list", "create", "delete"}),
+    "v1/namespaces": kmock.ResourceInfo(
+        kind="Namespace", namespaced=False, verbs={"get", "list", "watch", "create"},
+    ),
+    "v1/pods": kmock.ResourceInfo(
+        kind="Pod", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"},
+    ),
+    "v1/configmaps": kmock.ResourceInfo(
+        kind="ConfigMap", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"},
+    ),
+    "v1/services": kmock.ResourceInfo(
+        kind="Service", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"},
+    ),
+    "v1/secrets": kmock.ResourceInfo(
+        kind="Secret", namespaced=True, verbs={"get", "list", "create", "delete"},
+    ),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True, verbs={"get", "list", "create", "patch"}),
-    "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"}),
+    "apps/v1/deployments": kmock.ResourceInfo(
+        kind="Deployment", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"},
+    ),
     "kvfleet.io/v1alpha1/kvcachepools": kmock.ResourceInfo(
         kind="KVCachePool", singular="kvcachepool", namespaced=True,
         verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"},
@@ -67,14 +80,16 @@ class Emulator(kmock.KubernetesEmulator):
                 if "name" not in meta and "generateName" in meta:
                     meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
                 meta.setdefault("generation", 1)
-                meta.setdefault("creationTimestamp", datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                meta.setdefault("creationTimestamp",
+                                datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
                 if request.namespace and "namespace" not in meta:
                     meta["namespace"] = request.namespace
                 meta["resourceVersion"] = str(next(self._versions))
             elif request.action == enums.action.UPDATE and request.name is not None:
                 meta["resourceVersion"] = str(next(self._versions))
                 key = (request.resource, request.namespace, request.name)
-                if "spec" in request.data and request.subresource is None and key in self.objects and not self.objects[key].deleted:
+                if ("spec" in request.data and request.subresource is None and key in self.objects
+                        and not self.objects[key].deleted):
                     live = self.objects[key]
                     meta["generation"] = int((live.get("metadata") or {}).get("generation") or 1) + 1
         return await super()._handle(request)
@@ -82,7 +97,8 @@ class Emulator(kmock.KubernetesEmulator):
 
 @contextlib.asynccontextmanager
 async def serve(
-    resources: Mapping[str, kmock.ResourceInfo], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, namespace: str = "default"
+    resources: Mapping[str, kmock.ResourceInfo], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    namespace: str = "default",
 ) -> AsyncIterator[tuple[Emulator, Path]]:
     """Serve ``resources`` and point ``$KUBECONFIG`` at the emulator; yields it and the kubeconfig path."""
     emulator = Emulator()
@@ -95,7 +111,8 @@ async def serve(
             "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
             "clusters": [{"name": "kmock", "cluster": {"server": emulator.api_url}}],
             "users": [{"name": "kmock", "user": {"token": "test"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": namespace}}],
+            "contexts": [{"name": "kmock",
+                          "context": {"cluster": "kmock", "user": "kmock", "namespace": namespace}}],
         }))  # fmt: skip
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)

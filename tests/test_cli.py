@@ -23,5 +23,6 @@ def test_unknown_role_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_module_entry_point_prints_version() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvfleet", "--version"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "kvfleet", "--version"], capture_output=True, text=True,
+                         check=True)
     assert out.stdout.startswith("kvfleet ")

@@ -16,12 +16,13 @@ Faults, in this order (times after warm-up, ``--quick`` halves the gaps):
    wrong topic and a 4 MiB batch (its HTTP port is dead, so no request is routed to it);
 4. a flood of distinct 4k-token prompts at 4 × the steady concurrency.
 
-Warm-up: steady load, then as many distinct 4k-token prompts as the flood, so every cache is full before
-the baseline RSS is taken. Measured: ``lost_requests`` (failed requests other than those in flight on a
-killed process at its kill — for a killed EPP replica, a stream opened on it in the 0.1 s before Envoy
-could see it gone counts as in flight; ``lost_to_dead_engine`` counts the lost requests the gateway sent to
-the killed engine within 1 s, before anything could know it was gone), ``failed_requests`` (all of
-them), ``index_freezes`` (a replica's KV-event batch counter for the live pods
+Warm-up: steady load, then floods of as many distinct 4k-token prompts as the fault's flood until every
+engine's KV-event replay buffer is ``REPLAY_FULL`` of its byte bound (at most ``MAX_WARM_FLOODS``), so every
+cache and buffer is full before the baseline RSS is taken. Measured: ``lost_requests`` (failed requests
+other than those in flight on a killed process at its kill — for a killed EPP replica, a stream opened on it
+in the 0.1 s before Envoy could see it gone counts as in flight; ``lost_to_dead_engine`` counts the lost
+requests the gateway sent to the killed engine within 1 s, before anything could know it was gone),
+``failed_requests`` (all of them), ``index_freezes`` (a replica's KV-event batch counter for the live pods
 standing still for ≥ 3 s while requests complete), ``epp_rss_growth`` and ``engine_rss_growth`` (the largest
 RSS growth of any replica / engine from the end of warm-up to the end, as a fraction; both taken
 ``SETTLE_S`` after the last flood, under the steady load: past the speculative TTL and the heap trim
@@ -113,6 +114,22 @@ def metric_sum(text: str, name: str, exclude: str = "") -> float:
             with contextlib.suppress(ValueError):
                 total += float(line.split()[-1])
     return total
+
+
+#: warm-up floods until every engine's KV-event replay buffer is this full (of its byte bound): a bounded
+#: buffer filling up is the warm-up, not growth
+REPLAY_FULL = 0.9
+MAX_WARM_FLOODS = 8
+
+
+def replay_fill(st: Stack) -> float:
+    """The least full engine's replay buffer, as a fraction of its bound (0 when one cannot be read)."""
+    fills = []
+    for p in st.pods:
+        text = scrape(f"http://127.0.0.1:{p.port}/metrics")
+        cap = metric_sum(text, "kvfleet_engine_kv_event_replay_cap_bytes")
+        fills.append(metric_sum(text, "kvfleet_engine_kv_event_replay_bytes{") / cap if cap else 0.0)
+    return min(fills, default=0.0)
 
 
 #: seconds of steady load between a flood and an RSS reading: longer than the EPP's speculative TTL (10 s)
@@ -324,8 +341,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warm-up: steady load and {flood_n} distinct 4k-token prompts to fill every cache ...",
               file=sys.stderr, flush=True)
         at(2 * gap)
-        asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n, 4 * args.clients,
-                                               random.Random(-1)), loop).result()
+        warm_rng = random.Random(-1)
+        warm_floods = 0
+        while True:
+            asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n, 4 * args.clients,
+                                                   warm_rng), loop).result()
+            warm_floods += 1
+            fill = replay_fill(st)
+            if fill >= REPLAY_FULL or warm_floods >= MAX_WARM_FLOODS:
+                break
+            print(f"warm-up: the engines' KV-event replay buffers are {fill:.0%} full; another {flood_n} "
+                  "prompts ...", file=sys.stderr, flush=True)
         at(max(gap, SETTLE_S))
         rss0_epp = [rss_mb(c.proc.pid) for c, _ in st.epps]
         rss0_eng = {n: rss_mb(c.proc.pid) for n, c in st.engines.items()}
@@ -427,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "bench": "chaos", "quick": args.quick, "requests": len(run.records), "failed_requests": len(failed),
         "lost_requests": lost, "lost_to_dead_engine": len(to_dead), "errors": errors,
-        "flood_failed": flood_failed, "index_freezes": sum(freezes),
+        "flood_failed": flood_failed, "index_freezes": sum(freezes), "warmup_floods": warm_floods,
         "epp_rss_growth": epp_growth, "engine_rss_growth": engine_growth,
         "epp_rss_mb": [round(x, 1) for x in rss1_epp],
         "engine_rss_mb": {n: round(x, 1) for n, x in rss1_eng.items()},

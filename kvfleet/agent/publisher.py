@@ -60,7 +60,7 @@ class ZmqPublisher:
         self._queue: queue.Queue[bytes | object | None] = queue.Queue()
         self._buffer: deque[tuple[int, bytes]] = deque()
         self._buffer_steps = max(1, buffer_steps)
-        self._buffer_cap = max(1, buffer_bytes)
+        self.buffer_cap = max(1, buffer_bytes)
         self.buffer_bytes = 0
         self._seq = 0
         self._pub = self._ctx.socket(zmq.PUB)
@@ -132,7 +132,7 @@ class ZmqPublisher:
             self._buffer.append((seq, payload))
             self.buffer_bytes += len(payload)
             while len(self._buffer) > 1 and (len(self._buffer) > self._buffer_steps
-                                             or self.buffer_bytes > self._buffer_cap):
+                                             or self.buffer_bytes > self.buffer_cap):
                 self.buffer_bytes -= len(self._buffer.popleft()[1])
             try:
                 self._pub.send_multipart(kvwire.live_frames(self.topic, seq, payload), copy=False)

@@ -21,6 +21,8 @@ vllm:time_to_first_token_seconds          hist.    arrival → first token (wall
 vllm:e2e_request_latency_seconds          hist.    arrival → last token
 kvfleet_engine_tier_hit_blocks_total      counter  blocks served from cache, label ``tier``
 kvfleet_engine_kv_mismatched_blocks_total counter  received blocks refused (bytes differed)
+kvfleet_engine_kv_event_replay_bytes      gauge    KV-event payload bytes held for replay
+kvfleet_engine_kv_event_replay_cap_bytes  gauge    their bound (``replay_buffer_bytes``)
 ========================================  =======  ===========================================
 
 With tiers below the GPU, the same registry also carries the tier manager's
@@ -44,11 +46,13 @@ _BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, sched: Scheduler, kv: EngineKV, cache: CacheSettings, held: Callable[[], int]) -> None:
+    def __init__(self, sched: Scheduler, kv: EngineKV, cache: CacheSettings, held: Callable[[], int],
+                 replay: Callable[[], tuple[int, int]]) -> None:
         self.sched = sched
         self.kv = kv
         self.cache = cache
         self.held = held
+        self.replay = replay
         self.model = sched.settings.model
 
     def collect(self) -> Iterator[Metric]:
@@ -100,13 +104,21 @@ class _EngineCollector(Collector):
             "(recomputed instead).",
             self.kv.mismatched_blocks,
         )
+        held_bytes, cap_bytes = self.replay()
+        yield gauge("kvfleet_engine_kv_event_replay_bytes",
+                    "KV-event batch payload bytes kept for replay to subscribers that missed them.",
+                    held_bytes)
+        yield gauge("kvfleet_engine_kv_event_replay_cap_bytes",
+                    "Bound of the KV-event replay buffer in bytes (oldest batches dropped above it).",
+                    cap_bytes)
 
 
 class EngineMetrics:
     """A private registry (one per engine) with the collector and the per-request histograms.
 
     ``registry``: the engine's registry when it already holds other series (the tier manager's
-    ``kvfleet_tier_*``, docs/tiers.md); a new one by default.
+    ``kvfleet_tier_*``, docs/tiers.md); a new one by default. ``replay``: the KV-event replay buffer's
+    (bytes held, bound), read at scrape time.
     """
 
     def __init__(
@@ -116,9 +128,10 @@ class EngineMetrics:
         cache: CacheSettings,
         held: Callable[[], int] = lambda: 0,
         registry: CollectorRegistry | None = None,
+        replay: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(sched, kv, cache, held))
+        self.registry.register(_EngineCollector(sched, kv, cache, held, replay))
         model = sched.settings.model
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",

@@ -192,7 +192,7 @@ class EngineServer:
         self.kv = EngineKV(self.es, settings.cache, sink=self.events, tiers=tiers, model=settings.tiers.model)
         self.sched = Scheduler(self.kv, on_step=self.flush_events)
         self.metrics = EngineMetrics(self.sched, self.kv, settings.cache, held=lambda: self.held_blocks,
-                                     registry=registry)
+                                     registry=registry, replay=self._replay_bytes)
         #: the P/D transfers (prefill side: served, decode side: pulled) on the engine's own /metrics
         self.transfer_metrics = TransferMetrics(self.metrics.registry,
                                                 settings.transfer.link_capacity_gbps * 1e9)
@@ -305,6 +305,11 @@ class EngineServer:
                     if self.sched.release(rid):
                         log.warning("released KV of %s: no decode engine pulled it within %.0fs", rid,
                                     HOLD_SECONDS)
+
+    def _replay_bytes(self) -> tuple[int, int]:
+        """The KV-event replay buffer's bytes held and bound ((0, 0) without a publisher)."""
+        pub = self.publisher
+        return (0, 0) if pub is None else (pub.buffer_bytes, pub.buffer_cap)
 
     @property
     def held_blocks(self) -> int:

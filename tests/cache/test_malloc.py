@@ -1,9 +1,11 @@
 """Process memory helpers (kvfleet/cache/malloc.py) on this machine's C library.
 
-Covers: on glibc, freed heap memory left resident after a burst of mid-sized allocations on several
-threads is handed back by :func:`trim` (RSS measured in a fresh interpreter); :func:`limit_arenas` applies
-unless ``MALLOC_ARENA_MAX`` is set; :func:`start_trimmer` trims periodically until stopped; every ``kvfleet``
-role starts with both (``kvfleet.cli``).
+Covers: on glibc, freed heap memory left resident after a burst of mid-sized allocations on several threads
+is handed back by :func:`trim` (RSS measured in a fresh interpreter); :func:`limit_arenas` applies unless
+``MALLOC_ARENA_MAX`` is set; after :func:`fix_mmap_threshold` 64 KiB blocks the heap cannot serve from its
+free space are still mapped one by one after a 4 MiB block was freed (without it glibc's dynamic threshold
+grows the heap for them; glibc's own ``mallinfo2`` counts the mapped blocks); :func:`start_trimmer` trims
+periodically until stopped; every ``kvfleet`` role starts with all three (``kvfleet.cli``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,46 @@ def test_trim_returns_freed_heap_to_the_system() -> None:
     assert after < before - 100, (before, after)
 
 
+_MAPPED = r"""
+import ctypes, sys
+from kvfleet.cache import malloc
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = malloc._glibc()
+libc.mallinfo2.restype = Info
+if sys.argv[1] == "fixed":
+    assert malloc.fix_mmap_threshold()
+big = bytearray(4 << 20)  # mapped (above the 128 KiB start), and its free raises the dynamic threshold
+del big
+before = libc.mallinfo2().hblks
+blocks = [bytearray(64 << 10) for _ in range(200)]  # 12.5 MiB: more than the heap has free
+print(libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.parametrize("mode", ["fixed", "dynamic"])
+def test_fixed_mmap_threshold_maps_blocks_after_a_large_free(mode: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    out = subprocess.run([sys.executable, "-c", _MAPPED, mode], capture_output=True, text=True, env=env,
+                         timeout=60, check=True).stdout
+    mapped = int(out)
+    if mode == "fixed":  # what the heap could not serve from its free space was mapped block by block
+        assert mapped >= 150, mapped
+    else:  # the heap grew instead
+        assert mapped <= 5, mapped
+
+
+def test_fixed_mmap_threshold_yields_to_the_environment() -> None:
+    code = "from kvfleet.cache import malloc; print(malloc.fix_mmap_threshold())"
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+                         check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_limit_arenas_unless_the_environment_says() -> None:
     code = "from kvfleet.cache import malloc; print(malloc.limit_arenas())"
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
@@ -84,7 +126,7 @@ def test_the_trimmer_trims_until_stopped(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not t.is_alive() and len(calls) >= 3
 
 
-def test_every_role_starts_with_both(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_role_starts_with_all_three(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvfleet import cli
 
     seen: list[str] = []

@@ -25,9 +25,11 @@ requests the gateway sent to the killed engine within 1 s, before anything could
 ``failed_requests`` (all of them), ``index_freezes`` (a replica's KV-event batch counter for the live pods
 standing still for ≥ 3 s while requests complete), ``epp_rss_growth`` and ``engine_rss_growth`` (the largest
 RSS growth of any replica / engine from the end of warm-up to the end, as a fraction; both taken
-``SETTLE_S`` after the last flood, under the steady load: past the speculative TTL and the heap trim
-interval, so what counts is memory a process keeps, not the flood's working set), ``resyncs`` (KV-event
-resyncs over both replicas), ``ttft_p99_ms``, ``ttft_p50_ms``.
+``SETTLE_S`` after the last flood, under the steady load, and once every replica's KV-event ingestion has
+caught up (``kvfleet_epp_kv_event_lag_seconds`` ≤ ``CAUGHT_UP_S`` on every live pod; ``catch_up_s`` says how
+long that took; ``max_kv_event_lag_s`` is the largest lag seen after warm-up): past the speculative TTL and
+the heap trim interval, with no backlog of events queued, so what counts is memory a process keeps, not the
+flood's working set), ``resyncs`` (KV-event resyncs over both replicas), ``ttft_p99_ms``, ``ttft_p50_ms``.
 
 Last line: ``{"bench": "chaos", "lost_requests", "failed_requests", "index_freezes", "epp_rss_growth",
 "engine_rss_growth", "resyncs", "ttft_p50_ms", "ttft_p99_ms", "requests", ...}``.
@@ -131,6 +133,10 @@ def replay_fill(st: Stack) -> float:
         fills.append(metric_sum(text, "kvfleet_engine_kv_event_replay_bytes{") / cap if cap else 0.0)
     return min(fills, default=0.0)
 
+
+#: RSS is read once every replica's KV-event lag (kvfleet_epp_kv_event_lag_seconds) is at most this
+CAUGHT_UP_S = 1.0
+MAX_CATCH_UP_S = 240.0
 
 #: seconds of steady load between a flood and an RSS reading: longer than the EPP's speculative TTL (10 s)
 #: and the heap trim interval (kvfleet/cache/malloc.py, 10 s)
@@ -316,6 +322,31 @@ def main(argv: list[str] | None = None) -> int:
         def epp_metrics() -> list[str]:
             return [scrape(f"http://127.0.0.1:{m}/metrics") for _, (_, _, m) in st.epps]
 
+        def max_lag(text: str) -> float:
+            """A replica's largest KV-event lag over the live pods (seconds)."""
+            return max((float(line.split()[-1]) for line in text.splitlines()
+                        if line.startswith("kvfleet_epp_kv_event_lag_seconds{")
+                        and 'pod="rogue"' not in line),
+                       default=0.0)
+
+        lag_seen = [0.0]
+
+        def caught_up(what: str) -> float:
+            """Seconds until every replica's KV-event ingestion has caught up (lag ≤ ``CAUGHT_UP_S`` on each
+            live pod): RSS is read then, so a backlog being worked through is not counted as kept memory."""
+            t0 = time.monotonic()
+            last = -1.0
+            while time.monotonic() - t0 < MAX_CATCH_UP_S:
+                lags = [max_lag(text) for text in epp_metrics()]
+                if all(lag <= CAUGHT_UP_S for lag in lags):
+                    break
+                if time.monotonic() - last >= 10.0:
+                    last = time.monotonic()
+                    print(f"{what}: KV-event ingestion behind by {max(lags):.1f} s; waiting ...",
+                          file=sys.stderr, flush=True)
+                time.sleep(1.0)
+            return round(time.monotonic() - t0, 1)
+
         def freeze_watch(stop: threading.Event, freezes: list[int]) -> None:
             last = [0.0, 0.0]
             still = [0.0, 0.0]
@@ -328,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not text:  # a replica being restarted
                         still[i] = 0.0
                         continue
+                    lag_seen[0] = max(lag_seen[0], max_lag(text))
                     batches = metric_sum(text, "kvfleet_epp_kv_event_batches_total{", exclude='pod="rogue"')
                     if batches > last[i] or done == done_before:
                         still[i] = 0.0
@@ -353,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warm-up: the engines' KV-event replay buffers are {fill:.0%} full; another {flood_n} "
                   "prompts ...", file=sys.stderr, flush=True)
         at(max(gap, SETTLE_S))
+        catch_up = [caught_up("warm-up")]
         rss0_epp = [rss_mb(c.proc.pid) for c, _ in st.epps]
         rss0_eng = {n: rss_mb(c.proc.pid) for n, c in st.engines.items()}
         freezes = [0, 0]
@@ -399,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         flood_failed = asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n,
                                                               4 * args.clients, rng), loop).result()
         at(max(gap, SETTLE_S))
+        catch_up.append(caught_up("after the flood"))
 
         loop.call_soon_threadsafe(stop_load.set)
         for c in clients:
@@ -454,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "chaos", "quick": args.quick, "requests": len(run.records), "failed_requests": len(failed),
         "lost_requests": lost, "lost_to_dead_engine": len(to_dead), "errors": errors,
         "flood_failed": flood_failed, "index_freezes": sum(freezes), "warmup_floods": warm_floods,
+        "catch_up_s": catch_up, "max_kv_event_lag_s": round(lag_seen[0], 1),
         "epp_rss_growth": epp_growth, "engine_rss_growth": engine_growth,
         "epp_rss_mb": [round(x, 1) for x in rss1_epp],
         "engine_rss_mb": {n: round(x, 1) for n, x in rss1_eng.items()},

@@ -29,7 +29,9 @@ kvfleet's own:
   ``kvfleet_epp_kv_event_replay_holes_total{pod}``, ``kvfleet_epp_kv_event_replay_timeouts_total{pod}``,
   ``kvfleet_epp_kv_event_orphans_total{pod}`` (blocks that could not be keyed),
   ``kvfleet_epp_kv_event_unknown_medium_total{pod}``, ``kvfleet_epp_kv_event_key_evictions_total{pod}``
-  (engine-hash map bound); the ``pod`` label takes only the pods currently subscribed
+  (engine-hash map bound), ``kvfleet_epp_kv_event_lag_seconds{pod}`` (how far ingestion is behind: the age
+  of the last batch applied, by its timestamp, while more are queued; 0 when caught up); the ``pod``
+  label takes only the pods currently subscribed
 * replica gossip (present only with gossip on; kvfleet/epp/gossip.py):
   ``kvfleet_epp_gossip_messages_total{direction="out"|"in", result}`` (out: ``sent``, ``dropped``; in:
   ``ok``, ``self``, ``too_large``, ``malformed``, ``bad_tag``), ``kvfleet_epp_gossip_picks_total`` and
@@ -144,10 +146,18 @@ class _StateCollector(Collector):
             CounterMetricFamily(f"kvfleet_epp_kv_event_{name}", doc, labels=["pod"])
             for name, doc, _ in _FEED_COUNTERS
         ]
+        lag = GaugeMetricFamily(
+            "kvfleet_epp_kv_event_lag_seconds",
+            "How far the pod's KV-event ingestion is behind: age of the last batch applied while more "
+            "are queued (this clock minus the batch's timestamp); 0 when caught up",
+            labels=["pod"],
+        )
         for pod, st in sorted(self.feeds().items()):
             for fam, (_, _, value) in zip(families, _FEED_COUNTERS, strict=True):
                 fam.add_metric([pod], value(st))
+            lag.add_metric([pod], st.lag_s)
         yield from families
+        yield lag
 
 
 #: per-pod feed counters: name (after ``kvfleet_epp_kv_event_``), help, value

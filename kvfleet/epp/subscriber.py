@@ -63,6 +63,10 @@ class FeedStats(SequenceStats):
     """Batches applied."""
     rejected: int = 0
     """Messages or events dropped as invalid (frames, topic, size, msgpack, event type, fields)."""
+    lag_s: float = 0.0
+    """How far ingestion is behind: the age of the last live batch applied (this host's wall clock minus
+    the batch's ``ts``, so skew between the hosts is included) while more are queued behind it; 0 once
+    the pod's socket has been read empty."""
     ingest: IngestStats = field(default_factory=IngestStats)
 
 
@@ -97,7 +101,7 @@ class _Feed:
     # FeedSink
     def apply(self, seq: int, payload: bytes, replayed: bool) -> None:
         try:
-            self.owner._apply(self, seq, payload)
+            self.owner._apply(self, seq, payload, replayed)
         except Exception as exc:  # the sequencer goes on with the next batch; this one may be half applied
             self.owner._reject(self, "error", f"batch {seq} failed: {exc!r}")
             self.owner._unsafe(self)
@@ -226,6 +230,8 @@ class EventSubscriber:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                if kind == "live":
+                    feed.stats.lag_s = 0.0  # caught up: nothing queued behind the last batch applied
                 return
             self._beat = time.monotonic()  # alive while it works through a burst, not only between rounds
             try:
@@ -271,7 +277,7 @@ class EventSubscriber:
             feed.disconnected = False
             feed.seq.on_reconnect(time.monotonic())
 
-    def _apply(self, feed: _Feed, seq: int, payload: bytes) -> None:
+    def _apply(self, feed: _Feed, seq: int, payload: bytes, replayed: bool = False) -> None:
         st = feed.stats
         if len(payload) > self.max_batch_bytes:
             self._reject(feed, "size", f"batch {seq} of {len(payload)} bytes (cap {self.max_batch_bytes})")
@@ -292,6 +298,8 @@ class EventSubscriber:
                                  data_parallel_rank=batch.data_parallel_rank)
         st.rejected += feed.applier.apply(batch)
         st.batches += 1
+        if not replayed:
+            st.lag_s = time.time() - batch.ts
         if self.on_batch is not None:
             try:
                 self.on_batch(feed.pod)

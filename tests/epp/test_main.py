@@ -34,6 +34,7 @@ GOLDEN_METRICS = sorted([
     "kvfleet_epp_kv_event_batches",
     "kvfleet_epp_kv_event_gaps",
     "kvfleet_epp_kv_event_key_evictions",
+    "kvfleet_epp_kv_event_lag_seconds",
     "kvfleet_epp_kv_event_orphans",
     "kvfleet_epp_kv_event_rejected",
     "kvfleet_epp_kv_event_replay_holes",

@@ -384,6 +384,36 @@ class TestWatchdog:
         assert not sub.healthy()
 
 
+class TestLag:
+    def test_lag_is_the_age_of_batches_applied_behind_a_queue_and_0_once_caught_up(self) -> None:
+        """While batches are queued behind the one applied, the lag is that batch's age (by its ``ts``);
+        once the socket is read empty it is 0 (a pod that stops publishing is not "behind")."""
+        pub, idx = KVEventPublisher(), BlockIndex()
+        seen: list[float] = []
+        slow = [False]
+
+        def on_batch(pod: str) -> None:
+            seen.append(sub.stats[pod].lag_s)
+            if slow[0]:
+                time.sleep(0.05)  # a busy ingestion thread: the rest wait in the socket
+
+        sub = EventSubscriber(replay_timeout_s=1.0, on_batch=on_batch)
+        sub.start()
+        try:
+            connect(pub, sub, idx)
+            slow[0] = True
+            seen.clear()
+            old = time.time() - 30.0
+            for i in range(20):
+                pub.publish(KVEventBatch(ts=old, events=[stored([key(i)], None, toks(i), 4, "GPU")]))
+            wait_for(lambda: indexed(idx, 19), what="the queued batches applied")
+            assert len(seen) >= 20 and all(lag >= 30.0 for lag in seen[:19]), seen
+            wait_for(lambda: sub.stats["p"].lag_s == 0.0, what="lag back to 0 once caught up")
+        finally:
+            sub.stop()
+            pub.close()
+
+
 class TestBounds:
     def test_engine_hash_map_is_bounded(self, feed: Feed) -> None:
         """Blocks whose engine hash differs from the picker's recomputation (a salted request on a pod that

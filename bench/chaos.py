@@ -138,6 +138,13 @@ def replay_fill(st: Stack) -> float:
 CAUGHT_UP_S = 1.0
 MAX_CATCH_UP_S = 240.0
 
+def max_lag(text: str) -> float:
+    """A replica's largest KV-event lag over the live pods (seconds) from its ``/metrics`` text."""
+    return max((float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("kvfleet_epp_kv_event_lag_seconds{") and 'pod="rogue"' not in line),
+               default=0.0)
+
+
 #: seconds of steady load between a flood and an RSS reading: longer than the EPP's speculative TTL (10 s)
 #: and the heap trim interval (kvfleet/cache/malloc.py, 10 s)
 SETTLE_S = 12.0
@@ -321,13 +328,6 @@ def main(argv: list[str] | None = None) -> int:
 
         def epp_metrics() -> list[str]:
             return [scrape(f"http://127.0.0.1:{m}/metrics") for _, (_, _, m) in st.epps]
-
-        def max_lag(text: str) -> float:
-            """A replica's largest KV-event lag over the live pods (seconds)."""
-            return max((float(line.split()[-1]) for line in text.splitlines()
-                        if line.startswith("kvfleet_epp_kv_event_lag_seconds{")
-                        and 'pod="rogue"' not in line),
-                       default=0.0)
 
         lag_seen = [0.0]
 

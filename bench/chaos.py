@@ -27,9 +27,10 @@ standing still for ≥ 3 s while requests complete), ``epp_rss_growth`` and ``en
 RSS growth of any replica / engine from the end of warm-up to the end, as a fraction; both taken
 ``SETTLE_S`` after the last flood, under the steady load, and once every replica's KV-event ingestion has
 caught up (``kvfleet_epp_kv_event_lag_seconds`` ≤ ``CAUGHT_UP_S`` on every live pod; ``catch_up_s`` says how
-long that took; ``max_kv_event_lag_s`` is the largest lag seen after warm-up): past the speculative TTL and
-the heap trim interval, with no backlog of events queued, so what counts is memory a process keeps, not the
-flood's working set), ``resyncs`` (KV-event resyncs over both replicas), ``ttft_p99_ms``, ``ttft_p50_ms``.
+long that took; ``max_kv_event_lag_s`` is the largest lag seen after warm-up), each the least of its
+readings over ``RSS_WINDOW_S`` (under the steady load): past the speculative TTL and the heap trim interval,
+with no backlog of events queued, so what counts is memory a process keeps, not the flood's working set),
+``resyncs`` (KV-event resyncs over both replicas), ``ttft_p99_ms``, ``ttft_p50_ms``.
 
 Last line: ``{"bench": "chaos", "lost_requests", "failed_requests", "index_freezes", "epp_rss_growth",
 "engine_rss_growth", "resyncs", "ttft_p50_ms", "ttft_p99_ms", "requests", ...}``.
@@ -137,6 +138,23 @@ def replay_fill(st: Stack) -> float:
 #: RSS is read once every replica's KV-event lag (kvfleet_epp_kv_event_lag_seconds) is at most this
 CAUGHT_UP_S = 1.0
 MAX_CATCH_UP_S = 240.0
+
+#: RSS is the least of its readings over this window (longer than the heap trim interval: what a process
+#: keeps, not the garbage it has yet to hand back), every 0.25 s
+RSS_WINDOW_S = 11.0
+
+
+def kept_rss(st: Stack) -> tuple[list[float], dict[str, float]]:
+    """Each EPP replica's and engine's least RSS (MB) over ``RSS_WINDOW_S``."""
+    pids = [c.proc.pid for c, _ in st.epps] + [c.proc.pid for c in st.engines.values()]
+    low = [float("inf")] * len(pids)
+    t_end = time.monotonic() + RSS_WINDOW_S
+    while time.monotonic() < t_end:
+        low = [min(x, rss_mb(pid)) for x, pid in zip(low, pids, strict=True)]
+        time.sleep(0.25)
+    n = len(st.epps)
+    return low[:n], dict(zip(st.engines, low[n:], strict=True))
+
 
 def max_lag(text: str) -> float:
     """A replica's largest KV-event lag over the live pods (seconds) from its ``/metrics`` text."""
@@ -295,6 +313,34 @@ async def flood(url: str, n: int, concurrency: int, rng: random.Random) -> int:
     return failed
 
 
+class SteadyLoad:
+    """``clients`` streaming chat clients on their own event-loop thread (:func:`client`), and floods of
+    distinct prompts run on the same loop at 4 × their concurrency (:func:`flood`)."""
+
+    def __init__(self, url: str, run: Run, prompts: list[str], clients: int) -> None:
+        self.url, self.clients = url, clients
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="load", daemon=True)
+        self.thread.start()
+        self.done = asyncio.Event()
+        self.tasks = [asyncio.run_coroutine_threadsafe(
+            client(url + "/v1/chat/completions", run, prompts, self.done, random.Random(k)), self.loop)
+            for k in range(clients)]
+
+    def flood(self, n: int, rng: random.Random) -> int:
+        """``n`` distinct 4k-token prompts; returns how many failed."""
+        return asyncio.run_coroutine_threadsafe(
+            flood(self.url + "/v1/completions", n, 4 * self.clients, rng), self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.done.set)
+        for t in self.tasks:
+            t.result(timeout=120)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter gaps and a smaller flood (about 1 minute)")
@@ -313,13 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         print("starting 4 engines, 2 EPP replicas, Envoy ...", file=sys.stderr, flush=True)
         st.start()
         url = f"http://127.0.0.1:{st.gateway_port}"
-        loop = asyncio.new_event_loop()
-        loop_thread = threading.Thread(target=loop.run_forever, name="load", daemon=True)
-        loop_thread.start()
-        stop_load = asyncio.Event()
-        clients = [asyncio.run_coroutine_threadsafe(
-            client(url + "/v1/chat/completions", run, prompts, stop_load, random.Random(k)), loop)
-            for k in range(args.clients)]
+        load = SteadyLoad(url, run, prompts, args.clients)
         rogue_stop = threading.Event()
         timeline: list[str] = []
 
@@ -376,8 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_rng = random.Random(-1)
         warm_floods = 0
         while True:
-            asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n, 4 * args.clients,
-                                                   warm_rng), loop).result()
+            load.flood(flood_n, warm_rng)
             warm_floods += 1
             fill = replay_fill(st)
             if fill >= REPLAY_FULL or warm_floods >= MAX_WARM_FLOODS:
@@ -386,8 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                   "prompts ...", file=sys.stderr, flush=True)
         at(max(gap, SETTLE_S))
         catch_up = [caught_up("warm-up")]
-        rss0_epp = [rss_mb(c.proc.pid) for c, _ in st.epps]
-        rss0_eng = {n: rss_mb(c.proc.pid) for n, c in st.engines.items()}
+        rss0_epp, rss0_eng = kept_rss(st)
         freezes = [0, 0]
         watch_stop = threading.Event()
         watcher = threading.Thread(target=freeze_watch, args=(watch_stop, freezes), daemon=True)
@@ -429,23 +467,16 @@ def main(argv: list[str] | None = None) -> int:
         at(gap)
 
         step(f"flood: {flood_n} distinct 4k-token prompts")
-        flood_failed = asyncio.run_coroutine_threadsafe(flood(url + "/v1/completions", flood_n,
-                                                              4 * args.clients, rng), loop).result()
+        flood_failed = load.flood(flood_n, rng)
         at(max(gap, SETTLE_S))
         catch_up.append(caught_up("after the flood"))
+        rss1_epp, rss1_eng = kept_rss(st)
 
-        loop.call_soon_threadsafe(stop_load.set)
-        for c in clients:
-            c.result(timeout=120)
-        loop.call_soon_threadsafe(loop.stop)
-        loop_thread.join(10)
-        loop.close()
+        load.stop()
         watch_stop.set()
         watcher.join(5)
         rogue_stop.set()
         step("end")
-        rss1_epp = [rss_mb(c.proc.pid) for c, _ in st.epps]
-        rss1_eng = {n: rss_mb(c.proc.pid) for n, c in st.engines.items()}
         texts = epp_metrics()
         resyncs = sum(metric_sum(t, "kvfleet_epp_kv_event_resyncs_total{") for t in texts)
         resyncs_by_pod = {p: sum(metric_sum(t, f'kvfleet_epp_kv_event_resyncs_total{{pod="{p}"}}')

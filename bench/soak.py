@@ -6,7 +6,7 @@ in front; four clients stream chat requests that share a few long system prompts
 ``--quick`` 5 × 400). After each flood: ``SETTLE_S`` of steady load (past the speculative TTL and the heap
 trim), then a wait until every replica's KV-event ingestion has caught up
 (``kvfleet_epp_kv_event_lag_seconds`` ≤ 1 s on every pod; how long that took is ``catch_up_s``), then every
-process's RSS.
+process's RSS: the least of its readings over ``RSS_WINDOW_S`` (longer than the heap trim interval).
 
 Warm-up is the first floods, until every engine's KV-event replay buffer is full (a bounded buffer filling
 is not growth; ``warm_floods``). Measured: ``epp_rss_growth`` and ``engine_rss_growth`` — the largest
@@ -20,12 +20,10 @@ Last line: ``{"bench": "soak", "prompts", "epp_rss_growth", "engine_rss_growth",
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,11 +35,10 @@ from bench.chaos import (
     SETTLE_S,
     Run,
     Stack,
-    client,
-    flood,
+    SteadyLoad,
+    kept_rss,
     max_lag,
     replay_fill,
-    rss_mb,
     scrape,
 )
 from kvfleet.demo.stack import ProcessStack
@@ -78,40 +75,27 @@ def main(argv: list[str] | None = None) -> int:
         st = Stack(ps, gpu_blocks=4096)
         print("starting 4 engines, 2 EPP replicas, Envoy ...", file=sys.stderr, flush=True)
         st.start()
-        url = f"http://127.0.0.1:{st.gateway_port}"
-        loop = asyncio.new_event_loop()
-        loop_thread = threading.Thread(target=loop.run_forever, name="load", daemon=True)
-        loop_thread.start()
-        stop = asyncio.Event()
         run = Run()
-        clients = [asyncio.run_coroutine_threadsafe(
-            client(url + "/v1/chat/completions", run, prompts, stop, random.Random(k)), loop)
-            for k in range(args.clients)]
+        load = SteadyLoad(f"http://127.0.0.1:{st.gateway_port}", run, prompts, args.clients)
         for k in range(floods):
             t0 = time.monotonic()
-            failed = asyncio.run_coroutine_threadsafe(
-                flood(url + "/v1/completions", per_flood, 4 * args.clients, rng), loop).result()
+            failed = load.flood(per_flood, rng)
             took = time.monotonic() - t0
             time.sleep(SETTLE_S)
             catch_up, lag = caught_up(st)
+            epp, engines = kept_rss(st)
             fill = replay_fill(st)
             if warm == 0 and fill >= REPLAY_FULL:
                 warm = k + 1
             row = {"flood": k + 1, "prompts": (k + 1) * per_flood, "flood_s": round(took, 1),
                    "failed": failed,
                    "catch_up_s": catch_up, "max_lag_s": lag, "replay_fill": round(fill, 2),
-                   "epp": [round(rss_mb(c.proc.pid), 1) for c, _ in st.epps],
-                   "engines": [round(rss_mb(c.proc.pid), 1) for c in st.engines.values()]}
+                   "epp": [round(x, 1) for x in epp], "engines": [round(x, 1) for x in engines.values()]}
             rows.append(row)
             print(f"flood {k + 1}/{floods}: {per_flood} prompts in {took:.0f} s ({failed} failed), caught up "
                   f"in {catch_up:.0f} s (lag up to {lag:.0f} s); RSS MB: EPP {row['epp']}, engines "
                   f"{row['engines']}", file=sys.stderr, flush=True)
-        loop.call_soon_threadsafe(stop.set)
-        for c in clients:
-            c.result(timeout=120)
-        loop.call_soon_threadsafe(loop.stop)
-        loop_thread.join(10)
-        loop.close()
+        load.stop()
 
     def growth(key: str) -> float:
         if not warm or warm >= len(rows):

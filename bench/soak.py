@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=1000, help="distinct 4k-token prompts per flood")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--plot", default=None, help="write RSS per flood of every process to this PNG")
     args = ap.parse_args(argv)
     floods, per_flood = (5, 400) if args.quick else (args.floods, args.prompts)
     rng = random.Random(args.seed)
@@ -114,8 +115,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{floods * per_flood} distinct prompts: EPP RSS growth {result['epp_rss_growth']}, engine RSS "
           f"growth {result['engine_rss_growth']} (after {warm} warm-up floods); KV-event lag up to "
           f"{result['max_kv_event_lag_s']} s")
+    if args.plot:
+        plot(rows, warm, args.plot)
     print(json.dumps(result))
     return 0
+
+
+def plot(rows: list[dict[str, Any]], warm: int, path: str) -> None:
+    """RSS after each flood, one line per process, the end of warm-up marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = [r["prompts"] for r in rows]
+    for i in range(len(rows[0]["epp"])):
+        ax.plot(x, [r["epp"][i] for r in rows], marker="o", label=f"EPP replica {i}")
+    for i in range(len(rows[0]["engines"])):
+        ax.plot(x, [r["engines"][i] for r in rows], linestyle="--", label=f"engine {i}")
+    ax.set_ylim(bottom=0)
+    if warm:
+        ax.axvline(rows[warm - 1]["prompts"], color="grey", linewidth=0.8)
+        ax.annotate(" end of warm-up", (rows[warm - 1]["prompts"], 5), color="grey")
+    ax.set_xlabel("distinct 4k-token prompts sent")
+    ax.set_ylabel("RSS (MB, floor over 11 s, caught up)")
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title("bench.soak: RSS flood after flood")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -277,7 +278,7 @@ class EventSubscriber:
             feed.disconnected = False
             feed.seq.on_reconnect(time.monotonic())
 
-    def _apply(self, feed: _Feed, seq: int, payload: bytes, replayed: bool = False) -> None:
+    def _apply(self, feed: _Feed, seq: int, payload: bytes, replayed: bool) -> None:
         st = feed.stats
         if len(payload) > self.max_batch_bytes:
             self._reject(feed, "size", f"batch {seq} of {len(payload)} bytes (cap {self.max_batch_bytes})")
@@ -298,7 +299,7 @@ class EventSubscriber:
                                  data_parallel_rank=batch.data_parallel_rank)
         st.rejected += feed.applier.apply(batch)
         st.batches += 1
-        if not replayed:
+        if not replayed and math.isfinite(batch.ts):  # a pod's timestamp is its word: inf/NaN say nothing
             st.lag_s = time.time() - batch.ts
         if self.on_batch is not None:
             try:

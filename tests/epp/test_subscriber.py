@@ -409,6 +409,13 @@ class TestLag:
             wait_for(lambda: indexed(idx, 19), what="the queued batches applied")
             assert len(seen) >= 20 and all(lag >= 30.0 for lag in seen[:19]), seen
             wait_for(lambda: sub.stats["p"].lag_s == 0.0, what="lag back to 0 once caught up")
+            # a pod's timestamps are hostile input: inf or NaN leave the lag a number, the batch applied
+            seen.clear()
+            pub.publish(KVEventBatch(ts=old, events=[stored([key(20)], None, toks(20), 4, "GPU")]))
+            for i, ts in ((21, float("inf")), (22, float("nan"))):
+                pub.publish(KVEventBatch(ts=ts, events=[stored([key(i)], None, toks(i), 4, "GPU")]))
+            wait_for(lambda: indexed(idx, 22), what="batches with inf and NaN timestamps applied")
+            assert len(seen) == 3 and seen[0] >= 30.0 and seen[1:] == [seen[0], seen[0]], seen
         finally:
             sub.stop()
             pub.close()

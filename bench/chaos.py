@@ -139,6 +139,26 @@ def replay_fill(st: Stack) -> float:
 CAUGHT_UP_S = 1.0
 MAX_CATCH_UP_S = 240.0
 
+def caught_up(st: Stack, what: str) -> tuple[float, float]:
+    """Seconds until every replica's KV-event ingestion has caught up (lag ≤ ``CAUGHT_UP_S`` on each live
+    pod), and the largest lag seen meanwhile: RSS is read then, so a backlog being worked through is not
+    counted as kept memory."""
+    t0 = time.monotonic()
+    last = -1.0
+    worst = 0.0
+    while time.monotonic() - t0 < MAX_CATCH_UP_S:
+        lags = [max_lag(scrape(f"http://127.0.0.1:{m}/metrics")) for _, (_, _, m) in st.epps]
+        worst = max(worst, *lags)
+        if all(lag <= CAUGHT_UP_S for lag in lags):
+            break
+        if time.monotonic() - last >= 10.0:
+            last = time.monotonic()
+            print(f"{what}: KV-event ingestion behind by {max(lags):.1f} s; waiting ...", file=sys.stderr,
+                  flush=True)
+        time.sleep(1.0)
+    return round(time.monotonic() - t0, 1), round(worst, 1)
+
+
 #: RSS is the least of its readings over this window (longer than the heap trim interval: what a process
 #: keeps, not the garbage it has yet to hand back), every 0.25 s
 RSS_WINDOW_S = 11.0
@@ -371,22 +391,6 @@ def main(argv: list[str] | None = None) -> int:
 
         lag_seen = [0.0]
 
-        def caught_up(what: str) -> float:
-            """Seconds until every replica's KV-event ingestion has caught up (lag ≤ ``CAUGHT_UP_S`` on each
-            live pod): RSS is read then, so a backlog being worked through is not counted as kept memory."""
-            t0 = time.monotonic()
-            last = -1.0
-            while time.monotonic() - t0 < MAX_CATCH_UP_S:
-                lags = [max_lag(text) for text in epp_metrics()]
-                if all(lag <= CAUGHT_UP_S for lag in lags):
-                    break
-                if time.monotonic() - last >= 10.0:
-                    last = time.monotonic()
-                    print(f"{what}: KV-event ingestion behind by {max(lags):.1f} s; waiting ...",
-                          file=sys.stderr, flush=True)
-                time.sleep(1.0)
-            return round(time.monotonic() - t0, 1)
-
         def freeze_watch(stop: threading.Event, freezes: list[int]) -> None:
             last = [0.0, 0.0]
             still = [0.0, 0.0]
@@ -424,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warm-up: the engines' KV-event replay buffers are {fill:.0%} full; another {flood_n} "
                   "prompts ...", file=sys.stderr, flush=True)
         at(max(gap, SETTLE_S))
-        catch_up = [caught_up("warm-up")]
+        catch_up = [caught_up(st, "warm-up")[0]]
         rss0_epp, rss0_eng = kept_rss(st)
         freezes = [0, 0]
         watch_stop = threading.Event()
@@ -469,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         step(f"flood: {flood_n} distinct 4k-token prompts")
         flood_failed = load.flood(flood_n, rng)
         at(max(gap, SETTLE_S))
-        catch_up.append(caught_up("after the flood"))
+        catch_up.append(caught_up(st, "after the flood")[0])
         rss1_epp, rss1_eng = kept_rss(st)
 
         load.stop()

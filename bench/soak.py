@@ -28,33 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.chaos import (
-    CAUGHT_UP_S,
-    MAX_CATCH_UP_S,
-    REPLAY_FULL,
-    SETTLE_S,
-    Run,
-    Stack,
-    SteadyLoad,
-    kept_rss,
-    max_lag,
-    replay_fill,
-    scrape,
-)
+from bench.chaos import REPLAY_FULL, SETTLE_S, Run, Stack, SteadyLoad, caught_up, kept_rss, replay_fill
 from kvfleet.demo.stack import ProcessStack
-
-
-def caught_up(st: Stack) -> tuple[float, float]:
-    """Seconds until every replica's KV-event lag is at most ``CAUGHT_UP_S``, and the largest lag seen."""
-    t0 = time.monotonic()
-    worst = 0.0
-    while time.monotonic() - t0 < MAX_CATCH_UP_S:
-        lags = [max_lag(scrape(f"http://127.0.0.1:{m}/metrics")) for _, (_, _, m) in st.epps]
-        worst = max(worst, *lags)
-        if all(lag <= CAUGHT_UP_S for lag in lags):
-            break
-        time.sleep(1.0)
-    return round(time.monotonic() - t0, 1), round(worst, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             failed = load.flood(per_flood, rng)
             took = time.monotonic() - t0
             time.sleep(SETTLE_S)
-            catch_up, lag = caught_up(st)
+            catch_up, lag = caught_up(st, f"flood {k + 1}")
             epp, engines = kept_rss(st)
             fill = replay_fill(st)
             if warm == 0 and fill >= REPLAY_FULL:

@@ -244,6 +244,8 @@ async def test_scale_down_prunes_the_extra_shard_by_label(operator: Runtime, api
         return bool((await api.get("Deployment", ns, "llama-p0-unified"))["spec"]["replicas"] == 3)
 
     await eventually(scaled, "the scale-down to one shard")
+    # the status is patched at the end of the reconcile that pruned the shard: wait for it, then read it
+    await eventually(lambda: _status_with(api, ns, "llama", "pools", 1), "status.pools after the scale-down")
     assert (await api.get("KVCachePool", ns, "llama"))["status"]["pools"] == 1
     # a labelled object that the pool does not control is never pruned
     assert await api.get_or_none("Service", ns, "llama-p0") is not None

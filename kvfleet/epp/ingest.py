@@ -46,11 +46,19 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
-from kvfleet.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
+from kvfleet.cache.events import (
+    AllBlocksCleared,
+    AnyEvent,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+)
 from kvfleet.cache.hashing import BlockHash, BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
 from kvfleet.epp.index import BlockIndex
@@ -116,33 +124,49 @@ class PodEventApplier:
     def apply(self, batch: KVEventBatch) -> int:
         """Apply every event; returns how many failed (each skipped, see the module doc).
 
-        Engines publish one ``BlockRemoved`` per evicted block (vLLM, the simulator): a run of consecutive
-        removals of one medium is applied as one index operation; if that fails, its events are applied one
-        by one, so a bad one is still isolated."""
+        Engines publish one event per block as blocks move (vLLM's ``BlockRemoved`` per evicted block; the
+        simulator's tiers a ``BlockStored`` and a ``BlockRemoved`` per demoted block): a run of consecutive
+        removals of one medium, or of stores into one medium when the keys are the engine's hashes
+        (``recompute_keys`` off: a store is then order-free), is applied as one index operation. If that
+        fails, the run's events are applied one by one, so a bad one is still isolated (re-applying a
+        store or a removal is idempotent)."""
         failed = 0
         events = batch.events
         i = 0
         while i < len(events):
+            j = self._run_end(events, i)
             ev = events[i]
-            j = i + 1
-            if isinstance(ev, BlockRemoved):
-                while j < len(events):
-                    nxt = events[j]
-                    if not isinstance(nxt, BlockRemoved) or nxt.medium != ev.medium:
-                        break
-                    j += 1
-                if j - i > 1:
-                    run = [h for e in events[i:j] if isinstance(e, BlockRemoved) for h in e.block_hashes]
-                    try:
-                        self._removed(BlockRemoved(block_hashes=run, medium=ev.medium))
-                        i = j
-                        continue
-                    except Exception:  # isolate the bad one below
-                        j = i + 1
+            if j - i > 1 and isinstance(ev, (BlockStored, BlockRemoved)):
+                moves = cast("list[BlockStored | BlockRemoved]", events[i:j])  # one kind: see _run_end
+                run = [h for e in moves for h in e.block_hashes]
+                try:
+                    tier = self._tier(ev.medium, j - i)
+                    if isinstance(ev, BlockRemoved):
+                        self._removed(BlockRemoved(block_hashes=run, medium=ev.medium), tier)
+                    else:
+                        self._store_engine_keys(run, tier)
+                    i = j
+                    continue
+                except Exception:  # isolate the bad one below
+                    pass
             for one in events[i:j]:
                 failed += self._apply_one(one)
             i = j
         return failed
+
+    def _run_end(self, events: list[AnyEvent], i: int) -> int:
+        """End of the run of events from ``i`` that :meth:`apply` may merge into one index operation."""
+        ev = events[i]
+        if not (isinstance(ev, BlockRemoved) or (isinstance(ev, BlockStored) and not self.recompute_keys)):
+            return i + 1
+        kind, medium = type(ev), ev.medium
+        j = i + 1
+        while j < len(events):
+            nxt = events[j]
+            if type(nxt) is not kind or nxt.medium != medium:
+                break
+            j += 1
+        return j
 
     def _apply_one(self, ev: KVCacheEvent) -> int:
         try:
@@ -170,11 +194,11 @@ class PodEventApplier:
             self._last_log = now
             log.warning("%s", msg)
 
-    def _tier(self, medium: str | None) -> Tier:
+    def _tier(self, medium: str | None, events: int = 1) -> Tier:
         try:
             return Tier.from_medium(medium)
         except ValueError:
-            self.stats.unknown_medium += 1
+            self.stats.unknown_medium += events
             self._log(
                 f"pod {self.pod}: unknown KV medium {str(medium)[:64]!r}, indexed as {Tier.slowest().medium}")
             return Tier.slowest()
@@ -193,13 +217,19 @@ class PodEventApplier:
             m.popitem(last=False)
             self.stats.key_evictions += 1
 
+    def _store_engine_keys(self, hashes: list[int | bytes], tier: Tier) -> None:
+        """Index the engine's own hashes as keys (``recompute_keys`` off)."""
+        if not hashes:
+            return
+        self.index.add(self.pod, _engine_keys(hashes), tier)
+        self.stats.stored += len(hashes)
+
     def _stored(self, ev: BlockStored) -> None:
         tier = self._tier(ev.medium)
         if not ev.block_hashes:
             return
         if not self.recompute_keys:
-            self.stats.stored += len(ev.block_hashes)
-            self.index.add(self.pod, _engine_keys(ev.block_hashes), tier)
+            self._store_engine_keys(ev.block_hashes, tier)
             return
         engine = [to_int64(h) for h in ev.block_hashes]
         n = len(engine)
@@ -247,20 +277,21 @@ class PodEventApplier:
         if remember:
             for e, k, c in zip(engine, keys, chain, strict=True):
                 self._remember(e, k, c)
-        self.stats.stored += n
         self.index.add(self.pod, keys, tier)
+        self.stats.stored += n
 
-    def _removed(self, ev: BlockRemoved) -> None:
-        tier = self._tier(ev.medium)
+    def _removed(self, ev: BlockRemoved, tier: Tier | None = None) -> None:
+        if tier is None:
+            tier = self._tier(ev.medium)
         if not self.recompute_keys:
-            self.stats.removed += len(ev.block_hashes)
             self.index.remove(self.pod, _engine_keys(ev.block_hashes), tier)
+            self.stats.removed += len(ev.block_hashes)
             return
         engine = [to_int64(h) for h in ev.block_hashes]
         m = self._engine_to_key
         keys = [m[e][0] if e in m else e for e in engine]
-        self.stats.removed += len(keys)
         self.index.remove(self.pod, keys, tier)
+        self.stats.removed += len(keys)
         known = [(e, k) for e, k in zip(engine, keys, strict=True) if e in m]
         if known:
             held = self.index.masks(self.pod, [k for _, k in known])

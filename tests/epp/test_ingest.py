@@ -179,8 +179,8 @@ class TestBoundsAndIsolation:
 
 
 class TestRemovalRuns:
-    """Engines publish one BlockRemoved per evicted block: a run of them is one index operation, and a bad one
-    in a run is still isolated."""
+    """Engines publish one BlockRemoved per evicted block (and the simulator's tiers one BlockStored per demoted
+    block): a run of them is one index operation, and a bad one in a run is still isolated."""
 
     def test_a_run_of_removals_is_applied_at_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
         idx = BlockIndex()
@@ -211,3 +211,52 @@ class TestRemovalRuns:
         failed = ap.apply(KVEventBatch(ts=0.0, events=[removed([6], "GPU"), bad,
                                                        stored([7], None, [1, 2, 3, 4], 4, "GPU")]))
         assert failed == 1 and ap.stats.rejected == 1 and idx.pod_tiers("p", 7) == {Tier.GPU}
+
+    def test_a_run_of_stores_is_applied_at_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Demotion as the simulator publishes it (per block: removed from the GPU, then stored on the CPU):
+        one index operation per run, and the index ends as if the events were applied one by one."""
+        events: list[Any] = [stored(list(range(100, 140)), None, list(range(160)), 4, "GPU")]
+        events += [removed([h], "GPU") for h in range(100, 120)]
+        events += [stored([h], None, [1, 2, 3, 4], 4, "CPU") for h in range(100, 120)]
+        events += [stored([h], None, [1, 2, 3, 4], 4, "TAPE") for h in range(120, 123)]
+        one_by_one = BlockIndex()
+        single = PodEventApplier("p", one_by_one, BlockHasher(4))
+        for ev in events:
+            single.apply(KVEventBatch(ts=0.0, events=[ev]))
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(4))
+        calls: list[int] = []
+        real = idx.add
+
+        def counted(pod: str, keys: Any, tier: Tier = Tier.GPU) -> None:
+            keys = list(keys)
+            calls.append(len(keys))
+            real(pod, keys, tier)
+
+        monkeypatch.setattr(idx, "add", counted)
+        assert ap.apply(KVEventBatch(ts=0.0, events=events)) == 0
+        assert calls == [40, 20, 3]
+        assert ap.stats == single.stats and ap.stats.unknown_medium == 3
+        for h in range(100, 140):
+            assert idx.pod_tiers("p", h) == one_by_one.pod_tiers("p", h), h
+        assert idx.pod_tiers("p", 105) == {Tier.CPU} and idx.pod_tiers("p", 121) == {Tier.GPU, Tier.REMOTE}
+
+    def test_stores_are_not_merged_when_keys_are_recomputed(self) -> None:
+        """Recomputed keys chain from each event's parent: those stores stay one by one."""
+        h = BlockHasher(4)
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, h, recompute_keys=True)
+        keys = hashes_as_ints(h.hash_tokens(list(range(8))))
+        ap.apply(KVEventBatch(ts=0.0, events=[stored([keys[0]], None, [0, 1, 2, 3], 4, "GPU"),
+                                                stored([keys[1]], keys[0], [4, 5, 6, 7], 4, "GPU")]))
+        assert idx.match(keys, ["p"])["p"].blocks == 2 and ap.stats.orphans == 0
+
+    def test_a_bad_store_in_a_run_costs_only_itself(self) -> None:
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(4))
+        bad = stored(["not-a-hash"], None, [1, 2, 3, 4], 4, "CPU")  # type: ignore[list-item]
+        events: list[Any] = [stored([5], None, [1, 2, 3, 4], 4, "CPU"), bad,
+                             stored([6], None, [1, 2, 3, 4], 4, "CPU")]
+        failed = ap.apply(KVEventBatch(ts=0.0, events=events))
+        assert failed == 1 and ap.stats.rejected == 1 and ap.stats.stored == 2
+        assert idx.pod_tiers("p", 5) == {Tier.CPU} and idx.pod_tiers("p", 6) == {Tier.CPU}

@@ -16,6 +16,12 @@ hash of the picker's algorithm: if the recomputation reproduces the engine's
 hashes the pod hashes like the picker and the blocks are indexed; otherwise the
 event cannot be keyed and counts as an orphan.
 
+Once a pod has shown that it hashes like the picker, its hashes *are* the keys the recomputation would give
+(equal, or the salted case below), so later stores are indexed from the engine's hashes without hashing
+their tokens again: only what decides the outcome is checked per event (block size and token count, hashes
+and a parent the picker's algorithm can chain from; anything else is recomputed as before). That is what
+keeps ingestion up with a flood: an engine that demotes publishes one ``BlockStored`` per block.
+
 Events carry no extra keys, so a block whose hash mixed in a cache salt, a LoRA
 or multimodal key cannot be recomputed. Once a pod has shown that it hashes like
 the picker (some recomputed key equalled its hash), a block whose hash differs
@@ -138,13 +144,13 @@ class PodEventApplier:
             ev = events[i]
             if j - i > 1 and isinstance(ev, (BlockStored, BlockRemoved)):
                 moves = cast("list[BlockStored | BlockRemoved]", events[i:j])  # one kind: see _run_end
-                run = [h for e in moves for h in e.block_hashes]
                 try:
-                    tier = self._tier(ev.medium, j - i)
                     if isinstance(ev, BlockRemoved):
-                        self._removed(BlockRemoved(block_hashes=run, medium=ev.medium), tier)
+                        hashes = [h for e in moves for h in e.block_hashes]
+                        tier = self._tier(ev.medium, j - i)
+                        self._removed(BlockRemoved(block_hashes=hashes, medium=ev.medium), tier)
                     else:
-                        self._store_engine_keys(run, tier)
+                        failed += self._store_run(cast("list[BlockStored]", moves))
                     i = j
                     continue
                 except Exception:  # isolate the bad one below
@@ -157,7 +163,7 @@ class PodEventApplier:
     def _run_end(self, events: list[AnyEvent], i: int) -> int:
         """End of the run of events from ``i`` that :meth:`apply` may merge into one index operation."""
         ev = events[i]
-        if not (isinstance(ev, BlockRemoved) or (isinstance(ev, BlockStored) and not self.recompute_keys)):
+        if not (isinstance(ev, BlockRemoved) or (isinstance(ev, BlockStored) and self._keys_are_hashes)):
             return i + 1
         kind, medium = type(ev), ev.medium
         j = i + 1
@@ -167,6 +173,33 @@ class PodEventApplier:
                 break
             j += 1
         return j
+
+    @property
+    def _keys_are_hashes(self) -> bool:
+        """Whether stores may be indexed by the engine's hashes (see the module doc)."""
+        return not self.recompute_keys or self.hashes_like_us is True
+
+    def _hash_is_key(self, ev: BlockStored) -> bool:
+        """For a pod that hashes like the picker: whether ``ev``'s hashes are the keys the recomputation
+        would give (what :meth:`_stored` would otherwise find out by hashing its tokens)."""
+        n, bs, chain = len(ev.block_hashes), self.hasher.block_size, self._chain_value
+        if ev.block_size != bs or len(ev.token_ids) < n * bs:
+            return False
+        if ev.parent_block_hash is not None and chain(ev.parent_block_hash) is None:
+            return False
+        return all(chain(h) is not None for h in ev.block_hashes)
+
+    def _store_run(self, stores: list[BlockStored]) -> int:
+        """A run of stores into one medium as one index operation; events whose hashes cannot stand for
+        the keys (:meth:`_hash_is_key`) are applied one by one after it. Returns how many failed."""
+        fast = [not self.recompute_keys or self._hash_is_key(e) for e in stores]
+        n = sum(fast)
+        if n:
+            run = [h for e, ok in zip(stores, fast, strict=True) if ok for h in e.block_hashes]
+            self._store_engine_keys(run, self._tier(stores[0].medium, n))
+        if n == len(stores):
+            return 0
+        return sum(self._apply_one(e) for e, ok in zip(stores, fast, strict=True) if not ok)
 
     def _apply_one(self, ev: KVCacheEvent) -> int:
         try:
@@ -229,6 +262,9 @@ class PodEventApplier:
         if not ev.block_hashes:
             return
         if not self.recompute_keys:
+            self._store_engine_keys(ev.block_hashes, tier)
+            return
+        if self.hashes_like_us and self._hash_is_key(ev):
             self._store_engine_keys(ev.block_hashes, tier)
             return
         engine = [to_int64(h) for h in ev.block_hashes]

@@ -179,8 +179,8 @@ class TestBoundsAndIsolation:
 
 
 class TestRemovalRuns:
-    """Engines publish one BlockRemoved per evicted block (and the simulator's tiers one BlockStored per demoted
-    block): a run of them is one index operation, and a bad one in a run is still isolated."""
+    """Engines publish one BlockRemoved per evicted block (and the simulator's tiers one BlockStored per
+    demoted block): a run of them is one index operation, and a bad one in a run is still isolated."""
 
     def test_a_run_of_removals_is_applied_at_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
         idx = BlockIndex()
@@ -260,3 +260,106 @@ class TestRemovalRuns:
         failed = ap.apply(KVEventBatch(ts=0.0, events=events))
         assert failed == 1 and ap.stats.rejected == 1 and ap.stats.stored == 2
         assert idx.pod_tiers("p", 5) == {Tier.CPU} and idx.pod_tiers("p", 6) == {Tier.CPU}
+
+
+class TestHashesAsKeys:
+    """A pod that has shown it hashes like the picker: later stores are keyed by its hashes without hashing
+    their tokens again, with the index and counters the recomputation would give."""
+
+    @staticmethod
+    def demotions(h: BlockHasher, n: int, first: int) -> tuple[list[Any], list[int]]:
+        """A request's blocks stored on the GPU, then demoted one by one as the simulator publishes it."""
+        toks = list(range(first, first + 4 * n))
+        keys = hashes_as_ints(h.hash_tokens(toks))
+        events: list[Any] = [stored(keys, None, toks, 4, "GPU")]
+        for i, k in enumerate(keys):
+            parent = keys[i - 1] if i else None
+            events += [removed([k], "GPU"), stored([k], parent, toks[4 * i : 4 * i + 4], 4, "CPU")]
+        return events, keys
+
+    def test_stores_after_the_first_are_not_hashed(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        h = BlockHasher(4)
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, h, recompute_keys=True)
+        first, keys = self.demotions(h, 8, 0)
+        ap.apply(KVEventBatch(ts=0.0, events=first))
+        assert ap.hashes_like_us is True
+        events, keys2 = self.demotions(h, 8, 1000)
+        events = [ev for ev in events if ev.medium == "GPU"] + [ev for ev in events if ev.medium == "CPU"]
+        hashed: list[int] = []
+        real = BlockHasher.hash_tokens
+
+        def counted(self: BlockHasher, toks: Any, **kw: Any) -> Any:
+            hashed.append(len(toks))
+            return real(self, toks, **kw)
+
+        monkeypatch.setattr(BlockHasher, "hash_tokens", counted)
+        adds: list[int] = []
+        real_add = idx.add
+
+        def add(pod: str, k: Any, tier: Tier = Tier.GPU) -> None:
+            adds.append(len(k))
+            real_add(pod, k, tier)
+
+        monkeypatch.setattr(idx, "add", add)
+        assert ap.apply(KVEventBatch(ts=0.0, events=events)) == 0
+        assert hashed == [] and adds == [8, 8]  # the GPU store, then the eight CPU stores at once
+        assert all(idx.pod_tiers("p", k) == {Tier.CPU} for k in keys + keys2)
+        assert ap.stats.orphans == 0 and len(ap) == 0
+
+    def test_what_the_shortcut_cannot_take_is_recomputed(self) -> None:
+        """Another block size is an orphan as before; a bytes parent on an xxh3 pod is recomputed (and
+        orphaned: the picker cannot chain from it)."""
+        h = BlockHasher(4)
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, h, recompute_keys=True)
+        ap.apply(KVEventBatch(ts=0.0, events=self.demotions(h, 2, 0)[0]))
+        bad_size = stored([11], None, list(range(8)), 8, "CPU")
+        bytes_parent = stored([12], b"\x01" * 32, [1, 2, 3, 4], 4, "CPU")
+        fine = stored([13], None, [5, 6, 7, 8], 4, "CPU")
+        assert ap.apply(KVEventBatch(ts=0.0, events=[bad_size, bytes_parent, fine])) == 0
+        assert ap.stats.orphans == 2 and idx.pod_tiers("p", 13) == {Tier.CPU}
+        assert idx.pod_tiers("p", 11) == set() and idx.pod_tiers("p", 12) == set()
+
+    @pytest.mark.parametrize("seed", range(4))
+    def test_same_index_as_recomputing_every_event(self, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Random demotions, evictions, salted blocks (a hash the recomputation does not give) with children,
+        other block sizes, unknown mediums: applied with and without the shortcut, the index and the counters
+        end the same (the engine-hash map may differ: it then holds identities the shortcut does without)."""
+        import random
+
+        rng = random.Random(seed)
+        h = BlockHasher(4)
+        events: list[Any] = []
+        every: list[int] = []
+        for r in range(30):
+            evs, keys = self.demotions(h, rng.randint(1, 6), 10_000 * r)
+            every += keys
+            kind = rng.random()
+            if kind < 0.2:  # a salted request: its own hashes, chained
+                salted = [rng.getrandbits(63) for _ in keys]
+                every += salted
+                evs = [stored(salted, None, list(range(4 * len(keys))), 4, "GPU")]
+                evs += [stored([s], salted[i - 1] if i else None, [9, 9, 9, 9], 4,
+                               rng.choice(["CPU", "TAPE"])) for i, s in enumerate(salted)]
+            elif kind < 0.3:
+                evs.append(stored([keys[0]], None, list(range(8)), 8, "CPU"))
+            evs += [removed([k], rng.choice(["GPU", "CPU"])) for k in keys if rng.random() < 0.3]
+            events += evs
+        batches = [events[i : i + 17] for i in range(0, len(events), 17)]
+
+        def run(shortcut: bool) -> tuple[PodEventApplier, BlockIndex]:
+            idx = BlockIndex()
+            ap = PodEventApplier("p", idx, h, recompute_keys=True)
+            if not shortcut:
+                monkeypatch.setattr(ap, "_hash_is_key", lambda ev: False)
+                monkeypatch.setattr(PodEventApplier, "_keys_are_hashes", property(lambda self: False))
+            for b in batches:
+                assert ap.apply(KVEventBatch(ts=0.0, events=b)) == 0
+            monkeypatch.undo()
+            return ap, idx
+
+        fast, fast_idx = run(True)
+        slow, slow_idx = run(False)
+        assert fast.stats == slow.stats and fast.stats.stored > 100
+        assert [fast_idx.pod_tiers("p", k) for k in every] == [slow_idx.pod_tiers("p", k) for k in every]

@@ -423,17 +423,19 @@ class TestLag:
 
 class TestBounds:
     def test_engine_hash_map_is_bounded(self, feed: Feed) -> None:
-        """Blocks whose engine hash differs from the picker's recomputation (a salted request on a pod that
-        hashes like the picker: keyed by the engine's hash, remembered so a child can chain from it): entries
-        go with BlockRemoved, the map is capped (evictions counted), stats labels go with the pod."""
+        """Blocks whose engine hash differs from the picker's recomputation on a pod not known to hash like
+        the picker (keyed by the recomputation, remembered so that a removal or a child finds the key):
+        entries go with BlockRemoved, the map is capped (evictions counted)."""
         pub, sub, idx = feed
         ap = connect(pub, sub, idx)
         ap.max_keys = 8
+        ap.hashes_like_us = None  # the probes of connect() showed it; this pod is to hash otherwise
+
         def foreign(i: int) -> KVEventBatch:
             return KVEventBatch(ts=0.0, events=[stored([key(i) ^ 1], None, toks(i), 4, "GPU")])
 
         def held(i: int) -> bool:
-            return bool(idx.match([key(i) ^ 1], ["p"]))
+            return bool(idx.match([key(i)], ["p"]))
 
         for i in range(50, 70):
             pub.publish(foreign(i))

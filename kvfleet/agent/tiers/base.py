@@ -29,7 +29,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -194,7 +194,7 @@ def spec_record(spec: TierSpec, meta: BlockMeta, align: int = 0) -> tuple[bytes,
     """The record (prefix + header, payload) of a zero block like ``meta`` encoded with ``spec.codec``."""
     codec = get_codec(spec.codec)
     payload = np.zeros(encoded_nbytes(spec, meta), dtype=np.uint8)
-    encoded = replace(meta, codec=codec.name)
+    encoded = meta._replace(codec=codec.name)
     return pack(encoded, payload, align=align)
 
 
@@ -258,6 +258,10 @@ class SlotLeases:
         self._deferred: set[int] = set()
         #: deferred slots whose content is to be kept (not cleared) when freed
         self._keep: set[int] = set()
+
+    def __bool__(self) -> bool:
+        """Whether any slot is leased."""
+        return bool(self._counts)
 
     def take(self, slot: int) -> None:
         self._counts[slot] = self._counts.get(slot, 0) + 1

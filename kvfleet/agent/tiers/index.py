@@ -22,7 +22,7 @@ from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One held block: its tier, meta and charge there; pinned blocks never move, moving ones are in
     flight."""
@@ -69,8 +69,13 @@ class BlockIndex:
             lru[meta.hash] = None
         self.used[tier] += charge * len(metas)
         sink, medium, bs = self.sink, self._medium[tier], self.block_size
-        for meta in metas:
-            sink(stored([meta.hash], meta.parent, meta.token_ids, len(meta.token_ids) or bs, medium))
+        for run in chains(metas, bs):
+            if len(run) == 1:
+                meta = run[0]
+                sink(stored([meta.hash], meta.parent, meta.token_ids, len(meta.token_ids) or bs, medium))
+            else:
+                toks = [t for m in run for t in m.token_ids]
+                sink(stored([m.hash for m in run], run[0].parent, toks, bs, medium))
 
     def remove(self, h: BlockHash) -> Entry | None:
         e = self.entries.pop(h, None)
@@ -107,6 +112,11 @@ class BlockIndex:
     def announce_removed(self, h: BlockHash, tier: Tier) -> None:
         self.sink(removed([h], self._medium[tier]))
 
+    def announce_removed_many(self, hashes: list[BlockHash], tier: Tier) -> None:
+        """One ``BlockRemoved`` for ``hashes`` (none when empty)."""
+        if hashes:
+            self.sink(removed(hashes, self._medium[tier]))
+
     def unmark(self, h: BlockHash) -> None:
         """Clear ``h``'s moving flag (takes the lock)."""
         with self.lock:
@@ -115,4 +125,29 @@ class BlockIndex:
                 e.moving = False
 
 
-__all__ = ["BlockIndex", "Entry"]
+def chains(metas: list[BlockMeta], block_size: int) -> list[list[BlockMeta]]:
+    """``metas`` cut into runs that one ``BlockStored`` can announce, each in chain order (every block's
+    parent the block before it): consecutive full blocks that chain forwards, or backwards (an engine
+    frees a request's blocks tail first, so its demoted blocks arrive that way), are one run; any other
+    block is a run of its own."""
+    out: list[list[BlockMeta]] = []
+    i, n = 0, len(metas)
+    while i < n:
+        run = [metas[i]]
+        j = i + 1
+        if len(metas[i].token_ids) == block_size:
+            forward = j < n and metas[j].parent == metas[i].hash
+            backward = not forward and j < n and metas[i].parent == metas[j].hash
+            while j < n and len(metas[j].token_ids) == block_size and (
+                    (forward and metas[j].parent == metas[j - 1].hash)
+                    or (backward and metas[j - 1].parent == metas[j].hash)):
+                run.append(metas[j])
+                j += 1
+            if backward:
+                run.reverse()
+        out.append(run)
+        i = j
+    return out
+
+
+__all__ = ["BlockIndex", "Entry", "chains"]

@@ -213,6 +213,37 @@ class SlotStore(TierStore, Generic[SlabT]):
                 n += 1
         return n
 
+    def write_rows(self, metas: Sequence[BlockMeta], rows: Payload) -> int:
+        """:meth:`write_many` of ``metas[i]`` with payload ``rows[i]`` (a 2-D uint8 array, one row per block),
+        the bytes copied in one operation per slab (:meth:`_put_rows`). Returns how many were written."""
+        nbytes = int(rows.shape[1])
+        index, alloc, release = self._index, self._alloc, self._release_slot
+        slots: list[int] = []
+        with self._lock:
+            try:
+                if nbytes > self.slot_bytes:
+                    self._fit(nbytes)
+            except BlockTooLargeError:
+                return 0
+            for meta in metas:
+                try:
+                    slot = alloc()
+                except TierFullError:
+                    break
+                old = index.pop(meta.hash, None)
+                if old is not None:
+                    release(old[0])
+                index[meta.hash] = (slot, nbytes, meta)
+                slots.append(slot)
+            if slots:
+                self._put_rows(slots, rows[: len(slots)])
+        return len(slots)
+
+    def _put_rows(self, slots: list[int], rows: Payload) -> None:
+        """Copy ``rows[i]`` into the start of ``slots[i]``, in order (a slot listed twice: its last row)."""
+        for slot, row in zip(slots, rows, strict=True):
+            self._put(slot, row)
+
     def reserve(self, nbytes: int) -> tuple[int, Payload]:
         """A free slot and a writable buffer of ``nbytes`` for it; then :meth:`commit` or :meth:`abort`."""
         with self._lock:
@@ -250,10 +281,12 @@ class SlotStore(TierStore, Generic[SlabT]):
     def delete_many(self, hashes: Iterable[BlockHash]) -> None:
         with self._lock:
             pop = self._index.pop
-            for h in hashes:
-                old = pop(h, None)
-                if old is not None:
-                    self._release_slot(old[0])
+            gone = [old[0] for old in map(lambda h: pop(h, None), hashes) if old is not None]
+            if self._leases:
+                for slot in gone:
+                    self._release_slot(slot)
+            else:  # no slot is leased: every one is free at once
+                self._free.extend(gone)
 
     def lease(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload, int]:
         """Like :meth:`read`, but the slot is not reused until :meth:`release` (even if deleted)."""
@@ -313,6 +346,29 @@ class ArenaStore(SlotStore[np.ndarray]):
     def _put(self, slot: int, data: Payload) -> None:
         slab, start = self._place(slot)
         slab[start : start + data.nbytes] = data
+
+    def _put_rows(self, slots: list[int], rows: Payload) -> None:
+        sb = self.slot_bytes
+        per_slab = self._slab_bytes // sb
+        nbytes = rows.shape[1]
+        if nbytes != sb:
+            super()._put_rows(slots, rows)
+            return
+        slab_of, at = np.divmod(np.asarray(slots), per_slab)
+        # a slot as one numpy element (a void of slot_bytes), so that a fancy-indexed assignment copies whole
+        # slots (as uint8 rows it would copy byte by byte); numpy assigns in order: a repeated slot keeps
+        # its last row
+        slot_t = np.dtype((np.void, sb))
+        whole = np.ascontiguousarray(rows).view(slot_t).reshape(-1)
+        one = bool((slab_of == slab_of[0]).all())
+        for k in [int(slab_of[0])] if one else np.unique(slab_of).tolist():
+            slab = self._slabs[k]
+            grid = slab[: len(slab) // sb * sb].view(slot_t)
+            if one:
+                grid[at] = whole
+            else:
+                sel = slab_of == k
+                grid[at[sel]] = whole[sel]
 
     def _get(self, slot: int, nbytes: int) -> Payload:
         view = self._slot_view(slot, nbytes).view()

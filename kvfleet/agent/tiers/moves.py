@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvfleet.agent.codecs import Codec, Payload, get_codec
+from kvfleet.agent.codecs import Codec, IdentityCodec, Payload, get_codec
 from kvfleet.agent.tiers.base import TierStore
 from kvfleet.agent.tiers.errors import (
     BlockNotFoundError,
@@ -164,6 +164,7 @@ class Mover:
         # a batch's blocks mostly share dtype and shape: the meta's dtype name and sizes are worked out once
         like: BlockMeta | None = None
         like_dtype: np.dtype[Any] | None = None
+        kinds = 0  # how many times the dtype or shape changed along the batch
         for h, block, parent, token_ids in items:
             # a tuple of Python ints (what an engine passes) is kept as it is; anything else is converted
             toks = (token_ids if type(token_ids) is tuple and (not token_ids or type(token_ids[0]) is int)
@@ -173,7 +174,13 @@ class Mover:
             else:
                 like, like_dtype = meta_for(h, block, name, parent, toks), block.dtype
                 metas.append(like)
-        n = store.write_many([(meta, encode(item[1])) for meta, item in zip(metas, items, strict=True)])
+                kinds += 1
+        if kinds == 1 and len(items) > 1 and isinstance(codec, IdentityCodec):
+            # the stored bytes are the blocks' own: one array of rows, copied into the slots at once
+            rows = np.stack([item[1] for item in items]).reshape(len(items), -1).view(np.uint8)
+            n = store.write_rows(metas, rows)
+        else:
+            n = store.write_many([(meta, encode(item[1])) for meta, item in zip(metas, items, strict=True)])
         index.add_many(tier, metas[:n], store.slot_bytes)
         if n and self.policy.over_high(tier):
             index.wake.notify_all()
@@ -317,8 +324,7 @@ class Mover:
                 self.stores[tier].delete_many(gone)
             except TierIOError as exc:
                 self.policy.io_failed(tier, exc)
-            for h in gone:
-                index.announce_removed(h, tier)
+            index.announce_removed_many(gone, tier)
         n = len(gone)
         if n:
             m.child(m.evictions, tier.value).inc(n)

@@ -20,8 +20,7 @@ cache miss, never wrong data).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -38,9 +37,11 @@ PREFIX_SIZE = _PREFIX.size
 MAX_HEADER = 1 << 20
 
 
-@dataclass(frozen=True)
-class BlockMeta:
-    """Everything about a block except its bytes; travels in every record header."""
+class BlockMeta(NamedTuple):
+    """Everything about a block except its bytes; travels in every record header.
+
+    A named tuple (immutable, like a frozen dataclass, but made about 7 × faster: one is made for every
+    block a tier stores)."""
 
     hash: BlockHash
     codec: str = "none"

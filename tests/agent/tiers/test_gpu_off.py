@@ -101,6 +101,8 @@ def test_put_many_ends_as_a_put_per_item(tmp_path: Path, manager_factory: Factor
         assert many.put_many(items(batch), Tier.CPU) == 0
     assert [many.locate(h) for h in range(11)] == [one.locate(h) for h in range(11)]
     assert list(many.index.lru[Tier.CPU]) == list(one.index.lru[Tier.CPU])
+    for k in list(many.index.lru[Tier.CPU]):  # the batch's rows landed in their own slots
+        np.testing.assert_array_equal(many.read(k), make_block(int(k)))
     assert many.metrics.stores.labels(tier="cpu")._value.get() == 11
     stored = [h for e in events.drain().events  # type: ignore[union-attr]
               if isinstance(e, BlockStored) for h in e.block_hashes]

@@ -1,5 +1,5 @@
-"""Stores on their own: the record format, host arena slots and views, the file store, the backend
-registry."""
+"""Stores on their own: the record format, host arena slots and views (one by one and a batch of rows), the
+file store, the backend registry; KV-event chains of a stored batch."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from kvfleet.agent.tiers import (
     UnknownBackendError,
     open_store,
 )
+from kvfleet.agent.tiers.index import chains
+from kvfleet.agent.tiers.memory import ArenaStore
 from kvfleet.agent.tiers.record import BlockMeta, hash_from_key, key_name, meta_for, pack, unpack
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.tiers import MemoryTierSpec, SsdTierSpec, TierSpec
@@ -118,3 +120,47 @@ def test_arena_lease_defers_slot_reuse() -> None:
     assert view.tobytes() == a.tobytes()
     store.release(slot)  # type: ignore[attr-defined]
     store.write(_meta(2), b)
+
+
+@pytest.mark.parametrize("slab_blocks", [1, 3, 64])
+def test_arena_write_rows_equals_write_many(slab_blocks: int) -> None:
+    """A batch of rows (copied per slab at once) ends as writing each block: the same slots, the same bytes,
+    across slab boundaries, over freed slots, with a hash written twice (its last row kept), and the batch
+    cut where the store is full."""
+    spec = MemoryTierSpec(capacity_bytes=8 * BLOCK_NBYTES, slab_bytes=slab_blocks * BLOCK_NBYTES)
+    rows_store, each_store = open_store(Tier.CPU, spec), open_store(Tier.CPU, spec)
+    assert isinstance(rows_store, ArenaStore) and isinstance(each_store, ArenaStore)
+    codec = get_codec("none")
+
+    def batch(hs: list[int]) -> tuple[list[BlockMeta], np.ndarray]:
+        return [_meta(h) for h in hs], np.stack([codec.encode(make_block(h)) for h in hs])
+
+    for store in (rows_store, each_store):
+        store.write(_meta(100), codec.encode(make_block(100)))  # sizes the slots
+        store.write_many([(_meta(h), codec.encode(make_block(h))) for h in (101, 102)])
+        store.delete(101)
+    for hs in ([1, 2, 3], [4, 2, 5], [6, 7, 8, 9]):
+        metas, rows = batch(hs)
+        n = rows_store.write_rows(metas, rows)
+        assert n == each_store.write_many(list(zip(metas, rows, strict=True)))
+    assert n == 1  # 8 slots: 100, 102 and 1..6 (2 rewritten), then 6 of the last batch fits
+    assert sorted(rows_store.keys()) == sorted(each_store.keys())
+    assert rows_store.used_bytes == each_store.used_bytes
+    for h in list(rows_store.keys()):
+        assert rows_store.read(h)[1].tobytes() == codec.encode(make_block(int(h))).tobytes() == \
+            each_store.read(h)[1].tobytes(), h
+
+
+def test_chains_of_a_stored_batch() -> None:
+    """Blocks that chain forwards or backwards (freed tail first) are one run, in chain order; a block
+    that is not full, or does not chain, is a run of its own."""
+    def m(h: int, parent: int | None, n: int = 4) -> BlockMeta:
+        return BlockMeta(h, parent=parent, token_ids=tuple(range(n)))
+
+    forward = [m(1, None), m(2, 1), m(3, 2)]
+    backward = [m(13, 12), m(12, 11), m(11, 10)]
+    partial = [m(21, 20, n=2)]
+    stray = [m(31, 99), m(41, 98)]
+    runs = chains(forward + backward + partial + stray, 4)
+    assert [[x.hash for x in r] for r in runs] == [[1, 2, 3], [11, 12, 13], [21], [31], [41]]
+    assert chains([], 4) == [] and chains([m(5, 3, n=2), m(6, 5)], 4) == [[m(5, 3, n=2)], [m(6, 5)]]

@@ -6,14 +6,19 @@ Measured in one run, each against its own baseline:
   (``put`` into a small cpu tier, time until ``drain()``: every block is
   copied into its cpu slot, written as a checksummed record into a slot of
   the ssd tier's slab files and indexed) divided by a raw sequential write of
-  the same bytes, in block-sized writes, to one new file in the same
-  directory. Both sides use O_DIRECT, the ssd tier's default (``direct_io``):
-  the figure compares against the disk itself. The raw write and read run
-  twice, before and after the tier's runs, and the faster of each counts.
+  the same bytes, in block-sized writes, to one new file next to the tier's
+  directory (same filesystem). Both sides use O_DIRECT, the ssd tier's default (``direct_io``):
+  the figure compares against the disk itself. Each side runs ``ROUNDS``
+  (3) times, alternated (raw, tier, raw, tier, ...), and the fastest run of
+  each counts: a shared machine's disk and cores only ever slow a run down.
 - ``promote_ratio``: ssd → cpu promotion (a restarted manager re-indexes the
-  records, ``prefetch()`` of every block, time until ``drain()``; two
-  promotion workers) divided by a raw sequential read of the raw file, in
-  block-sized reads into one reused buffer, O_DIRECT.
+  records, ``prefetch()`` of every block, time until ``drain()``; the default
+  four promotion workers) divided by a raw sequential read of the raw file, in
+  block-sized reads into one reused buffer, O_DIRECT. A round writes the raw
+  file, runs the tier, then reads the raw file back: both sides read bytes
+  written a second or two before (read right after its write, a virtual
+  disk can serve the raw file from the host's cache, 2.6–2.9 GB/s against
+  1.6–1.7 here).
 - ``*_buffered``: the same four figures with buffered I/O on both sides
   (``direct_io: false``; no fsync on either side), i.e. mostly the page
   cache: the tier's copies, checksums and bookkeeping against a bare
@@ -70,6 +75,8 @@ from kvfleet.config.tiers import (  # noqa: E402
 )
 
 GiB = 1 << 30
+#: alternated runs of the raw baseline and of the tier's moves; the fastest of each counts
+ROUNDS = 3
 
 
 def _blocks(n: int, nbytes: int) -> list[np.ndarray]:
@@ -98,14 +105,10 @@ def _settings(root: Path, cpu_bytes: int, gpu: MemoryTierSpec | None = None,
     )
 
 
-def raw_write_read(path: Path, blocks: list[np.ndarray], direct: bool) -> tuple[float, float]:
-    """Seconds to write the blocks back to back into one new file, then read it back in block-sized reads.
-
-    ``direct``: both with O_DIRECT (the device), the write straight from the blocks' aligned memory and
-    the read into one reused aligned buffer; else through the page cache (the read into one reused buffer).
-    """
+def raw_write(path: Path, blocks: list[np.ndarray], direct: bool) -> float:
+    """Seconds to write the blocks back to back into one new file (with ``direct``: O_DIRECT, straight
+    from the blocks' aligned memory; else through the page cache)."""
     flags = os.O_DIRECT if direct else 0
-    size = blocks[0].nbytes
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
     try:
@@ -115,17 +118,24 @@ def raw_write_read(path: Path, blocks: list[np.ndarray], direct: bool) -> tuple[
                 view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
-    t1 = time.perf_counter()
-    buf = mmap.mmap(-1, size)
+    return time.perf_counter() - t0
+
+
+def raw_read(path: Path, block_bytes: int, direct: bool) -> float:
+    """Seconds to read the file back in block-sized reads into one reused (aligned) buffer; then it is
+    removed."""
+    flags = os.O_DIRECT if direct else 0
+    buf = mmap.mmap(-1, block_bytes)
+    t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY | flags)
     try:
-        while os.readv(fd, [buf]) == size:
+        while os.readv(fd, [buf]) == block_bytes:
             pass
     finally:
         os.close(fd)
-    t2 = time.perf_counter()
+    dt = time.perf_counter() - t0
     path.unlink()
-    return t1 - t0, t2 - t1
+    return dt
 
 
 def migrations(root: Path, blocks: list[np.ndarray], direct: bool) -> tuple[float, float]:
@@ -162,13 +172,20 @@ def migrations(root: Path, blocks: list[np.ndarray], direct: bool) -> tuple[floa
 
 
 def migration_figures(root: Path, blocks: list[np.ndarray], direct: bool) -> dict[str, float]:
-    """Tier moves and the raw baseline of the same I/O mode: raw before and after, the faster of each
-    counts."""
+    """Tier moves and the raw baseline of the same I/O mode, alternated ``ROUNDS`` times (raw, tier, raw,
+    tier, ...): the fastest run of each side counts."""
     total = sum(b.nbytes for b in blocks)
-    raw_w, raw_r = raw_write_read(root / "ssd" / "raw.bin", blocks, direct)
-    demote_s, promote_s = migrations(root, blocks, direct)
-    raw_w2, raw_r2 = raw_write_read(root / "ssd" / "raw.bin", blocks, direct)
-    raw_w, raw_r = min(raw_w, raw_w2), min(raw_r, raw_r2)
+    raw: list[tuple[float, float]] = []
+    tier: list[tuple[float, float]] = []
+    path = root / "raw.bin"  # next to the ssd tier's directory (which each tier run empties)
+    for _ in range(ROUNDS):
+        # the raw file is read back after the tier's run, as the tier reads records it wrote before its
+        # restart: read right after its write, a virtual disk serves it from the host's cache
+        w = raw_write(path, blocks, direct)
+        tier.append(migrations(root, blocks, direct))
+        raw.append((w, raw_read(path, blocks[0].nbytes, direct)))
+    raw_w, raw_r = min(w for w, _ in raw), min(r for _, r in raw)
+    demote_s, promote_s = min(d for d, _ in tier), min(p for _, p in tier)
     return {
         "raw_write_gbps": round(total / raw_w / 1e9, 3),
         "raw_read_gbps": round(total / raw_r / 1e9, 3),

@@ -16,9 +16,7 @@ Measured in one run, each against its own baseline:
   four promotion workers) divided by a raw sequential read of the raw file, in
   block-sized reads into one reused buffer, O_DIRECT. A round writes the raw
   file, runs the tier, then reads the raw file back: both sides read bytes
-  written a second or two before (read right after its write, a virtual
-  disk can serve the raw file from the host's cache, 2.6–2.9 GB/s against
-  1.6–1.7 here).
+  written a second or two before.
 - ``*_buffered``: the same four figures with buffered I/O on both sides
   (``direct_io: false``; no fsync on either side), i.e. mostly the page
   cache: the tier's copies, checksums and bookkeeping against a bare
@@ -180,7 +178,7 @@ def migration_figures(root: Path, blocks: list[np.ndarray], direct: bool) -> dic
     path = root / "raw.bin"  # next to the ssd tier's directory (which each tier run empties)
     for _ in range(ROUNDS):
         # the raw file is read back after the tier's run, as the tier reads records it wrote before its
-        # restart: read right after its write, a virtual disk serves it from the host's cache
+        # restart (not right after its own write, which a virtual disk may serve from the host's cache)
         w = raw_write(path, blocks, direct)
         tier.append(migrations(root, blocks, direct))
         raw.append((w, raw_read(path, blocks[0].nbytes, direct)))

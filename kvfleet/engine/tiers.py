@@ -194,10 +194,10 @@ class AgentTiers:
     def put_many(self, blocks: Sequence[SlowBlock]) -> None:
         if not blocks:
             return
-        # one array for the batch, a row per block (the manager copies each into its tier)
-        rows = np.frombuffer(b"".join([b.data for b in blocks]), dtype=np.float16).reshape(len(blocks), -1)
-        # a refused block (no room anywhere, the writers' queue full) is simply not kept
-        items = [(b.block_hash, row, b.parent, b.token_ids) for b, row in zip(blocks, rows, strict=True)]
+        # each block's bytes as an array without a copy (the manager copies them into its tier); a refused
+        # block (no room anywhere, the writers' queue full) is simply not kept
+        f16 = np.float16
+        items = [(b.block_hash, np.frombuffer(b.data, dtype=f16), b.parent, b.token_ids) for b in blocks]
         self.mgr.put_many(items, tier=self.top)
 
     def lookup(self, hashes: Sequence[BlockHash]) -> list[Tier]:

@@ -84,6 +84,24 @@ class BlockIndex:
             self.used[e.tier] -= e.charge
         return e
 
+    def remove_unpinned(self, tier: Tier, hashes: list[BlockHash]) -> tuple[list[BlockHash], int]:
+        """:meth:`remove` of each of ``hashes`` held unpinned in ``tier``; returns those removed and their
+        charge."""
+        entries, lru = self.entries, self.lru[tier]
+        get, pop = entries.get, lru.pop
+        gone: list[BlockHash] = []
+        nbytes = 0
+        for h in hashes:
+            e = get(h)
+            if e is None or e.tier != tier or e.pins:
+                continue
+            del entries[h]
+            pop(h, None)
+            nbytes += e.charge
+            gone.append(h)
+        self.used[tier] -= nbytes
+        return gone, nbytes
+
     def relocate(self, h: BlockHash, e: Entry, dst: Tier, meta: BlockMeta, charge: int) -> None:
         """Point ``h`` (entry ``e``) at ``dst`` with its new meta and charge."""
         self.lru[e.tier].pop(h, None)

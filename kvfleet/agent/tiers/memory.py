@@ -217,7 +217,7 @@ class SlotStore(TierStore, Generic[SlabT]):
         """:meth:`write_many` of ``metas[i]`` with payload ``rows[i]`` (a 2-D uint8 array, one row per block),
         the bytes copied in one operation per slab (:meth:`_put_rows`). Returns how many were written."""
         nbytes = int(rows.shape[1])
-        index, alloc, release = self._index, self._alloc, self._release_slot
+        index, alloc, release, free = self._index, self._alloc, self._release_slot, self._free
         slots: list[int] = []
         with self._lock:
             try:
@@ -227,7 +227,7 @@ class SlotStore(TierStore, Generic[SlabT]):
                 return 0
             for meta in metas:
                 try:
-                    slot = alloc()
+                    slot = free.pop() if free else alloc()
                 except TierFullError:
                     break
                 old = index.pop(meta.hash, None)

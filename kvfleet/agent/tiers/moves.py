@@ -307,19 +307,10 @@ class Mover:
     def evict(self, tier: Tier, victims: list[BlockHash]) -> int:
         """Drop ``victims`` from ``tier`` (the last tier, or a persistent one with every tier below
         failing)."""
-        nbytes = 0
         m = self.metrics
         index = self.index
-        gone: list[BlockHash] = []
         with index.lock:
-            get, remove = index.entries.get, index.remove
-            for h in victims:
-                e = get(h)
-                if e is None or e.tier != tier or e.pins:
-                    continue
-                remove(h)
-                gone.append(h)
-                nbytes += e.charge
+            gone, nbytes = index.remove_unpinned(tier, victims)
             try:
                 self.stores[tier].delete_many(gone)
             except TierIOError as exc:

@@ -31,12 +31,11 @@ then (or on a pod that hashes differently) the recomputed keys stand, and salted
 requests miss on that pod.
 
 The engine-hash map holds only blocks whose engine hash is not the picker's key and chain value (a pod
-hashing otherwise, or a salted block whose parent must be found): a pod that hashes like the picker costs
-the index's entries alone. It is bounded: an entry goes when its block has left every tier
-of the pod (``BlockRemoved``), the map is emptied with the pod's entries, and
-beyond ``max_keys`` the least recently used entry is dropped (counted in
-``key_evictions``; a later child of that block can then only be keyed by
-resuming from the engine's hash).
+hashing otherwise, or a salted block stored before the pod showed it hashes like the picker): a pod that
+hashes like the picker costs the index's entries alone. It is bounded: an entry goes when its block has
+left every tier of the pod (``BlockRemoved``), the map is emptied with the pod's entries, and beyond
+``max_keys`` the least recently used entry is dropped (counted in ``key_evictions``; a later child of that
+block can then only be keyed by resuming from the engine's hash).
 
 Every event is applied on its own: one that fails (token ids outside 32 bits, a
 hash of the wrong type, ...) is counted in ``rejected`` and skipped; when it was
@@ -133,9 +132,9 @@ class PodEventApplier:
         Engines publish one event per block as blocks move (vLLM's ``BlockRemoved`` per evicted block; the
         simulator's tiers a ``BlockStored`` and a ``BlockRemoved`` per demoted block): a run of consecutive
         removals of one medium, or of stores into one medium when the keys are the engine's hashes
-        (``recompute_keys`` off: a store is then order-free), is applied as one index operation. If that
-        fails, the run's events are applied one by one, so a bad one is still isolated (re-applying a
-        store or a removal is idempotent)."""
+        (``recompute_keys`` off, or a pod that hashes like the picker: a store is then order-free), is
+        applied as one index operation. If that fails, the run's events are applied one by one, so a bad
+        one is still isolated (re-applying a store or a removal is idempotent)."""
         failed = 0
         events = batch.events
         i = 0

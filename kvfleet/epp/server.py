@@ -130,6 +130,22 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.route_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-route")
 
     @staticmethod
+    def _last(msg: pb.ProcessingRequest) -> bool:
+        """Whether ``msg`` ends the exchange: the response's last message (headers or body with
+        ``end_of_stream``, or its trailers). The stream is then closed cleanly at once ("Envoy proceeds
+        without consulting the server"), rather than left for Envoy to reset when the HTTP stream ends:
+        ``grpc.aio`` leaks the ``grpc_op`` array of a batch that fails or whose awaiter is cancelled
+        (grpc/grpc#43360, open in grpcio 1.85), as when a call is reset while its handler awaits the next
+        message. Under the chaos stack's steady chat load alone, an EPP's RSS grew 0.7 MB a minute with
+        Envoy resetting every stream, 0.3 MB a minute (levelling off) with this."""
+        kind = msg.WhichOneof("request")
+        if kind == "response_body":
+            return bool(msg.response_body.end_of_stream)
+        if kind == "response_headers":
+            return bool(msg.response_headers.end_of_stream)
+        return bool(kind == "response_trailers")
+
+    @staticmethod
     def _routes(st: _Stream, msg: pb.ProcessingRequest) -> bool:
         """Whether handling ``msg`` picks an endpoint (the request's last message)."""
         kind = msg.WhichOneof("request")
@@ -161,7 +177,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     out = self._handle(st, msg)
                 for resp in out:
                     yield resp
-                if out and out[-1].HasField("immediate_response"):
+                if (out and out[-1].HasField("immediate_response")) or self._last(msg):
                     return
         finally:
             if st is not None and st.decision is not None and st.decision.ticket is not None:

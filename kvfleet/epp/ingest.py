@@ -178,6 +178,11 @@ class PodEventApplier:
         """Whether stores may be indexed by the engine's hashes (see the module doc)."""
         return not self.recompute_keys or self.hashes_like_us is True
 
+    def _keyed_by_hash(self, ev: BlockStored) -> bool:
+        """Whether ``ev``'s hashes are indexed as they are: ``recompute_keys`` off, or a pod that hashes like
+        the picker and an event :meth:`_hash_is_key` takes."""
+        return not self.recompute_keys or (self.hashes_like_us is True and self._hash_is_key(ev))
+
     def _hash_is_key(self, ev: BlockStored) -> bool:
         """For a pod that hashes like the picker: whether ``ev``'s hashes are the keys the recomputation
         would give (what :meth:`_stored` would otherwise find out by hashing its tokens)."""
@@ -191,7 +196,7 @@ class PodEventApplier:
     def _store_run(self, stores: list[BlockStored]) -> int:
         """A run of stores into one medium as one index operation; events whose hashes cannot stand for
         the keys (:meth:`_hash_is_key`) are applied one by one after it. Returns how many failed."""
-        fast = [not self.recompute_keys or self._hash_is_key(e) for e in stores]
+        fast = [self._keyed_by_hash(e) for e in stores]
         n = sum(fast)
         if n:
             run = [h for e, ok in zip(stores, fast, strict=True) if ok for h in e.block_hashes]
@@ -250,7 +255,7 @@ class PodEventApplier:
             self.stats.key_evictions += 1
 
     def _store_engine_keys(self, hashes: list[int | bytes], tier: Tier) -> None:
-        """Index the engine's own hashes as keys (``recompute_keys`` off)."""
+        """Index the engine's own hashes as keys (:meth:`_keyed_by_hash`)."""
         if not hashes:
             return
         self.index.add(self.pod, _engine_keys(hashes), tier)
@@ -260,10 +265,7 @@ class PodEventApplier:
         tier = self._tier(ev.medium)
         if not ev.block_hashes:
             return
-        if not self.recompute_keys:
-            self._store_engine_keys(ev.block_hashes, tier)
-            return
-        if self.hashes_like_us and self._hash_is_key(ev):
+        if self._keyed_by_hash(ev):
             self._store_engine_keys(ev.block_hashes, tier)
             return
         engine = [to_int64(h) for h in ev.block_hashes]

@@ -69,13 +69,9 @@ class BlockIndex:
             lru[meta.hash] = None
         self.used[tier] += charge * len(metas)
         sink, medium, bs = self.sink, self._medium[tier], self.block_size
-        for run in chains(metas, bs):
-            if len(run) == 1:
-                meta = run[0]
-                sink(stored([meta.hash], meta.parent, meta.token_ids, len(meta.token_ids) or bs, medium))
-            else:
-                toks = [t for m in run for t in m.token_ids]
-                sink(stored([m.hash for m in run], run[0].parent, toks, bs, medium))
+        for run in chains(metas, bs):  # a run of several holds full blocks only
+            toks = [t for m in run for t in m.token_ids]
+            sink(stored([m.hash for m in run], run[0].parent, toks, len(run[0].token_ids) or bs, medium))
 
     def remove(self, h: BlockHash) -> Entry | None:
         e = self.entries.pop(h, None)

@@ -217,7 +217,7 @@ class SlotStore(TierStore, Generic[SlabT]):
         """:meth:`write_many` of ``metas[i]`` with payload ``rows[i]`` (a 2-D uint8 array, one row per block),
         the bytes copied in one operation per slab (:meth:`_put_rows`). Returns how many were written."""
         nbytes = int(rows.shape[1])
-        index, alloc, release, free = self._index, self._alloc, self._release_slot, self._free
+        alloc, index_slot = self._alloc, self._index_slot
         slots: list[int] = []
         with self._lock:
             try:
@@ -227,13 +227,10 @@ class SlotStore(TierStore, Generic[SlabT]):
                 return 0
             for meta in metas:
                 try:
-                    slot = free.pop() if free else alloc()
+                    slot = alloc()
                 except TierFullError:
                     break
-                old = index.pop(meta.hash, None)
-                if old is not None:
-                    release(old[0])
-                index[meta.hash] = (slot, nbytes, meta)
+                index_slot(slot, meta, nbytes)
                 slots.append(slot)
             if slots:
                 self._put_rows(slots, rows[: len(slots)])
@@ -360,6 +357,7 @@ class ArenaStore(SlotStore[np.ndarray]):
         # its last row
         slot_t = np.dtype((np.void, sb))
         whole = np.ascontiguousarray(rows).view(slot_t).reshape(-1)
+        # all in one slab (the usual case): the rows go as they are; selecting them per slab copies them all
         one = bool((slab_of == slab_of[0]).all())
         for k in [int(slab_of[0])] if one else np.unique(slab_of).tolist():
             slab = self._slabs[k]

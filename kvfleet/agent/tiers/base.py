@@ -94,8 +94,11 @@ class TierStore(ABC):
         return len(spec_record(spec, meta)[0]) + encoded_nbytes(spec, meta)
 
     @abstractmethod
-    def write(self, meta: BlockMeta, payload: Payload) -> int:
-        """Store a block; returns its charge. Raises TierFullError, BlockTooLargeError, TierIOError."""
+    def write(self, meta: BlockMeta, payload: Payload, digest: int | None = None) -> int:
+        """Store a block; returns its charge. Raises TierFullError, BlockTooLargeError, TierIOError.
+
+        ``digest``: the payload's :func:`~.record.payload_digest` when the caller has it (record stores
+        then do not read the payload again to checksum it; memory stores ignore it)."""
 
     @abstractmethod
     def read(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload]:

@@ -175,7 +175,7 @@ class SlotStore(TierStore, Generic[SlabT]):
 
     # ------------------------------------------------------------ store API
 
-    def write(self, meta: BlockMeta, payload: Payload) -> int:
+    def write(self, meta: BlockMeta, payload: Payload, digest: int | None = None) -> int:
         nbytes = int(payload.nbytes)
         flat = _flat(payload)
         with self._lock:

@@ -51,6 +51,9 @@ from kvfleet.config.tiers import TierSettings
 
 log = logging.getLogger(__name__)
 
+#: a demotion batch bound for ssd/remote takes each block's payload digest this many blocks before writing
+#: it (:meth:`~.moves.Mover.digest`)
+DIGEST_AHEAD = 2
 #: nice increment of the background threads (demotion, spilled writes); promotions keep the engine's priority.
 BACKGROUND_NICE = 5
 
@@ -62,6 +65,8 @@ class Job:
     block: npt.NDArray[Any] | None = None
     meta: BlockMeta | None = None
     dst: Tier | None = None
+    #: the staged block's payload digest (writes)
+    digest: int | None = None
 
 
 class Movement:
@@ -145,9 +150,9 @@ class Movement:
 
     def spill(self, h: BlockHash, block: npt.NDArray[Any], meta: BlockMeta, dst: Tier) -> None:
         """Queue a staged copy of ``block`` for the ssd/remote writers (BackpressureError when full)."""
-        staged = self.staging.stage(block)
+        staged, digest = self.staging.stage(block)
         try:
-            self.enqueue(Job("write", h, staged, meta, dst))
+            self.enqueue(Job("write", h, staged, meta, dst, digest))
         except BackpressureError:
             self.staging.unstage(staged)
             raise
@@ -210,7 +215,8 @@ class Movement:
         try:
             meta, view, slot = store.lease(victim)
             try:
-                staged = self.staging.stage(get_codec(meta.codec).decode(view, meta.dtype, meta.shape))
+                staged, digest = self.staging.stage(
+                    get_codec(meta.codec).decode(view, meta.dtype, meta.shape))
             finally:
                 store.release(slot)
             with index.lock:
@@ -220,7 +226,7 @@ class Movement:
                 index.remove(victim)
                 store.delete(victim)
                 index.announce_removed(victim, tier)
-            self.enqueue(Job("write", victim, staged, meta, dst))
+            self.enqueue(Job("write", victim, staged, meta, dst, digest))
             staged = None
             return True
         except BlockNotFoundError:
@@ -303,9 +309,17 @@ class Movement:
             lower, drop = self.policy.demotion_targets(tier)
             if drop:
                 moved = self.mover.evict(tier, victims)
-            elif self._demote_pool is None or len(victims) == 1 or lower[0] in MEMORY:
+            elif lower[0] in MEMORY:
                 for h in victims:
                     moved += self._move_down(tier, h, lower)
+            elif self._demote_pool is None or len(victims) == 1:
+                # to ssd/remote: each block's digest taken DIGEST_AHEAD blocks before its write
+                digests = {h: self.mover.digest(tier, h) for h in victims[:DIGEST_AHEAD]}
+                for i, h in enumerate(victims):
+                    if i + DIGEST_AHEAD < len(victims):
+                        ahead = victims[i + DIGEST_AHEAD]
+                        digests[ahead] = self.mover.digest(tier, ahead)
+                    moved += self._move_down(tier, h, lower, digests.pop(h))
             else:
                 moved = sum(self._demote_pool.map(lambda h: self._move_down(tier, h, lower), victims))
         finally:
@@ -319,9 +333,9 @@ class Movement:
             time.sleep(0.02)  # every destination full or failing: back off
         return moved > 0
 
-    def _move_down(self, tier: Tier, h: BlockHash, lower: list[Tier]) -> int:
+    def _move_down(self, tier: Tier, h: BlockHash, lower: list[Tier], digest: int | None = None) -> int:
         try:
-            return self.mover.move_down(tier, h, lower)
+            return self.mover.move_down(tier, h, lower, digest)
         finally:
             self._yield_gil()
 
@@ -363,7 +377,7 @@ class Movement:
             return
         assert job.block is not None and job.meta is not None and job.dst is not None
         try:
-            self.mover.write_new(job.hash, job.block, job.meta, job.dst)
+            self.mover.write_new(job.hash, job.block, job.meta, job.dst, job.digest)
         finally:
             self.staging.unstage(job.block)
 

@@ -37,7 +37,7 @@ from kvfleet.agent.tiers.index import BlockIndex, Entry
 from kvfleet.agent.tiers.memory import SlotStore
 from kvfleet.agent.tiers.metrics import TierMetrics
 from kvfleet.agent.tiers.policy import MEMORY, TierPolicy
-from kvfleet.agent.tiers.record import BlockMeta, meta_for
+from kvfleet.agent.tiers.record import BlockMeta, meta_for, payload_digest
 from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
 
@@ -186,9 +186,10 @@ class Mover:
             index.wake.notify_all()
         return n, list(items[n:])
 
-    def write_new(self, h: BlockHash, block: npt.NDArray[Any], meta: BlockMeta, dst: Tier) -> None:
-        """Write a spilled ``put`` (a staged copy) to ``dst`` or the next persistent tier with room, then
-        index it."""
+    def write_new(self, h: BlockHash, block: npt.NDArray[Any], meta: BlockMeta, dst: Tier,
+                  digest: int | None = None) -> None:
+        """Write a spilled ``put`` (a staged copy; ``digest`` its payload digest) to ``dst`` or the next
+        persistent tier with room, then index it."""
         index = self.index
         for t in self.policy.write_targets(dst):
             if not self.policy.available(t):
@@ -198,7 +199,9 @@ class Mover:
                               meta.token_ids)
             payload = codec.encode(block)
             try:
-                charge = self.stores[t].write(tmeta, payload)
+                # the staged bytes are the payload only under the identity codec
+                identity = isinstance(codec, IdentityCodec)
+                charge = self.stores[t].write(tmeta, payload, digest if identity else None)
             except (TierFullError, BlockTooLargeError):
                 continue
             except TierIOError as exc:
@@ -223,11 +226,12 @@ class Mover:
     # --------------------------------------------------------------- moves
 
     def write_moved(self, h: BlockHash, source: tuple[BlockMeta, Payload], src: Tier, dst: Tier,
-                    kind: str) -> bool:
+                    kind: str, digest: int | None = None) -> bool:
         """Write the block to ``dst`` then, if ``h`` is still in ``src`` and movable, switch it over.
 
-        The payload is re-encoded only when the two tiers use different codecs. ``False``: ``dst``
-        has no room or failed; ``True``: moved, or nothing left to do.
+        The payload is re-encoded only when the two tiers use different codecs (``digest``, the source
+        payload's digest when known, is used only when it is not). ``False``: ``dst`` has no room or
+        failed; ``True``: moved, or nothing left to do.
         """
         codec = self.codecs[dst]
         store = self.stores[dst]
@@ -244,8 +248,9 @@ class Mover:
         else:
             block = get_codec(src_meta.codec).decode(src_payload, src_meta.dtype, src_meta.shape)
             payload = codec.encode(block)
+            digest = None
         try:
-            charge = store.write(meta, payload)
+            charge = store.write(meta, payload, digest)
         except (TierFullError, BlockTooLargeError):
             return False
         except TierIOError as exc:
@@ -282,9 +287,9 @@ class Mover:
         m.child(m.migrated_bytes, src.value, dst.value, kind).inc(nbytes)
         m.child(m.codec_saved, dst.value, meta.codec).inc(max(0, meta.raw_nbytes - nbytes))
 
-    def move_down(self, src: Tier, h: BlockHash, lower: list[Tier]) -> int:
+    def move_down(self, src: Tier, h: BlockHash, lower: list[Tier], digest: int | None = None) -> int:
         """Demote ``h`` from ``src`` into the first of ``lower`` with room; 1 if it moved (or needs
-        nothing)."""
+        nothing). ``digest``: its payload's :meth:`digest` when taken beforehand."""
         if not lower:
             return 0
         store = self.stores[src]
@@ -295,7 +300,8 @@ class Mover:
             except BlockNotFoundError:
                 return 0
             try:
-                return int(any(self.write_moved(h, (meta, view), src, dst, kind="demote") for dst in lower))
+                return int(any(self.write_moved(h, (meta, view), src, dst, kind="demote", digest=digest)
+                               for dst in lower))
             finally:
                 store.release(slot)
         try:
@@ -303,6 +309,26 @@ class Mover:
         except TierError:
             return 0
         return int(any(self.write_moved(h, source, src, dst, kind="demote") for dst in lower))
+
+    def digest(self, src: Tier, h: BlockHash) -> int | None:
+        """The payload digest of ``h`` in the memory tier ``src`` (``None`` when it is not there).
+
+        Taken for the blocks a demotion batch writes next (:meth:`~.movement.Movement._demote_batch`):
+        a block read from memory right before its write slows the write itself on a disk that copies
+        it out of the guest's memory, one read a block or two earlier does not. Should the slot be
+        rewritten meanwhile, the record fails its checksum when read: a miss, never wrong data.
+        """
+        store = self.stores[src]
+        if not isinstance(store, SlotStore):
+            return None
+        try:
+            _, view, slot = store.lease(h)
+        except BlockNotFoundError:
+            return None
+        try:
+            return payload_digest(view)
+        finally:
+            store.release(slot)
 
     def evict(self, tier: Tier, victims: list[BlockHash]) -> int:
         """Drop ``victims`` from ``tier`` (the last tier, or a persistent one with every tier below

@@ -68,8 +68,8 @@ class RedisStore(RecordStore):
     def key(self, block_hash: BlockHash) -> str:
         return self.namespace + key_name(block_hash)
 
-    def write(self, meta: BlockMeta, payload: Payload) -> int:
-        head, body = pack(meta, payload)
+    def write(self, meta: BlockMeta, payload: Payload, digest: int | None = None) -> int:
+        head, body = pack(meta, payload, digest=digest)
         size = len(head) + body.nbytes
         with self._lock:
             self._check_room(meta.hash, size)

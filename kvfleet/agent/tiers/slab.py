@@ -101,6 +101,7 @@ from kvfleet.agent.tiers.record import (
     pack,
     read_prefix,
     unpack,
+    verify,
 )
 from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
@@ -317,11 +318,11 @@ class SlabStore(TierStore):
 
     # ----------------------------------------------------------- TierStore
 
-    def write(self, meta: BlockMeta, payload: Payload) -> int:
+    def write(self, meta: BlockMeta, payload: Payload, digest: int | None = None) -> int:
         # Large payloads under direct I/O get a header padded to a page, so that a payload in page-aligned
         # memory is written and read where it is; small ones go through the bounce buffer unpadded.
         big = self.direct and payload.nbytes >= ZERO_COPY_MIN
-        head, body = pack(meta, payload, align=SLOT_ALIGN if big else 0)
+        head, body = pack(meta, payload, align=SLOT_ALIGN if big else 0, digest=digest)
         size = len(head) + body.nbytes
         with self._lock:
             if not self.slot_bytes:
@@ -437,10 +438,7 @@ class SlabStore(TierStore):
         header_len, payload_len, checksum = read_prefix(head)
         if header_len != info.header_len or payload_len != info.payload_len or checksum != info.checksum:
             raise CorruptBlockError(f"slot {slot} no longer holds the record of {block_hash!r}")
-        h = xxhash.xxh3_64(memoryview(head)[PREFIX_SIZE:])
-        h.update(view)
-        if h.intdigest() != checksum:
-            raise CorruptBlockError("checksum mismatch")
+        verify(head, memoryview(head)[PREFIX_SIZE:], view)
         meta = decode_header(memoryview(head)[PREFIX_SIZE:])
         if meta.hash != block_hash:
             raise CorruptBlockError(f"slot {slot} holds block {meta.hash!r}", reason="mismatch")

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from kvfleet.agent.codecs import Payload, as_payload
 from kvfleet.agent.tiers.base import RecordStore, ScanReport
@@ -47,6 +46,7 @@ from kvfleet.agent.tiers.record import (
     pack,
     read_prefix,
     unpack,
+    verify,
 )
 from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
@@ -76,8 +76,8 @@ class FileStore(RecordStore):
     def _path(self, block_hash: BlockHash) -> Path:
         return self.root / (key_name(block_hash) + SUFFIX)
 
-    def write(self, meta: BlockMeta, payload: Payload) -> int:
-        head, body = pack(meta, payload)
+    def write(self, meta: BlockMeta, payload: Payload, digest: int | None = None) -> int:
+        head, body = pack(meta, payload, digest=digest)
         size = len(head) + body.nbytes
         with self._lock:
             old = self._check_room(meta.hash, size)
@@ -127,7 +127,7 @@ class FileStore(RecordStore):
             with open(_open_record(path), "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 prefix = f.read(PREFIX_SIZE)
-                header_len, payload_len, checksum = read_prefix(prefix)
+                header_len, payload_len, _ = read_prefix(prefix)
                 if size != PREFIX_SIZE + header_len + payload_len:
                     raise TruncatedBlockError(
                         f"{path.name} is {size} bytes, its prefix says "
@@ -148,10 +148,7 @@ class FileStore(RecordStore):
             raise BlockNotFoundError(block_hash) from None
         except OSError as exc:
             raise TierIOError(f"{self.tier}: cannot read {path.name}: {exc}") from exc
-        h = xxhash.xxh3_64(header)
-        h.update(view)
-        if h.intdigest() != checksum:
-            raise CorruptBlockError("checksum mismatch")
+        verify(prefix, header, view)
         return meta
 
     def delete(self, block_hash: BlockHash) -> None:

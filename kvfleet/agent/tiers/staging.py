@@ -6,7 +6,8 @@ Copies land in buffers carved from one :data:`STAGING_BYTES` slab mapped with
 transparent huge pages and recycled per (dtype, shape): a first write faults
 once per 2 MiB and a recycled buffer not at all. Large buffers start on a
 page, so the ssd tier's direct I/O writes them where they are. When the slab
-is used up a buffer is a one-off allocation (page-aligned when large).
+is used up a buffer is a one-off allocation (page-aligned when large). The copy is hashed as it
+is made (the record's payload digest), so the writer need not read it again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfleet.agent.tiers.memory import PAGE, page_aligned
+from kvfleet.agent.tiers.record import copy_digest
 from kvfleet.agent.tiers.slab import ZERO_COPY_MIN
 
 #: bytes of copy buffers for writes queued by put(), carved from one slab and recycled.
@@ -34,8 +36,14 @@ class StagingSlab:
         self._used = 0
         self._lock = threading.Lock()
 
-    def stage(self, block: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        """A private copy of ``block``, in a recycled buffer when one is free."""
+    def stage(self, block: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], int]:
+        """A private copy of ``block``, in a recycled buffer when one is free, and the copy's
+        :func:`~.record.payload_digest` (hashed while the copy is in the cache:
+        :func:`~.record.copy_digest`)."""
+        buf = self._buffer(block)
+        return buf, copy_digest(buf, block)
+
+    def _buffer(self, block: npt.NDArray[Any]) -> npt.NDArray[Any]:
         key = (block.dtype, block.shape)
         nbytes = block.nbytes
         buf: npt.NDArray[Any] | None = None
@@ -55,7 +63,6 @@ class StagingSlab:
         if buf is None:
             buf = (page_aligned(nbytes).view(block.dtype).reshape(block.shape) if nbytes >= ZERO_COPY_MIN
                    else np.empty(block.shape, dtype=block.dtype))
-        np.copyto(buf, block)
         return buf
 
     def unstage(self, buf: npt.NDArray[Any]) -> None:

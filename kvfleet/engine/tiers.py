@@ -194,9 +194,15 @@ class AgentTiers:
     def put_many(self, blocks: Sequence[SlowBlock]) -> None:
         if not blocks:
             return
-        # each block's bytes as an array without a copy (the manager copies them into its tier); a refused
-        # block (no room anywhere, the writers' queue full) is simply not kept
+        # a refused block (no room anywhere, the writers' queue full) is simply not kept
         f16 = np.float16
+        datas = [b.data for b in blocks]
+        if len(set(map(len, datas))) == 1:  # blocks of one size (the simulator's): the rows of one array
+            rows = np.frombuffer(b"".join(datas), dtype=f16).reshape(len(blocks), -1)
+            self.mgr.put_rows([b.block_hash for b in blocks], rows, [b.parent for b in blocks],
+                              [b.token_ids for b in blocks], tier=self.top)
+            return
+        # each block's bytes as an array without a copy (the manager copies them into its tier)
         items = [(b.block_hash, np.frombuffer(b.data, dtype=f16), b.parent, b.token_ids) for b in blocks]
         self.mgr.put_many(items, tier=self.top)
 

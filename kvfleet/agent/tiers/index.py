@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvfleet.agent.tiers.metrics import TierMetrics
@@ -72,6 +73,18 @@ class BlockIndex:
         for run in chains(metas, bs):  # a run of several holds full blocks only
             toks = [t for m in run for t in m.token_ids]
             sink(stored([m.hash for m in run], run[0].parent, toks, len(run[0].token_ids) or bs, medium))
+
+    def fresh(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Positions in ``hashes`` of the blocks not held, in order; held ones are touched instead. A hash
+        given twice counts once, from its last position, at its first one's place in the order."""
+        out: dict[BlockHash, int] = {}
+        entries = self.entries
+        for i, h in enumerate(hashes):
+            if h not in entries:
+                out[h] = i
+            else:
+                self.touch(h)
+        return list(out.values())
 
     def remove(self, h: BlockHash) -> Entry | None:
         e = self.entries.pop(h, None)

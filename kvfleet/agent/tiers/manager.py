@@ -13,6 +13,8 @@ or network unless it says so)::
     mgr.put_many([(h, block, parent, token_ids), ...], tier) -> int
         a put per item, oldest first (refused items counted, not raised); cheaper
         into a fastest memory tier with no memory tier below it.
+    mgr.put_rows(hashes, rows, parents, token_ids, tier) -> int
+        put_many of blocks given as the rows of one array.
     mgr.lookup(hashes) -> LookupResult(num_hits, tiers)
         prefix-style: how many leading hashes are held, and in which tier each.
     mgr.locate(h) -> Tier | None
@@ -40,7 +42,9 @@ the source); after a restart, blocks re-indexed from ssd/remote are announced
 with ``BlockStored``. The sink is called from the migration threads too: use a
 thread-safe one (:class:`kvfleet.cache.events.EventBuffer`).
 
-This class is a facade over the package's rooms (docs/tiers.md, "Layout"):
+This class is a facade over the package's rooms (docs/tiers.md, "Layout"),
+about 530 lines on purpose: the public API, one short method per call, each
+handing over to the room that does the work:
 
 - :mod:`~.index`: hash → tier, LRU order, bytes per tier, pins, the KV events;
 - :mod:`~.policy`: placement, watermarks, failing tiers, the promotion rule
@@ -305,28 +309,55 @@ class TierManager:
         only have pushed each other out): their ``BlockRemoved`` events all come before the batch's
         ``BlockStored`` ones.
         """
-        store, codec = self.stores.get(tier), self.codecs.get(tier)
-        if (tier is not self.movement.lone_top or not isinstance(store, SlotStore) or codec is None
-                or not codec.lossless or not store.slot_bytes):
+        store = self._batch_store(tier)
+        if store is None:
             return self._put_each(blocks, tier)
-        index = self.index
-        with index.lock:
-            fresh: dict[BlockHash, PutItem] = {}
-            held = index.entries
-            for item in blocks:
-                if item[0] not in held:
-                    fresh[item[0]] = item
-                else:
-                    index.touch(item[0])
-            items = list(fresh.values())
-            skipped = max(0, len(items) - store.num_slots)
-            items = items[skipped:]
+        with self.index.lock:
+            fresh = self.index.fresh([item[0] for item in blocks])
+            over = max(0, len(fresh) - store.num_slots)  # of more than the tier holds, the newest
+            fresh = fresh[over:]
+            items = [blocks[i] for i in fresh]
             self.movement.free_slots(tier, len(items) - store.free_slots)
             stored, left = self.mover.store_batch(tier, items)
-            skipped += self._put_each(left, tier)  # no room was made for these: the usual path decides
-        if stored:
-            self.metrics.child(self.metrics.stores, tier.value).inc(stored)
+            skipped = over + self._put_each(left, tier)  # no room was made for these
+        self._count_stores(tier, stored)
         return skipped
+
+    def put_rows(self, hashes: Sequence[BlockHash], rows: npt.NDArray[Any],
+                 parents: Sequence[BlockHash | None], token_ids: Sequence[tuple[int, ...]],
+                 tier: Tier = Tier.GPU) -> int:
+        """:meth:`put_many` of blocks given as the rows of one array: ``rows[i]`` is the block of
+        ``hashes[i]`` (all of one dtype and shape), ``token_ids[i]`` a tuple of ints. On the batch path
+        no array is made per block: the blocks' metas are built in one pass and the rows copied into
+        their slots as they are (the engine simulator hands over its demoted blocks so)."""
+        store = self._batch_store(tier)
+        if store is None:
+            return self.put_many(list(zip(hashes, rows, parents, token_ids, strict=True)), tier)
+        with self.index.lock:
+            fresh = self.index.fresh(hashes)
+            over = max(0, len(fresh) - store.num_slots)
+            fresh = fresh[over:]
+            every = len(fresh) == len(hashes)  # nothing held, no hash twice: the rows as they are
+            self.movement.free_slots(tier, len(fresh) - store.free_slots)
+            stored = self.mover.store_rows(
+                tier, hashes if every else [hashes[i] for i in fresh], rows if every else rows[fresh],
+                parents if every else [parents[i] for i in fresh],
+                token_ids if every else [token_ids[i] for i in fresh])
+            skipped = over + self._put_each(
+                [(hashes[i], rows[i], parents[i], token_ids[i]) for i in fresh[stored:]], tier)
+        self._count_stores(tier, stored)
+        return skipped
+
+    def _batch_store(self, tier: Tier) -> SlotStore[Any] | None:
+        """The store of ``tier`` when a batch into it takes the cheaper path (see :meth:`put_many`)."""
+        store, codec = self.stores.get(tier), self.codecs.get(tier)
+        ok = (tier is self.movement.lone_top and isinstance(store, SlotStore) and codec is not None
+              and codec.lossless and bool(store.slot_bytes))
+        return store if ok and isinstance(store, SlotStore) else None
+
+    def _count_stores(self, tier: Tier, n: int) -> None:
+        if n:
+            self.metrics.child(self.metrics.stores, tier.value).inc(n)
 
     def _put_each(self, blocks: Iterable[PutItem], tier: Tier) -> int:
         """:meth:`put` of every item; returns how many were refused."""

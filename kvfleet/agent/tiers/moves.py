@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -157,7 +158,7 @@ class Mover:
         returns (so no store races with another), and has made room. Returns how many were stored,
         and the items that found no slot (the first one without a slot and those after it).
         """
-        codec, store, index = self.codecs[tier], self.stores[tier], self.index
+        codec, store = self.codecs[tier], self.stores[tier]
         assert isinstance(store, SlotStore) and codec.lossless
         name, encode = codec.name, codec.encode
         metas: list[BlockMeta] = []
@@ -177,14 +178,52 @@ class Mover:
                 kinds += 1
         if kinds == 1 and len(items) > 1 and isinstance(codec, IdentityCodec):
             # the stored bytes are the blocks' own: one array of rows, copied into the slots at once
-            rows = np.stack([item[1] for item in items]).reshape(len(items), -1).view(np.uint8)
-            n = store.write_rows(metas, rows)
+            n = self._index_rows(tier, metas, np.stack([item[1] for item in items]))
         else:
             n = store.write_many([(meta, encode(item[1])) for meta, item in zip(metas, items, strict=True)])
-        index.add_many(tier, metas[:n], store.slot_bytes)
-        if n and self.policy.over_high(tier):
-            index.wake.notify_all()
+            self._indexed(tier, metas[:n])
         return n, list(items[n:])
+
+    def store_rows(self, tier: Tier, hashes: Sequence[BlockHash], rows: npt.NDArray[Any],
+                   parents: Sequence[BlockHash | None], token_ids: Sequence[tuple[int, ...]]) -> int:
+        """:meth:`store_batch` of blocks given as the rows of one array (``rows[i]`` the block of
+        ``hashes[i]``, ``token_ids[i]`` a tuple); returns how many were stored, the first ones in order.
+
+        The metas are made in one pass without a Python call per block, the rows copied as they are.
+        """
+        if not len(hashes) == len(rows) == len(parents) == len(token_ids):
+            raise ValueError(f"{len(hashes)} hashes, {len(rows)} rows, {len(parents)} parents and "
+                             f"{len(token_ids)} token id tuples: one of each per block")
+        if not len(hashes):
+            return 0
+        codec = self.codecs[tier]
+        if not isinstance(codec, IdentityCodec):  # lossless but re-encoded: the general path
+            items = list(zip(hashes, rows, parents, token_ids, strict=True))
+            return self.store_batch(tier, items)[0]
+        if token_ids[0] and type(token_ids[0][0]) is not int:  # e.g. numpy ints: as store_batch takes them
+            token_ids = [tuple(map(int, t)) for t in token_ids]
+        first = meta_for(hashes[0], rows[0], codec.name, None, ())
+        metas = list(map(tuple.__new__, repeat(BlockMeta), zip(
+            hashes, repeat(codec.name), repeat(first.dtype), repeat(first.shape), repeat(first.raw_nbytes),
+            parents, token_ids)))  # the lengths are checked above (repeat() never ends: no strict)
+        return self._index_rows(tier, metas, rows)
+
+    def _index_rows(self, tier: Tier, metas: list[BlockMeta], rows: npt.NDArray[Any]) -> int:
+        """Write ``rows`` (one per meta) into the slot store of ``tier`` and index what was written."""
+        store = self.stores[tier]
+        assert isinstance(store, SlotStore)
+        n = store.write_rows(metas, np.ascontiguousarray(rows).reshape(len(metas), -1).view(np.uint8))
+        self._indexed(tier, metas[:n])
+        return n
+
+    def _indexed(self, tier: Tier, metas: list[BlockMeta]) -> None:
+        """Index (and announce) blocks just stored in the memory tier ``tier``; wake the demotion thread
+        when the tier went over its high watermark."""
+        index, store = self.index, self.stores[tier]
+        assert isinstance(store, SlotStore)
+        index.add_many(tier, metas, store.slot_bytes)
+        if metas and self.policy.over_high(tier):
+            index.wake.notify_all()
 
     def write_new(self, h: BlockHash, block: npt.NDArray[Any], meta: BlockMeta, dst: Tier,
                   digest: int | None = None) -> None:

@@ -140,3 +140,36 @@ def test_put_many_into_a_compressed_tier_takes_the_usual_path(tmp_path: Path, ma
     m = manager_factory(s)
     assert m.put_many(items(range(5)), Tier.CPU) == 0
     assert [m.locate(h) for h in range(5)] == [None, None, Tier.CPU, Tier.CPU, Tier.CPU]
+
+
+def _rows(hashes: list[int]) -> tuple[list[int], np.ndarray, list[int | None], list[tuple[int, ...]]]:
+    """``put_rows`` arguments for ``hashes``: their blocks as the rows of one array."""
+    return (hashes, np.stack([make_block(h) for h in hashes]), [h - 1 if h % 3 else None for h in hashes],
+            [tuple(range(h, h + 16)) for h in hashes])
+
+
+def test_put_rows_ends_as_put_many(tmp_path: Path, manager_factory: Factory) -> None:
+    """Rows of one array end like the same items through ``put_many``: placements, LRU order, bytes,
+    store counts, events and what was not kept; with blocks already held, a hash given twice, a batch
+    larger than the tier, and a tier that is not the batch path (the gpu tier on)."""
+    sinks = EventBuffer(), EventBuffer()
+    many = manager_factory(gpu_off(tmp_path / "a", cpu_blocks=6), sink=sinks[0])
+    rows = manager_factory(gpu_off(tmp_path / "b", cpu_blocks=6), sink=sinks[1])
+    for batch in ([0, 1, 2, 3], [4, 5, 6, 7], [2, 3, 8, 2], list(range(20, 29))):
+        hs, blocks, parents, toks = _rows(batch)
+        skipped = many.put_many(list(zip(hs, blocks, parents, toks, strict=True)), Tier.CPU)
+        assert rows.put_rows(hs, blocks, parents, toks, tier=Tier.CPU) == skipped
+        assert list(rows.index.lru[Tier.CPU]) == list(many.index.lru[Tier.CPU])
+    assert skipped == 3
+    for k in list(rows.index.lru[Tier.CPU]):
+        np.testing.assert_array_equal(rows.read(k), make_block(int(k)))
+    assert rows.metrics.stores.labels(tier="cpu")._value.get() == many.metrics.stores.labels(
+        tier="cpu")._value.get()
+    a, b = sinks[0].drain(), sinks[1].drain()
+    assert a is not None and b is not None and a.events == b.events
+    with pytest.raises(ValueError, match="one of each per block"):
+        rows.put_rows([1, 2], np.zeros((1, 8), np.float16), [None, None], [(), ()], tier=Tier.CPU)
+    on = manager_factory(small_settings(tmp_path / "c"))  # gpu on: a put per row
+    assert on.put_rows(*_rows([1, 2, 3]), tier=Tier.GPU) == 0
+    assert [on.locate(h) for h in (1, 2, 3)] == [Tier.GPU] * 3
+    np.testing.assert_array_equal(on.get(2), make_block(2))

@@ -144,9 +144,9 @@ def test_arena_write_rows_equals_write_many(slab_blocks: int) -> None:
         n = rows_store.write_rows(metas, rows)
         assert n == each_store.write_many(list(zip(metas, rows, strict=True)))
     assert n == 1  # 8 slots: 100, 102 and 1..6 (2 rewritten), then 6 of the last batch fits
-    for store in (rows_store, each_store):  # free slots for whole batches (taken without a call per block)
-        for h in (1, 3, 4, 5, 102):
-            store.delete(h)
+    for store in (rows_store, each_store):  # free slots for whole batches
+        for gone in (1, 3, 4, 5, 102):
+            store.delete(gone)
     for hs in ([10, 11], [12, 13, 14]):
         metas, rows = batch(hs)
         each = list(zip(metas, rows, strict=True))

@@ -15,12 +15,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 from kvfleet.agent.tiers.metrics import TierMetrics
 from kvfleet.agent.tiers.record import BlockMeta
 from kvfleet.cache.events import EventSink, removed, stored
 from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
+
+_HASH, _TOKENS = attrgetter("hash"), attrgetter("token_ids")
 
 
 @dataclass(slots=True)
@@ -71,8 +75,8 @@ class BlockIndex:
         self.used[tier] += charge * len(metas)
         sink, medium, bs = self.sink, self._medium[tier], self.block_size
         for run in chains(metas, bs):  # a run of several holds full blocks only
-            toks = [t for m in run for t in m.token_ids]
-            sink(stored([m.hash for m in run], run[0].parent, toks, len(run[0].token_ids) or bs, medium))
+            toks = list(chain.from_iterable(map(_TOKENS, run)))
+            sink(stored(list(map(_HASH, run)), run[0].parent, toks, len(run[0].token_ids) or bs, medium))
 
     def fresh(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Positions in ``hashes`` of the blocks not held, in order; held ones are touched instead. A hash

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 MAGIC = b"KVFB"
 VERSION = 2
-#: record versions read: 1 checksummed header and payload in one pass
+#: record versions read (version 1: one xxh3-64 over header and payload)
 VERSIONS = (1, 2)
 #: bytes copied and hashed at a time by :func:`copy_digest` (stays in the core's L2 between the two)
 COPY_CHUNK = 256 << 10

@@ -6,8 +6,9 @@ Copies land in buffers carved from one :data:`STAGING_BYTES` slab mapped with
 transparent huge pages and recycled per (dtype, shape): a first write faults
 once per 2 MiB and a recycled buffer not at all. Large buffers start on a
 page, so the ssd tier's direct I/O writes them where they are. When the slab
-is used up a buffer is a one-off allocation (page-aligned when large). The copy is hashed as it
-is made (the record's payload digest), so the writer need not read it again.
+is used up a buffer is a one-off allocation (page-aligned when large). The
+copy is hashed as it is made (the record's payload digest), so the writer
+need not read it again.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ class PodEventApplier:
     def _keyed_by_hash(self, ev: BlockStored) -> bool:
         """Whether ``ev``'s hashes are indexed as they are: ``recompute_keys`` off, or a pod that hashes like
         the picker and an event :meth:`_hash_is_key` takes."""
-        return not self.recompute_keys or (self.hashes_like_us is True and self._hash_is_key(ev))
+        return self._keys_are_hashes and (not self.recompute_keys or self._hash_is_key(ev))
 
     def _hash_is_key(self, ev: BlockStored) -> bool:
         """For a pod that hashes like the picker: whether ``ev``'s hashes are the keys the recomputation

@@ -313,12 +313,8 @@ class TierManager:
         if store is None:
             return self._put_each(blocks, tier)
         with self.index.lock:
-            fresh = self.index.fresh([item[0] for item in blocks])
-            over = max(0, len(fresh) - store.num_slots)  # of more than the tier holds, the newest
-            fresh = fresh[over:]
-            items = [blocks[i] for i in fresh]
-            self.movement.free_slots(tier, len(items) - store.free_slots)
-            stored, left = self.mover.store_batch(tier, items)
+            over, fresh = self._make_room(tier, store, [item[0] for item in blocks])
+            stored, left = self.mover.store_batch(tier, [blocks[i] for i in fresh])
             skipped = over + self._put_each(left, tier)  # no room was made for these
         self._count_stores(tier, stored)
         return skipped
@@ -334,11 +330,8 @@ class TierManager:
         if store is None:
             return self.put_many(list(zip(hashes, rows, parents, token_ids, strict=True)), tier)
         with self.index.lock:
-            fresh = self.index.fresh(hashes)
-            over = max(0, len(fresh) - store.num_slots)
-            fresh = fresh[over:]
+            over, fresh = self._make_room(tier, store, hashes)
             every = len(fresh) == len(hashes)  # nothing held, no hash twice: the rows as they are
-            self.movement.free_slots(tier, len(fresh) - store.free_slots)
             stored = self.mover.store_rows(
                 tier, hashes if every else [hashes[i] for i in fresh], rows if every else rows[fresh],
                 parents if every else [parents[i] for i in fresh],
@@ -354,6 +347,17 @@ class TierManager:
         ok = (tier is self.movement.lone_top and isinstance(store, SlotStore) and codec is not None
               and codec.lossless and bool(store.slot_bytes))
         return store if ok and isinstance(store, SlotStore) else None
+
+    def _make_room(self, tier: Tier, store: SlotStore[Any], hashes: Sequence[BlockHash]
+                   ) -> tuple[int, list[int]]:
+        """For a batch into ``tier`` (caller holds the index lock): the positions of the new blocks to store
+        (:meth:`~.index.BlockIndex.fresh`; of more than the tier holds, the newest) after room is made for
+        them at once, and how many new ones were left out for want of slots."""
+        fresh = self.index.fresh(hashes)
+        over = max(0, len(fresh) - store.num_slots)
+        fresh = fresh[over:]
+        self.movement.free_slots(tier, len(fresh) - store.free_slots)
+        return over, fresh
 
     def _count_stores(self, tier: Tier, n: int) -> None:
         if n:

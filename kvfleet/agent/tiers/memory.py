@@ -16,6 +16,13 @@ encoded size of the first block written, rounded up to 64 bytes. Capacity is
 ``slots × slot_bytes``; a quantizing codec makes blocks, hence slots, smaller,
 so the same capacity holds more blocks. Slabs of ``slab_bytes`` are allocated
 when first needed and kept.
+
+A host store can *lend* a block's slot to the ssd/remote writers
+(:meth:`SlotStore.lend`): the block leaves the store at once, the writer
+writes it from the slot where it is (no staging copy), and the slot is free
+again on :meth:`SlotStore.release`. A lent slot does not count against the
+capacity, so up to :data:`LOAN_BYTES` of slots more than the capacity exist
+while writes are pending.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ _ALIGN = 64
 #: reads and writes them without a bounce copy.
 PAGE = 4096
 _PAGE_SLOTS = 64 << 10
+#: bytes of slots a host store may have lent to the ssd/remote writers at once, beyond its capacity
+LOAN_BYTES = 64 << 20
 
 #: the type of one slab (a numpy array for the arena, a torch tensor on a device).
 SlabT = TypeVar("SlabT")
@@ -63,6 +72,9 @@ class SlotStore(TierStore, Generic[SlabT]):
     :meth:`_land`, :meth:`_unbuffer`) are called with ``_lock`` held.
     """
 
+    #: whether :meth:`lend` hands out slots (host memory only: a writer writes a numpy view of the slot)
+    lends = False
+
     def __init__(self, tier: Tier, spec: TierSpec) -> None:
         super().__init__(tier, spec)
         mspec = memory_spec(spec)
@@ -73,6 +85,8 @@ class SlotStore(TierStore, Generic[SlabT]):
         self._next_slot = 0
         self._index: dict[BlockHash, tuple[int, int, BlockMeta]] = {}
         self._leases = SlotLeases()
+        #: slots lent to a writer (:meth:`lend`), not counted against the capacity
+        self._lent: set[int] = set()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ hooks
@@ -110,14 +124,24 @@ class SlotStore(TierStore, Generic[SlabT]):
         return len(self._index) * self.slot_bytes
 
     @property
+    def loan_slots(self) -> int:
+        """How many slots may be lent at once (:data:`LOAN_BYTES` rounded up to a slot; 0 for a store that
+        does not lend)."""
+        return -(-LOAN_BYTES // self.slot_bytes) if self.lends and self.slot_bytes else 0
+
+    def _room(self) -> int:
+        """Slots a write can take now: the capacity, plus the slots lent out, less the slots taken."""
+        return self.num_slots + len(self._lent) - (self._next_slot - len(self._free))
+
+    @property
     def full(self) -> bool:
         """Every slot is taken (slots sized already, none free)."""
-        return bool(self.slot_bytes) and not self._free and self._next_slot >= self.num_slots
+        return bool(self.slot_bytes) and self._room() <= 0
 
     @property
     def free_slots(self) -> int:
         """Slots a write can take now (0 until the first block sized them; read without the lock)."""
-        return len(self._free) + max(0, self.num_slots - self._next_slot) if self.slot_bytes else 0
+        return max(0, self._room()) if self.slot_bytes else 0
 
     def charge(self, payload_nbytes: int) -> int:
         return self.slot_bytes or _round_up(payload_nbytes)
@@ -144,14 +168,15 @@ class SlotStore(TierStore, Generic[SlabT]):
                 f"{self.tier}: block of {nbytes} bytes exceeds the {self.slot_bytes}-byte slot")
 
     def _alloc(self) -> int:
+        if self._room() <= 0:
+            raise TierFullError(f"{self.tier}: all {self.num_slots} slots in use")
         if self._free:
             return self._free.pop()
-        if self._next_slot >= self.num_slots:
-            raise TierFullError(f"{self.tier}: all {self.num_slots} slots in use")
         slot = self._next_slot
         per_slab = self._slab_bytes // self.slot_bytes
         if slot // per_slab >= len(self._slabs):
-            remaining = (self.num_slots - len(self._slabs) * per_slab) * self.slot_bytes
+            # the last slab also holds the slots that may be lent beyond the capacity (touched only when used)
+            remaining = (self.num_slots + self.loan_slots - len(self._slabs) * per_slab) * self.slot_bytes
             self._slabs.append(self._new_slab(min(per_slab * self.slot_bytes, remaining)))
         self._next_slot += 1
         return slot
@@ -293,9 +318,26 @@ class SlotStore(TierStore, Generic[SlabT]):
             self._leases.take(slot)
         return meta, out, slot
 
+    def lend(self, block_hash: BlockHash) -> tuple[BlockMeta, Payload, int] | None:
+        """Take ``block_hash`` out of the store, its slot lent to the caller (a writer) until
+        :meth:`release`: the returned view stays valid and unchanged until then, and the slot does not
+        count against the capacity meanwhile. ``None`` when the store does not lend or
+        :attr:`loan_slots` are lent already; BlockNotFoundError when the block is not here."""
+        with self._lock:
+            if len(self._lent) >= self.loan_slots:
+                return None
+            slot, nbytes, meta = self._lookup(block_hash)
+            del self._index[block_hash]
+            self._leases.take(slot)
+            self._leases.defer(slot)
+            self._lent.add(slot)
+            return meta, self._get(slot, nbytes), slot
+
     def release(self, slot: int) -> None:
+        """End a :meth:`lease` or a :meth:`lend` of ``slot``."""
         with self._lock:
             if self._leases.end(slot):
+                self._lent.discard(slot)
                 self._free.append(slot)
 
     def contains(self, block_hash: BlockHash) -> bool:
@@ -310,6 +352,7 @@ class SlotStore(TierStore, Generic[SlabT]):
         with self._lock:
             self._index.clear()
             self._leases.clear()
+            self._lent.clear()
             self._slabs.clear()
             self._free.clear()
             self._next_slot = 0
@@ -319,6 +362,7 @@ class ArenaStore(SlotStore[np.ndarray]):
     """Preallocated host slabs with fixed block slots; reads are read-only views of a slot."""
 
     backend = "arena"
+    lends = True
 
     def __init__(self, tier: Tier, spec: TierSpec) -> None:
         super().__init__(tier, spec)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from kvfleet.agent.codecs import get_codec
+from kvfleet.agent.codecs import IdentityCodec, get_codec
 from kvfleet.agent.tiers.errors import BackpressureError, BlockNotFoundError
 from kvfleet.agent.tiers.index import BlockIndex
 from kvfleet.agent.tiers.memory import SlotStore
@@ -67,6 +67,8 @@ class Job:
     dst: Tier | None = None
     #: the staged block's payload digest (writes)
     digest: int | None = None
+    #: the store and slot ``block`` is a view of, lent by that store (writes; else ``block`` is staged)
+    lent: tuple[SlotStore[Any], int] | None = None
 
 
 class Movement:
@@ -199,9 +201,11 @@ class Movement:
             self.index.unmark(victim)
 
     def _spill_lru(self, tier: Tier) -> bool:
-        """Free a slot of the memory tier ``tier``: its LRU movable block is copied to a staging buffer,
-        dropped from the tier, and queued to the ssd/remote writers (like a spilled ``put``; it is a
-        miss until written). ``False`` when there is no such block, no slow tier, or no queue room."""
+        """Free a slot of the memory tier ``tier``: its LRU movable block is dropped from the tier and queued
+        to the ssd/remote writers (like a spilled ``put``; it is a miss until written). The writer writes
+        it from its slot, lent by the store (:meth:`~.memory.SlotStore.lend`), or, when the store does
+        not lend it, from a staging copy. ``False`` when there is no such block, no slow tier, or no
+        queue room."""
         dst = self.policy.slow_target()
         store = self.mover.stores[tier]
         if dst is None or not isinstance(store, SlotStore) or self._writes.full():
@@ -212,22 +216,38 @@ class Movement:
         if victim is None:
             return False
         staged: npt.NDArray[Any] | None = None
+        lent: tuple[SlotStore[Any], int] | None = None  # handed to the writer with the job
         try:
-            meta, view, slot = store.lease(victim)
-            try:
-                staged, digest = self.staging.stage(
-                    get_codec(meta.codec).decode(view, meta.dtype, meta.shape))
-            finally:
-                store.release(slot)
             with index.lock:
                 e = index.entries.get(victim)
                 if e is None or e.tier != tier or e.pins:
                     return False
-                index.remove(victim)
-                store.delete(victim)
-                index.announce_removed(victim, tier)
-            self.enqueue(Job("write", victim, staged, meta, dst, digest))
-            staged = None
+                loan = store.lend(victim) if e.meta.codec == IdentityCodec.name else None
+                if loan is not None:
+                    index.remove(victim)
+                    index.announce_removed(victim, tier)
+            if loan is not None:
+                meta, view, slot = loan
+                lent = (store, slot)
+                job = Job("write", victim, get_codec(meta.codec).decode(view, meta.dtype, meta.shape), meta,
+                          dst, lent=lent)
+            else:
+                meta, view, slot = store.lease(victim)
+                try:
+                    staged, digest = self.staging.stage(
+                        get_codec(meta.codec).decode(view, meta.dtype, meta.shape))
+                finally:
+                    store.release(slot)
+                with index.lock:
+                    e = index.entries.get(victim)
+                    if e is None or e.tier != tier or e.pins:
+                        return False
+                    index.remove(victim)
+                    store.delete(victim)
+                    index.announce_removed(victim, tier)
+                job = Job("write", victim, staged, meta, dst, digest)
+            self.enqueue(job)
+            staged = lent = None
             return True
         except BlockNotFoundError:
             return False
@@ -238,6 +258,8 @@ class Movement:
         finally:
             if staged is not None:
                 self.staging.unstage(staged)
+            if lent is not None:
+                lent[0].release(lent[1])
             index.unmark(victim)
 
     def _evict_lru(self, tier: Tier) -> bool:
@@ -379,7 +401,10 @@ class Movement:
         try:
             self.mover.write_new(job.hash, job.block, job.meta, job.dst, job.digest)
         finally:
-            self.staging.unstage(job.block)
+            if job.lent is not None:
+                job.lent[0].release(job.lent[1])
+            else:
+                self.staging.unstage(job.block)
 
 
 def lower_priority(increment: int) -> None:

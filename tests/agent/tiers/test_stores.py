@@ -16,6 +16,7 @@ from kvfleet.agent.tiers import (
     TierFullError,
     TruncatedBlockError,
     UnknownBackendError,
+    memory,
     open_store,
 )
 from kvfleet.agent.tiers.index import chains
@@ -120,6 +121,54 @@ def test_arena_lease_defers_slot_reuse() -> None:
     assert view.tobytes() == a.tobytes()
     store.release(slot)  # type: ignore[attr-defined]
     store.write(_meta(2), b)
+
+
+@pytest.mark.parametrize("slab_blocks", [1, 2, 64])
+def test_arena_lends_slots_beyond_its_capacity(monkeypatch: pytest.MonkeyPatch, slab_blocks: int) -> None:
+    """A lent block leaves the store at once; its slot keeps its bytes until released and does not count
+    against the capacity (a full store takes as many blocks as slots are lent); at most ``loan_slots``
+    are lent at once; a released loan's slot is free again, so the store holds its capacity and no more."""
+    monkeypatch.setattr(memory, "LOAN_BYTES", 2 * BLOCK_NBYTES)
+    store = open_store(Tier.CPU, MemoryTierSpec(capacity_bytes=2 * BLOCK_NBYTES,
+                                                slab_bytes=slab_blocks * BLOCK_NBYTES))
+    assert isinstance(store, ArenaStore)
+    blocks = [get_codec("none").encode(make_block(i)) for i in range(6)]
+    store.write(_meta(0), blocks[0])
+    store.write(_meta(1), blocks[1])
+    assert store.full and store.loan_slots == 2
+    loans = [store.lend(0), store.lend(1)]
+    assert store.lend(2) is None  # both loans are out
+    assert all(loan is not None for loan in loans)
+    assert not store.contains(0) and store.used_bytes == 0 and store.free_slots == 2
+    store.write(_meta(2), blocks[2])
+    store.write(_meta(3), blocks[3])
+    with pytest.raises(TierFullError):
+        store.write(_meta(4), blocks[4])
+    with pytest.raises(BlockNotFoundError):
+        store.read(0)
+    for i, loan in enumerate(loans):  # the lent views kept their blocks through the writes
+        assert loan is not None and loan[0].hash == i and loan[1].tobytes() == blocks[i].tobytes()
+    assert loans[0] is not None
+    store.release(loans[0][2])
+    assert store.full  # the released slot is free, but the capacity is taken
+    with pytest.raises(TierFullError):
+        store.write(_meta(4), blocks[4])
+    assert store.lend(2) is not None  # one loan is free again
+    store.write(_meta(4), blocks[4])
+    assert loans[1] is not None
+    store.release(loans[1][2])
+    with pytest.raises(BlockNotFoundError):
+        store.lend(9)
+    assert sorted(store.keys()) == [3, 4]
+
+
+def test_stores_without_host_slots_do_not_lend(tmp_path: Path) -> None:
+    """The ssd slab store does not lend (it has no memory slots); the gpu arena standing in for HBM does."""
+    ssd = open_store(Tier.SSD, SsdTierSpec(capacity_bytes=4 * BLOCK_NBYTES, path=str(tmp_path)))
+    assert not hasattr(ssd, "lend")
+    gpu = open_store(Tier.GPU, MemoryTierSpec(capacity_bytes=BLOCK_NBYTES, device="host"))
+    gpu.write(_meta(1), get_codec("none").encode(make_block(1)))
+    assert isinstance(gpu, ArenaStore) and gpu.lend(1) is not None
 
 
 @pytest.mark.parametrize("slab_blocks", [1, 3, 64])

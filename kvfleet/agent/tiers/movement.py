@@ -14,10 +14,11 @@ Threads (daemons, started by :meth:`Movement.start`):
 Back-pressure: both queues hold ``queue_depth`` jobs; a full queue raises
 :class:`~.errors.BackpressureError` to the caller instead of blocking it.
 Sharing the machine with the engine's step loop: demotion and write threads
-run at a lower CPU priority (per-thread nice +:data:`BACKGROUND_NICE`),
-every thread hands the GIL over about once a millisecond of work, and a
-demotion round that moved nothing (every destination full or failing) backs
-off for 20 ms. :meth:`Movement.make_room` is the one move made on the
+run at a lower CPU priority (per-thread nice +:data:`BACKGROUND_NICE`) and
+hand the GIL over about once a millisecond of work (promotion threads keep
+the engine's priority and drop the GIL only at their reads and checksums),
+and a demotion round that moved nothing (every destination full or failing)
+backs off for 20 ms. :meth:`Movement.make_room` is the one move made on the
 caller's thread: a full fastest memory tier pushes its LRU block one memory
 tier down (or, with none enabled below, to the ssd/remote writers, or out
 when it is the last tier) so a new block can stay on top.
@@ -387,7 +388,11 @@ class Movement:
                         log.exception("tier job %s for %r failed", j.kind, j.hash)
                     finally:
                         jobs.task_done()
-                    self._yield_gil()
+                    if nice:
+                        # background work hands the GIL over; a promotion (on a request's path, at the
+                        # engine's priority) drops it anyway at each read and checksum, and a forced
+                        # hand-over per block only queues it for the GIL again
+                        self._yield_gil()
             finally:
                 with self.index.lock:
                     self._busy -= 1

@@ -101,12 +101,12 @@ class BlockIndex:
         """:meth:`remove` of each of ``hashes`` held unpinned in ``tier``; returns those removed and their
         charge."""
         entries, lru = self.entries, self.lru[tier]
-        get, pop = entries.get, lru.pop
+        held, pop = self.held_unpinned, lru.pop
         gone: list[BlockHash] = []
         nbytes = 0
         for h in hashes:
-            e = get(h)
-            if e is None or e.tier != tier or e.pins:
+            e = held(h, tier)
+            if e is None:
                 continue
             del entries[h]
             pop(h, None)
@@ -129,6 +129,11 @@ class BlockIndex:
         if e is not None:
             self.lru[e.tier].move_to_end(h)
         return e
+
+    def held_unpinned(self, h: BlockHash, tier: Tier) -> Entry | None:
+        """The entry of ``h`` if it is held in ``tier`` and not pinned (may be moved out or dropped)."""
+        e = self.entries.get(h)
+        return None if e is None or e.tier != tier or e.pins else e
 
     def movable(self, h: BlockHash) -> bool:
         e = self.entries[h]

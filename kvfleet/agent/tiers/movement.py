@@ -220,8 +220,8 @@ class Movement:
         lent: tuple[SlotStore[Any], int] | None = None  # handed to the writer with the job
         try:
             with index.lock:
-                e = index.entries.get(victim)
-                if e is None or e.tier != tier or e.pins:
+                e = index.held_unpinned(victim, tier)
+                if e is None:
                     return False
                 loan = store.lend(victim) if e.meta.codec == IdentityCodec.name else None
                 if loan is not None:
@@ -240,8 +240,7 @@ class Movement:
                 finally:
                     store.release(slot)
                 with index.lock:
-                    e = index.entries.get(victim)
-                    if e is None or e.tier != tier or e.pins:
+                    if index.held_unpinned(victim, tier) is None:
                         return False
                     index.remove(victim)
                     store.delete(victim)

@@ -162,12 +162,27 @@ def test_arena_lends_slots_beyond_its_capacity(monkeypatch: pytest.MonkeyPatch, 
     assert sorted(store.keys()) == [3, 4]
 
 
+class _DeviceLike(ArenaStore):
+    """Slots a writer cannot write from (as the torch-device store's: ``lends`` false)."""
+
+    lends = False
+
+
 def test_stores_without_host_slots_do_not_lend(tmp_path: Path) -> None:
-    """The ssd slab store does not lend (it has no memory slots); the gpu arena standing in for HBM does."""
+    """A slot store that does not lend (the torch-device store's flag) keeps its block and its capacity:
+    ``lend`` returns ``None``, the block stays readable and the full store stays full; the ssd slab store
+    has no slots to lend; the gpu arena standing in for HBM lends."""
+    payload = get_codec("none").encode(make_block(1))
+    device = _DeviceLike(Tier.GPU, MemoryTierSpec(capacity_bytes=BLOCK_NBYTES, device="host"))
+    device.write(_meta(1), payload)
+    assert device.loan_slots == 0 and device.lend(1) is None
+    assert device.contains(1) and device.full
+    with pytest.raises(TierFullError):
+        device.write(_meta(2), payload)
     ssd = open_store(Tier.SSD, SsdTierSpec(capacity_bytes=4 * BLOCK_NBYTES, path=str(tmp_path)))
     assert not hasattr(ssd, "lend")
     gpu = open_store(Tier.GPU, MemoryTierSpec(capacity_bytes=BLOCK_NBYTES, device="host"))
-    gpu.write(_meta(1), get_codec("none").encode(make_block(1)))
+    gpu.write(_meta(1), payload)
     assert isinstance(gpu, ArenaStore) and gpu.lend(1) is not None
 
 

@@ -115,8 +115,11 @@ class Mover:
         meta = meta_for(h, block, codec.name, parent, toks)
         store = self.stores[tier]
         index = self.index
-        if isinstance(store, SlotStore) and not codec.lossless:
-            # A quantizing codec encodes straight into the slot: no temporary payload, no copy.
+        if isinstance(store, SlotStore) and (not codec.lossless or store.lends):
+            # Straight into the slot, outside the locks (a writer indexing a block it wrote must not wait
+            # for this copy): a quantizing codec encodes in place, and a host slot takes a lossless
+            # block's bytes in one copy. (A device store copies a lossless block to the device in
+            # one transfer at ``write`` instead of through a reserved host buffer.)
             nbytes = codec.encoded_nbytes(block.dtype, block.shape)
             slot, view = store.reserve(nbytes)
             try:

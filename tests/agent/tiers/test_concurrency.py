@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+import pytest
 
+from kvfleet.agent.codecs import Payload
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.tiers import MemoryTierSpec
 
@@ -63,3 +67,34 @@ def test_engine_thread_against_migrations(tmp_path: Path, manager_factory: Facto
     total = sum(m.blocks_in(t) for t in m.order)
     assert total == sum(1 for h in range(60) if m.locate(h) is not None)
     assert m.blocks_in(Tier.GPU) <= 6
+
+
+def test_put_copies_into_a_host_slot_without_the_index_lock(tmp_path: Path, manager_factory: Factory,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``put`` copies a block into its host slot with the index lock free (a writer indexing a block it has
+    just written must not wait for that copy), and the block reads back exact."""
+    m = manager_factory(small_settings(tmp_path))
+    codec = m.mover.codecs[Tier.GPU]
+    original = codec.encode_into
+    free: list[bool] = []
+
+    def encode_into(block: npt.NDArray[Any], out: Payload) -> Payload:
+        got: list[bool] = []
+
+        def take() -> None:  # on another thread, as a writer indexing its block would
+            got.append(m.index.lock.acquire(timeout=2))
+            if got[0]:
+                m.index.lock.release()
+
+        other = threading.Thread(target=take)
+        other.start()
+        other.join()
+        free.append(got[0])
+        return original(block, out)
+
+    monkeypatch.setattr(codec, "encode_into", encode_into)
+    b = make_block(7)
+    assert m.put(7, b) is Tier.GPU
+    assert free == [True]
+    got = m.get(7)
+    assert got is not None and np.array_equal(got, b)

@@ -24,7 +24,7 @@ Measured in one run, each against its own baseline:
   both sides read bytes written a second or two before. The raw side's
   blocks and buffers are filled as ``put`` fills a cpu slot, by a copy
   between page-aligned buffers: on this kind of virtual machine, a direct
-  read into pages last filled that way ran at 0.4–0.5 × the speed of one
+  read into pages last filled that way ran at 0.3–0.5 × the speed of one
   into pages filled by the same copy from a source 16 or 64 bytes off a
   page boundary (0.74–0.91 against 1.9–2.3 GB/s), so a baseline in memory
   prepared otherwise measures the host's memory handling, not the tier.
@@ -95,7 +95,7 @@ def _blocks(n: int, nbytes: int, aligned_fill: bool = True) -> list[np.ndarray]:
     Each is filled by a copy from page-aligned memory, as ``put`` fills a cpu slot from a page-aligned
     block: on a virtual machine, how a page was last written by the CPU can change what a later direct
     read into it (or write from it) costs (measured here: reads into pages filled by a copy between
-    page-aligned buffers ran at 0.4-0.5 x the speed of reads into pages filled from an unaligned
+    page-aligned buffers ran at 0.3-0.5 x the speed of reads into pages filled from an unaligned
     source), so the raw baselines' memory is prepared like the tier's. ``aligned_fill=False``: filled
     straight from ``np.roll``'s (unaligned) output instead, for ``raw_read_unaligned_fill_gbps``.
     """

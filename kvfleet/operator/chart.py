@@ -79,6 +79,7 @@ CHART_VALUES: dict[str, Any] = {
         "fallbackService": "",
         "bodyMode": "BUFFERED",
         "routing": "header",
+        # type NodePort (or LoadBalancer) may add nodePort: N (e.g. kind's extraPortMappings target).
         "service": {"type": "ClusterIP", "port": 80},
         "resources": {"requests": {"cpu": "200m", "memory": "128Mi"}},
     },

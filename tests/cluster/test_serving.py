@@ -107,7 +107,7 @@ def test_chart_pods_run_and_the_pools_become_ready(crds: Kube, stack: tuple[str,
     pool = crds.get("kvcachepool", "sim-unified", ns)
     assert pool["status"]["roles"] == {"unified": {"desired": 4, "ready": 4}}
     pods = crds.get("pods", None, ns)["items"]
-    assert len(pods) == 3 + 4 + 2  # operator, EPP, gateway; 2 shards x 2; prefill + decode
+    assert len(pods) == 4 + 4 + 2  # operator, 2 EPP replicas, gateway; 2 shards x 2; prefill + decode
     for p in pods:
         assert p["spec"]["nodeName"] == node.name
         assert all(c["restartCount"] == 0 for c in p["status"]["containerStatuses"]), (

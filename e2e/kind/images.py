@@ -435,7 +435,18 @@ def node_image(progs: Programs) -> str:
               "--change", f'LABEL {LABEL}="{inputs}"', name, tag], what="docker commit of the node image")
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+    _drop_stale("kvfleet-kind/node", keep=tag)
     return tag
+
+
+def _drop_stale(repository: str, keep: str) -> None:
+    """Remove the other tags of ``repository`` (earlier pins) and the untagged images this module
+    left (an image rebuilt under the same tag), so the disk holds one of each."""
+    tags = _run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}", repository],
+                what="docker images")
+    for old in set(tags.split()) - {keep}:
+        subprocess.run(["docker", "rmi", old], capture_output=True)  # one in use by a cluster stays
+    subprocess.run(["docker", "image", "prune", "-f", "--filter", f"label={LABEL}"], capture_output=True)
 
 
 # -- kvfleet and Envoy -----------------------------------------------------------------------------
@@ -448,8 +459,11 @@ def kvfleet_image(tag: str) -> str:
     of unchanged sources instant)."""
     debian_image(PYTHON_BASE, PYTHON_PACKAGES, env=("PIP_CERT=/etc/ssl/certs/ca-certificates.crt",))
     log(f"{tag}: docker build . (BASE_IMAGE={PYTHON_BASE})")
+    before = image_id(tag) if image_inputs(tag) is not None else None
     _run(["docker", "build", "-q", "--build-arg", f"BASE_IMAGE={PYTHON_BASE}", "-t", tag, str(ROOT)],
          what="docker build of the kvfleet image")
+    if before is not None and before != image_id(tag):  # the previous build of this tag, now untagged
+        subprocess.run(["docker", "rmi", before], capture_output=True)
     return tag
 
 

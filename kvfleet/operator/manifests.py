@@ -74,8 +74,10 @@ ENGINE_CONTAINER = "engine"
 #: vLLM and SGLang images), the runtime's default seccomp profile, volumes group-owned by 10001.
 POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
                                 "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
-#: ... and for each container: no privilege escalation, no capabilities.
-CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+#: ... and for each container: no privilege escalation, no capabilities, a read-only root filesystem
+#: (what a process writes goes to the pod's volumes: /tmp, /dev/shm, the ssd tier).
+CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                      "readOnlyRootFilesystem": True}
 
 #: engine role name in kvfleet Settings (``engine.role``) per KVCachePool role.
 ENGINE_ROLE = {"unified": "both", "prefill": "prefill", "decode": "decode"}
@@ -316,10 +318,13 @@ def _volumes(spec: PoolSpec, config_name: str) -> tuple[list[dict[str, Any]], li
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_name}},
         {"name": "shm", "emptyDir": shm},
+        # the root filesystem is read-only: /tmp (and $HOME=/tmp of vLLM and SGLang, their caches) here
+        {"name": "tmp", "emptyDir": {}},
     ]
     mounts = [
         {"name": "config", "mountPath": "/etc/kvfleet"},
         {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
     ]
     if ssd is not None:
         source: dict[str, Any] = dict(ssd.volume) if ssd.volume else {

@@ -147,7 +147,7 @@ VALUES = [(), ("-f", str(CHART / "values-kind.yaml")),
 @pytest.mark.parametrize("args", VALUES, ids=["default", "kind", "tls"])
 def test_every_pod_is_restricted(tools: Path, args: tuple[str, ...]) -> None:
     """Pod-level seccompProfile RuntimeDefault and runAsNonRoot; each container: no privilege escalation,
-    drops ALL."""
+    drops ALL, a read-only root filesystem."""
     workloads = [o for o in template(tools, *args) if o["kind"] in WORKLOADS]
     assert {o["metadata"]["name"] for o in workloads} == {
         "kvf-kvfleet-epp", "kvf-kvfleet-operator", "kvf-kvfleet-gateway"}
@@ -159,6 +159,7 @@ def test_every_pod_is_restricted(tools: Path, args: tuple[str, ...]) -> None:
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], (
                 w["metadata"]["name"], c["name"])
+            assert sc["readOnlyRootFilesystem"] is True, (w["metadata"]["name"], c["name"])
 
 
 def test_disruption_budgets(tools: Path) -> None:

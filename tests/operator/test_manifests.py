@@ -130,6 +130,23 @@ def test_gpu_pod_shape() -> None:
     assert env["LMCACHE_REMOTE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "kv-redis"
 
 
+@pytest.mark.parametrize("sample", ["FULL_GPU", "SIM_PD"])
+def test_every_engine_container_has_a_read_only_root_and_a_writable_tmp(sample: str) -> None:
+    """Pod Security "restricted" as a real runtime enforces it: each container's root filesystem is
+    read-only, and /tmp (vLLM's and SGLang's $HOME) is a pod volume, the only place besides /dev/shm and
+    the ssd tier where the processes write."""
+    for dep in (c for c in _render(getattr(samples, sample)) if c["kind"] == "Deployment"):
+        pod = dep["spec"]["template"]["spec"]
+        assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}["tmp"]
+        for c in pod["containers"]:
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True, c["name"]
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"], c["name"]
+        engine = pod["containers"][0]
+        if engine["command"][0] != "kvfleet":
+            assert {"name": "HOME", "value": "/tmp"} in engine["env"]
+
+
 def test_sim_pod_has_no_gpu_and_runs_kvfleet_engine() -> None:
     """CPU fallback: `kvfleet engine --config`, no GPU resources, ssd tier on an emptyDir of its capacity."""
     dep = next(c for c in _render(samples.SIM_PD) if c["kind"] == "Deployment")

@@ -6,7 +6,8 @@
 # oom_score_adj below the inherited floor (the kubelet asks -997 for critical static pods):
 # containerd clamps it instead, as in rootless mode. A privileged node is left as it is.
 kvfleet_unprivileged_node() {
-  if ! findmnt -no OPTIONS /sys/fs/cgroup | tr , '\n' | grep -qx ro; then
+  # any cgroup mount read-only (cgroup v1: the hierarchies; v2: /sys/fs/cgroup itself)?
+  if ! findmnt -rn -o TARGET,OPTIONS | awk '$1 ~ "^/sys/fs/cgroup" && $2 ~ /(^|,)ro(,|$)/ { f = 1 } END { exit !f }'; then
     return 0
   fi
   log_info 'kvfleet: unprivileged node: cgroups read-write, containerd restrict_oom_score_adj'

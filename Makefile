@@ -36,7 +36,7 @@ layers: $(STAMP) ## import-linter: layers only import downwards; the core import
 unit: $(STAMP) ## pytest: every test but the real-API-server and real-vLLM ones (unit, property-based, real Envoy/Redis/kmock, e2e on loopback).
 	$(PY) -m pytest -m "not cluster and not interop" $(PYTEST_ARGS)
 
-interop: $(STAMP) ## Build the interop venvs: vLLM 0.11.0, 0.33.0 and SGLang 0.5.3, 0.5.23 with their dependencies (cached in ~/.cache/kvfleet/interop; ~10 GB, ~4 min each).
+interop: $(STAMP) ## Build the interop venvs: vLLM 0.11.0, 0.33.0 and SGLang 0.5.3, 0.5.23 with their dependencies (uv, one hard-linked package cache in ~/.cache/kvfleet/interop: 13.2 GiB for the four, ~1.5 min cold).
 	$(PY) scripts/interop_venvs.py build
 
 test-interop: interop ## pytest -m interop: rendered vLLM/SGLang command lines through their own parsers; vLLM's KV-event publisher into the EPP.

@@ -839,7 +839,7 @@ def multiturn_requests(sessions: int, speed: float, seed: int = 15, itl_s: float
 
 
 def kvfleet_plugins(
-    hit_weight: float = 1.0, load_gain: float = 20.0, kv_weight: float = 0.05, overhead_s: float = 0.009,
+    hit_weight: float = 1.0, load_gain: float = 0.0, kv_weight: float = 0.05, overhead_s: float = 0.009,
     seed: int = 0, affinity_s: float = 0.02, prev: bool = False,
 ) -> list[PluginSpec]:
     return [
@@ -874,7 +874,7 @@ class Knobs:
     """kvfleet's settings under test (the EPP's defaults unless overridden on the command line)."""
 
     hit_weight: float = 1.0
-    load_gain: float = 20.0
+    load_gain: float = 0.0
     affinity_s: float = 0.02
     beta: float = 0.1
     spec_ttl_s: float = 10.0
@@ -1115,17 +1115,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beta", type=float, default=0.1,
                     help="hot-spot decay β of the prefix scorer (the EPP's default)")
     ap.add_argument("--hit-weight", type=float, default=1.0, help="weight of the prefix-cache scorer")
-    ap.add_argument("--load-gain", type=float, default=20.0, help="load_gain of the prefix-cache scorer")
+    ap.add_argument("--load-gain", type=float, default=0.0,
+                    help="load_gain of the prefix-cache scorer (the EPP's default, 0)")
     ap.add_argument("--affinity", type=float, default=0.02, help="affinity_s of the prefix-affinity scorer")
     ap.add_argument("--spec-ttl", type=float, default=10.0, help="speculative index TTL (s)")
     ap.add_argument("--offset", type=str, default="0,0",
                     help="first row of the conversation,synthetic slices (default 0,0; the held-out check of "
                          "the weights chosen on rows 0… is --offset 4000,2000)")
+    ap.add_argument("--family", action="store_true",
+                    help="the workload family instead (bench/_family.py): documents, tenants, sessions, "
+                         "agents and storms over loads and cache sizes, parameters drawn per seed; prints "
+                         "the worst kvfleet ÷ best-peer ratio per quantile over every case (--seeds: seeds "
+                         "per workload, load and cache, default 2 quick, 4 full)")
+    ap.add_argument("--workloads", type=str, default="",
+                    help="with --family: comma-separated generators to run (default all)")
     args = ap.parse_args(argv)
-    if args.seeds <= 0:
-        args.seeds = 8 if args.quick else 12
     if args.jobs <= 0:
         args.jobs = max(1, min(4, os.cpu_count() or 1))
+    if args.family:
+        from bench import _family  # imports this module
+
+        knobs = Knobs(args.hit_weight, args.load_gain, args.affinity, args.beta, args.spec_ttl)
+        return _family.main(args.quick, args.pods, args.seeds, args.jobs, knobs,
+                            [w for w in args.workloads.split(",") if w])
+    if args.seeds <= 0:
+        args.seeds = 8 if args.quick else 12
     limits: dict[str, int | None] = ({"conversation": 4000, "synthetic": 2000} if args.quick
                                      else {"conversation": None, "synthetic": None})
     try:

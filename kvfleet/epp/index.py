@@ -120,13 +120,16 @@ def spec_positions(n: int) -> Sequence[int]:
 
 class Lease:
     """The expiry of one pick's speculative entries, shared by all of them: extending it is O(1).
-    ``owned``: how many entries still name this lease (a later pick of the same key takes an entry over)."""
+    ``owned``: how many entries still name this lease (a later pick of the same key takes an entry over);
+    ``served``: the pick's first token came back (:meth:`BlockIndex.extend`), so the pod's events are now
+    newer than the pick."""
 
-    __slots__ = ("expiry", "owned")
+    __slots__ = ("expiry", "owned", "served")
 
     def __init__(self, expiry: float) -> None:
         self.expiry = expiry
         self.owned = 0
+        self.served = False
 
 
 @dataclass(frozen=True)
@@ -227,12 +230,16 @@ class BlockIndex:
                 self._count[slot] += n
 
     def remove(self, pod: str, keys: Iterable[int], tier: Tier | None = Tier.GPU) -> None:
-        """Drop ``keys`` of ``pod`` from ``tier`` (``None``: from every tier)."""
+        """Drop ``keys`` of ``pod`` from ``tier`` (``None``: from every tier). Removed from the GPU (or every
+        tier), a key also loses ``pod``'s speculative entries of *served* picks (see
+        :meth:`drop_served_speculative`)."""
+        k = np.unique(as_u64(keys))
+        if self._spec and (tier is None or tier is Tier.GPU):
+            self.drop_served_speculative(pod, k)
         with self._lock:
             slot = self._slot.get(pod)
             if slot is None:
                 return
-            k = np.unique(as_u64(keys))
             t = self._table
             pos = t.find(k, np.full(len(k), slot, dtype=np.uint16))
             pos = pos[pos >= 0]
@@ -338,8 +345,36 @@ class BlockIndex:
         return n
 
     def extend(self, lease: Lease, ttl_s: float, now: float | None = None) -> None:
-        """Set a pick's speculative entries to expire ``ttl_s`` from now."""
+        """Set a pick's speculative entries to expire ``ttl_s`` from now; called at the pick's first token,
+        it marks the lease ``served``."""
         lease.expiry = (self.clock() if now is None else now) + ttl_s
+        lease.served = True
+
+    def drop_served_speculative(self, pod: str, keys: npt.NDArray[np.uint64]) -> int:
+        """The pod evicted ``keys``: drop its speculative entries for them whose pick was already served.
+
+        A served pick's blocks were stored before this removal was sent (a block in use by a running
+        request is not evicted, and a pod's events arrive in order), so the removal is the newer news; a
+        pick still waiting for its first token re-admits the blocks when its prefill runs, so its entries
+        stay. (Dropping every pick's entries on a removal lowered the hit rate: the waiting picks'
+        prefixes vanished; keeping the served ones until their TTL over-predicted hits on pods whose
+        caches churn, and a pod credited with blocks it evicted looked less loaded than it was.)
+        Returns how many entries went."""
+        n = 0
+        with self._spec_lock:
+            for u in keys.tolist():
+                for key in (u, u - (1 << 64)) if u >= 1 << 63 else (u,):
+                    held = self._spec.get(key)
+                    lease = None if held is None else held.get(pod)
+                    if held is None or lease is None or not lease.served:
+                        continue
+                    del held[pod]
+                    lease.owned -= 1
+                    n += 1
+                    if not held:
+                        del self._spec[key]
+            self._spec_n -= n
+        return n
 
     def expire(self, now: float | None = None) -> int:
         """Drop expired speculative entries; returns how many."""

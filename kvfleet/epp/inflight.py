@@ -92,6 +92,10 @@ class InflightTracker:
         #: per pod: (opened, first token) of tickets whose first token came back in the last ``history_s``
         self._recent: dict[str, deque[tuple[float, float]]] = defaultdict(deque)
         self._loads: dict[str, _Load] = defaultdict(_Load)
+        #: per pod: its tickets still waiting for their first token (what :meth:`pending_at` counts)
+        self._pending: dict[str, dict[Hashable, Ticket]] = defaultdict(dict)
+        #: per pod: when the last of the picker's requests there got its first token
+        self._last_first: dict[str, float] = {}
         self._prefix: dict[tuple[str, int], int] = defaultdict(int)
         self._tickets: dict[Hashable, Ticket] = {}
         self._remote: dict[str, set[int]] = defaultdict(set)
@@ -115,6 +119,7 @@ class InflightTracker:
             load.inflight += 1
             load.pending_tokens += t.tokens
             load.pending_requests += 1
+            self._pending[pod][t.key] = t
             self._prefix[(pod, t.prefix)] += 1
 
     def _emit(self, event: TicketEvent, t: Ticket, moved: tuple[str, str] | None = None) -> None:
@@ -131,6 +136,8 @@ class InflightTracker:
                 load = self._loads[pod]
                 load.pending_tokens = max(0.0, load.pending_tokens - t.tokens)
                 load.pending_requests = max(0, load.pending_requests - 1)
+                self._pending[pod].pop(t.key, None)
+                self._last_first[pod] = now
                 recent = self._recent[pod]
                 recent.append((t.started, now))
                 while recent and recent[0][1] < now - self.history_s:
@@ -192,6 +199,8 @@ class InflightTracker:
             src.pending_requests = max(0, src.pending_requests - 1)
             dst.pending_tokens += t.tokens
             dst.pending_requests += 1
+            self._pending[old].pop(t.key, None)
+            self._pending[new][t.key] = t
 
     # --- peers' tickets ------------------------------------------------------------------
     def remote(
@@ -249,9 +258,26 @@ class InflightTracker:
         """The picker's requests on ``pod`` opened by ``t`` whose first token had not come back at ``t``
         (exact for ``t`` within the last ``history_s``; older first tokens are forgotten)."""
         with self._lock:
-            n = sum(1 for tk in self._tickets.values() if tk.pending and tk.started <= t and pod in tk.pods)
-            n += sum(1 for opened, first in self._recent.get(pod, ()) if opened <= t < first)
+            n = sum(1 for tk in self._pending.get(pod, {}).values() if tk.started <= t)
+            # first tokens are recorded in time order: those after ``t`` are the deque's tail
+            for opened, first in reversed(self._recent.get(pod, ())):
+                if first <= t:
+                    break
+                n += opened <= t
         return n
+
+    def pending_elapsed(self, pod: str) -> float:
+        """Seconds ``pod`` has already worked on the picker's requests still waiting there for their first
+        token: since the later of the last first token it returned and the oldest of those requests'
+        picks (0 when none waits). The pod's unfinished prefill work is then the pending work minus this
+        (a work-conserving server, whatever order or batching it serves them in)."""
+        with self._lock:
+            pending = self._pending.get(pod)
+            if not pending:
+                return 0.0
+            oldest = min(tk.started for tk in pending.values())
+            since = max(oldest, self._last_first.get(pod, oldest))
+        return max(0.0, self.clock() - since)
 
     def same_prefix(self, pod: str, prefix: int) -> int:
         """The picker's requests keyed ``prefix`` on ``pod`` still waiting for their first token
@@ -262,3 +288,5 @@ class InflightTracker:
         with self._lock:
             self._loads.pop(pod, None)
             self._recent.pop(pod, None)
+            self._pending.pop(pod, None)
+            self._last_first.pop(pod, None)

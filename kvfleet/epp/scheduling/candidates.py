@@ -99,6 +99,7 @@ class CandidateBuilder:
                     same_prefix=self.tracker.same_prefix(p.name, hot),
                     pending_tokens=pending_tokens,
                     pending_requests=pending_requests,
+                    pending_elapsed_s=self.tracker.pending_elapsed(p.name) if pending_requests else 0.0,
                     metrics=pm,
                     scrape_pending=scrape_pending,
                 )

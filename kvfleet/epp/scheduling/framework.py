@@ -53,6 +53,8 @@ class Candidate:
     candidate holds: :meth:`~kvfleet.epp.router.Router.hotspot_key`) still waiting for their first token;
     ``pending_tokens``/``pending_requests``: predicted uncached tokens (and requests)
     routed there whose first token has not come back yet (queued prefill work);
+    ``pending_elapsed_s``: seconds the pod has already worked on those requests (since the later of its
+    last first token and the oldest of them: :meth:`~kvfleet.epp.inflight.InflightTracker.pending_elapsed`);
     ``metrics``: fresh model-server metrics, or ``None`` when stale/absent;
     ``scrape_pending``: the picker's pending requests on the pod at the instant those
     metrics were scraped (``None``: unknown, ``pending_requests`` stands in).
@@ -67,6 +69,7 @@ class Candidate:
     same_prefix: int = 0
     pending_tokens: float = 0.0
     pending_requests: int = 0
+    pending_elapsed_s: float = 0.0
     metrics: PodMetrics | None = None
     scrape_pending: int | None = None
 

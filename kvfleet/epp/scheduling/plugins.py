@@ -54,33 +54,32 @@ def mean_queue_rho(req: SchedulingRequest, cands: Sequence[Candidate]) -> float:
 
 @register("prefix-cache-scorer", "scorer")
 class PrefixCacheScorer:
-    """Prefill seconds the pod's cached prefix saves, damped on hot spots, valued more under load
-    except where a burst of the prefix is already queued.
+    """Prefill seconds the pod's cached prefix saves, damped on hot spots.
 
     ``hit_s = hit_weighted · block_size · prefill_s_per_token · gain / (1 + β · same_prefix)``
     where ``hit_weighted = Σ over matched prefix blocks of weight(tier)`` and
     ``weight(tier) = max(0, 1 − load_s_per_token(tier) / prefill_s_per_token)``
-    (a CPU/SSD hit is worth what it saves after its load cost); ``same_prefix``
-    the picker's requests on the pod for the same longest-matched prefix that are
-    still waiting for their first token (the router's hot key; seed 5.4: without
-    it every same-prefix request piles onto one pod), ``β`` = hotspot_beta
-    (param ``beta`` overrides it).
+    (a CPU/SSD hit is worth what it saves after its load cost); ``same_prefix`` the
+    picker's requests on the pod for the same longest-matched prefix that are still
+    waiting for their first token (the router's hot key; seed 5.4: without it every
+    same-prefix request piles onto one pod), ``β`` = hotspot_beta (param ``beta``
+    overrides it).
 
-    ``gain = 1 + g·ρ`` on a pod with no such request (``same_prefix = 0``), with
-    ``ρ = q̄ / (q̄ + prefill_s(request))`` and ``q̄`` the candidates' mean queued
-    prefill seconds: idle, a hit is worth the latency it saves (ρ = 0); loaded,
-    also the compute it keeps free for the queue and the KV it does not duplicate
-    (``g`` = param ``load_gain``, default 20). ``gain = 1`` on a pod where requests
-    of this prefix are still queued (a burst): there the hit is worth its latency
-    only, so the holder keeps the burst while its queue costs less than a miss
-    elsewhere and the burst then spreads, pod by pod, to as many pods as keep
-    that true. (With the gain everywhere, the holder's own growing queue raised
-    ``q̄`` and with it its own hit value: a storm of one prefix piled onto its first holders.)
+    With the queue scorer this is the seeds' rule: a request goes to the pod holding
+    its prefix while the wait there costs less than recomputing the prefix elsewhere.
+    ``gain`` (param ``load_gain`` ``g``, default 0: ``gain = 1``) values hits above
+    the latency they save under load, ``gain = 1 + g·ρ`` with ``ρ = q̄ / (q̄ + prefill_s)``
+    and ``q̄`` the candidates' mean queued prefill seconds, on pods with no queued
+    request of the prefix. It was on by default (``g = 20``) until the workload family
+    of ``bench.routing --family`` showed what it does off the configs it was tuned on:
+    ``ρ`` is near 1 for any short follow-up behind any queue, so a held prefix was worth
+    up to 21 × its prefill and sessions, agents and documents piled onto their holders
+    (TTFT p90 up to 14 × the best peer's; ``docs/epp.md``).
     """
 
     def __init__(self, params: Mapping[str, float]) -> None:
         self.beta = params.get("beta")
-        self.load_gain = float(params.get("load_gain", 20.0))
+        self.load_gain = float(params.get("load_gain", 0.0))
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         beta = req.hotspot_beta if self.beta is None else float(self.beta)
@@ -94,11 +93,14 @@ class PrefixCacheScorer:
 class QueueScorer:
     """Minus the seconds of prefill queued on the pod ahead of this request.
 
-    ``queue_s = pending_tokens · prefill_s_per_token + pending_requests · overhead_s + running · running_s
-    + max(0, waiting − scrape_pending) · prefill_s(request)``
+    ``queue_s = max(0, pending_tokens · prefill_s_per_token + pending_requests · overhead_s − elapsed_s)
+    + running · running_s + max(0, waiting − scrape_pending) · prefill_s(request)``
     where ``pending_tokens`` are the predicted uncached tokens of the picker's own
     ``pending_requests`` not yet answered (each also costs ``overhead_s``, param,
-    default 0.01 s: at least one engine step), ``running`` its requests already decoding there
+    default 0.01 s: at least one engine step), ``elapsed_s`` the seconds the pod has
+    already worked on them (``Candidate.pending_elapsed_s``: a work-conserving server has
+    done that much of the queued work, in whatever order; without it a pod deep into a
+    long prefill looked as loaded as when it took it), ``running`` its requests already decoding there
     (each slows a new prefill by ``running_s``, param, default 0.01 s: the
     decode steps interleaved with it), and ``waiting`` (fresh metrics only) adds
     requests the picker did not route, each assumed as long as this one: ``scrape_pending``
@@ -117,6 +119,7 @@ class QueueScorer:
         out = []
         for c in cands:
             q = c.pending_tokens * req.prefill_s_per_token + c.pending_requests * self.overhead_s
+            q = max(0.0, q - c.pending_elapsed_s)
             q += max(0, c.inflight - c.pending_requests) * self.running_s
             if c.metrics is not None:
                 own = c.pending_requests if c.scrape_pending is None else c.scrape_pending

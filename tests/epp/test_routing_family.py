@@ -1,0 +1,67 @@
+"""Each routing mechanism pinned on a small case of ``bench.routing --family`` (bench/_family.py): the
+mechanism removed, the case's TTFT gets clearly worse. Each case takes 1–3 s of simulation."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import _family as family
+from bench.routing import Knobs, Result, SimConfig, make_policy, simulate
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.inflight import InflightTracker
+
+
+def case(workload: str, scale: str, rho: float, gpu: int, seed: int, n: int = 800,
+         pods: int = 8) -> family.Case:
+    return family.Case(workload, (scale, rho), SimConfig(pods=pods, gpu_blocks=gpu, seed=seed), seed, n)
+
+
+def run(c: family.Case, policy: str = "kvfleet", knobs: Knobs | None = None) -> Result:
+    return simulate(family.requests(c), c.cluster, make_policy(policy, knobs or Knobs()))
+
+
+#: branching agent trees on small caches at high load: the case where holders of a prefix get piled on
+AGENTS = case("agents", "ρ", 0.8, 250, 0)
+
+
+def test_no_load_gain_by_default() -> None:
+    """Hits valued at the latency they save (the seeds' rule), not ``1 + 20·ρ`` times it: with the former
+    load gain the agents case's p90 is more than twice the default's, which stays within 1.5 × GIE's."""
+    default, gie = run(AGENTS), run(AGENTS, "gie-approx-prefix")
+    gained = run(AGENTS, knobs=Knobs(load_gain=20.0))
+    assert gained.ttft["p90"] > 2.0 * default.ttft["p90"]
+    assert default.ttft["p90"] <= 1.5 * gie.ttft["p90"]
+
+
+def test_served_speculative_entries_follow_evictions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod's removal event drops its speculative entries of picks already served: without it the
+    agents case's p90 is more than 1.5 × (the picker credits pods with branches they evicted)."""
+    base = run(AGENTS)
+    monkeypatch.setattr(BlockIndex, "drop_served_speculative", lambda self, pod, keys: 0)
+    stale = run(AGENTS)
+    assert stale.ttft["p90"] > 1.5 * base.ttft["p90"]
+    assert stale.hit_rate < base.hit_rate
+
+
+def test_queue_counts_the_work_already_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue scorer subtracts the seconds a pod has already worked on its pending requests: without
+    it, on tenants' shared system prompts at ρ* 0.8, p90 is more than 1.3 × (a pod deep into a long
+    prefill looks as loaded as when it took it, and requests leave the prompt's holders)."""
+    c = case("tenants", "ρ*", 0.8, 1000, 1)
+    base = run(c)
+    monkeypatch.setattr(InflightTracker, "pending_elapsed", lambda self, pod: 0.0)
+    blind = run(c)
+    assert blind.ttft["p90"] > 1.3 * base.ttft["p90"]
+
+
+def test_family_summary_names_the_worst_case() -> None:
+    """``--family``'s guard: per quantile the worst kvfleet ÷ best-peer ratio over the cases, and where."""
+    cs = [case("storm", "ρ", 0.5, 250, 0, n=300, pods=4), case("sessions", "ρ", 0.5, 250, 0, n=300, pods=4)]
+    by_case = family.run_family(cs, Knobs(), jobs=1)
+    out = family.summary(cs, by_case)
+    assert out["family_cases"] == 2
+    for q in ("p50", "p90", "p99", "mean"):
+        ratios = [family.ratios(c, runs)[q].value for c, runs in zip(cs, by_case, strict=True)]
+        assert out[f"family_worst_{q}_vs_best_peer"] == pytest.approx(max(ratios), abs=1e-4)
+        worst = cs[ratios.index(max(ratios))]
+        assert out[f"family_worst_{q}_vs_best_peer_at"].startswith(worst.label)

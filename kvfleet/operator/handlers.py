@@ -18,6 +18,10 @@ Error policy (typed, never by message):
   missing, or lacking its key → ``Ready=False``/``Degraded`` with reason
   ``SecretNotFound`` naming the Secret, key and field, a Warning Event, and a slow
   retry (the Secret may be created later); nothing is applied until it exists.
+
+A condition that persists (SecretNotFound, ForeignOwner) is retried with exponential back-off
+(:func:`retry_delay`) and its Warning Event is written when the condition appears or changes,
+not on every retry; the status condition stays current on each one.
 """
 
 from __future__ import annotations
@@ -58,6 +62,16 @@ class Runtime:
     #: ``(namespace, name)`` → the problems last posted as Warning Events, so an unchanged pool is not
     #: reported again.
     pool_problems: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
+    #: ``(namespace, name)`` of a KVCachePool → the (reason, message) of the lasting condition last posted
+    #: as a Warning Event (a missing Secret, a foreign owner): a retry that finds it unchanged posts none.
+    pool_warnings: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+
+    def warn_once(self, body: kopf.Body, reason: str, message: str) -> None:
+        """A Warning Event for ``reason``/``message`` unless it is the pool's last one."""
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        if self.pool_warnings.get(key) != (reason, message):
+            self.pool_warnings[key] = (reason, message)
+            kopf.warn(body, reason=reason, message=message)
 
     @property
     def api(self) -> ApiClient:
@@ -71,6 +85,17 @@ class Runtime:
         if self._api is not None:
             await self._api.close()
             self._api = None
+
+
+#: Degraded reasons under which nothing is applied until the reconcile succeeds (its retries keep them)
+BLOCKED = frozenset({"SecretNotFound", "ForeignOwner", "ChildRejected"})
+#: the longest delay between retries of a persisting condition (a missing Secret, a foreign owner)
+MAX_RETRY_DELAY_S = 300.0
+
+
+def retry_delay(base_s: float, retry: int) -> float:
+    """``base_s · 2^retry``, at most :data:`MAX_RETRY_DELAY_S`: the n-th retry of a lasting condition."""
+    return min(MAX_RETRY_DELAY_S, base_s * 2.0 ** min(max(retry, 0), 30))
 
 
 def _temporary(exc: Exception, delay: float) -> kopf.TemporaryError:
@@ -154,8 +179,9 @@ async def missing_secrets(rt: Runtime, namespace: str, spec: PoolSpec) -> list[s
 
 
 async def reconcile(rt: Runtime, body: kopf.Body,
-                    logger: logging.Logger | logging.LoggerAdapter[Any]) -> dict[str, Any]:
-    """Make a KVCachePool's children match its spec and report status."""
+                    logger: logging.Logger | logging.LoggerAdapter[Any], retry: int = 0) -> dict[str, Any]:
+    """Make a KVCachePool's children match its spec and report status (``retry``: kopf's count of
+    earlier failed attempts of this change)."""
     meta, status = body["metadata"], body.get("status") or {}
     namespace, name = meta["namespace"], meta["name"]
     generation = int(meta.get("generation") or 1)
@@ -180,8 +206,8 @@ async def reconcile(rt: Runtime, body: kopf.Body,
         await _patch_status(rt, namespace, name, {"observedGeneration": generation,
                                                   "conditions": degraded_conditions(
                                                       conditions, "SecretNotFound", msg, generation)})
-        kopf.warn(body, reason="SecretNotFound", message=msg)
-        raise kopf.TemporaryError(msg, delay=backoff)
+        rt.warn_once(body, "SecretNotFound", msg)
+        raise kopf.TemporaryError(msg, delay=retry_delay(backoff, retry))
     results: dict[str, int] = {"created": 0, "patched": 0, "unchanged": 0}
     try:
         for child in children:
@@ -196,10 +222,13 @@ async def reconcile(rt: Runtime, body: kopf.Body,
         await _patch_status(rt, namespace, name,
                             {"observedGeneration": generation,
                              "conditions": degraded_conditions(conditions, reason, str(exc), generation)})
-        kopf.warn(body, reason=reason, message=str(exc))
+        if isinstance(exc, Rejected):
+            kopf.warn(body, reason=reason, message=str(exc))
+        else:
+            rt.warn_once(body, reason, str(exc))
         if isinstance(exc, Rejected):
             raise kopf.PermanentError(str(exc)) from exc
-        raise kopf.TemporaryError(str(exc), delay=max(60.0, backoff)) from exc
+        raise kopf.TemporaryError(str(exc), delay=max(60.0, retry_delay(backoff, retry))) from exc
     new_status = {
         "observedGeneration": generation,
         "pools": spec.pools,
@@ -208,6 +237,7 @@ async def reconcile(rt: Runtime, body: kopf.Body,
         "conditions": healthy_conditions(conditions, name, spec, deployments, generation),
     }
     await _patch_status(rt, namespace, name, new_status)
+    rt.pool_warnings.pop((namespace, name), None)
     if results["created"] or results["patched"] or deleted:
         msg = f"{results['created']} created, {results['patched']} updated, {len(deleted)} deleted"
         kopf.info(body, reason="Reconciled", message=msg)
@@ -228,6 +258,9 @@ async def refresh_status(rt: Runtime, body: kopf.Body) -> None:
     conditions = list(status.get("conditions") or [])
     if any(c.get("type") == "InvalidSpec" and c.get("status") == "True" for c in conditions):
         return
+    if any(c.get("type") == "Degraded" and c.get("status") == "True" and c.get("reason") in BLOCKED
+           for c in conditions):
+        return  # the reconcile, retried with back-off, owns the status until what blocks it is gone
     try:
         deployments = await _deployments(rt, meta["namespace"], meta["name"], spec)
     except Transient:
@@ -289,8 +322,9 @@ def build_registry(rt: Runtime, *, login: bool = True) -> kopf.OperatorRegistry:
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
-    async def kvcachepool_reconcile(body: kopf.Body, logger: kopf.Logger, **_: Any) -> dict[str, Any]:
-        return await reconcile(rt, body, logger)
+    async def kvcachepool_reconcile(body: kopf.Body, logger: kopf.Logger, retry: int,
+                                    **_: Any) -> dict[str, Any]:
+        return await reconcile(rt, body, logger, retry)
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=op.status_interval_s, registry=registry)
     async def kvcachepool_status(body: kopf.Body, **_: Any) -> None:

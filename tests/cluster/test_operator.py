@@ -328,7 +328,8 @@ async def test_child_name_taken_by_another_owner_is_left_alone(
     await eventually(lambda: _events(api, ns, "ForeignOwner"), "a ForeignOwner Event")
 
 
-async def test_missing_secret_is_a_clear_condition(operator: Runtime, api: ApiClient, ns: str) -> None:
+async def test_missing_secret_is_a_clear_condition(operator: Runtime, api: ApiClient, ns: str,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
     """A remote tier whose Redis Secret does not exist: Ready=False/Degraded with reason SecretNotFound naming
     the Secret and the field, a Warning Event, nothing rendered; once the Secret exists the pool
     reconciles."""
@@ -345,6 +346,14 @@ async def test_missing_secret_is_a_clear_condition(operator: Runtime, api: ApiCl
     assert "'late-redis'" in msg and "urlSecretRef" in msg and _cond(obj, "Degraded")["status"] == "True"
     await eventually(lambda: _events(api, ns, "SecretNotFound"), "a SecretNotFound Event")
     assert await api.get_or_none("Deployment", ns, "llama-p0-unified") is None
+    # the condition lasts: retries back off (0.5, 1, 2, 4 s: 4 attempts in 6 s, not 12) and its Warning
+    # Event is written once, while the condition stays current
+    await asyncio.sleep(6.0)
+    assert len(await _events(api, ns, "SecretNotFound")) == 1
+    retries = [r for r in caplog.records if "failed temporarily" in r.getMessage()
+               and "late-redis" in r.getMessage()]
+    assert 2 <= len(retries) <= 6, [r.getMessage() for r in retries]
+    assert _cond(await api.get("KVCachePool", ns, "llama"), "Ready").get("reason") == "SecretNotFound"
     await api.create({"apiVersion": "v1", "kind": "Secret",
                       "metadata": {"name": "late-redis", "namespace": ns}, "stringData": {"url": "x"}})
     await eventually(lambda: api.get_or_none("Deployment", ns, "llama-p0-unified"),

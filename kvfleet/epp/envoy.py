@@ -395,6 +395,9 @@ def bootstrap(
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "gateway",
         "stream_idle_timeout": timeout,
+        # RFC 3986 dot segments resolved and slashes merged before routing: /v1/../kvfleet/x is /kvfleet/x
+        "normalize_path": True,
+        "merge_slashes": True,
         "route_config": {"name": "kvfleet",
                          "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": filters,

@@ -159,9 +159,24 @@ def model_of(body: bytes) -> str | None:
     return model if isinstance(model, str) and model else None
 
 
+#: the engines' client API besides completions, chat and models, which the gateway passes to one pod of the
+#: pool: vLLM's and SGLang's inference, pooling, tokenizer and health paths. Their admin paths (weights,
+#: LoRA loading, sleep, cache flushes, profiling, sessions) and anything else are answered 404 by the
+#: picker and never reach a pod.
+ENGINE_PATHS = frozenset({
+    "/v1/embeddings", "/v1/responses", "/v1/score", "/score", "/v1/rerank", "/v2/rerank", "/rerank",
+    "/pooling", "/classify", "/v1/classify", "/v1/audio/transcriptions", "/v1/audio/translations",
+    "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/invocations",
+    "/generate", "/encode", "/get_model_info", "/model_info", "/health", "/ping", "/version",
+})
+
+
 def classify_path(path: str) -> tuple[str, str]:
     """``(kind, argument)`` of a request path: ``("inference", api)``, ``("models", "")``,
-    ``("model", id)``, ``("internal", path)`` or ``("other", path)``."""
+    ``("model", id)``, ``("internal", path)``, ``("other", path)`` (one of :data:`ENGINE_PATHS`, or a
+    stored response ``/v1/responses/{id}``) or ``("unknown", path)`` (anything else, dot segments and
+    percent-encoded dots included: a gateway that resolves ``..`` before the picker sees the path never
+    gets here with one)."""
     api = path.split("?", 1)[0]
     norm = api.rstrip("/") or "/"
     if norm in API_PATHS:
@@ -172,7 +187,10 @@ def classify_path(path: str) -> tuple[str, str]:
         return "model", urllib.parse.unquote(norm[len(MODELS) + 1 :])
     if api.startswith(INTERNAL_PREFIX) or urllib.parse.unquote(api).startswith(INTERNAL_PREFIX):
         return "internal", norm
-    return "other", norm
+    if norm in ENGINE_PATHS or (norm.startswith("/v1/responses/") and ".." not in urllib.parse.unquote(norm)
+                                and "%" not in norm):
+        return "other", norm
+    return "unknown", norm
 
 
 def model_card(model: str, created: int) -> dict[str, Any]:

@@ -15,9 +15,10 @@ listeners configured either way:
 
 Request paths (:func:`~kvfleet.epp.protocol.classify_path`): completions and chat
 are routed by prefix and load; ``GET /v1/models`` and ``/v1/models/{id}`` are
-answered by the picker from the models its pools serve; any other path goes to
-the least-loaded ready pod of the invoked pool; the engines' internal
-``/kvfleet/`` paths get a 404 and never reach a pod; a wrong method gets a 405.
+answered by the picker from the models its pools serve; the engines' other client
+paths (:data:`~kvfleet.epp.protocol.ENGINE_PATHS`) go to the least-loaded ready pod of
+the invoked pool; the engines' internal ``/kvfleet/`` paths, their admin paths and any
+unknown path get a JSON 404 and never reach a pod; a wrong method gets a 405.
 
 Response headers carry the endpoint that served the request (GIE protocol v1.0:
 ``envoy.lb`` → ``x-gateway-destination-endpoint-served``, or the ext_proc
@@ -230,6 +231,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         st.kind, arg = protocol.classify_path(st.path)
         if st.kind == "internal":
             raise ForbiddenPathError(f"{arg!r} is not served through the gateway")
+        if st.kind == "unknown":
+            raise ForbiddenPathError(f"no such API path {arg[:200]!r}; the gateway serves /v1/completions, "
+                                     "/v1/chat/completions, /v1/models and the engines' client API")
         if st.kind in ("models", "model"):
             if method not in ("GET", "HEAD"):
                 raise MethodNotAllowedError(f"{method} is not allowed on {protocol.MODELS}; use GET")

@@ -148,13 +148,22 @@ def test_bad_requests_get_json_errors_through_envoy(
         (url(env), None, "GET", 405),
         (url(env, "/v1/models"), b"{}", "POST", 405),
         (url(env, "/v1/models/nope"), None, "GET", 404),
+        # unknown paths, the engines' admin API, dot segments (plain and percent-encoded): the gateway's
+        # JSON 404, no engine contacted
+        (url(env, "/v1/foo"), b"{}", "POST", 404),
+        (url(env, "/update_weights_from_disk"), b"{}", "POST", 404),
+        (url(env, "/v1/load_lora_adapter"), b"{}", "POST", 404),
+        (url(env, "/v1/../kvfleet/v1/reset"), b"{}", "POST", 404),
+        (url(env, "/v1/%2e%2e/kvfleet/v1/reset"), b"{}", "POST", 404),
+        (url(env, "/v1/%2E%2E/%2e%2e/update_weights"), b"{}", "POST", 404),
+        (url(env, "/v1/responses/%2e%2e"), None, "GET", 404),
     ]
     for u, payload, method, want in cases:
         status, _, body = request(u, payload, method)
         assert status == want, (u, method, (payload or b"")[:40], body)
         err = json.loads(body)["error"]
         assert err["code"] == want and "Traceback" not in err["message"]
-    assert sum(len(p.requests) + len(p.other) for p in fleet.pods) == 0
+    assert [o for p in fleet.pods for o in p.other] == [] and sum(len(p.requests) for p in fleet.pods) == 0
 
 
 def test_other_paths_reach_one_pool_member(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF) -> None:

@@ -133,7 +133,10 @@ class _StateCollector(Collector):
         kv = GaugeMetricFamily("inference_pool_average_kv_cache_utilization", "Average KV-cache utilisation",
                                labels=["name"])
         for pool in self.pools():
-            ready.add_metric([pool.name], sum(1 for p in pool.pods if p.ready))
+            # ready in the datastore and not out of rotation (refusing scrapes, KV-event connection lost):
+            # the pods the picker would pick, as a dead engine stops counting at once, not when its Pod does
+            up = sum(1 for p in pool.pods if p.ready and not self.store.down(p.name))
+            ready.add_metric([pool.name], up)
             fresh = [m for m in (self.store.get(p.name) for p in pool.pods) if m is not None]
             queue.add_metric([pool.name], sum(m.waiting for m in fresh) / len(fresh) if fresh else 0.0)
             kv.add_metric([pool.name], sum(m.kv_usage for m in fresh) / len(fresh) if fresh else 0.0)

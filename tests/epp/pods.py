@@ -217,6 +217,11 @@ class PodFleet:
             pod.port = runner.addresses[0][1]
             self._runners.append(runner)
 
+    def kill(self, i: int) -> None:
+        """Pod ``i`` dies: its HTTP server and its KV-event publisher close (the others keep serving)."""
+        asyncio.run_coroutine_threadsafe(self._runners[i].cleanup(), self.loop).result(10)
+        self.pods[i].publisher.close()
+
     def stop(self) -> None:
         async def _stop() -> None:
             for r in self._runners:

@@ -238,6 +238,26 @@ def test_metrics_and_misprediction(fleet: PodFleet, epp_factory: EppF, envoy_fac
     assert _value(text, "kvfleet_epp_predicted_hit_tokens_total") > 0
 
 
+def test_ready_pods_gauge_follows_a_dead_engine(fleet: PodFleet, epp_factory: EppF,
+                                                envoy_factory: EnvoyF) -> None:
+    """An engine that dies leaves ``inference_pool_ready_pods`` within seconds (its scrapes refused, its
+    KV-event connection gone), not when its Pod is finally marked unready; requests through Envoy go on
+    to the others."""
+    epp = epp_factory()
+    env = envoy_factory(epp_port=epp.grpc_port)
+
+    def ready() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{epp.metrics_port}/metrics", timeout=2) as r:
+            return _value(r.read().decode(), 'inference_pool_ready_pods{name="pool-a"}')
+
+    wait_for(lambda: ready() == len(fleet.pods), what="every pod ready")
+    fleet.kill(1)
+    wait_for(lambda: ready() == len(fleet.pods) - 1, timeout_s=10, what="the dead pod out of the gauge")
+    for i in range(6):
+        status, headers, _ = post(url(env), {"model": "m", "prompt": f"after the kill {i}"})
+        assert status == 200 and headers["x-pod"] != "pod-1", (status, headers)
+
+
 def _value(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + " "):

@@ -39,9 +39,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +71,15 @@ from kvfleet.engine.pd import (
     request_remote_prefill,
 )
 from kvfleet.engine.peer import NotAPeerError, PeerAuthError, PeerUnresolvedError, PeerVerifier, PrefillPeers
+from kvfleet.engine.requests import (
+    ApiError,
+    ConflictApiError,
+    ForbiddenApiError,
+    NotFoundApiError,
+    UnavailableApiError,
+    check_request_fields,
+    check_sampling,
+)
 from kvfleet.engine.scheduler import (
     CapacityError,
     FailEvent,
@@ -92,63 +100,6 @@ HOLD_SECONDS = 60.0
 MAX_HELD_FRACTION = 0.5
 #: How often KV events that the tier manager's threads buffered between steps are published.
 BACKGROUND_FLUSH_S = 0.05
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI error JSON; the subclass decides the status."""
-
-    status = 400
-    kind = "invalid_request_error"
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class ForbiddenApiError(ApiError):
-    status = 403
-    kind = "permission_error"
-
-
-class NotFoundApiError(ApiError):
-    status = 404
-    kind = "not_found_error"
-
-
-class ConflictApiError(ApiError):
-    status = 409
-    kind = "conflict"
-
-
-class UnavailableApiError(ApiError):
-    status = 503
-    kind = "service_unavailable"
-
-
-#: vLLM's SamplingParams checks, in its words: (field, default, valid?, message)
-_SAMPLING: tuple[tuple[str, float, Callable[[float], bool], str], ...] = (
-    ("n", 1, lambda v: v >= 1, "n must be at least 1, got {}."),
-    ("presence_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "presence_penalty must be in [-2, 2], got {}."),
-    ("frequency_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "frequency_penalty must be in [-2, 2], got {}."),
-    ("repetition_penalty", 1.0, lambda v: v > 0.0, "repetition_penalty must be greater than zero, got {}."),
-    ("temperature", 1.0, lambda v: v >= 0.0, "temperature must be non-negative, got {}."),
-    ("temperature", 1.0, lambda v: v <= 2.0, "temperature must be in [0, 2], got {}."),
-    ("top_p", 1.0, lambda v: 0.0 < v <= 1.0, "top_p must be in (0, 1], got {}."),
-    ("top_k", 0, lambda v: v >= -1 and v == int(v), "top_k must be 0 (disable), or at least 1, got {}."),
-    ("min_p", 0.0, lambda v: 0.0 <= v <= 1.0, "min_p must be in [0, 1], got {}."),
-)
-
-
-def check_sampling(data: Mapping[str, Any]) -> None:
-    """Sampling parameters as vLLM validates them (400 with vLLM's message); ``null`` means the default."""
-    for name, _, valid, message in _SAMPLING:
-        v = data.get(name)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise ApiError(f"{name} must be a finite number, got {v!r}.", param=name)
-        if not valid(float(v)):
-            raise ApiError(message.format(v), param=name)
 
 
 def error_response(exc: ApiError) -> web.Response:
@@ -390,6 +341,7 @@ class EngineServer:
         if model != self.es.model:
             raise NotFoundApiError(f"The model `{model}` does not exist.", param="model")
         check_sampling(data)
+        check_request_fields(data, chat)
         if chat:
             try:
                 text = render_chat(data.get("messages"))
@@ -415,9 +367,7 @@ class EngineServer:
             raise ApiError("stream must be a boolean", param="stream")
         opts = data.get("stream_options") or {}
         include_usage = bool(opts.get("include_usage", True)) if isinstance(opts, dict) else True
-        salt = data.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise ApiError("cache_salt must be a string", param="cache_salt")
+        salt = data.get("cache_salt")  # checked by check_request_fields
         if remote_decode:
             stream = False  # the decode engine reads one JSON answer
         return ParsedRequest(chat, ids, max_tokens, stream, include_usage, salt_extra_keys(salt),

@@ -106,6 +106,14 @@ async def test_errors_are_openai_shaped(make_engine: EngineFactory) -> None:
         ({"model": MODEL, "prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "a"}], "frequency_penalty": -9}, 400,
          "frequency_penalty"),
+        # the fields vLLM's request models check (tests/interop/test_vllm_requests.py: same answers)
+        ({"model": MODEL, "messages": [{"role": "user", "content": "a"}], "logprobs": 5}, 400, "logprobs"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}, 400,
+         "top_logprobs"),
+        ({"model": MODEL, "prompt": "a", "logprobs": -3}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "a", "cache_salt": ""}, 400, "cache_salt"),
+        ({"model": MODEL, "prompt": "a", "logit_bias": [1]}, 400, "logit_bias"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "a"}], "tools": ["f"]}, 400, "tools"),
     ]
     for body, status, param in cases:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

@@ -22,9 +22,10 @@ class OperatorSettings:
     #: The kvfleet image (every role); the chart sets it to the released tag.
     image: str = "kvfleet:0.1.0"
     image_pull_policy: str = "IfNotPresent"
-    #: Default engine images when a KVCachePool names none.
-    vllm_image: str = "vllm/vllm-openai:v0.11.0"
-    sglang_image: str = "lmsysorg/sglang:v0.5.3-cu126"
+    #: Default engine images when a KVCachePool names none: the newest releases the interop suite checks
+    #: (tests/interop), both publishing KV events the EPP indexes.
+    vllm_image: str = "vllm/vllm-openai:v0.33.0"
+    sglang_image: str = "lmsysorg/sglang:v0.5.23"
     #: The EPP Service that rendered InferencePools name in endpointPickerRef.
     epp_service: str = "kvfleet-epp"
     epp_port: int = 9002

@@ -1,17 +1,17 @@
 """The operator's SGLang pods against real SGLang: every rendered ``sglang.launch_server`` command line
 checked by SGLang.
 
-For each supported release (:data:`kvfleet.operator.engines.SGLANG_TESTED`: 0.5.3, the chart's default image,
-and 0.5.23), a matrix of KVCachePools (unified and prefill/decode × tiers gpu, gpu+cpu, gpu+ssd, gpu+cpu+ssd ×
-P/D backends nixl, mooncake, tcp (from 0.5.23; before, an InvalidSpec) × page sizes 16 and 64) is rendered by
-the operator and every engine container's arguments go through SGLang's own ``prepare_server_args`` and
-``ServerArgs.resolve_once()`` (tests/interop/sglang_check.py in the release's venv; a local 2-layer Llama
-config in place of the weights: ``--model-path DIR``, and ``--device cpu``). What SGLang resolved must be what
-the pool asked for: the page size, HiCache with its host size and ``file`` storage on prefill/unified pods and
-not on decode pods (SGLang's decode mode refuses it), the disaggregation mode and transfer backend, the KV
-events with their replay endpoint. The check can fail: an unknown flag, and ``--enable-hierarchical-cache`` on
-a decode pod (what the operator rendered before for a cpu tier) are refused.
-"""
+For each supported release (:data:`kvfleet.operator.engines.SGLANG_TESTED`: 0.5.3, and 0.5.23, the chart's
+default image), a matrix of KVCachePools (unified and prefill/decode × tiers gpu, gpu+cpu, gpu+ssd,
+gpu+cpu+ssd × P/D backends nixl, mooncake, tcp (from 0.5.23; before, an InvalidSpec) × page sizes 16 and 64)
+is rendered by the operator and every engine container's arguments go through SGLang's own
+``prepare_server_args`` and ``ServerArgs.resolve_once()`` (tests/interop/sglang_check.py in the release's
+venv; a local 2-layer Llama config in place of the weights: ``--model-path DIR``, and ``--device cpu``). What
+SGLang resolved must be what the pool asked for: the page size, HiCache with its host size and ``file``
+storage on prefill/unified pods and not on decode pods (SGLang's decode mode refuses it), the disaggregation
+mode and transfer backend, the KV events with their replay endpoint. The check can fail: an unknown flag, and
+``--enable-hierarchical-cache`` on a decode pod (what the operator rendered before for a cpu tier) are
+refused. """
 
 from __future__ import annotations
 

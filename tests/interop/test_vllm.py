@@ -1,22 +1,20 @@
 """The operator's vLLM pods against real vLLM: every rendered ``vllm serve`` command line checked by vLLM
 itself.
 
-For each supported release (:data:`kvfleet.operator.engines.VLLM_TESTED`: the chart's default image
-v0.11.0 and v0.33.0), a matrix of KVCachePools (unified and prefill/decode × tiers gpu, gpu+cpu,
-gpu+ssd, gpu+cpu+ssd+remote × both hash algorithms, plus fp8 KV, block size 32 and MooncakeConnector)
-is rendered by the operator (``render_children``: every engine container of every Deployment), and
-vLLM's own parser, ``validate_parsed_serve_args``, ``AsyncEngineArgs`` and ``create_engine_config``
-(vLLM's CPU platform, a local 2-layer Llama config in place of the weights: ``--model DIR
---skip-tokenizer-init`` instead of the model name) must accept each (tests/interop/vllm_check.py runs
-in the release's own venv). Then what vLLM built from them must be what the pool asked for: the KV
-events with their replay endpoint, the block size and prefix caching, sha256_cbor where asked, and
-the connectors (the P/D connector, CPU offloading sized in bytes from 0.14, LMCache for ssd/remote).
-vLLM 0.11's CPU platform cannot build block size 32 (without intel_extension_for_pytorch) nor fp8 KV with
-prefix caching: those cases
-passes the parser, validation and engine arguments and is reported, not failed (a GPU build has no
-such limit). A flag a release does not know fails the check (a rendered unknown flag, and the xxhash algorithm
-that v0.11 lacks and the operator used to render).
-"""
+For each supported release (:data:`kvfleet.operator.engines.VLLM_TESTED`: v0.11.0 and v0.33.0, the chart's
+default image), a matrix of KVCachePools (unified and prefill/decode × tiers gpu, gpu+cpu, gpu+ssd,
+gpu+cpu+ssd+remote × both hash algorithms, plus fp8 KV, block size 32 and MooncakeConnector) is rendered by
+the operator (``render_children``: every engine container of every Deployment), and vLLM's own parser,
+``validate_parsed_serve_args``, ``AsyncEngineArgs`` and ``create_engine_config`` (vLLM's CPU platform, a local
+2-layer Llama config in place of the weights: ``--model DIR --skip-tokenizer-init`` instead of the model name)
+must accept each (tests/interop/vllm_check.py runs in the release's own venv). Then what vLLM built from them
+must be what the pool asked for: the KV events with their replay endpoint, the block size and prefix caching,
+sha256_cbor where asked, and the connectors (the P/D connector, CPU offloading sized in bytes from 0.14,
+LMCache for ssd/remote). vLLM 0.11's CPU platform cannot build block size 32 (without
+intel_extension_for_pytorch) nor fp8 KV with prefix caching: those cases passes the parser, validation and
+engine arguments and is reported, not failed (a GPU build has no such limit). A flag a release does not know
+fails the check (a rendered unknown flag, and the xxhash algorithm that v0.11 lacks and the operator used to
+render). """
 
 from __future__ import annotations
 

@@ -231,3 +231,19 @@ def test_unknown_engine_lists_known_ones() -> None:
     with pytest.raises(UnknownEngineError, match="known: sglang, sim, vllm"):
         render_engine(bad, "unified", OperatorSettings())
     assert set(RENDERERS) == {"sim", "vllm", "sglang"}
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_default_images_are_the_newest_checked_and_publish_kv_events(kind: str) -> None:
+    """A pool that names no image gets the newest release the interop suite checks (VLLM_TESTED,
+    SGLANG_TESTED), and its pods publish KV events the EPP indexes (``--kv-events-config``)."""
+    from kvfleet.operator.engines import SGLANG_TESTED, VLLM_TESTED
+
+    settings = OperatorSettings()
+    default = settings.vllm_image if kind == "vllm" else settings.sglang_image
+    assert image_version(default) == max(VLLM_TESTED if kind == "vllm" else SGLANG_TESTED)
+    spec = parse_spec({**samples.MINIMAL["spec"], "engine": {"kind": kind}})
+    for role in spec.roles:
+        container = render_engine(spec, role, settings)
+        assert container.image == default and container.kv_events
+        assert "--kv-events-config" in container.args

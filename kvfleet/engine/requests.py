@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfleet.cache.hashing import ExtraKeys
 
 
 class ApiError(Exception):
@@ -141,3 +147,16 @@ def check_request_fields(data: Mapping[str, Any], chat: bool) -> None:
                     or tool.get("type", "function") != "function"):
                 raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}.",
                                param="tools")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated OpenAI request."""
+
+    chat: bool
+    token_ids: npt.NDArray[np.uint32]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    extra_keys: ExtraKeys
+    remote_decode: bool

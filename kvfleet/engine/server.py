@@ -55,27 +55,25 @@ from kvfleet.agent.transfer.auth import load_secret
 from kvfleet.agent.transfer.metrics import TransferMetrics
 from kvfleet.cache.errors import LockedError
 from kvfleet.cache.events import EventBuffer
-from kvfleet.cache.hashing import ExtraKeys
 from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat, salt_extra_keys
 from kvfleet.config import Settings
-from kvfleet.config.engine import HostPort, parse_host_port
+from kvfleet.engine.decode import admit_prefiller, start_remote_prefill
 from kvfleet.engine.kv import EngineKV
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.pd import (
     PREFILLER_HEADER,
     GpuBlockSource,
     KVPuller,
-    RemotePrefillError,
     TransferKVPuller,
     hash_to_json,
-    request_remote_prefill,
 )
-from kvfleet.engine.peer import NotAPeerError, PeerAuthError, PeerUnresolvedError, PeerVerifier, PrefillPeers
+from kvfleet.engine.peer import PeerAuthError, PeerVerifier, PrefillPeers
 from kvfleet.engine.requests import (
     ApiError,
     ConflictApiError,
     ForbiddenApiError,
     NotFoundApiError,
+    ParsedRequest,
     UnavailableApiError,
     check_request_fields,
     check_sampling,
@@ -84,7 +82,6 @@ from kvfleet.engine.scheduler import (
     CapacityError,
     FailEvent,
     FinishEvent,
-    RemoteKV,
     Request,
     Scheduler,
     SchedulerClosedError,
@@ -115,19 +112,6 @@ class Hold:
     req: Request
     blocks: int
     deadline: float
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    """A validated OpenAI request."""
-
-    chat: bool
-    token_ids: npt.NDArray[np.uint32]
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    extra_keys: ExtraKeys
-    remote_decode: bool
 
 
 class EngineServer:
@@ -288,43 +272,6 @@ class EngineServer:
                 f"secret): {exc}"
             ) from None
 
-    async def _prefiller(self, request: web.Request) -> tuple[HostPort, HostPort] | None:
-        """The ``x-prefiller-host-port`` as named and the checked member address to connect to; ``None`` if
-        absent."""
-        values = request.headers.getall(PREFILLER_HEADER, [])
-        if not values:
-            return None
-        if len(values) != 1:
-            raise ApiError(f"{PREFILLER_HEADER} must be given once", param=PREFILLER_HEADER)
-        try:
-            target = parse_host_port(values[0])
-        except ValueError as exc:
-            raise ApiError(f"{PREFILLER_HEADER}: {exc}", param=PREFILLER_HEADER) from None
-        if not self.prefill_peers:
-            raise ForbiddenApiError(
-                f"prefiller {target} refused: this engine has no prefill peers; list the prefill pool's "
-                "members as engine.prefill_peers (HOST:PORT each; a DNS name admits every address it "
-                "resolves to)",
-                param=PREFILLER_HEADER,
-            )
-        if self.secret is None or self.puller is None:
-            raise ForbiddenApiError(
-                "prefill/decode refused: this engine has no transfer secret (set transfer.secret_file or "
-                "KVFLEET_TRANSFER_SECRET); KV moves between engines only over the authenticated "
-                "transfer path",
-                param=PREFILLER_HEADER,
-            )
-        try:
-            return target, await self.prefill_peers.admit(target)
-        except NotAPeerError:
-            raise ForbiddenApiError(
-                f"prefiller {target} is not a member of this engine's prefill pool (engine.prefill_peers)",
-                param=PREFILLER_HEADER,
-            ) from None
-        except PeerUnresolvedError:
-            raise UnavailableApiError(f"prefill peer {target} resolves to no address",
-                                      param=PREFILLER_HEADER) from None
-
     # -- parsing ------------------------------------------------------------------------------
     @staticmethod
     def _json(raw: bytes) -> dict[str, Any]:
@@ -430,7 +377,9 @@ class EngineServer:
             parsed = self._parse(data, chat, remote_decode)
             prefiller = None
             if not remote_decode and self.es.role != "prefill":
-                prefiller = await self._prefiller(request)
+                prefiller = await admit_prefiller(
+                    request.headers.getall(PREFILLER_HEADER, []), self.prefill_peers,
+                    self.secret is not None and self.puller is not None)
             req = Request(
                 request_id=self.sched.new_id("chatcmpl" if chat else "cmpl"),
                 token_ids=parsed.token_ids,
@@ -442,7 +391,9 @@ class EngineServer:
             if remote_decode:
                 blocks = self._check_hold(req)
             if prefiller is not None:
-                pull = await self._start_remote_prefill(req, *prefiller, parsed)
+                assert self.secret is not None and self.puller is not None
+                pull = await start_remote_prefill(self.kv, self.puller, self.secret, self.es.model, req,
+                                                  *prefiller, parsed)
             self.sched.submit(req)
             if remote_decode:
                 self.holds[req.request_id] = Hold(req, blocks, time.monotonic() + HOLD_SECONDS)
@@ -481,65 +432,6 @@ class EngineServer:
             f"too much KV held for remote decode: {held} blocks held, this request needs {need}, "
             f"the cap is {self._hold_cap()} (half the GPU blocks); retry later"
         )
-
-    async def _start_remote_prefill(
-        self, req: Request, target: HostPort, prefiller: HostPort, parsed: ParsedRequest
-    ) -> asyncio.Task[None] | None:
-        """P/D: have the member ``prefiller`` prefill the prompt, then pull its KV blocks while we wait to
-        decode.
-
-        Every landed block is compared with this engine's own bytes; one that
-        differs is dropped (counted in ``mismatched_blocks``) and recomputed here.
-        ``None`` when the prefill engine is busy (503): the prompt is then prefilled here.
-        """
-        assert self.secret is not None and self.puller is not None
-        puller = self.puller
-        try:
-            grant = await request_remote_prefill(prefiller, self.secret, self.es.model, parsed.token_ids,
-                                                 parsed.extra_keys)
-        except RemotePrefillError as exc:
-            if exc.status == 503:
-                log.info("prefill engine %s busy (%s): prefilling %s here", target, exc, req.request_id)
-                return None
-            log.warning("prefill request to %s (%s) failed: %s %s", target, prefiller, exc,
-                        exc.__cause__ or "")
-            raise UnavailableApiError(f"prefill engine {target} failed: {exc}") from None
-        expected = self.kv.expected_blocks(parsed.token_ids, parsed.extra_keys)
-        hashes = list(expected)
-        index = {h: i for i, h in enumerate(hashes)}
-        bs = self.kv.block_size
-        remote = RemoteKV()
-        req.remote = remote
-        req.remote_cached_tokens = min(grant.prefill_cached_tokens, len(parsed.token_ids))
-
-        def on_block(block_hash: Any, data: bytes) -> None:
-            i = index.get(block_hash)
-            if i is None or data != expected[block_hash]:
-                self.kv.mismatched_blocks += 1
-                if i is not None:
-                    remote.rejected += 1
-                    req.remote_cached_tokens = min(req.remote_cached_tokens or 0, i * bs)
-                if remote.rejected <= 1:
-                    log.warning(
-                        "KV block from %s does not match this engine's own bytes: dropped, recomputed here",
-                        target)
-            else:
-                self.kv.receive(block_hash, data)
-            if not remote.first.is_set():
-                remote.first.set()
-
-        async def run() -> None:
-            try:
-                await puller.pull(prefiller, grant, hashes, on_block)
-            except Exception as exc:  # any transfer failure fails this request, clearly
-                remote.error = UnavailableApiError(
-                    f"KV transfer from prefill engine {target} failed ({type(exc).__name__})")
-                log.warning("KV transfer from %s (%s) failed: %s", target, prefiller, exc)
-            finally:
-                remote.first.set()
-                remote.done.set()
-
-        return asyncio.get_running_loop().create_task(run())
 
     async def _collect(self, req: Request) -> str:
         while True:

@@ -244,6 +244,6 @@ def test_default_images_are_the_newest_checked_and_publish_kv_events(kind: str) 
     assert image_version(default) == max(VLLM_TESTED if kind == "vllm" else SGLANG_TESTED)
     spec = parse_spec({**samples.MINIMAL["spec"], "engine": {"kind": kind}})
     for role in spec.roles:
-        container = render_engine(spec, role, settings)
+        container = render_engine(spec, role.name, settings)
         assert container.image == default and container.kv_events
         assert "--kv-events-config" in container.args

@@ -44,23 +44,12 @@ what makes the entry visible; readers read the slot first), and a slot only turn
 from empty to used, so probe chains never break under a reader. A reader may miss
 an entry being added or still see one being removed; it never sees garbage.
 
-Speculative entries (:meth:`add_speculative`) record the picker's own picks
-until the pod's events confirm them or their TTL expires: without them, a burst
-of same-prefix requests arriving before the first prefill's events would
-scatter. They are not dropped when an event about the key arrives: an event
-reports the pod's state when the prefill finished, while a later pick for the
-same prefix (queued behind it) re-admits the blocks; dropping entries on
-``BlockRemoved`` lowered the routing simulation's hit rate (``docs/epp.md``).
-With events disabled they are the whole index (approximate mode). They are capped
-at ``max_speculative`` entries: beyond it, expired picks are dropped, then the
-oldest picks, counted in :attr:`BlockIndex.speculative_dropped`. Speculative
-entries have their own lock (picks are written by the router's thread, events by
-the ingestion thread).
+Speculative entries (:meth:`add_speculative`: the picker's own picks until the pod's events confirm
+them or their TTL expires) are described in :mod:`kvfleet.epp.speculative`.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from collections import deque
@@ -72,6 +61,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfleet.cache.tiers import Tier
+from kvfleet.epp.speculative import Lease, spec_positions
 from kvfleet.epp.table import (
     DELETED,
     MAX_LOAD,
@@ -84,52 +74,11 @@ from kvfleet.epp.table import (
     capacity_for,
 )
 
-#: Speculative entries are kept for every block below SPEC_DENSE, then every SPEC_STRIDE-th block up to
-#: SPEC_FAR blocks, then on a grid whose spacing grows with the position (``p → p + p // SPEC_RESOLUTION``:
-#: a credited prefix is short by at most 1/SPEC_RESOLUTION of it), plus the prompt's last block.
-SPEC_DENSE = 64
-SPEC_STRIDE = 16
-SPEC_FAR = 1024
-SPEC_RESOLUTION = 64
-
 #: probes per pod per search step (a SEARCH_FANOUT-ary search: 13,750 blocks in 5 steps, 256 in 3)
 SEARCH_FANOUT = 8
 _FAN = np.arange(1, SEARCH_FANOUT, dtype=np.int64)
 #: best (lowest) tier rank of a 4-bit mask; −1 for 0
 _BEST_RANK = np.array([-1] + [(m & -m).bit_length() - 1 for m in range(1, 256)], dtype=np.int64)
-
-
-def _grid(limit: int = 1 << 32) -> list[int]:
-    out = [*range(SPEC_DENSE), *range(SPEC_DENSE + SPEC_STRIDE - 1, SPEC_FAR, SPEC_STRIDE)]
-    while out[-1] < limit:
-        out.append(out[-1] + max(SPEC_STRIDE, out[-1] // SPEC_RESOLUTION))
-    return out
-
-
-_GRID = _grid()  # ≈ 1,500 positions up to 2^32 blocks
-
-
-def spec_positions(n: int) -> Sequence[int]:
-    """Block positions sampled for speculative entries of an ``n``-block prompt: the grid (absolute, so all
-    prompts agree on it) below ``n``, and ``n − 1`` (so a repeated prompt is credited in full)."""
-    if n <= SPEC_DENSE:
-        return range(n)
-    out = _GRID[: bisect.bisect_left(_GRID, n)]
-    return out if out[-1] == n - 1 else [*out, n - 1]
-
-
-class Lease:
-    """The expiry of one pick's speculative entries, shared by all of them: extending it is O(1).
-    ``owned``: how many entries still name this lease (a later pick of the same key takes an entry over);
-    ``served``: the pick's first token came back (:meth:`BlockIndex.extend`), so the pod's events are now
-    newer than the pick."""
-
-    __slots__ = ("expiry", "owned", "served")
-
-    def __init__(self, expiry: float) -> None:
-        self.expiry = expiry
-        self.owned = 0
-        self.served = False
 
 
 @dataclass(frozen=True)

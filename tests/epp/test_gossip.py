@@ -26,9 +26,10 @@ import kvfleet.epp.gossip as gossip_mod
 from kvfleet.demo.envoy import free_port
 from kvfleet.epp.app import Epp
 from kvfleet.epp.gossip import MAX_BYTES, MAX_KEYS, VERSION, ReplicaGossip, resolve
-from kvfleet.epp.index import BlockIndex, spec_positions
+from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.protocol import InferenceRequest
+from kvfleet.epp.speculative import spec_positions
 from tests.conftest import wait_for
 from tests.epp.pods import PodFleet
 

@@ -10,9 +10,10 @@ from kvfleet.cache.hashing import BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
 from kvfleet.cache.tokens import salt_extra_keys
 from kvfleet.config.epp import CostModelSettings
-from kvfleet.epp.index import BlockIndex, Lease, spec_positions
+from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.ingest import PodEventApplier
 from kvfleet.epp.router import tier_weights
+from kvfleet.epp.speculative import Lease, spec_positions
 
 DATA = Path(__file__).parents[1] / "cache" / "data"
 

@@ -37,7 +37,7 @@ from kvfleet.config.cache import CacheSettings
 from kvfleet.config.epp import EppSettings
 from kvfleet.epp.datastore import Datastore, Pod, Pool
 from kvfleet.epp.errors import NoEndpointError, SheddingError, UnknownModelError
-from kvfleet.epp.index import BlockIndex, Lease
+from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker, Ticket
 from kvfleet.epp.podmetrics import MetricsStore
 from kvfleet.epp.protocol import InferenceRequest
@@ -46,6 +46,7 @@ from kvfleet.epp.scheduling import Candidate, SchedulingRequest
 from kvfleet.epp.scheduling.candidates import CandidateBuilder
 from kvfleet.epp.scheduling.plugins import waiting_of
 from kvfleet.epp.scheduling.scheduler import Scheduler, SchedulingResult, serving_pods
+from kvfleet.epp.speculative import Lease
 from kvfleet.epp.tokenize import Tokenizer
 
 

@@ -50,6 +50,9 @@ STAMP = ".kvfleet-interop"
 # only one that is asked for directly.
 EXTRA: dict[tuple[str, str], list[str]] = {
     ("sglang", "0.5.3"): ["transformers==4.57.0"],  # yanked; sglang 0.5.3 pins it
+    # vLLM 0.11.0 asks for transformers>=4.56 with no upper bound, but its tokenizer cache reads attributes
+    # transformers 5 removed (``all_special_tokens_extended``): it cannot load a tokenizer under 5.x
+    ("vllm", "0.11.0"): ["transformers>=4.56,<5"],
 }
 
 # Dependencies not installed (with uv): GPU kernels, JIT compilers and CUDA libraries that the interop checks
@@ -84,10 +87,20 @@ def venv_dir(engine: str, version: str) -> Path:
     return cache_root() / f"{engine}-{version}"
 
 
+def requirements_of(engine: str, version: str) -> list[str]:
+    return [f"{engine}=={version}", *EXTRA.get((engine, version), [])]
+
+
 def python(engine: str, version: str) -> Path | None:
-    """The interpreter of a complete venv for ``engine`` ``version``, None when it is not built."""
+    """The interpreter of a complete venv for ``engine`` ``version``, None when it is not built (or was
+    built for other requirements: its stamp's first words are the requirements it was built with)."""
     d = venv_dir(engine, version)
-    return d / "bin" / "python" if (d / STAMP).exists() else None
+    try:
+        stamp = (d / STAMP).read_text()
+    except OSError:
+        return None
+    return d / "bin" / "python" if stamp.startswith(f"{' '.join(requirements_of(engine, version))} built") \
+        else None
 
 
 def uv_cache() -> Path:
@@ -173,7 +186,7 @@ def build(engine: str, version: str) -> Path:
         final = venv_dir(engine, version)
         tmp = final.with_name(final.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        requirements = [f"{engine}=={version}", *EXTRA.get((engine, version), [])]
+        requirements = requirements_of(engine, version)
         uv = uv_bin()
         if uv is not None:
             print(f"interop: building {engine} {version} into {final} with uv (once; under a minute and up "

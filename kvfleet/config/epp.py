@@ -58,7 +58,9 @@ class EppSettings:
     ``kubernetes`` (watch Pods and InferencePools in ``namespace``; with
     ``service_name`` set, only the InferencePools whose ``endpointPickerRef``
     names that Service, as GIE has an EPP serve the pools that reference it).
-    ``tokenizer`` is ``bytes`` or a path to a HF ``tokenizer.json``.
+    ``tokenizer``: the tokenizer of pools that declare none (``bytes``, ``builtin:NAME``, a directory with
+    the model's tokenizer files, ``hf:ORG/NAME[@REV]``; kvfleet/epp/tokenize.py); hub files are cached in
+    ``tokenizer_cache_dir`` (empty: ``~/.cache/kvfleet/tokenizers``).
     ``tls_cert_file``/``tls_key_file``: serve ext_proc over TLS (PEM files; the chart
     mounts them from a Secret); both empty = plaintext h2c. Health stays plaintext.
     ``speculative_ttl_s``: how long a pick counts as cached on its pod before KV
@@ -85,6 +87,7 @@ class EppSettings:
     namespace: str = "default"
     service_name: str = ""
     tokenizer: str = "bytes"
+    tokenizer_cache_dir: str = ""
     tls_cert_file: str = ""
     tls_key_file: str = ""
     max_body_bytes: int = 8 * 1024 * 1024

@@ -29,7 +29,7 @@ from kvfleet.epp.podmetrics import MetricsScraper, MetricsStore
 from kvfleet.epp.router import Router
 from kvfleet.epp.server import ExtProcServicer, HealthServicer
 from kvfleet.epp.subscriber import EventSubscriber
-from kvfleet.epp.tokenize import load_tokenizer
+from kvfleet.epp.tokenize import PoolTokenizers
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Epp:
         self.subscriber = EventSubscriber(
             on_disconnect=lambda pod: self.store.mark_down(pod, "dropped its KV-event connection"))
         self.router = Router(s, self.settings.cache, self.datastore, self.index, self.store,
-                             load_tokenizer(s.tokenizer), self.tracker)
+                             PoolTokenizers(s.tokenizer, s.tokenizer_cache_dir), self.tracker)
         self.metrics = EppMetrics()
         self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools,
                                   lambda: dict(self.subscriber.stats),

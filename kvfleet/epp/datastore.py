@@ -8,6 +8,8 @@ The file format (``pods_file``)::
         weight: 1.0              # multiplies the pool's capacity (level 1: kvfleet.epp.scheduling.pools)
         block_size: 16           # the pool's KV block size and hashing (default: the picker's cache settings)
         hash_algo: xxh3_64       # xxh3_64 | sha256_cbor
+        tokenizer: builtin:qwen2.5   # the engines' tokenizer (default: the picker's epp.tokenizer)
+        chat_dialect: vllm       # vllm | sglang | sglang-0.5.3: how the engines feed the chat template
         hash_seed: vllm-none-hash
         weights: {prefix: 1.0, load: 1.0, hotspotDecay: 0.1}   # KVCachePool spec.routing.weights
         pods:
@@ -36,6 +38,7 @@ from typing import Any, Protocol
 import yaml
 
 from kvfleet.cache.hashing import ALGORITHMS
+from kvfleet.cache.modeltok import DIALECTS
 from kvfleet.epp.errors import DatastoreError
 
 ROLES = ("both", "prefill", "decode")
@@ -76,6 +79,12 @@ class PoolCache:
     hot-spot decay β of the prefix scorer. The operator writes them in the InferencePool's
     ``kvfleet.io/routing`` annotation from the KVCachePool's ``blockSize``, ``hashAlgo`` and
     ``routing.weights``.
+
+    ``tokenizer``: how the pool's engines turn a request into token ids (``bytes``, ``builtin:NAME``, a
+    directory with the model's tokenizer files, or a Hugging Face repository ``hf:ORG/NAME[@REV]``;
+    :mod:`kvfleet.epp.tokenize`), ``None`` = the picker's ``epp.tokenizer``; ``chat_dialect``: how their
+    OpenAI layer feeds the chat template (:data:`kvfleet.cache.modeltok.DIALECTS`; ``None`` = ``vllm``).
+    The operator writes both from the KVCachePool's ``model.tokenizer`` and engine.
     """
 
     block_size: int | None = None
@@ -84,6 +93,8 @@ class PoolCache:
     prefix_weight: float = 1.0
     load_weight: float = 1.0
     hotspot_decay: float | None = None
+    tokenizer: str | None = None
+    chat_dialect: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size <= 0:
@@ -95,6 +106,10 @@ class PoolCache:
             raise ValueError("routing weights must be >= 0")
         if self.hotspot_decay is not None and self.hotspot_decay < 0:
             raise ValueError("hotspotDecay must be >= 0")
+        if self.tokenizer is not None and not self.tokenizer.strip():
+            raise ValueError("tokenizer must be a non-empty string")
+        if self.chat_dialect is not None and self.chat_dialect not in DIALECTS:
+            raise ValueError(f"chatDialect must be one of {', '.join(DIALECTS)}, got {self.chat_dialect!r}")
 
 
 @dataclass(frozen=True)
@@ -180,6 +195,7 @@ def pool_cache(raw: Mapping[str, Any], where: str) -> PoolCache:
     try:
         bs, algo = opt("block_size", "blockSize"), opt("hash_algo", "hashAlgo")
         seed = opt("hash_seed", "hashSeed")
+        tok, dialect = opt("tokenizer"), opt("chat_dialect", "chatDialect")
         decay = weights.get("hotspotDecay")
         return PoolCache(
             block_size=None if bs is None else int(bs),
@@ -188,6 +204,8 @@ def pool_cache(raw: Mapping[str, Any], where: str) -> PoolCache:
             prefix_weight=float(weights.get("prefix", 1.0)),
             load_weight=float(weights.get("load", 1.0)),
             hotspot_decay=None if decay is None else float(decay),
+            tokenizer=None if tok is None else str(tok),
+            chat_dialect=None if dialect is None else str(dialect),
         )
     except (TypeError, ValueError) as exc:
         raise DatastoreError(f"{where}: {exc}") from None
@@ -204,7 +222,8 @@ def pools_from_dict(data: Any, source: str = "<config>") -> list[Pool]:
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
             raise DatastoreError(f"{where}: needs a 'name'")
         unknown_keys = set(raw) - {"name", "models", "weight", "pods", "block_size", "blockSize", "hash_algo",
-                                   "hashAlgo", "hash_seed", "hashSeed", "weights"}
+                                   "hashAlgo", "hash_seed", "hashSeed", "weights", "tokenizer",
+                                   "chat_dialect", "chatDialect"}
         if unknown_keys:
             raise DatastoreError(f"{where}: unknown key(s) {sorted(unknown_keys)}")
         models = raw.get("models", [])

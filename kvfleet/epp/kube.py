@@ -157,7 +157,8 @@ def _positive_int(value: Any) -> int | None:
 
 def routing_cache(pool: str, annotation: str | None) -> PoolCache:
     """The pool's :class:`PoolCache` from the operator's ``kvfleet.io/routing`` JSON (``blockSize``,
-    ``hashAlgo``, ``hashSeed``, ``prefix_weight``, ``load_weight``, ``hotspot_decay``); absent or
+    ``hashAlgo``, ``hashSeed``, ``tokenizer``, ``chatDialect``,
+    ``prefix_weight``, ``load_weight``, ``hotspot_decay``); absent or
     invalid: the picker's defaults (an invalid one is logged)."""
     if not annotation:
         return PoolCache()
@@ -167,7 +168,8 @@ def routing_cache(pool: str, annotation: str | None) -> PoolCache:
             raise ValueError("not a JSON object")
         weights = {k: data[f] for k, f in (("prefix", "prefix_weight"), ("load", "load_weight"),
                                             ("hotspotDecay", "hotspot_decay")) if data.get(f) is not None}
-        raw = {k: data[k] for k in ("blockSize", "hashAlgo", "hashSeed") if data.get(k) is not None}
+        raw = {k: data[k] for k in ("blockSize", "hashAlgo", "hashSeed", "tokenizer", "chatDialect")
+               if data.get(k) is not None}
         return pool_cache({**raw, "weights": weights}, f"InferencePool {pool} annotation {ANN_ROUTING}")
     except (ValueError, DatastoreError) as exc:
         log.warning("InferencePool %s: %s ignored: %s", pool, ANN_ROUTING, exc)

@@ -222,6 +222,13 @@ class EppMetrics:
             "kvfleet_epp_misprediction_tokens", "|predicted - reported| cached tokens", ["direction"],
             registry=r
         )
+        self.unkeyed_requests = Counter(
+            "kvfleet_epp_unkeyed_requests",
+            "Inference requests routed on load because their prompt tokens could not be computed as the "
+            "pool's engines compute them (reason: tokenizer_loading, tokenizer_unavailable, content_part, "
+            "tool_choice, template_error, ...)",
+            ["pool", "reason"], registry=r,
+        )
 
     def attach_state(
         self,

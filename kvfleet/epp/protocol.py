@@ -40,6 +40,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from kvfleet.cache.modeltok import ChatRequest
 from kvfleet.cache.tokens import ChatFormatError, render_chat
 from kvfleet.epp.errors import BadRequestError, BodyTooLargeError, EppError
 
@@ -83,7 +84,9 @@ _JSON = msgspec.json.Decoder()
 class InferenceRequest:
     """What routing needs from one OpenAI request.
 
-    Exactly one of ``prompt`` (text) and ``prompt_token_ids`` is set.
+    Exactly one of ``prompt`` (text) and ``prompt_token_ids`` is set. A chat request also carries ``chat``
+    (what decides its prompt under the model's own template, :mod:`kvfleet.epp.tokenize`); its ``prompt``
+    is kvfleet's default rendering (the byte-level tokenizer's and the approximate baselines' text).
     """
 
     api: str = COMPLETIONS
@@ -92,6 +95,7 @@ class InferenceRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     cache_salt: str | None = None
     stream: bool = False
+    chat: ChatRequest | None = None
 
 
 def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceRequest:
@@ -127,7 +131,8 @@ def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceReque
             text = render_chat(data.get("messages"))
         except ChatFormatError as exc:
             raise BadRequestError(str(exc)) from None
-        return InferenceRequest(api=api, model=model, prompt=text, cache_salt=salt, stream=stream)
+        return InferenceRequest(api=api, model=model, prompt=text, cache_salt=salt, stream=stream,
+                                chat=chat_request(data))
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -138,6 +143,24 @@ def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceReque
         return InferenceRequest(api=api, model=model, prompt_token_ids=tuple(prompt), cache_salt=salt,
                                 stream=stream)
     raise BadRequestError("'prompt' must be a string or a non-empty list of token ids")
+
+
+def chat_request(data: dict[str, Any]) -> ChatRequest:
+    """The fields of a chat body that decide its prompt (types checked; the template judges the rest)."""
+    flags = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = data.get(name, default)
+        if not isinstance(value, bool):
+            raise BadRequestError(f"{name!r} must be a boolean")
+        flags[name] = value
+    kwargs = data.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequestError("'chat_template_kwargs' must be an object")
+    tools = data.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequestError("'tools' must be a list")
+    return ChatRequest(messages=data.get("messages"), tools=tools, tool_choice=data.get("tool_choice"),
+                       chat_template_kwargs=kwargs, **flags)
 
 
 def model_of(body: bytes) -> str | None:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvfleet.cache.hashing import BlockHasher
+from kvfleet.cache.tokens import ByteTokenizer
 from kvfleet.config.cache import CacheSettings
 from kvfleet.config.epp import EppSettings
 from kvfleet.epp.datastore import Datastore, Pod, Pool, PoolCache
@@ -37,7 +38,7 @@ from kvfleet.epp.scheduling import Profile
 from kvfleet.epp.scheduling import candidates as _candidates
 from kvfleet.epp.scheduling.candidates import CandidateBuilder, tier_weights
 from kvfleet.epp.scheduling.scheduler import LOAD_SCORERS, PREFIX_SCORERS, Scheduler
-from kvfleet.epp.tokenize import Tokenizer
+from kvfleet.epp.tokenize import PoolTokenizers, Tokenizer
 
 __all__ = ["LOAD_SCORERS", "PREFIX_SCORERS", "Decision", "Router", "tier_weights"]
 
@@ -52,14 +53,16 @@ class Router:
         datastore: Datastore,
         index: BlockIndex,
         metrics: MetricsStore,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | PoolTokenizers,
         tracker: InflightTracker | None = None,
     ) -> None:
         self.settings = settings
         self.datastore = datastore
         self.index = index
         self.metrics = metrics
-        self.tokenizer = tokenizer
+        self.tokenizers = PoolTokenizers.of(tokenizer)
+        default = self.tokenizers.default
+        self.tokenizer: Tokenizer = default if not isinstance(default, str) else ByteTokenizer()
         self.tracker = tracker or InflightTracker()
         self.tier_weights = tier_weights(settings.cost)
         self.candidates = CandidateBuilder(
@@ -67,14 +70,18 @@ class Router:
             hot_key=lambda keys, longest, shard: self.hotspot_key(keys, longest, shard),
         )
         self.scheduler = Scheduler(settings, self.candidates)
-        self.director = Director(settings, cache, datastore, index, metrics, tokenizer, self.tracker,
+        self.director = Director(settings, cache, datastore, index, metrics, self.tokenizers, self.tracker,
                                  self.scheduler)
         self.profile: Profile = self.scheduler.profile
         self.hasher: BlockHasher = self.director.hasher
         self.prefill_s_per_token = self.director.prefill_s_per_token
 
-    def tokens_of(self, req: InferenceRequest) -> np.ndarray:
-        return self.director.tokens_of(req)
+    def tokens_of(self, req: InferenceRequest, pool: Pool | None = None) -> np.ndarray:
+        """``req``'s token ids as ``pool``'s engines compute them; ValueError naming why they cannot be."""
+        got = self.director.tokens_of(req, pool)
+        if got.ids is None:
+            raise ValueError(f"request not keyable: {got.reason} {got.detail}".rstrip())
+        return got.ids
 
     def hasher_for(self, pool: Pool | None) -> BlockHasher:
         """The block hasher of ``pool``'s engines: its block size, algorithm and seed, else the picker's."""

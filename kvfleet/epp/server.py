@@ -289,6 +289,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.metrics.pick_seconds.observe(time.perf_counter() - t0)
         self.metrics.prompt_tokens.inc(d.num_tokens)
         self.metrics.predicted_hit.inc(st.predicted)
+        if d.unkeyed:
+            self.metrics.unkeyed_requests.labels(pool=d.pool, reason=d.unkeyed).inc()
         headers = protocol.routing_headers(d.endpoints, d.prefiller)
         if st.request_mode == _Mode.FULL_DUPLEX_STREAMED:
             return [protocol.pick_headers_response(headers), *protocol.streamed_body_responses(body)]
@@ -314,7 +316,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if reported is not None:
                 d = st.decision
                 self.metrics.observe_cached(st.predicted, reported)
-                if d.pool and d.num_tokens:  # the key check compares the block index's own prediction
+                if d.pool and d.num_tokens and not d.unkeyed:  # the key check: the index's own prediction
                     self.keycheck.observe(d.pool, d.predicted_hit_tokens, reported, d.block_size)
             if self.decision_log:
                 log_decision(self.decision_log, st.decision, reported, st.request_id, st.predicted)

@@ -50,6 +50,7 @@ GOLDEN_METRICS = sorted([
     "kvfleet_epp_prompt_tokens",
     "kvfleet_epp_served",
     "kvfleet_epp_speculative_dropped",
+    "kvfleet_epp_unkeyed_requests",
 ])
 
 

@@ -24,9 +24,10 @@ Steps 3–5 run under one lock: the candidates see every earlier pick's ticket a
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import xxhash
@@ -47,7 +48,9 @@ from kvfleet.epp.scheduling.candidates import CandidateBuilder
 from kvfleet.epp.scheduling.plugins import waiting_of
 from kvfleet.epp.scheduling.scheduler import Scheduler, SchedulingResult, serving_pods
 from kvfleet.epp.speculative import Lease
-from kvfleet.epp.tokenize import Tokenizer
+from kvfleet.epp.tokenize import PoolTokenizers, Tokens
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class Decision:
     #: the pool's block size (tokens), which ``predicted_hit_tokens`` counts in
     block_size: int = 16
     on_served: Callable[[str], bool] | None = field(default=None, compare=False)
+    #: why the prompt could not be keyed as the pool's engines key it ("" = keyed): routed on load
+    unkeyed: str = ""
 
     def served(self, endpoint: str) -> bool:
         """The gateway says ``endpoint`` served the request; ``True`` if that moved the accounting
@@ -98,7 +103,7 @@ class Director:
         datastore: Datastore,
         index: BlockIndex,
         metrics: MetricsStore,
-        tokenizer: Tokenizer,
+        tokenizers: PoolTokenizers,
         tracker: InflightTracker,
         scheduler: Scheduler,
     ) -> None:
@@ -106,7 +111,7 @@ class Director:
         self.datastore = datastore
         self.index = index
         self.metrics = metrics
-        self.tokenizer = tokenizer
+        self.tokenizers = tokenizers
         self.tracker = tracker
         self.scheduler = scheduler
         self.candidates: CandidateBuilder = scheduler.candidates
@@ -120,10 +125,9 @@ class Director:
 
     # --- keys ---------------------------------------------------------------------------------
 
-    def tokens_of(self, req: InferenceRequest) -> np.ndarray:
-        if req.prompt_token_ids is not None:
-            return np.asarray(req.prompt_token_ids, dtype=np.uint32)
-        return self.tokenizer.encode(req.prompt or "")
+    def tokens_of(self, req: InferenceRequest, pool: Pool | None = None) -> Tokens:
+        """``req``'s prompt token ids as ``pool``'s engines compute them, or why they cannot be known."""
+        return self.tokenizers.tokens(req, pool)
 
     def hasher_for(self, pool: Pool | None) -> BlockHasher:
         """The block hasher of ``pool``'s engines: its block size, algorithm and seed, else the picker's."""
@@ -148,15 +152,31 @@ class Director:
         pools = self.locator.serving_pools(req.model)
         if not pools:
             raise UnknownModelError(f"no pool serves model {req.model!r}")
-        tokens = self.tokens_of(req)
         pool = pools[0]
+        got = self.tokens_of(req, pool)
+        if got.ids is None:  # not keyable as the engines key it: routed on load, counted
+            return self._unkeyed(req, pools, subset, pool, got)
+        tokens = got.ids
         if len(pools) > 1 or subset is not None:  # the pool first: its engines decide how blocks are keyed
             head = tokens[: self.settings.prefix_shard_blocks * self.hasher.block_size]
             allowed = None if subset is None else set(subset)
             pool = self.locator.invoked_pool(req.model, xxhash.xxh3_64_intdigest(head.tobytes()), pools,
                                              allowed)
+            if (self.tokenizers.spec_of(pool), pool.cache.chat_dialect) != \
+                    (self.tokenizers.spec_of(pools[0]), pools[0].cache.chat_dialect):
+                got = self.tokens_of(req, pool)  # another model build serving the same name
+                if got.ids is None:
+                    return self._unkeyed(req, [pool], subset, pool, got)
+                tokens = got.ids
         keys = self.keys_of(tokens, req.cache_salt, pool)
         return self.handle_keys(req.model, keys, len(tokens), [pool], subset, tail=tokens)
+
+    def _unkeyed(self, req: InferenceRequest, pools: Sequence[Pool], subset: Sequence[str] | None, pool: Pool,
+                 got: Tokens) -> Decision:
+        if got.detail:
+            log.debug("request to pool %s routed on load: %s", pool.name, got.detail)
+        approx = len(req.prompt or "") // 4  # a text's tokens, roughly: only the load scorers read it
+        return replace(self.handle_keys(req.model, [], approx, pools, subset), unkeyed=got.reason)
 
     def handle_any(self, model: str | None, subset: Sequence[str] | None = None) -> Decision:
         """A request that is not an inference (``/tokenize``, ``/health``...): the least-loaded ready pod

@@ -90,8 +90,8 @@ def engine_ids(engine: str, version: str, model: str, tmp: Path) -> dict[str, di
             [str(engine_python(engine, version)), str(HERE / "chat_tokens.py"), engine,
              str(model_dir(tmp, model)), str(path), parser],
             capture_output=True, text=True, timeout=600,
-            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                 "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1"})
+            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "HF_HUB_OFFLINE": "1",
+                 "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1"})
         got = {r["id"]: r for r in (json.loads(line[7:]) for line in proc.stdout.splitlines()
                                     if line.startswith("RESULT "))}
         assert set(got) == set(cases), f"chat_tokens.py exited {proc.returncode}:\n{proc.stderr[-4000:]}"
@@ -119,7 +119,9 @@ def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize(("engine", "version"), RELEASES, ids=[f"{e}-{v}" for e, v in RELEASES])
-def test_epp_prompt_tokens_equal_the_engines(engine: str, version: str, model: str, models_root: Path) -> None:
+def test_epp_prompt_tokens_equal_the_engines(
+    engine: str, version: str, model: str, models_root: Path,
+) -> None:
     results = engine_ids(engine, version, model, models_root)
     tokenizers = PoolTokenizers()
     pool = pool_of(model, engine, version)
@@ -164,7 +166,8 @@ def test_follow_up_turn_predicted_fully_cached_from_vllm_events(
     pub = VllmPublisher(algo, ports, tmp_path)
     try:
         join(subscriber, idx, BlockHasher(BS, algo), ports, "vllm-0")
-        assert pub.cmd(op="store", tokens=history)["blocks"] == len(history) // BS  # vLLM's own ids and hashes
+        # vLLM's own token ids, block hashes and events
+        assert pub.cmd(op="store", tokens=history)["blocks"] == len(history) // BS
         wait_for(lambda: held(idx, BlockHasher(BS, algo), history, "vllm-0") == len(history) // BS,
                  "the first turn's blocks indexed")
         req = parse_request(CHAT, json.dumps({"model": "m", "messages": TURN2}).encode(), 1 << 20)

@@ -60,7 +60,7 @@ class EppSettings:
     names that Service, as GIE has an EPP serve the pools that reference it).
     ``tokenizer``: the tokenizer of pools that declare none (``bytes``, ``builtin:NAME``, a directory with
     the model's tokenizer files, ``hf:ORG/NAME[@REV]``; kvfleet/epp/tokenize.py); hub files are cached in
-    ``tokenizer_cache_dir`` (empty: ``~/.cache/kvfleet/tokenizers``).
+    ``tokenizer_cache_dir`` (empty: ``$TMPDIR/kvfleet-tokenizers``).
     ``tls_cert_file``/``tls_key_file``: serve ext_proc over TLS (PEM files; the chart
     mounts them from a Secret); both empty = plaintext h2c. Health stays plaintext.
     ``speculative_ttl_s``: how long a pick counts as cached on its pod before KV

@@ -13,7 +13,8 @@ own ``tokenizer``, which the operator renders from the KVCachePool's ``model.tok
 ``hf:ORG/NAME[@REVISION]``
     the three files fetched once from the Hugging Face Hub API (``$HF_ENDPOINT``, default
     ``https://huggingface.co``, a mirror in a closed network; ``$HF_TOKEN`` for gated models, from a
-    Secret) into ``epp.tokenizer_cache_dir``, in the background: until they are there the pool's requests
+    Secret) into ``epp.tokenizer_cache_dir`` (default ``$TMPDIR/kvfleet-tokenizers``: the chart's
+    writable ``/tmp``), in the background: until they are there the pool's requests
     are routed on load and counted.
 
 :class:`PoolTokenizers` loads each spec once (several models in one EPP: one tokenizer each) and answers
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 import urllib.error
 import urllib.parse
@@ -127,7 +129,7 @@ class PoolTokenizers:
 
     def __init__(self, default_spec: str = "bytes", cache_dir: str | Path = "") -> None:
         self.default_spec = default_spec
-        self.cache_dir = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "kvfleet" / "tokenizers"
+        self.cache_dir = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "kvfleet-tokenizers"
         self._loaded: dict[str, Tokenizer] = {}
         self._failed: dict[str, str] = {}
         self._loading: set[str] = set()

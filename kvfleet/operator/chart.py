@@ -63,6 +63,11 @@ CHART_VALUES: dict[str, Any] = {
         # TLS between the gateway and the EPP: a Secret with tls.crt, tls.key (for <epp>.<namespace>.svc)
         # and ca.crt (cert-manager's layout); the EPP serves with the pair, Envoy verifies against ca.crt.
         "tls": {"enabled": False, "secretName": ""},
+        # Where the EPP finds each pool's tokenizer files (docs/epp.md, "Tokenizers"): a KVCachePool whose
+        # model.tokenizer is a path reads it from modelCache (the engines' model volume, mounted read-only
+        # at modelCachePath); one naming a Hugging Face repository is fetched from hfEndpoint (a mirror in
+        # a closed network; empty: huggingface.co) with the HF_TOKEN of hfTokenSecret (gated models).
+        "tokenizers": {"modelCache": {}, "modelCachePath": "/models", "hfEndpoint": "", "hfTokenSecret": ""},
     },
     "envoy": {
         "enabled": True,
@@ -164,7 +169,10 @@ def values_schema() -> dict[str, Any]:
             "epp": {"type": "object", "properties": {
                 "replicas": {"type": "integer", "minimum": 1}, "resources": obj,
                 "tls": {"type": "object", "additionalProperties": False,
-                        "properties": {"enabled": {"type": "boolean"}, "secretName": str_}}}},
+                        "properties": {"enabled": {"type": "boolean"}, "secretName": str_}},
+                "tokenizers": {"type": "object", "additionalProperties": False, "properties": {
+                    "modelCache": obj, "modelCachePath": {"type": "string", "pattern": "^/"},
+                    "hfEndpoint": {"type": "string", "pattern": "^$|^https?://"}, "hfTokenSecret": str_}}}},
             "envoy": {"type": "object", "properties": {
                 "enabled": {"type": "boolean"}, "image": str_, "replicas": {"type": "integer", "minimum": 0},
                 "port": {"type": "integer"}, "adminPort": {"type": "integer"},

@@ -42,9 +42,10 @@ from typing import Any
 
 import yaml
 
+from kvfleet.cache.modeltok import dialect_for
 from kvfleet.config import Settings, to_dict
 from kvfleet.config.operator import OperatorSettings
-from kvfleet.operator.engines import CONFIG_PATH, SSD_MOUNT, render_engine
+from kvfleet.operator.engines import CONFIG_PATH, SSD_MOUNT, image_version, render_engine
 from kvfleet.operator.spec import PoolSpec
 
 GROUP = "kvfleet.io"
@@ -456,10 +457,31 @@ def render_service(obj: Mapping[str, Any], spec: PoolSpec, shard: int, base: Set
 
 
 def routing_annotation(spec: PoolSpec) -> str:
-    """``kvfleet.io/routing``: weights, failure mode, block size, hash, shard count, P/D."""
+    """``kvfleet.io/routing``: weights, failure mode, block size, hash, shard count, P/D, and how the engines
+    tokenize (:func:`picker_tokenizer`, :func:`~kvfleet.cache.modeltok.dialect_for`)."""
     routing = {**dataclasses.asdict(spec.routing), "blockSize": spec.block_size, "hashAlgo": spec.hash_algo,
                "shards": spec.pools, "disaggregated": spec.disaggregated}
+    tokenizer = picker_tokenizer(spec)
+    if tokenizer:
+        routing["tokenizer"] = tokenizer
+    routing["chatDialect"] = dialect_for(spec.engine.kind, image_version(spec.engine.image)
+                                         if spec.engine.image else None)
     return json.dumps(routing, sort_keys=True)
+
+
+def picker_tokenizer(spec: PoolSpec) -> str:
+    """The EPP's tokenizer spec for the pool (kvfleet/epp/tokenize.py): the engines' own.
+
+    ``model.tokenizer`` (else ``model.name``, which is what vLLM and SGLang load): ``bytes`` and
+    ``builtin:NAME`` as they are (the simulator's), a path as it is (the chart mounts the model cache
+    volume at the same path in the EPP), a Hugging Face repository ``ORG/NAME`` as ``hf:ORG/NAME`` (fetched
+    by the EPP). Empty when neither is set: the picker's ``epp.tokenizer``."""
+    name = spec.model.tokenizer or spec.model.name
+    if not name or name == "bytes" or name.startswith(("builtin:", "hf:", "/")):
+        return name
+    if name.count("/") == 1 and not name.startswith("."):
+        return f"hf:{name}"
+    return ""
 
 
 def render_inferencepool(obj: Mapping[str, Any], spec: PoolSpec, base: Settings) -> dict[str, Any]:

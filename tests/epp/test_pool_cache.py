@@ -45,17 +45,20 @@ def _pool(**extra: Any) -> dict[str, Any]:
 
 def test_pool_cache_from_the_file_and_the_annotation() -> None:
     """Both spellings give the same PoolCache; bad values name the pool entry."""
-    (pool,) = pools_from_dict(_pool(block_size=64, hash_algo="sha256_cbor",
+    (pool,) = pools_from_dict(_pool(block_size=64, hash_algo="sha256_cbor", tokenizer="hf:Qwen/Qwen2.5-7B",
+                                    chat_dialect="sglang",
                                     weights={"prefix": 2, "load": 0.5, "hotspotDecay": 0.3}))
     want = PoolCache(block_size=64, hash_algo="sha256_cbor", prefix_weight=2.0, load_weight=0.5,
-                     hotspot_decay=0.3)
+                     hotspot_decay=0.3, tokenizer="hf:Qwen/Qwen2.5-7B", chat_dialect="sglang")
     assert pool.cache == want
     ann = json.dumps({"blockSize": 64, "hashAlgo": "sha256_cbor", "prefix_weight": 2, "load_weight": 0.5,
-                      "hotspot_decay": 0.3, "failure_mode": "FailOpen", "shards": 2, "disaggregated": False})
+                      "hotspot_decay": 0.3, "failure_mode": "FailOpen", "shards": 2, "disaggregated": False,
+                      "tokenizer": "hf:Qwen/Qwen2.5-7B", "chatDialect": "sglang"})
     assert routing_cache("p", ann) == want
     assert routing_cache("p", "{not json") == PoolCache() and routing_cache("p", None) == PoolCache()
     assert routing_cache("p", json.dumps({"blockSize": -1})) == PoolCache()
-    for bad in ({"block_size": 0}, {"hash_algo": "md5"}, {"weights": {"prefix": -1}},
+    for bad in ({"block_size": 0}, {"hash_algo": "md5"}, {"weights": {"prefix": -1}}, {"chat_dialect": "tgi"},
+                {"tokenizer": " "},
                 {"weights": {"nope": 1}}, {"colour": 1}):
         with pytest.raises(DatastoreError, match="pools\\[0\\]"):
             pools_from_dict(_pool(**bad))

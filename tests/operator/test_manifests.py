@@ -250,3 +250,24 @@ def test_sglang_pods_publish_kv_events_only_where_they_can_be_indexed(image: str
     ann = pod["metadata"]["annotations"]
     assert (ann["kvfleet.io/kv-events-port"], ann["kvfleet.io/kv-replay-port"]) == (
         ("5557", "5558") if events else ("", ""))
+
+
+@pytest.mark.parametrize(("model", "engine", "tokenizer", "dialect"), [
+    ({"name": "Qwen/Qwen2.5-7B-Instruct"}, {"kind": "vllm"}, "hf:Qwen/Qwen2.5-7B-Instruct", "vllm"),
+    ({"name": "qwen", "tokenizer": "/models/qwen2.5-7b"}, {"kind": "vllm"}, "/models/qwen2.5-7b", "vllm"),
+    ({"name": "m", "tokenizer": "builtin:qwen2.5"}, {"kind": "sim"}, "builtin:qwen2.5", "vllm"),
+    ({"name": "m", "tokenizer": "Qwen/Qwen2.5-7B"}, {"kind": "sglang", "image": "lmsysorg/sglang:v0.5.3"},
+     "hf:Qwen/Qwen2.5-7B", "sglang-0.5.3"),
+    ({"name": "m", "tokenizer": "Qwen/Qwen2.5-7B"}, {"kind": "sglang"}, "hf:Qwen/Qwen2.5-7B", "sglang"),
+    ({"name": "llama"}, {"kind": "sim"}, None, "vllm"),
+])
+def test_the_pool_tells_the_epp_how_its_engines_tokenize(
+    model: dict[str, str], engine: dict[str, str], tokenizer: str | None, dialect: str,
+) -> None:
+    """The InferencePool's routing annotation carries the engines' tokenizer (an HF name becomes the EPP's hub
+    spec, a path stays a path on the mounted model cache) and their chat dialect (engine kind and version)."""
+    obj = copy.deepcopy(samples.MINIMAL)
+    obj["spec"] = {**obj["spec"], "model": {**obj["spec"].get("model", {}), **model}, "engine": engine}
+    (pool,) = [c for c in _render(obj) if c["kind"] == "InferencePool"]
+    routing = json.loads(pool["metadata"]["annotations"][ANN_ROUTING])
+    assert routing.get("tokenizer") == tokenizer and routing["chatDialect"] == dialect

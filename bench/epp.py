@@ -20,6 +20,11 @@
    partly hold, the index's bytes per entry (its table, and the EPP's RSS
    growth), the ingest rate, and the previous dict-of-dicts layout's bytes per
    entry measured on the same entries for the ratio.
+4. The model's tokenizer: the same 8-pod EPP with the pool's tokenizer ``builtin:qwen2.5`` (Qwen2.5's
+   files, its chat template) and, as the baseline in the same run, ``bytes``, on the same bodies: single
+   prompts of ~4k Qwen tokens (prose) and ~220 KB, and multi-turn chat (24 conversations of 8 turns, each
+   turn repeating the conversation, 1.4k → 4.5k tokens); decisions/s and EPP CPU per decision, and the
+   ratio real ÷ bytes (``real_tok_cpu_vs_bytes_*``). Its index holds the run's own picks only.
 
 Last line: ``{"bench": "epp", "decisions_per_s_4k", "decisions_per_s_220kb", "added_p50_ms", "added_p99_ms",
 "warm_decisions_per_s_4k", "warm_decisions_per_s_220kb", "warm_pick_p50_ms", "warm_pick_p99_ms",
@@ -76,10 +81,10 @@ def prompts(n: int, size: int, seed: int) -> list[bytes]:
     return out
 
 
-def messages(body: bytes) -> list[pb.ProcessingRequest]:
+def messages(body: bytes, path: bytes = b"/v1/completions") -> list[pb.ProcessingRequest]:
     headers = pb.HttpHeaders(
         headers=base_pb2.HeaderMap(headers=[
-            base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+            base_pb2.HeaderValue(key=":path", raw_value=path),
             base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
             base_pb2.HeaderValue(key="content-length", raw_value=str(len(body)).encode()),
         ]),
@@ -93,7 +98,7 @@ def messages(body: bytes) -> list[pb.ProcessingRequest]:
 
 
 async def decisions_per_s(target: str, bodies: list[bytes], seconds: float,
-                          concurrency: int = 16) -> tuple[float, int]:
+                          concurrency: int = 16, path: bytes = b"/v1/completions") -> tuple[float, int]:
     opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(target, options=opts) as ch:
         stub = pb_grpc.ExternalProcessorStub(ch)
@@ -102,7 +107,7 @@ async def decisions_per_s(target: str, bodies: list[bytes], seconds: float,
         stop_at = time.perf_counter() + seconds
 
         async def one(body: bytes) -> bool:
-            call = stub.Process(iter(messages(body)))
+            call = stub.Process(iter(messages(body, path)))
             picked = False
             async for resp in call:
                 if resp.HasField("request_headers"):
@@ -190,7 +195,9 @@ def start_epp(workdir: Path, pods: list[dict[str, Any]],
               **epp: Any) -> tuple[subprocess.Popen[bytes], int, int]:
     """The EPP in its own process on a static pool of ``pods``; returns it, its gRPC and its metrics port."""
     pods_file = workdir / "pods.yaml"
-    pods_file.write_text(yaml.safe_dump({"pools": [{"name": "bench", "models": ["m"], "pods": pods}]}))
+    tokenizer = epp.pop("pool_tokenizer", "bytes")  # routing measured apart from tokenization unless asked
+    pods_file.write_text(yaml.safe_dump({"pools": [{"name": "bench", "models": ["m"], "tokenizer": tokenizer,
+                                                    "pods": pods}]}))
     grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
     cfg = workdir / "epp.yaml"
     cfg.write_text(yaml.safe_dump({"epp": {"host": "127.0.0.1", "grpc_port": grpc_port,
@@ -291,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         envoys.clear()
         proc.terminate()
         proc.wait(10)
+        out.update(tokenizer_run(workdir, pods, seconds))
         if not args.no_warm:
             out.update(warm_run(workdir, args.warm_entries or 10_500_000, seconds, n_lat))
         out["cpus"] = os.cpu_count()
@@ -304,6 +312,77 @@ def main(argv: list[str] | None = None) -> int:
         upstream.stop()
     print(json.dumps(out))
     return 0
+
+
+# --- the model's tokenizer --------------------------------------------------------------------------------
+REAL_TOKENIZER = "builtin:qwen2.5"
+_WORDS = " ".join((
+    "the of and to in is that for it as with was on be by at this are from or have an not which",
+    "shipment container vessel port customs broker pallet weight invoice route carrier delay",
+    "schedule warehouse inventory forecast demand supplier contract freight tariff berth crane",
+    "manifest consignee declared inspection temperature humidity sensor reading report summary",
+)).split()
+
+
+def _prose(rng: random.Random, n_words: int) -> str:
+    words = rng.choices(_WORDS, k=n_words)
+    return " ".join(w.capitalize() + "." if i % 17 == 16 else w for i, w in enumerate(words))
+
+
+def real_prompts(n: int, tokens: int, seed: int) -> list[bytes]:
+    """Completions of about ``tokens`` Qwen2.5 tokens (prose: ~1.05 tokens a word), a shared 1k-token head."""
+    rng = random.Random(seed)
+    head = _prose(random.Random(0), 1000)
+    return [json.dumps({"model": "m", "prompt": head + " " + _prose(rng, max(1, tokens * 93 // 100 - 1000)),
+                        "max_tokens": 1}).encode() for _ in range(n)]
+
+
+def conversations(n: int, turns: int, seed: int) -> list[bytes]:
+    """Chat bodies of ``n`` conversations, turn by turn (each repeats the conversation so far): a 1k-token
+    system prompt, then turns of a ~300-token question and a ~100-token answer (about 4k tokens at turn 7)."""
+    rng = random.Random(seed)
+    system = _prose(random.Random(1), 1000)
+    out: list[bytes] = []
+    for _ in range(n):
+        msgs: list[dict[str, str]] = [{"role": "system", "content": system}]
+        for _t in range(turns):
+            msgs.append({"role": "user", "content": _prose(rng, 290)})
+            out.append(json.dumps({"model": "m", "messages": msgs, "max_tokens": 1}).encode())
+            msgs = [*msgs, {"role": "assistant", "content": _prose(rng, 95)}]
+    return out
+
+
+def tokenizer_run(workdir: Path, pods: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """Decisions/s and EPP CPU per decision with the model's tokenizer and chat template (Qwen2.5) against the
+    byte-level tokenizer on the same bodies, same run: single 4k-token and 220 KB prompts, and multi-turn
+    chat (each turn repeats the conversation). The index is warmed by the run's own picks."""
+    single = real_prompts(128, 4096, 11)
+    large = [json.dumps({"model": "m", "prompt": json.loads(b)["prompt"] * 11, "max_tokens": 1}).encode()
+             for b in real_prompts(16, 4096, 12)]  # about 220 KB of prose each
+    chats = conversations(24, 8, 13)
+    out: dict[str, Any] = {"tokenizer": REAL_TOKENIZER}
+    for tok, tag in ((REAL_TOKENIZER, "real_tok"), ("bytes", "bytes_tok")):
+        proc, grpc_port, _ = start_epp(workdir, pods, pool_tokenizer=tok)
+        try:
+            target = f"127.0.0.1:{grpc_port}"
+            runs = (("4k", single, b"/v1/completions"), ("220kb", large, b"/v1/completions"),
+                    ("multiturn_4k", chats, b"/v1/chat/completions"))
+            for name, bodies, path in runs:
+                c0 = cpu_seconds(proc.pid)
+                rate, errors = asyncio.run(decisions_per_s(target, bodies, seconds, path=path))
+                cpu = (cpu_seconds(proc.pid) - c0) / max(1.0, rate * seconds + 16) * 1e3
+                print(f"{tag:9s} {name:13s} decisions/s {rate:8.1f}  EPP CPU {cpu:7.2f} ms/decision"
+                      f"  (errors {errors})")
+                out[f"warm_decisions_per_s_{name}_{tag}"] = round(rate, 1)
+                out[f"epp_cpu_ms_per_decision_{name}_{tag}"] = round(cpu, 3)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    for name in ("4k", "220kb", "multiturn_4k"):
+        b = out[f"epp_cpu_ms_per_decision_{name}_bytes_tok"]
+        out[f"real_tok_cpu_vs_bytes_{name}"] = round(out[f"epp_cpu_ms_per_decision_{name}_real_tok"] / b, 2) \
+            if b else None
+    return out
 
 
 # --- warm index -------------------------------------------------------------------------------------------

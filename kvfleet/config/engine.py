@@ -141,9 +141,15 @@ class EngineSettings:
 
     ``replay_buffer_steps`` / ``replay_buffer_bytes``: the KV-event replay buffer
     keeps at most that many batches and that many bytes of them (oldest first out).
+
+    ``tokenizer``: how prompts become token ids, as a vLLM server of that model does
+    (:mod:`kvfleet.cache.modeltok`): ``builtin:NAME`` (files shipped with kvfleet), a directory with the
+    model's ``tokenizer.json`` and chat template, or ``bytes`` (one token per UTF-8 byte and kvfleet's own
+    chat template; for tests that need no files).
     """
 
     model: str = "llama-3-8b"
+    tokenizer: str = "builtin:qwen2.5"
     decode_ms_per_step: float = 9.0
     decode_ms_per_seq: float = 0.05
     max_model_len: int = 131072
@@ -179,6 +185,8 @@ class EngineSettings:
             raise ValueError("sim_kv_values_per_token must be > 0")
         if self.replay_buffer_steps <= 0 or self.replay_buffer_bytes <= 0:
             raise ValueError("replay_buffer_steps and replay_buffer_bytes must be > 0")
+        if not self.tokenizer.strip():
+            raise ValueError("tokenizer must be bytes, builtin:NAME or a directory")
         for peer in self.prefill_peers:
             try:
                 parse_host_port(peer)

@@ -86,7 +86,7 @@ class EppSettings:
     pods_file: str = ""
     namespace: str = "default"
     service_name: str = ""
-    tokenizer: str = "bytes"
+    tokenizer: str = "builtin:qwen2.5"
     tokenizer_cache_dir: str = ""
     tls_cert_file: str = ""
     tls_key_file: str = ""

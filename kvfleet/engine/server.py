@@ -16,9 +16,10 @@ on ``x-prefiller-host-port`` only for a member of ``engine.prefill_peers``
 equal its own (else the block is recomputed and counted as mismatched). Blocks
 kept for decode engines to pull are capped at half the GPU blocks (503 above that).
 
-Prompts are token ids (``prompt`` as a list of ints) or text, tokenized with
-the byte-level tokenizer shared with the EPP (:mod:`kvfleet.cache.tokens`);
-chat ``messages`` are rendered with the shared default template, so the EPP's
+Prompts are token ids (``prompt`` as a list of ints) or text, tokenized as a vLLM server of the model
+does (``engine.tokenizer``: the model's tokenizer files and chat template, :mod:`kvfleet.cache.modeltok`;
+or the byte-level tokenizer, :mod:`kvfleet.cache.tokens`);
+chat ``messages`` are rendered with the model's template (or kvfleet's default with ``bytes``), so the EPP's
 block keys equal the engine's. Every response carries
 ``usage.prompt_tokens_details.cached_tokens`` and the header
 ``x-kvfleet-pod`` (which pod served it).
@@ -55,6 +56,13 @@ from kvfleet.agent.transfer.auth import load_secret
 from kvfleet.agent.transfer.metrics import TransferMetrics
 from kvfleet.cache.errors import LockedError
 from kvfleet.cache.events import EventBuffer
+from kvfleet.cache.modeltok import (
+    ChatRequest,
+    ChatTemplateError,
+    ModelTokenizer,
+    UnsupportedChat,
+    load_model_tokenizer,
+)
 from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat, salt_extra_keys
 from kvfleet.config import Settings
 from kvfleet.engine.decode import admit_prefiller, start_remote_prefill
@@ -131,7 +139,8 @@ class EngineServer:
         #: the P/D transfers (prefill side: served, decode side: pulled) on the engine's own /metrics
         self.transfer_metrics = TransferMetrics(self.metrics.registry,
                                                 settings.transfer.link_capacity_gbps * 1e9)
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer: ByteTokenizer | ModelTokenizer = (
+            ByteTokenizer() if self.es.tokenizer == "bytes" else load_model_tokenizer(self.es.tokenizer))
         self.publisher: ZmqPublisher | None = None
         self.transfer_server: TransferServer | None = None
         self.secret = self._secret()
@@ -289,14 +298,7 @@ class EngineServer:
             raise NotFoundApiError(f"The model `{model}` does not exist.", param="model")
         check_sampling(data)
         check_request_fields(data, chat)
-        if chat:
-            try:
-                text = render_chat(data.get("messages"))
-            except ChatFormatError as exc:
-                raise ApiError(str(exc), param="messages") from None
-            ids = self.tokenizer.encode(text)
-        else:
-            ids = self._prompt_ids(data.get("prompt"))
+        ids = self._chat_ids(data) if chat else self._prompt_ids(data.get("prompt"))
         max_tokens = data.get("max_completion_tokens", data.get("max_tokens", 16))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ApiError("max_tokens must be a positive integer", param="max_tokens")
@@ -320,13 +322,30 @@ class EngineServer:
         return ParsedRequest(chat, ids, max_tokens, stream, include_usage, salt_extra_keys(salt),
                              remote_decode)
 
+    def _chat_ids(self, data: Mapping[str, Any]) -> npt.NDArray[np.uint32]:
+        """The chat prompt as vLLM renders and encodes it (the model's template), else kvfleet's template."""
+        tok = self.tokenizer
+        try:
+            if isinstance(tok, ByteTokenizer):
+                return tok.encode(render_chat(data.get("messages")))
+            add_gen = data.get("add_generation_prompt", True)
+            kwargs = data.get("chat_template_kwargs") or {}
+            if not isinstance(add_gen, bool) or not isinstance(kwargs, dict):
+                raise ApiError("add_generation_prompt must be a boolean and chat_template_kwargs an object")
+            return tok.encode_chat(ChatRequest(data.get("messages"), data.get("tools"), add_gen,
+                                               bool(data.get("continue_final_message", False)),
+                                               data.get("tool_choice"), kwargs))
+        except (ChatFormatError, UnsupportedChat, ChatTemplateError) as exc:
+            raise ApiError(str(exc), param="messages") from None
+
     def _prompt_ids(self, prompt: Any) -> npt.NDArray[np.uint32]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError("prompt must not be empty", param="prompt")
-            return self.tokenizer.encode(prompt)
+            tok = self.tokenizer
+            return tok.encode(prompt) if isinstance(tok, ByteTokenizer) else tok.encode_prompt(prompt)
         if isinstance(prompt, list) and prompt:
             try:
                 arr = np.asarray(prompt)

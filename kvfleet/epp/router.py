@@ -77,7 +77,11 @@ class Router:
         self.prefill_s_per_token = self.director.prefill_s_per_token
 
     def tokens_of(self, req: InferenceRequest, pool: Pool | None = None) -> np.ndarray:
-        """``req``'s token ids as ``pool``'s engines compute them; ValueError naming why they cannot be."""
+        """``req``'s token ids as ``pool``'s engines compute them (default: the first pool serving its model);
+        ValueError naming why they cannot be."""
+        if pool is None:
+            pools = self.director.locator.serving_pools(req.model)
+            pool = pools[0] if pools else None
         got = self.director.tokens_of(req, pool)
         if got.ids is None:
             raise ValueError(f"request not keyable: {got.reason} {got.detail}".rstrip())

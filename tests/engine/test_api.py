@@ -38,7 +38,7 @@ async def test_completion_reports_cached_prefix_on_repeat(make_engine: EngineFac
 
 
 async def test_text_prompt_is_byte_tokenized_and_salt_separates_caches(make_engine: EngineFactory) -> None:
-    eng = await make_engine()
+    eng = await make_engine(tokenizer="bytes")
     text = "x" * 40
     _, a, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
     assert a["usage"]["prompt_tokens"] == 40
@@ -47,6 +47,25 @@ async def test_text_prompt_is_byte_tokenized_and_salt_separates_caches(make_engi
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     _, c, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
     assert c["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+async def test_default_tokenizer_is_the_models_as_vllm_applies_it(make_engine: EngineFactory) -> None:
+    """The simulator's default is a real model's files (Qwen2.5): its token counts are the model's, chat
+    prompts go through its chat template, and a conversation the template rejects is a 400 as in vLLM."""
+    from kvfleet.cache.modeltok import ChatRequest, load_model_tokenizer
+
+    tok = load_model_tokenizer("builtin:qwen2.5")
+    eng = await make_engine()
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    _, a, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
+    assert a["usage"]["prompt_tokens"] == len(tok.encode_prompt(text)) < len(text) // 2
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    _, b, _ = await eng.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 1})
+    assert b["usage"]["prompt_tokens"] == len(tok.encode_chat(ChatRequest(msgs)))
+    nemo = await make_engine(tokenizer="builtin:mistral-nemo")
+    st, c, _ = await nemo.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+    assert st == 400 and "alternate" in c["error"]["message"]
 
 
 async def test_chat_stream_sse_framing(make_engine: EngineFactory) -> None:

@@ -246,7 +246,8 @@ class PodFleet:
             if roles:
                 entry["role"] = roles[i]
             pods.append(entry)
-        return {"pools": [{"name": "pool-a", "models": [model], "pods": pods}]}
+        # the fake pods tokenize one token per byte (kvfleet.cache.tokens): the pool says so, as real ones do
+        return {"pools": [{"name": "pool-a", "models": [model], "tokenizer": "bytes", "pods": pods}]}
 
     def by_port(self, port: int) -> FakePod:
         return next(p for p in self.pods if p.port == port)

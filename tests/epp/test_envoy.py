@@ -20,6 +20,7 @@ import pytest
 
 from kvfleet.demo.envoy import EnvoyProcess, free_port
 from kvfleet.epp.app import Epp
+from kvfleet.epp.protocol import InferenceRequest
 from tests.conftest import wait_for
 from tests.epp.pods import PodFleet, post, request
 
@@ -276,7 +277,7 @@ def test_misprediction_counts_what_the_decision_log_shows(
     epp = epp_factory(speculative_ttl_s=0.001)
     env = envoy_factory(epp_port=epp.grpc_port)
     stale = "A prompt the index thinks every pod holds. " * 10
-    keys = epp.router.keys_of(epp.router.tokenizer.encode(stale + "?"), None)
+    keys = epp.router.keys_of(epp.router.tokens_of(InferenceRequest(model="m", prompt=stale + "?")), None)
     for p in fleet.pods:
         epp.index.add(p.name, keys)  # stale: no pod computed it
     assert post(url(env), {"model": "m", "prompt": stale + "?"})[0] == 200

@@ -34,6 +34,7 @@ from __future__ import annotations
 import gzip
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -51,6 +52,9 @@ __all__ = [
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "data" / "tokenizers"
 BUILTIN_PREFIX = "builtin:"
+#: chat texts shorter than this are encoded whole; the piece cache holds at most this many characters
+PIECE_MIN_CHARS = 2048
+PIECE_CACHE_CHARS = 32 * 1024 * 1024
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 #: ``chat_template_kwargs`` the EPP can pass on unchanged (any other key: UnsupportedChat)
 PASSED_KWARGS = frozenset({"enable_thinking", "thinking"})
@@ -331,6 +335,26 @@ class ModelTokenizer:
                                               "cls_token", "mask_token")
                                if (t := _token_text(self.config.get(k))) is not None}
         self._lock = threading.Lock()
+        self._anchor = self._find_anchor()
+        self._pieces: OrderedDict[str, npt.NDArray[np.uint32]] = OrderedDict()
+        self._piece_chars = 0
+        self.piece_hits = 0
+        self.piece_misses = 0
+
+    def _find_anchor(self) -> str | None:
+        """The end-of-turn token a rendered chat can be cut after, exactly (see :meth:`encode`): the EOS token
+        when it is a special added token that absorbs no whitespace, is matched on the raw text and is no
+        part of another added token; else ``None`` (no reuse)."""
+        eos = self.special_tokens.get("eos_token")
+        if not eos:
+            return None
+        added = {t.content: t for t in self._tok.get_added_tokens_decoder().values()}
+        tok = added.get(eos)
+        if tok is None or not tok.special or tok.lstrip or tok.rstrip or tok.normalized or tok.single_word:
+            return None
+        if any(eos in other and other != eos for other in added):
+            return None
+        return str(eos)
 
     def __repr__(self) -> str:
         return f"ModelTokenizer({self.name!r})"
@@ -338,8 +362,48 @@ class ModelTokenizer:
     # --- completions ------------------------------------------------------------------------------
 
     def encode(self, text: str) -> npt.NDArray[np.uint32]:
-        """Token ids of ``text`` without special tokens (what a chat template's output is encoded with)."""
+        """Token ids of ``text`` without special tokens (what a chat template's output is encoded with).
+
+        Reuse across turns, exactly: the tokenizer splits its input on added tokens first and encodes the
+        text between them independently, so ``text`` cut right after each end-of-turn token (the anchor,
+        :meth:`_find_anchor`) encodes piece by piece to the same ids. Each piece's ids are kept by content
+        (an LRU of at most :data:`PIECE_CACHE_CHARS` characters): a follow-up turn, which repeats the
+        conversation, encodes only its new messages. ``tests/cache/test_modeltok.py`` compares it with a
+        whole encoding on every case it claims."""
+        anchor = self._anchor
+        if anchor is None or len(text) < PIECE_MIN_CHARS or anchor not in text:
+            return self._encode_whole(text)
+        parts: list[npt.NDArray[np.uint32]] = []
+        start = 0
+        n = len(anchor)
+        while start < len(text):
+            cut = text.find(anchor, start)
+            end = len(text) if cut < 0 else cut + n
+            parts.append(self._piece(text[start:end]))
+            start = end
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def _encode_whole(self, text: str) -> npt.NDArray[np.uint32]:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+    def _piece(self, piece: str) -> npt.NDArray[np.uint32]:
+        with self._lock:
+            ids = self._pieces.get(piece)
+            if ids is not None:
+                self._pieces.move_to_end(piece)
+                self.piece_hits += 1
+                return ids
+        ids = self._encode_whole(piece)
+        ids.flags.writeable = False
+        with self._lock:
+            self.piece_misses += 1
+            if piece not in self._pieces:
+                self._pieces[piece] = ids
+                self._piece_chars += len(piece)
+                while self._piece_chars > PIECE_CACHE_CHARS and self._pieces:
+                    old, _ = self._pieces.popitem(last=False)
+                    self._piece_chars -= len(old)
+        return ids
 
     def encode_prompt(self, text: str) -> npt.NDArray[np.uint32]:
         """Token ids of a completions ``prompt``: with the tokenizer's special-token rule (BOS)."""

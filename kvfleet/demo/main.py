@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet.config import load
+from kvfleet.config.engine import EngineSettings
 from kvfleet.demo.replay import Outcome, replay
 from kvfleet.demo.report import (
     PolicyResult,
@@ -209,7 +210,8 @@ class Demo:
         grpc_port, health_port, metrics_port = self.epp_ports
         # each engine's GPU blocks: level 1 weighs the prefix shards by capacity
         pods_path = write_yaml(self.cfg_dir / "pods.yaml",
-                               pods_file(self.pods, MODEL, kv_blocks=self.args.gpu_blocks))
+                               pods_file(self.pods, MODEL, kv_blocks=self.args.gpu_blocks,
+                                         tokenizer=EngineSettings().tokenizer))
         epp: dict[str, Any] = {
             "host": "127.0.0.1", "grpc_port": grpc_port, "health_port": health_port,
             "metrics_port": metrics_port,

@@ -213,11 +213,13 @@ def plan_pods(num_pods: int = 4, num_pools: int = 2, pd_pools: int = 1) -> list[
     return pods
 
 
-def pods_file(pods: Sequence[PodSpec], model: str, kv_blocks: int | None = None) -> dict[str, Any]:
+def pods_file(pods: Sequence[PodSpec], model: str, kv_blocks: int | None = None,
+              tokenizer: str | None = None) -> dict[str, Any]:
     """The EPP's static pods/pools file (``kvfleet.epp.datastore`` format): one InferencePool ``pool``
     whose prefix shards are the planned pod groups (``shard: pool-a``, ``pool-b``, ...), as the
     operator renders a KVCachePool. ``kv_blocks`` (each engine's GPU blocks) lets level 1 weigh the
-    shards by capacity in blocks (:mod:`kvfleet.epp.scheduling.pools`; else by pods)."""
+    shards by capacity in blocks (:mod:`kvfleet.epp.scheduling.pools`; else by pods). ``tokenizer``
+    declares the engines' tokenizer for the pool (else the EPP's own default applies)."""
     members = [
         {
             "name": p.name,
@@ -232,7 +234,10 @@ def pods_file(pods: Sequence[PodSpec], model: str, kv_blocks: int | None = None)
         }
         for p in pods
     ]
-    return {"pools": [{"name": "pool", "models": [model], "pods": members}]}
+    pool: dict[str, Any] = {"name": "pool", "models": [model], "pods": members}
+    if tokenizer:
+        pool["tokenizer"] = tokenizer
+    return {"pools": [pool]}
 
 
 def write_yaml(path: Path, data: Any) -> Path:

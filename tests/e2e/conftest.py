@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from kvfleet.config.engine import EngineSettings
 from kvfleet.demo.stack import (
     Child,
     PodSpec,
@@ -102,7 +103,8 @@ class Fleet:
 
     def start_epp(self) -> Child:
         grpc_port, health_port, metrics_port = self.epp_ports
-        pods_path = write_yaml(self.workdir / "pods.yaml", pods_file(self.pods, MODEL))
+        pods = pods_file(self.pods, MODEL, tokenizer=EngineSettings().tokenizer)
+        pods_path = write_yaml(self.workdir / "pods.yaml", pods)
         cfg = {"epp": {"host": "127.0.0.1", "grpc_port": grpc_port, "health_port": health_port,
                        "metrics_port": metrics_port, "pods_file": str(pods_path), "prefix_shard_blocks": 2}}
         path = write_yaml(self.workdir / "epp.yaml", cfg)

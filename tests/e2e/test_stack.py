@@ -82,6 +82,37 @@ def test_shared_prefix_lands_on_its_pod_and_is_cached(fleet: Fleet) -> None:
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 640 - 16
 
 
+def test_follow_up_chat_turn_goes_to_its_conversation_with_the_engines_cached_tokens(fleet: Fleet) -> None:
+    """The stack's pools run a real model's tokenizer and chat template (Qwen2.5's files, the default of
+    the simulator and the EPP): a conversation's second turn, through Envoy, lands on the pod that served
+    the first, and the tokens the EPP predicted cached equal those the engine reports cached."""
+    base = next(_ids) * 1000
+    doc = " ".join(f"Container {i} cleared customs at berth {i % 7} after a {i % 5}-hour inspection."
+                   for i in range(base, base + 90))
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You answer questions about shipping."},
+                                  {"role": "user", "content": doc + "\nWhich were inspected longest?"}]
+    st, first, hdrs = http_json(fleet.gateway + "/v1/chat/completions",
+                                {"model": MODEL, "messages": msgs, "max_tokens": 8})
+    assert st == 200, first
+    holder = hdrs["x-kvfleet-pod"]
+    assert first["usage"]["prompt_tokens"] > 1000  # Qwen tokens: ~4-5 characters each, not one per byte
+    msgs += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "And which berth saw the most?"}]
+
+    def second() -> tuple[float, Any]:
+        before = predicted_hits(fleet)
+        st, body, hdrs = http_json(fleet.gateway + "/v1/chat/completions",
+                                   {"model": MODEL, "messages": msgs, "max_tokens": 4})
+        predicted = predicted_hits(fleet) - before
+        assert st == 200 and hdrs["x-kvfleet-pod"] == holder and predicted > 0, (st, body, hdrs, predicted)
+        return predicted, body
+
+    predicted, body = wait_for(second, "the follow-up turn routed to its conversation", timeout_s=15,
+                               interval_s=0.2)
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert predicted == cached >= first["usage"]["prompt_tokens"] // 16 * 16
+
+
 def test_pd_returns_the_same_tokens_as_a_unified_engine(fleet: Fleet) -> None:
     decode = next(p for p in fleet.pods if p.role == "decode")
     prefill = next(p for p in fleet.pods if p.role == "prefill")

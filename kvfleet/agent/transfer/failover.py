@@ -21,7 +21,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvfleet.agent.transfer.auth import EMPTY_DIGEST
 from kvfleet.agent.transfer.backoff import Backoff
 from kvfleet.agent.transfer.channel import Channel, IdleTimeout
 from kvfleet.agent.transfer.connection import Allocator, _connect, _Connections, _Stream
@@ -261,7 +260,7 @@ class _Session:
                             raise
                 raw = s.ch.header_bytes()
                 if h.type == FrameType.MISSING and h.seq == seq:
-                    self._check_tag(s, raw, EMPTY_DIGEST, h)
+                    self._check_tag(s, raw, h)
                     raise BlockNotFoundError(bh)
                 want = FrameType.SLOT_BLOCK if s.ring is not None else FrameType.BLOCK
                 if h.type != want or h.seq != seq or h.block_hash != bh:
@@ -270,26 +269,26 @@ class _Session:
                 if len(dest) != h.length:
                     raise ValueError(f"allocator returned {len(dest)} bytes for a {h.length}-byte block")
                 if isinstance(s.ring, ShmRing):
-                    self._check_tag(s, raw, EMPTY_DIGEST, h)  # the slot, length and checksum are the sender's
+                    self._check_tag(s, raw, h)  # the slot, length and checksum are the sender's
                     s.ring.unlink()  # the sender has it mapped now
                     dest[:] = s.ring.slot(h.slot, h.length)
                     self._verify(h, dest)
                 elif isinstance(s.ring, RegisteredRing):
                     assert s.remote is not None
-                    self._check_tag(s, raw, EMPTY_DIGEST, h)
+                    self._check_tag(s, raw, h)
                     ring = s.ring
                     ring.engine.read(s.remote[0], ring.slot_addr(h.slot),
                                      s.remote[1] + h.slot * ring.slot_bytes, h.length)
                     dest[:] = ring.slot(h.slot, h.length)
                     self._verify(h, dest)
                 elif payload_mac:  # the tag covers the payload: no separate checksum pass unless it fails
-                    if not s.ch.recv_tag(raw, s.ch.recv_digest_into(dest)):
+                    if not s.ch.recv_block_mac(raw, dest):
                         self._verify(h, dest)  # a plain checksum mismatch: corrupt, not forged
                         raise IntegrityError(f"block seq {h.seq}: MAC mismatch with a matching checksum "
                                              "(altered in transit, or a wrong session key)")
                 else:
                     s.ch.recv_into(dest)
-                    self._check_tag(s, raw, EMPTY_DIGEST, h)
+                    self._check_tag(s, raw, h)
                     self._verify(h, dest)
                 s.received += 1
                 block = Block(seq, bh, dest)
@@ -306,8 +305,8 @@ class _Session:
             raise ChecksumError(f"block seq {h.seq} checksum mismatch")
 
     @staticmethod
-    def _check_tag(s: _Stream, raw: bytes, digest: bytes, h: Header) -> None:
-        if not s.ch.recv_tag(raw, digest):
+    def _check_tag(s: _Stream, raw: bytes, h: Header) -> None:
+        if not s.ch.recv_tag(raw):
             raise IntegrityError(
                 f"{h.type.name} seq {h.seq}: MAC mismatch (altered in transit, or a wrong session key)")
 

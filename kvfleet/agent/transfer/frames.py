@@ -3,7 +3,7 @@
 Header layout (network byte order)::
 
     0  2s  magic "KT"          12  Q  length   (body or block payload bytes)
-    2  B   version (2)         20  Q  checksum (xxh3_64 of the body/payload)
+    2  B   version (3)         20  Q  checksum (xxh3_64 of the body/payload)
     3  B   frame type          28  32s block hash (left-aligned, ``hash_len`` bytes)
     4  B   flags (bit0: int hash)  60 I  slot (shared-memory slot index)
     5  B   hash_len
@@ -15,7 +15,7 @@ frames carry the raw block bytes, which the receiver reads straight into a
 preallocated destination slot. Once the HMAC handshake is done, every frame
 in either direction is followed by a :data:`~kvfleet.agent.transfer.auth.TAG_BYTES`
 keyed MAC (see :class:`~kvfleet.agent.transfer.auth.FrameSeal`). Version 1
-had no tags: a peer announcing another version is refused with a
+had no tags, version 2 HMAC-SHA256 tags of 32 bytes: a peer announcing another version is refused with a
 :class:`VersionError` instead of having its frames misread. Every other
 decode error is a :class:`FrameError`.
 """
@@ -33,8 +33,8 @@ import xxhash
 from kvfleet.agent.transfer.errors import FrameError, VersionError
 
 MAGIC = b"KT"
-#: 2: frames after the handshake carry a keyed MAC (1: unkeyed xxh3 checksums only).
-VERSION = 2
+#: 3: GMAC tags (2: HMAC-SHA256 tags; 1: unkeyed xxh3 checksums only).
+VERSION = 3
 HEADER = struct.Struct("!2sBBBBHIQQ32sI")
 HEADER_SIZE = HEADER.size
 MAX_CONTROL_BYTES = 16 << 20

@@ -133,14 +133,14 @@ class _Conn:
             self.ch.send_frames(encode_header(FrameType.SLOT_BLOCK, seq=seq, length=len(view), checksum_=csum,
                                               block_hash=bh, slot=slot))
         else:
-            csum, digest = s.sums_of(bh, view, self.payload_mac)
+            csum = s.checksum_of(bh, view)
             hdr = encode_header(FrameType.BLOCK, seq=seq, length=len(view), checksum_=csum, block_hash=bh)
             hook = s.fault_hook
             if hook is None:
-                self.ch.send_block(hdr, view, digest)
+                self.ch.send_block(hdr, view, self.payload_mac)
             else:  # the tag covers the real frame, whatever the hook puts on the wire
                 wire, kill = hook(hdr, view)
-                self.ch.send_block(hdr, view, digest, wire=wire)
+                self.ch.send_block(hdr, view, self.payload_mac, wire=wire)
                 if kill:
                     raise StreamError("connection killed by fault injection")
         self.sent_blocks += 1
@@ -206,7 +206,7 @@ class TransferServer:
         self._conns: set[_Conn] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._sums: dict[BlockHash, tuple[int, int, bytes | None]] = {}
+        self._sums: dict[BlockHash, tuple[int, int]] = {}
 
     @property
     def port(self) -> int:
@@ -230,21 +230,13 @@ class TransferServer:
 
     def checksum_of(self, bh: BlockHash, view: memoryview) -> int:
         """A block's xxh3 checksum, cached per (hash, length): blocks are content-addressed."""
-        return self.sums_of(bh, view, False)[0]
-
-    def sums_of(self, bh: BlockHash, view: memoryview, digest: bool) -> tuple[int, bytes]:
-        """``(xxh3, SHA-256)`` of a block, cached like :meth:`checksum_of`; the SHA-256 only when
-        ``digest`` (else :data:`~kvfleet.agent.transfer.auth.EMPTY_DIGEST`: the tag covers the header only).
-        """
         hit = self._sums.get(bh)
         if hit is None or hit[0] != len(view):
-            hit = (len(view), checksum(view), None)
-        if digest and hit[2] is None:
-            hit = (hit[0], hit[1], auth.payload_digest(view))
-        if len(self._sums) > 65536:
-            self._sums.clear()
-        self._sums[bh] = hit
-        return hit[1], (hit[2] if digest and hit[2] is not None else auth.EMPTY_DIGEST)
+            hit = (len(view), checksum(view))
+            if len(self._sums) > 65536:
+                self._sums.clear()
+            self._sums[bh] = hit
+        return hit[1]
 
     def start(self) -> None:
         if "mooncake" in self.backends and self.mooncake is None:

@@ -7,6 +7,7 @@ import socket
 import threading
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from kvfleet.agent.transfer import (
@@ -48,7 +49,7 @@ class Tamper:
         return fixed + bytes(bad), False
 
 
-def test_tags_depend_on_key_counter_header_and_digest() -> None:
+def test_tags_depend_on_key_counter_header_and_payload() -> None:
     ns, nc = auth.new_nonce(), auth.new_nonce()
     s2c, c2s = auth.session_keys(SECRET, ns, nc, "tcp", True)
     assert s2c != c2s and len(s2c) == 32
@@ -60,16 +61,33 @@ def test_tags_depend_on_key_counter_header_and_digest() -> None:
         auth.session_keys(SECRET, ns, nc, "tcp", False),
     ):
         assert other[0] != s2c and other[1] != c2s
-    hdr, digest = b"h" * 64, auth.payload_digest(b"payload")
+    hdr, body = b"h" * 64, b"payload"
     tx, rx = auth.FrameSeal(s2c), auth.FrameSeal(s2c)
-    t0, t1 = tx.tag(hdr, digest), tx.tag(hdr, digest)
+    t0, t1 = tx.tag(hdr, body), tx.tag(hdr, body)
     assert len(t0) == auth.TAG_BYTES and t0 != t1  # the frame counter: no replay of an earlier frame
-    assert rx.check(hdr, digest, t0) and rx.check(hdr, digest, t1)
-    assert not auth.FrameSeal(c2s).check(hdr, digest, t0)  # wrong key
-    assert not auth.FrameSeal(s2c).check(hdr, auth.payload_digest(b"payloaD"), t0)  # altered payload
-    assert not auth.FrameSeal(s2c).check(b"H" + hdr[1:], digest, t0)  # altered header
+    assert rx.check(hdr, body, t0) and rx.check(hdr, body, t1)
+    assert not auth.FrameSeal(c2s).check(hdr, body, t0)  # wrong key
+    assert not auth.FrameSeal(s2c).check(hdr, b"payloaD", t0)  # altered payload
+    assert not auth.FrameSeal(s2c).check(b"H" + hdr[1:], body, t0)  # altered header
     replay = auth.FrameSeal(s2c)
-    assert replay.check(hdr, digest, t0) and not replay.check(hdr, digest, t0)  # the same frame twice
+    assert replay.check(hdr, body, t0) and not replay.check(hdr, body, t0)  # the same frame twice
+
+
+@pytest.mark.parametrize("size", [0, 1, 15, 17, 65536, 65537, (9 << 20) + 3])
+def test_a_tag_fed_piece_by_piece_equals_the_one_shot_tag(size: int) -> None:
+    """The receiver authenticates a payload in the pieces it lands in; the sender tags it whole (one call
+    over a joined copy up to 64 KiB, streamed above): both give the same tag at every size."""
+    key = auth.session_keys(SECRET, auth.new_nonce(), auth.new_nonce(), "tcp", True)[0]
+    hdr, payload = bytes(range(64)), np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes()
+    want = auth.FrameSeal(key).tag(hdr, payload)
+    mac = auth.FrameSeal(key).begin(hdr)
+    for off in range(0, size, 7919):  # odd pieces: not aligned to the 16-byte GHASH block
+        mac.update(memoryview(payload)[off : off + 7919])
+    assert mac.tag() == want
+    if size:
+        bad = bytearray(payload)
+        bad[size // 2] ^= 1
+        assert auth.FrameSeal(key).tag(hdr, bytes(bad)) != want
 
 
 async def test_a_tampered_payload_with_a_fixed_up_checksum_is_rejected_and_re_requested(
@@ -169,7 +187,7 @@ async def test_an_old_server_is_refused_with_a_version_error_and_not_retried(
     try:
         client = TransferClient(SECRET, settings=settings)
         handle = client.pull(("127.0.0.1", port), hashes)
-        with pytest.raises(VersionError, match="version 1, this side speaks 2"):
+        with pytest.raises(VersionError, match="version 1, this side speaks 3"):
             await handle.wait()
         assert handle.stats.retries == 0
         assert client.metrics.errors.labels("version")._value.get() == 1

@@ -14,6 +14,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfleet.cache.hashing import ExtraKeys
+from kvfleet.cache.modeltok import ChatRequest, ChatTemplateError, ModelTokenizer, UnsupportedChat
+from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat
 
 
 class ApiError(Exception):
@@ -160,3 +162,39 @@ class ParsedRequest:
     include_usage: bool
     extra_keys: ExtraKeys
     remote_decode: bool
+
+
+def chat_ids(tok: ByteTokenizer | ModelTokenizer, data: Mapping[str, Any]) -> npt.NDArray[np.uint32]:
+    """A chat request's prompt ids as vLLM renders and encodes them (the model's template), else with
+    kvfleet's template (the byte tokenizer)."""
+    try:
+        if isinstance(tok, ByteTokenizer):
+            return tok.encode(render_chat(data.get("messages")))
+        add_gen = data.get("add_generation_prompt", True)
+        kwargs = data.get("chat_template_kwargs") or {}
+        if not isinstance(add_gen, bool) or not isinstance(kwargs, dict):
+            raise ApiError("add_generation_prompt must be a boolean and chat_template_kwargs an object")
+        return tok.encode_chat(ChatRequest(data.get("messages"), data.get("tools"), add_gen,
+                                           bool(data.get("continue_final_message", False)),
+                                           data.get("tool_choice"), kwargs))
+    except (ChatFormatError, UnsupportedChat, ChatTemplateError) as exc:
+        raise ApiError(str(exc), param="messages") from None
+
+
+def prompt_ids(tok: ByteTokenizer | ModelTokenizer, prompt: Any) -> npt.NDArray[np.uint32]:
+    """A completion's ``prompt`` as ids: text encoded with the engine's special-token rule, or ids checked."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("prompt must not be empty", param="prompt")
+        return tok.encode(prompt) if isinstance(tok, ByteTokenizer) else tok.encode_prompt(prompt)
+    if isinstance(prompt, list) and prompt:
+        try:
+            arr = np.asarray(prompt)
+        except (ValueError, OverflowError):
+            arr = np.asarray([0.5])  # ragged or oversized: rejected below
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= 2**32:
+            raise ApiError("prompt token ids must be integers in [0, 2^32)", param="prompt")
+        return arr.astype(np.uint32)
+    raise ApiError("prompt must be a non-empty string or list of token ids", param="prompt")

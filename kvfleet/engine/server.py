@@ -29,10 +29,10 @@ Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``:
 ``x-prefiller-host-port``, 403 an unsigned internal request or a prefiller
 outside the pool, 404 unknown model, 503 when the engine cannot take the request.
 
-Size: one ~700-line module on purpose: :class:`EngineServer`'s handlers share one state (the scheduler, the
-KV, the holds kept for decode engines, the publisher, the trust checks) and read top to bottom as the request
-flows (parse → trust → schedule → complete or stream); the KV, the scheduler, P/D and the metrics are their
-own modules.
+:class:`EngineServer`'s handlers share one state (the scheduler, the KV, the holds kept for decode engines,
+the publisher, the trust checks) and read top to bottom as the request flows (parse → trust → schedule →
+complete or stream); request validation and tokenization (:mod:`kvfleet.engine.requests`), the KV, the
+scheduler, P/D and the metrics are their own modules.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -56,14 +54,8 @@ from kvfleet.agent.transfer.auth import load_secret
 from kvfleet.agent.transfer.metrics import TransferMetrics
 from kvfleet.cache.errors import LockedError
 from kvfleet.cache.events import EventBuffer
-from kvfleet.cache.modeltok import (
-    ChatRequest,
-    ChatTemplateError,
-    ModelTokenizer,
-    UnsupportedChat,
-    load_model_tokenizer,
-)
-from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat, salt_extra_keys
+from kvfleet.cache.modeltok import ModelTokenizer, load_model_tokenizer
+from kvfleet.cache.tokens import ByteTokenizer, salt_extra_keys
 from kvfleet.config import Settings
 from kvfleet.engine.decode import admit_prefiller, start_remote_prefill
 from kvfleet.engine.kv import EngineKV
@@ -83,8 +75,10 @@ from kvfleet.engine.requests import (
     NotFoundApiError,
     ParsedRequest,
     UnavailableApiError,
+    chat_ids,
     check_request_fields,
     check_sampling,
+    prompt_ids,
 )
 from kvfleet.engine.scheduler import (
     CapacityError,
@@ -298,7 +292,7 @@ class EngineServer:
             raise NotFoundApiError(f"The model `{model}` does not exist.", param="model")
         check_sampling(data)
         check_request_fields(data, chat)
-        ids = self._chat_ids(data) if chat else self._prompt_ids(data.get("prompt"))
+        ids = chat_ids(self.tokenizer, data) if chat else prompt_ids(self.tokenizer, data.get("prompt"))
         max_tokens = data.get("max_completion_tokens", data.get("max_tokens", 16))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ApiError("max_tokens must be a positive integer", param="max_tokens")
@@ -321,40 +315,6 @@ class EngineServer:
             stream = False  # the decode engine reads one JSON answer
         return ParsedRequest(chat, ids, max_tokens, stream, include_usage, salt_extra_keys(salt),
                              remote_decode)
-
-    def _chat_ids(self, data: Mapping[str, Any]) -> npt.NDArray[np.uint32]:
-        """The chat prompt as vLLM renders and encodes it (the model's template), else kvfleet's template."""
-        tok = self.tokenizer
-        try:
-            if isinstance(tok, ByteTokenizer):
-                return tok.encode(render_chat(data.get("messages")))
-            add_gen = data.get("add_generation_prompt", True)
-            kwargs = data.get("chat_template_kwargs") or {}
-            if not isinstance(add_gen, bool) or not isinstance(kwargs, dict):
-                raise ApiError("add_generation_prompt must be a boolean and chat_template_kwargs an object")
-            return tok.encode_chat(ChatRequest(data.get("messages"), data.get("tools"), add_gen,
-                                               bool(data.get("continue_final_message", False)),
-                                               data.get("tool_choice"), kwargs))
-        except (ChatFormatError, UnsupportedChat, ChatTemplateError) as exc:
-            raise ApiError(str(exc), param="messages") from None
-
-    def _prompt_ids(self, prompt: Any) -> npt.NDArray[np.uint32]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ApiError("prompt must not be empty", param="prompt")
-            tok = self.tokenizer
-            return tok.encode(prompt) if isinstance(tok, ByteTokenizer) else tok.encode_prompt(prompt)
-        if isinstance(prompt, list) and prompt:
-            try:
-                arr = np.asarray(prompt)
-            except (ValueError, OverflowError):
-                arr = np.asarray([0.5])  # ragged or oversized: rejected below
-            if arr.ndim != 1 or arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= 2**32:
-                raise ApiError("prompt token ids must be integers in [0, 2^32)", param="prompt")
-            return arr.astype(np.uint32)
-        raise ApiError("prompt must be a non-empty string or list of token ids", param="prompt")
 
     # -- handlers -----------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:

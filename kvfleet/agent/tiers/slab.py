@@ -1,11 +1,5 @@
 """The SSD tier in slab files: many fixed-size block slots per preallocated file.
 
-Longer than the package's ~500-line norm on purpose: writing a slot, reading
-it back, the calibration probe and the restart scan all read and change the
-same slot geometry, free list and leases under one lock, and each must agree
-with the others on the on-disk layout below; split, that agreement would span
-files.
-
 Layout of ``spec.path``::
 
     slab-00000.kvs   4096-byte file header  "KVFS" | version u16 | flags u16 | slot_bytes u64 | slots u64
@@ -27,17 +21,8 @@ restart; :meth:`SlabStore.forget` (a block moved to a faster tier) frees the
 slot but leaves its record, which stays valid until the slot is reused
 (blocks are content-addressed), so a restart can still find it.
 
-Direct I/O (``direct_io``, the default): slots are written and read with
-``O_DIRECT``, so the page cache does not keep a second copy of what the
-memory tiers above already cache, and a move costs what the device costs. A
-payload of :data:`ZERO_COPY_MIN` or more gets a header padded to a page; when
-it sits in page-aligned memory it is written and read in place (head page +
-payload in one vectored call). Other records go through a page-aligned bounce
-buffer per thread (record copied in, padded to 4 KiB; read back whole,
-checked, payload copied out). A filesystem that
-refuses ``O_DIRECT`` (tmpfs) gets buffered I/O and one log line. Clearing a
-slot's magic stays a buffered 4-byte write (the kernel writes it back before
-the next direct I/O on that range).
+Direct I/O (``direct_io``, the default): see :mod:`~.slabio`, which holds the aligned buffers, the
+vectored read/write loops and the calibration probe.
 
 Slot size: the first record's size plus :data:`HEADER_ROOM` for larger
 headers (more token ids), rounded up to 4 KiB; after a restart, the slot size
@@ -78,7 +63,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from kvfleet.agent.codecs import Payload, as_payload
 from kvfleet.agent.tiers.base import ScanReport, SlotLeases, TierStore, encoded_nbytes, spec_record
@@ -90,8 +74,7 @@ from kvfleet.agent.tiers.errors import (
     TierIOError,
     TruncatedBlockError,
 )
-from kvfleet.agent.tiers.fileio import advance_views, read_regular, remove_file
-from kvfleet.agent.tiers.memory import page_aligned
+from kvfleet.agent.tiers.fileio import read_regular, remove_file
 from kvfleet.agent.tiers.record import (
     MAGIC,
     PREFIX_SIZE,
@@ -103,6 +86,13 @@ from kvfleet.agent.tiers.record import (
     unpack,
     verify,
 )
+from kvfleet.agent.tiers.slabio import SLOT_ALIGN, ZERO_COPY_MIN, Bounce, probe
+from kvfleet.agent.tiers.slabio import aligned as _aligned
+from kvfleet.agent.tiers.slabio import dio_ready as _dio_ready
+from kvfleet.agent.tiers.slabio import io_error as _io_error
+from kvfleet.agent.tiers.slabio import pread_all as _pread_all
+from kvfleet.agent.tiers.slabio import pwrite_all as _pwrite_all
+from kvfleet.agent.tiers.slabio import slot_size as _slot_size
 from kvfleet.cache.hashing import BlockHash
 from kvfleet.cache.tiers import Tier
 from kvfleet.config.tiers import SsdTierSpec, TierSpec
@@ -115,10 +105,7 @@ _FILE_HEADER = struct.Struct("<4sHHQQ")
 FILE_HEADER_SIZE = 4096
 #: room left in a slot for record headers larger than the first one's.
 HEADER_ROOM = 1024
-SLOT_ALIGN = 4096
 SLAB_BYTES = 256 << 20
-#: payloads from this size on are read and written without a bounce copy under direct I/O (when aligned).
-ZERO_COPY_MIN = 64 << 10
 _NAME = re.compile(r"^slab-(\d{5})\.kvs$")
 _LEGACY, _LEGACY_TMP = ".kvb", ".kvb.tmp"
 _ZERO4 = bytes(4)
@@ -153,8 +140,8 @@ class SlabStore(TierStore):
         #: (O_DIRECT or the same)
         self._fds: list[int] = []
         self._io_fds: list[int] = []
-        self._bounce = _Bounce()
-        self._heads = _Bounce()
+        self._bounce = Bounce()
+        self._heads = Bounce()
         self._free: list[int] = []
         self._next_slot = 0
         self._slots: dict[int, _Slot] = {}
@@ -495,50 +482,13 @@ class SlabStore(TierStore):
             self._next_slot = 0
 
     def probe(self, nbytes: int) -> tuple[float, float, float]:
-        """Measure ``(read_Bps, write_Bps, latency_s)`` the way slots are written and read.
-
-        A throw-away file in the directory takes a 64-byte and an ``nbytes`` record (capped at a
-        quarter of the capacity), each one ``pwritev`` with its checksum, read back with one
-        ``preadv`` and checked; no slot is used, so the probe never fixes the slot size.
-        """
-        import time
-
-        nbytes = max(4096, min(nbytes, self.capacity_bytes // 4))
-        big = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
-        small = big[:64]
-        path = self.root / PROBE_NAME
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct else 0)
+        """Measure ``(read_Bps, write_Bps, latency_s)`` the way slots are written and read
+        (:func:`~.slabio.probe`, in a throw-away file: no slot is used, so the slot size stays open)."""
         try:
-            fd = os.open(path, flags, 0o644)
+            return probe(self.root / PROBE_NAME, max(4096, min(nbytes, self.capacity_bytes // 4)),
+                         self.direct, self._put_record, self._bounce)
         except OSError as exc:
             raise _io_error(self.tier, "cannot probe", exc) from exc
-        try:
-            times = []
-            for data in (small, big):
-                head = bytes(PREFIX_SIZE + 64)
-                dest = np.empty(data.nbytes, dtype=np.uint8)
-                t0 = time.perf_counter()
-                xxhash.xxh3_64_intdigest(memoryview(data.data))
-                self._put_record(fd, 0, head, memoryview(data.data), self.direct)
-                t1 = time.perf_counter()
-                if self.direct:  # read back whole through the aligned buffer, as read_into() does
-                    n = _slot_size(len(head) + data.nbytes)
-                    buf = self._bounce.get(n)
-                    _pread_all(fd, [memoryview(buf.data)[:n]], 0)
-                    np.copyto(dest, buf[len(head) : len(head) + data.nbytes])
-                else:
-                    _pread_all(fd, [bytearray(len(head)), memoryview(dest.data)], 0)
-                xxhash.xxh3_64_intdigest(memoryview(dest.data))
-                t2 = time.perf_counter()
-                times.append((t1 - t0, t2 - t1))
-        except OSError as exc:
-            raise _io_error(self.tier, "cannot probe", exc) from exc
-        finally:
-            os.close(fd)
-            remove_file(str(path))
-        (w_small, r_small), (w_big, r_big) = times
-        latency = max(1e-7, min(w_small, r_small))
-        return nbytes / max(1e-9, r_big - r_small), nbytes / max(1e-9, w_big - w_small), latency
 
     # -------------------------------------------------------------- rescan
 
@@ -647,59 +597,3 @@ class SlabStore(TierStore):
                 return
             report.blocks.append(meta)
         remove_file(path)
-
-
-class _Bounce(threading.local):
-    """A page-aligned buffer per thread for O_DIRECT slot I/O, grown on demand."""
-
-    buf: Payload | None = None
-
-    def get(self, nbytes: int) -> Payload:
-        if self.buf is None or self.buf.nbytes < nbytes:
-            self.buf = _aligned(nbytes)
-        return self.buf
-
-
-def _aligned(nbytes: int) -> Payload:
-    """``nbytes`` of page-aligned memory (rounded up to a page) as a uint8 array."""
-    return page_aligned(_slot_size(nbytes))
-
-
-def _dio_ready(head_len: int, body: memoryview) -> bool:
-    """Whether a record can go to an O_DIRECT fd as it is: page-sized head, page-aligned payload."""
-    if head_len % SLOT_ALIGN or body.nbytes % SLOT_ALIGN:
-        return False
-    return np.frombuffer(body, dtype=np.uint8).ctypes.data % SLOT_ALIGN == 0
-
-
-def _slot_size(n: int) -> int:
-    return max(SLOT_ALIGN, -(-n // SLOT_ALIGN) * SLOT_ALIGN)
-
-
-def _io_error(tier: Tier, what: str, exc: OSError) -> TierIOError:
-    kind = "no_space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
-    return TierIOError(f"{tier}: {what}: {exc}", kind=kind)
-
-
-def _pwrite_all(fd: int, parts: list[bytes | memoryview], offset: int) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = os.pwritev(fd, views, offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        offset += n
-        advance_views(views, n)
-
-
-def _pread_all(fd: int, parts: list[bytearray | memoryview], offset: int) -> int:
-    """Fill ``parts`` from ``offset``; returns the bytes read (short only at end of file)."""
-    views = [memoryview(p).cast("B") for p in parts]
-    total = 0
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            break
-        total += n
-        offset += n
-        advance_views(views, n)
-    return total

@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from kvfleet.agent.tiers.memory import PAGE, page_aligned
 from kvfleet.agent.tiers.record import copy_digest
-from kvfleet.agent.tiers.slab import ZERO_COPY_MIN
+from kvfleet.agent.tiers.slabio import ZERO_COPY_MIN
 
 #: bytes of copy buffers for writes queued by put(), carved from one slab and recycled.
 STAGING_BYTES = 64 << 20

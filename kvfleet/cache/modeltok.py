@@ -73,7 +73,11 @@ class Dialect:
     (the order of the OpenAI ``TypedDict`` vLLM validates it into; templates that ``tojson`` it show it),
     else ``{"id", "type", "function": {"name", "arguments"}}``; ``retry_wrapped_tools``: when the template
     fails on function-only tools, the engine renders again with each wrapped as ``{"function": ...}``;
-    ``drops_tools_on_none``: ``tool_choice: "none"`` renders no tools.
+    ``drops_tools_on_none``: ``tool_choice: "none"`` renders no tools; ``any_role``: a message of a role
+    other than system, user, assistant and tool goes to the template as it is (vLLM; SGLang's request model
+    refuses it); ``final_assistant``: a conversation may end with an assistant message (SGLang 0.5.23 hands
+    such a one to the template otherwise than this code does: not keyed); ``empty_prompt``: a completions
+    ``prompt`` of ``""`` is served (vLLM refuses it).
     """
 
     name: str
@@ -86,14 +90,17 @@ class Dialect:
     call_arguments_first: bool = False
     retry_wrapped_tools: bool = False
     drops_tools_on_none: bool = False
+    any_role: bool = False
+    final_assistant: bool = True
+    empty_prompt: bool = True
 
 
 _FN = {"name": None, "description": None, "parameters": None}
 #: by name: ``vllm`` (vLLM 0.11 and 0.33), ``sglang`` (SGLang 0.5.23), ``sglang-0.5.3``
 DIALECTS: dict[str, Dialect] = {d.name: d for d in (
-    Dialect("vllm", _FN, call_arguments_first=True),
+    Dialect("vllm", _FN, call_arguments_first=True, any_role=True, empty_prompt=False),
     Dialect("sglang", _FN, tool_extra={"defer_loading": None}, part_separator=" ", none_content=None,
-            generation_prompt_fixed=True, drops_tools_on_none=True),
+            generation_prompt_fixed=True, drops_tools_on_none=True, final_assistant=False),
     Dialect("sglang-0.5.3", {"description": None, "name": None, "parameters": None, "strict": False},
             tool_is_function=True, part_separator=" ", none_content=None, generation_prompt_fixed=True,
             retry_wrapped_tools=True, drops_tools_on_none=True),
@@ -262,11 +269,13 @@ def conversation(messages: Any, dialect: Dialect, content_format: str = "string"
         if not isinstance(msg, Mapping):
             raise UnsupportedChat("messages", f"{where} must be an object")
         role = msg.get("role")
-        if role not in ROLES:
+        if role not in ROLES and not (dialect.any_role and isinstance(role, str) and role):
             raise UnsupportedChat("role",
                                   f"{where}.role {role!r} is not keyed (known: {', '.join(sorted(ROLES))})")
         content = msg.get("content")
         texts: list[str] | None
+        if content is None and "content" in msg and role != "assistant":
+            raise UnsupportedChat("content", f"{where}.content is null (only an assistant's may be)")
         if content is None:
             texts = None
         elif isinstance(content, str):
@@ -289,6 +298,9 @@ def conversation(messages: Any, dialect: Dialect, content_format: str = "string"
         if isinstance(msg.get("name"), str):
             entry["name"] = msg["name"]
         out.append(entry)
+    if not dialect.final_assistant and out[-1]["role"] == "assistant":
+        raise UnsupportedChat("final_assistant",
+                              f"{dialect.name}: a conversation ending with an assistant turn is not keyed")
     return out
 
 

@@ -41,7 +41,6 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvfleet.cache.modeltok import ChatRequest
-from kvfleet.cache.tokens import ChatFormatError, render_chat
 from kvfleet.epp.errors import BadRequestError, BodyTooLargeError, EppError
 
 DEST_HEADER = "x-gateway-destination-endpoint"
@@ -127,10 +126,7 @@ def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceReque
         raise BadRequestError("'cache_salt' must be a string")
     stream = bool(data.get("stream", False))
     if api == CHAT:
-        try:
-            text = render_chat(data.get("messages"))
-        except ChatFormatError as exc:
-            raise BadRequestError(str(exc)) from None
+        text = chat_text(data.get("messages"))
         return InferenceRequest(api=api, model=model, prompt=text, cache_salt=salt, stream=stream,
                                 chat=chat_request(data))
     prompt = data.get("prompt")
@@ -143,6 +139,35 @@ def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceReque
         return InferenceRequest(api=api, model=model, prompt_token_ids=tuple(prompt), cache_salt=salt,
                                 stream=stream)
     raise BadRequestError("'prompt' must be a string or a non-empty list of token ids")
+
+
+def chat_text(messages: Any) -> str:
+    """Check the shape of chat ``messages`` (400 for what no engine takes: not a non-empty list of objects
+    with a string ``role``, ``content`` neither a string, a list of typed parts nor null) and return their
+    text as kvfleet's own template writes it, non-text parts as ``<|type|>`` (the picker's prompt text; the
+    pool's tokenizer decides the keys, and what it cannot render is routed on load, not refused)."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequestError("'messages' must be a non-empty list")
+    out: list[str] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadRequestError(f"messages[{i}] must be an object")
+        role, content = msg.get("role"), msg.get("content")
+        if not isinstance(role, str) or not role:
+            raise BadRequestError(f"messages[{i}].role must be a non-empty string")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if not isinstance(kind, str):
+                    raise BadRequestError(f"messages[{i}].content[{j}] must be an object with a 'type'")
+                text = part.get("text")
+                texts.append(text if kind == "text" and isinstance(text, str) else f"<|{kind}|>")
+            content = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise BadRequestError(f"messages[{i}].content must be a string, a list of parts or null")
+        out.append(f"<|{role}|>\n{content or ''}<|end|>\n")
+    return "".join(out) + "<|assistant|>\n"
 
 
 def chat_request(data: dict[str, Any]) -> ChatRequest:

@@ -40,12 +40,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfleet.cache.modeltok import (
+    DIALECTS,
     ChatTemplateError,
     ModelTokenizer,
     UnsupportedChat,
     load_model_tokenizer,
 )
-from kvfleet.cache.tokens import ByteTokenizer, render_chat
+from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat
 
 if TYPE_CHECKING:
     from kvfleet.epp.datastore import Pool
@@ -215,12 +216,17 @@ class PoolTokenizers:
         if isinstance(tok, str):
             return Tokens(None, tok)
         if not isinstance(tok, ModelTokenizer):  # the byte-level tokenizer and kvfleet's own template
-            text = req.prompt if req.chat is None else render_chat(req.chat.messages)
+            try:
+                text = req.prompt if req.chat is None else render_chat(req.chat.messages)
+            except ChatFormatError as exc:
+                return Tokens(None, "content_part", str(exc))
             return Tokens(tok.encode(text or ""))
         dialect = (pool.cache.chat_dialect if pool is not None else None) or "vllm"
         try:
             if req.chat is not None:
                 return Tokens(tok.encode_chat(req.chat, dialect))
+            if not req.prompt and not DIALECTS[dialect].empty_prompt:
+                return Tokens(None, "empty_prompt", f"{dialect} refuses an empty prompt")
             return Tokens(tok.encode_prompt(req.prompt or ""))
         except UnsupportedChat as exc:
             return Tokens(None, exc.reason, str(exc))

@@ -73,7 +73,7 @@ def test_dialects_differ_where_the_engines_do() -> None:
 @pytest.mark.parametrize(("chat", "reason"), [
     (ChatRequest([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "content_part"),
-    (ChatRequest([{"role": "critic", "content": "x"}]), "role"),
+    (ChatRequest([{"role": "user", "content": None}]), "content"),
     (ChatRequest([]), "messages"),
     (ChatRequest(TURN, continue_final_message=True), "continue_final_message"),
     (ChatRequest(TURN, chat_template_kwargs={"custom": 1}), "chat_template_kwargs"),
@@ -87,6 +87,22 @@ def test_what_cannot_be_reproduced_is_refused_with_a_reason(chat: ChatRequest, r
     with pytest.raises(UnsupportedChat) as err:
         QWEN.encode_chat(chat)
     assert err.value.reason == reason
+
+
+def test_unknown_roles_and_final_assistant_turns_follow_the_engines_dialect() -> None:
+    """vLLM hands a message of any role to the template (Qwen's skips one it does not know); SGLang's request
+    model refuses it. SGLang 0.5.23 renders a conversation that ends with an assistant turn otherwise than
+    vLLM: not keyed for it (tests/interop/test_chat_tokens.py holds both to the engines' own answers)."""
+    odd = ChatRequest([TURN[0], {"role": "critic", "content": "x"}, TURN[1]])
+    assert QWEN.render_chat(odd, "vllm") == QWEN.render_chat(ChatRequest(TURN), "vllm")
+    with pytest.raises(UnsupportedChat) as err:
+        QWEN.encode_chat(odd, "sglang")
+    assert err.value.reason == "role"
+    history = ChatRequest([*TURN, {"role": "assistant", "content": "ok"}], add_generation_prompt=False)
+    assert len(QWEN.encode_chat(history, "vllm")) and len(QWEN.encode_chat(history, "sglang-0.5.3"))
+    with pytest.raises(UnsupportedChat) as err:
+        QWEN.encode_chat(history, "sglang")
+    assert err.value.reason == "final_assistant"
 
 
 def test_a_conversation_the_template_rejects_is_a_template_error() -> None:

@@ -45,6 +45,17 @@ class TestParse:
         assert r.prompt == render_chat(msgs) == ("<|system|>\nbe brief<|end|>\n"
                                                  "<|user|>\nhi<|end|>\n<|assistant|>\n")
 
+    def test_chat_with_parts_engines_may_take_is_passed_on(self) -> None:
+        """Image and other typed parts are not the picker's to refuse (SGLang takes an image part even for a
+        text model): parsed, their place marked in the picker's prompt text, keyed or not by the pool's
+        tokenizer (tests/interop/test_chat_tokens.py::test_edge_requests_get_the_engines_answer)."""
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                             {"type": "image_url", "image_url": {"url": "data:,"}}]},
+                {"role": "narrator", "content": None}]
+        r = protocol.parse_request("/v1/chat/completions", body({"model": "m", "messages": msgs}), 10_000)
+        assert r.chat is not None and r.chat.messages == msgs
+        assert r.prompt == "<|user|>\nwhat is it?<|image_url|><|end|>\n<|narrator|>\n<|end|>\n<|assistant|>\n"
+
     @pytest.mark.parametrize(
         ("path", "payload"),
         [
@@ -57,7 +68,7 @@ class TestParse:
             ("/v1/completions", body({"model": "m", "prompt": "x", "cache_salt": 3})),
             ("/v1/chat/completions", body({"model": "m", "messages": []})),
             ("/v1/chat/completions",
-             body({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})),
+             body({"model": "m", "messages": [{"role": "user", "content": [{"text": "no type"}]}]})),
             ("/v1/completions", b'{"model": "m", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
             ("/v1/completions",
              body({"model": "m", "prompt": "x", "kv_transfer_params": {"do_remote_decode": True}})),

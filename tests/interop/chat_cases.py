@@ -42,3 +42,21 @@ CASES: dict[str, dict[str, Any]] = {
     "chat-no-generation-prompt": {"messages": TURN2, "add_generation_prompt": False},
 }
 CASES["chat-tool-choice-none"] = {"messages": TURN1, "tools": [WEATHER], "tool_choice": "none"}
+
+#: Requests at the edge of what an engine takes (unknown roles, messages without content, non-text parts, odd
+#: field types): whatever the engine answers, the EPP and the simulator must answer the same way (its ids
+#: when it takes them; never a key when it refuses them).
+EDGES: dict[str, dict[str, Any]] = {
+    "edge-unknown-role": {"messages": [{"role": "narrator", "content": "It was a dark night."}, TURN1[1]]},
+    "edge-no-content": {"messages": [TURN1[0], {"role": "user"}]},
+    "edge-null-content": {"messages": [TURN1[0], {"role": "user", "content": None}]},
+    "edge-empty-messages": {"messages": []},
+    "edge-assistant-last": {"messages": TURN2[:-1]},
+    "edge-image-part": {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in it?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]},
+    "edge-unknown-part": {"messages": [{"role": "user", "content": [{"type": "video", "video": "x"}]}]},
+    "edge-content-number": {"messages": [{"role": "user", "content": 42}]},
+    "edge-empty-prompt": {"prompt": ""},
+    "edge-tool-without-id": {"messages": [*TOOLS[:2], {"role": "tool", "content": "{}"}], "tools": [WEATHER]},
+}

@@ -26,9 +26,11 @@ from typing import Any
 import pytest
 
 from kvfleet.cache.hashing import BlockHasher
-from kvfleet.cache.modeltok import BUILTIN_DIR, dialect_for
+from kvfleet.cache.modeltok import BUILTIN_DIR, dialect_for, load_model_tokenizer
 from kvfleet.config import load
+from kvfleet.engine.requests import ApiError, chat_ids, prompt_ids
 from kvfleet.epp.datastore import Pool, PoolCache, StaticDatastore
+from kvfleet.epp.errors import EppError
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.podmetrics import MetricsStore
 from kvfleet.epp.protocol import CHAT, COMPLETIONS, parse_request
@@ -37,7 +39,7 @@ from kvfleet.epp.subscriber import EventSubscriber
 from kvfleet.epp.tokenize import PoolTokenizers
 from kvfleet.operator.engines import SGLANG_TESTED, VLLM_TESTED
 from tests.conftest import wait_for
-from tests.interop.chat_cases import CASES, TURN2
+from tests.interop.chat_cases import CASES, EDGES, TURN2
 from tests.interop.conftest import HERE, engine_python, held, join, release
 from tests.interop.test_vllm_events import VllmPublisher
 
@@ -82,7 +84,7 @@ def engine_ids(engine: str, version: str, model: str, tmp: Path) -> dict[str, di
     model)."""
     key = (engine, version, model)
     if key not in _RESULTS:
-        cases = {**CASES, HISTORY: {"messages": TURN2[:-1], "add_generation_prompt": False}}
+        cases = {**CASES, **EDGES, HISTORY: {"messages": TURN2[:-1], "add_generation_prompt": False}}
         path = tmp / f"cases-{engine}-{version}-{model}.json"
         path.write_text(json.dumps([{"id": k, "body": {"model": "m", **v}} for k, v in cases.items()]))
         parser = MODELS[model][1] if engine == "vllm" else MODELS[model][2]
@@ -136,6 +138,47 @@ def test_epp_prompt_tokens_equal_the_engines(
             pytest.fail(f"{engine} {version} {model} {case}: token ids differ\n"
                         f" EPP:    {dec(ids)!r}\n engine: {dec(r['ids'])!r}")
         assert not body.get("prompt") or len(ids) > 10
+
+
+def sim_ids(body: dict[str, Any], model: str) -> list[int] | None:
+    """What the engine simulator (which stands for vLLM) computes for ``body``; None when it answers 400."""
+    tok = load_model_tokenizer(f"builtin:{model}")
+    try:
+        ids = chat_ids(tok, body) if "messages" in body else prompt_ids(tok, body.get("prompt"))
+    except ApiError:
+        return None
+    return [int(i) for i in ids]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize(("engine", "version"), RELEASES, ids=[f"{e}-{v}" for e, v in RELEASES])
+def test_edge_requests_get_the_engines_answer(engine: str, version: str, model: str,
+                                              models_root: Path) -> None:
+    """Where the engine takes an odd request, the EPP passes it on, keyed with the engine's ids or routed on
+    load (counted), never refused or keyed otherwise; where the engine refuses one, the EPP never keys it (a
+    400 of its own, or routed on load). The simulator, which stands for vLLM, takes and refuses what vLLM
+    does, with vLLM's ids (and every regular case with them too)."""
+    results = engine_ids(engine, version, model, models_root)
+    tokenizers = PoolTokenizers()
+    pool = pool_of(model, engine, version)
+    for case, body in EDGES.items():
+        r = results[case]
+        try:
+            ids, reason = epp_ids(body, pool, tokenizers)
+        except EppError as exc:
+            ids, reason = None, f"EPP {exc.status}: {exc}"
+        if "error" in r:
+            assert ids is None, f"{engine} {version} refuses {case} ({r['error'][:200]}) but the EPP keyed it"
+        else:
+            who = f"{engine} {version} takes {case}"
+            assert not reason.startswith("EPP "), f"{who}; the EPP refused it: {reason}"
+            assert ids is None or ids == r["ids"], f"{who}; the EPP keyed it otherwise"
+    if engine == "vllm":
+        for case, body in {**CASES, **EDGES}.items():
+            r, ids = results[case], sim_ids(body, model)
+            want = None if "error" in r else r["ids"]
+            assert ids == want, (f"simulator vs vLLM {version} on {case}: "
+                                 f"{'400' if ids is None else 'ids'} vs {r.get('error', 'ids')!s:.200}")
 
 
 def test_completions_follow_the_bos_rule(models_root: Path) -> None:

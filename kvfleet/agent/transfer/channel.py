@@ -28,8 +28,8 @@ from kvfleet.agent.transfer.errors import IntegrityError, StreamError
 from kvfleet.agent.transfer.frames import HEADER_SIZE, Header, decode_body, decode_header
 
 #: A MAC-covered block payload is received in pieces of at most this size, each
-#: authenticated as soon as it is in: one ``recv`` per block up to 8 MiB.
-HASH_CHUNK = 8 << 20
+#: authenticated as soon as it is in, while the next piece arrives.
+HASH_CHUNK = 1 << 20
 
 
 class PeerClosed(StreamError):
@@ -125,13 +125,9 @@ class Channel:
         tx = self.tx
         assert tx is not None, "send_block before the handshake"
         with self._send_lock:
-            if not cover_payload:
-                tag = tx.tag(header)
-                return self._send_locked((header, payload, tag) if wire is None else (wire, tag))
-            # the frame goes out first and its tag after: the sender authenticates the payload while
-            # the receiver is still reading it (the tag trails the frame either way)
-            sent = self._send_locked((header, payload) if wire is None else (wire,))
-            return sent + self._send_locked((tx.tag(header, payload),))
+            # one write with the tag: a tag sent after the frame arrives late and stalls the receiver
+            tag = tx.tag(header, payload if cover_payload else b"")
+            return self._send_locked((header, payload, tag) if wire is None else (wire, tag))
 
     def _send_locked(self, parts: tuple[bytes | bytearray | memoryview, ...] | list[bytes]) -> int:
         """Gather-write ``parts``; the caller holds the send lock."""

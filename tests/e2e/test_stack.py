@@ -113,6 +113,24 @@ def test_follow_up_chat_turn_goes_to_its_conversation_with_the_engines_cached_to
     assert predicted == cached >= first["usage"]["prompt_tokens"] // 16 * 16
 
 
+@pytest.mark.parametrize(("message", "status"), [
+    ({"role": "narrator", "content": "It was late."}, 200),  # vLLM passes it; Qwen's template skips it
+    ({"role": "user"}, 200),  # vLLM takes a message without content
+    ({"role": "user", "content": None}, 400),  # and refuses an explicit null (interop: test_chat_tokens)
+])
+def test_odd_chat_messages_get_the_engines_answer_through_the_gateway(
+    fleet: Fleet, message: dict[str, Any], status: int
+) -> None:
+    """Chat messages at the edge: the picker passes them on (keyed or routed on load), the engine answers as
+    vLLM does, and a refusal reaches the client as an OpenAI-shaped 400 naming the field."""
+    msgs = [{"role": "system", "content": "Be brief."}, message, {"role": "user", "content": "Hi."}]
+    st, body, _ = http_json(fleet.gateway + "/v1/chat/completions",
+                            {"model": MODEL, "messages": msgs, "max_tokens": 2})
+    assert st == status, body
+    if status == 400:
+        assert body["error"]["param"] == "messages" and "null" in body["error"]["message"]
+
+
 def test_pd_returns_the_same_tokens_as_a_unified_engine(fleet: Fleet) -> None:
     decode = next(p for p in fleet.pods if p.role == "decode")
     prefill = next(p for p in fleet.pods if p.role == "prefill")

@@ -23,158 +23,40 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-
+from bench._live import (
+    MODEL,
+    TOKENIZER,
+    Engines,
+    Result,
+    cpu_s,
+    drive,
+    measured_pid,
+    pct,
+    scripts,
+    system_prompts,
+)
 from kvfleet.demo.envoy import envoy_binary
 from kvfleet.demo.stack import (
     Child,
-    PodSpec,
     ProcessStack,
-    engine_env,
-    engine_settings,
     free_port,
-    plan_pods,
     pods_file,
-    reset_engine,
     write_yaml,
 )
 from kvfleet.epp.envoy import write_bootstrap
 
-MODEL = "llama-3-8b"
-TOKENIZER = "builtin:qwen2.5"
-_TICK = os.sysconf("SC_CLK_TCK")
-WORDS = ["freight", "container", "berth", "customs", "pallet", "manifest", "inspection", "vessel", "harbour",
-         "crane", "tariff", "broker", "invoice", "shipment", "consignee", "carrier", "draft", "ledger",
-         "route", "schedule"]
 
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, every thread included."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def measured_pid(child: Child) -> int:
-    """The process to measure: the child itself, or the one process it runs (py-spy's EPP)."""
-    try:
-        kids = Path(f"/proc/{child.proc.pid}/task/{child.proc.pid}/children").read_text().split()
-    except OSError:
-        kids = []
-    return int(kids[0]) if child.name == "epp" and len(kids) == 1 else child.proc.pid
-
-
-@dataclass
-class Result:
-    ttft: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    failed: int = 0
-    cpu: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def requests(self) -> int:
-        return len(self.ttft)
-
-
-def system_prompts(n: int, words: int, rng: random.Random) -> list[str]:
-    return [f"System {i}: you answer for team {i}. " + " ".join(rng.choice(WORDS) for _ in range(words))
-            for i in range(n)]
-
-
-def scripts(clients: int, sessions: int, turns: int, prompts: list[str], seed: int) -> list[list[list[str]]]:
-    """Per client, per session: the system prompt then the user turns (seeded: both routers get these)."""
-    rng = random.Random(seed)
-    def question(c: int, s: int, t: int) -> str:
-        return f"Question {c}.{s}.{t}: " + " ".join(rng.choice(WORDS) for _ in range(12))
-
-    return [[[rng.choice(prompts)] + [question(c, s, t) for t in range(turns)] for s in range(sessions)]
-            for c in range(clients)]
-
-
-async def run_client(url: str, script: list[list[str]], res: Result) -> None:
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
-        for session in script:
-            msgs: list[dict[str, str]] = [{"role": "system", "content": session[0]}]
-            for question in session[1:]:
-                msgs.append({"role": "user", "content": question})
-                body = {"model": MODEL, "messages": msgs, "max_tokens": 8, "stream": True,
-                        "stream_options": {"include_usage": True}}
-                t0, ttft, text, usage = time.monotonic(), None, "", None
-                try:
-                    async with s.post(url, json=body) as r:
-                        if r.status != 200:
-                            res.failed += 1
-                            await r.read()
-                            break
-                        async for line in r.content:
-                            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                                continue
-                            if ttft is None:
-                                ttft = time.monotonic() - t0
-                            chunk = json.loads(line[5:])
-                            for ch in chunk.get("choices") or []:
-                                text += (ch.get("delta") or {}).get("content") or ""
-                            usage = chunk.get("usage") or usage
-                except (aiohttp.ClientError, TimeoutError):
-                    res.failed += 1
-                    break
-                if ttft is None or usage is None:
-                    res.failed += 1
-                    break
-                res.ttft.append(ttft)
-                res.prompt_tokens += usage["prompt_tokens"]
-                res.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                msgs.append({"role": "assistant", "content": text})
-
-
-async def drive(url: str, work: list[list[list[str]]]) -> Result:
-    res = Result()
-    await asyncio.gather(*(run_client(url, script, res) for script in work))
-    return res
-
-
-class Bench:
-    def __init__(self, stack: ProcessStack, args: argparse.Namespace) -> None:
-        self.stack, self.args = stack, args
-        self.pods: list[PodSpec] = plan_pods(args.pods, 1, 0)
-
-    def start_engines(self) -> None:
-        for p in self.pods:
-            cfg = {"engine": engine_settings(self.pods, p, MODEL, time_factor=self.args.time_factor,
-                                             num_gpu_blocks=self.args.gpu_blocks, tokenizer=TOKENIZER)}
-            path = write_yaml(self.stack.workdir / f"{p.name}.yaml", cfg)
-            child = self.stack.spawn_kvfleet(p.name, ["engine", "--config", str(path), "--log-level",
-                                                      "WARNING"], engine_env(self.stack.transfer_secret))
-            self.stack.wait_http(child, f"http://127.0.0.1:{p.port}/health", timeout_s=60)
-
-    def reset(self) -> None:
-        for p in self.pods:
-            reset_engine(p.port, self.stack.transfer_secret)
-
-    def stop(self, *children: Child) -> None:
-        for c in children:
-            c.proc.terminate()
-            try:
-                c.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
-            self.stack.children.remove(c)
+class Bench(Engines):
+    """The engines, and sglang-router or Envoy + the EPP in front of them in turn."""
 
     @contextmanager
     def sglang_router(self) -> Iterator[tuple[str, dict[str, Child]]]:
@@ -231,10 +113,6 @@ class Bench:
               + f"; TTFT p50 {pct(res.ttft, 50) * 1e3:.0f} ms, p90 {pct(res.ttft, 90) * 1e3:.0f} ms; "
               f"hit {res.cached_tokens / max(1, res.prompt_tokens):.3f}", flush=True)
         return res
-
-
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100)[int(q) - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
 
 
 def main(argv: list[str] | None = None) -> int:

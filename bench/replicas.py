@@ -1,0 +1,147 @@
+"""bench.replicas — three real EPP replicas against one, live: the same engines, the same requests.
+
+Four simulated engines (one pool, Qwen2.5's tokenizer and chat template) behind one Envoy (the chart's
+gateway configuration: ext_proc BUFFERED, routing on the picked header). In turn, Envoy's ext_proc cluster
+is one ``kvfleet epp`` process, or three (Envoy balances the streams over them; each replica subscribes to
+every engine's KV events, scrapes the engines on its own clock and gossips its picks and in-flight load to
+the others over ZMQ, as the chart runs them). Two workloads, each on empty engine caches and fresh
+pickers:
+
+* ``storm``: 16 clients at once, each request one of two long system prompts with a new question;
+* ``multiturn``: 8 clients × chat sessions on six long system prompts, each turn repeating the
+  conversation so far.
+
+Printed per workload: the hit rate (cached ÷ prompt tokens the engines report) and TTFT p50/p90/p99 (time
+to the first streamed chunk) of each, and ``live_replicas3_hit_vs_1``, ``live_replicas3_p50_vs_1``,
+``live_replicas3_p90_vs_1``, ``live_replicas3_p99_vs_1`` over both workloads (the worse of the two).
+Rounds alternate 1 then 3, then 3 then 1 (``--reps``). Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench._live import MODEL, TOKENIZER, Engines, Result, drive, pct, scripts, system_prompts
+from kvfleet.demo.envoy import envoy_binary
+from kvfleet.demo.stack import Child, ProcessStack, free_port, pods_file, write_yaml
+from kvfleet.epp.envoy import write_bootstrap
+
+Work = list[list[list[str]]]
+
+
+class Bench(Engines):
+    @contextmanager
+    def gateway(self, replicas: int) -> Iterator[str]:
+        """Envoy in front of ``replicas`` EPP processes (gossiping when more than one)."""
+        pods = write_yaml(self.stack.workdir / "pods.yaml", pods_file(self.pods, MODEL, tokenizer=TOKENIZER))
+        ports = [(free_port(), free_port(), free_port(), free_port()) for _ in range(replicas)]
+        children: list[Child] = []
+        try:
+            for i, (grpc, health, metrics, gossip) in enumerate(ports):
+                epp = {"host": "127.0.0.1", "grpc_port": grpc, "health_port": health, "metrics_port": metrics,
+                       "pods_file": str(pods)}
+                if replicas > 1:
+                    epp |= {"gossip_port": gossip,
+                            "gossip_peers": [f"127.0.0.1:{p[3]}" for j, p in enumerate(ports) if j != i]}
+                cfg = write_yaml(self.stack.workdir / f"epp-{i}.yaml", {"epp": epp})
+                child = self.stack.spawn_kvfleet(f"epp-{i}", ["epp", "--config", str(cfg), "--log-level",
+                                                              "WARNING"])
+                children.append(child)
+                self.stack.wait_http(child, f"http://127.0.0.1:{metrics}/metrics", timeout_s=60)
+            listen, admin = free_port(), free_port()
+            boot = write_bootstrap(self.stack.workdir / "envoy.yaml", listen_port=listen, admin_port=admin,
+                                   epp_endpoints=[f"127.0.0.1:{p[0]}" for p in ports], body_mode="BUFFERED")
+            envoy = self.stack.spawn("envoy", [envoy_binary(), "-c", str(boot), "--base-id", str(admin), "-l",
+                                               "warning", "--concurrency", "1", "--disable-hot-restart"])
+            children.append(envoy)
+            self.stack.wait_http(envoy, f"http://127.0.0.1:{admin}/ready", timeout_s=60)
+            time.sleep(1.0)  # every replica connected to every engine's KV events, gossip peers found
+            yield f"http://127.0.0.1:{listen}/v1/chat/completions"
+        finally:
+            self.stop(*reversed(children))
+
+    def phase(self, replicas: int, name: str, work: Work, warm: Work) -> Result:
+        with self.gateway(replicas) as url:
+            asyncio.run(drive(url, warm))
+            self.reset()
+            time.sleep(0.5)
+            res = asyncio.run(drive(url, work))
+        print(f"{name:9s} {replicas} EPP: {res.requests} requests ({res.failed} failed); TTFT p50 "
+              f"{pct(res.ttft, 50) * 1e3:.0f} ms, p90 {pct(res.ttft, 90) * 1e3:.0f} ms, p99 "
+              f"{pct(res.ttft, 99) * 1e3:.0f} ms; hit {res.cached_tokens / max(1, res.prompt_tokens):.3f}",
+              flush=True)
+        return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one round, fewer sessions (about 3 minutes)")
+    ap.add_argument("--reps", type=int, default=0, help="alternated rounds (default: 1 quick, else 2)")
+    ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--time-factor", type=float, default=0.1, help="simulated GPU time scale of the engines")
+    ap.add_argument("--gpu-blocks", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=2)
+    args = ap.parse_args(argv)
+    reps = args.reps or (1 if args.quick else 2)
+    rng = random.Random(args.seed)
+    scale = 1 if args.quick else 2
+    workloads: dict[str, Work] = {
+        "storm": scripts(16, 4 * scale, 1, system_prompts(2, 1200, rng), args.seed),
+        "multiturn": scripts(8, 3 * scale, 4, system_prompts(6, 900, rng), args.seed + 1),
+    }
+    warm = scripts(2, 1, 2, system_prompts(2, 200, random.Random(args.seed + 7)), args.seed + 7)
+    results: dict[tuple[str, int], list[Result]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvfleet-replicas-") as tmp, ProcessStack(Path(tmp)) as stack:
+        b = Bench(stack, args)
+        b.start_engines()
+        for r in range(reps):
+            for replicas in ((1, 3) if r % 2 == 0 else (3, 1)):
+                for name, work in workloads.items():
+                    results.setdefault((name, replicas), []).append(b.phase(replicas, name, work, warm))
+
+    def merged(name: str, replicas: int) -> Result:
+        m = Result()
+        for x in results[(name, replicas)]:
+            m.ttft += x.ttft
+            m.prompt_tokens += x.prompt_tokens
+            m.cached_tokens += x.cached_tokens
+            m.failed += x.failed
+        return m
+
+    out: dict[str, object] = {"bench": "replicas", "reps": reps, "pods": args.pods, "tokenizer": TOKENIZER}
+    worst = {"hit": float("inf"), "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    failed = 0
+    for name in workloads:
+        one, three = merged(name, 1), merged(name, 3)
+        hit1 = one.cached_tokens / max(1, one.prompt_tokens)
+        hit3 = three.cached_tokens / max(1, three.prompt_tokens)
+        ratios = {"hit": hit3 / max(1e-9, hit1)}
+        for q in (50, 90, 99):
+            ratios[f"p{q}"] = pct(three.ttft, q) / pct(one.ttft, q)
+            out[f"{name}_ttft_p{q}_ms_1"] = round(pct(one.ttft, q) * 1e3, 1)
+            out[f"{name}_ttft_p{q}_ms_3"] = round(pct(three.ttft, q) * 1e3, 1)
+        out[f"{name}_hit_1"], out[f"{name}_hit_3"] = round(hit1, 4), round(hit3, 4)
+        out[f"{name}_requests"] = one.requests // reps
+        print(f"{name}: 3 replicas / 1: hit {ratios['hit']:.3f}, TTFT p50 {ratios['p50']:.2f}, "
+              f"p90 {ratios['p90']:.2f}, p99 {ratios['p99']:.2f}")
+        worst["hit"] = min(worst["hit"], ratios["hit"])
+        for key in ("p50", "p90", "p99"):
+            worst[key] = max(worst[key], ratios[key])
+        failed += one.failed + three.failed
+    for key in ("hit", "p50", "p90", "p99"):
+        out[f"live_replicas3_{key}_vs_1"] = round(worst[key], 3)
+    out["failed"] = failed
+    print(json.dumps(out))
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -60,6 +60,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from bench import index_scale
 from kvfleet.agent.publisher import ZmqPublisher
 from kvfleet.cache.events import AnyEvent, KVEventBatch, stored
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-entries", type=int, default=0,
                     help="(block, pod) entries of the warm run's index (default 10.5M; 0 with --no-warm)")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-index run")
+    ap.add_argument("--no-index-scale", action="store_true",
+                    help="skip the index at 10 M entries x 256 pods (bench.index_scale)")
     ap.add_argument("--publish", metavar="SPEC", help=argparse.SUPPRESS)  # the warm run's publisher process
     args = ap.parse_args(argv)
     if args.publish:
@@ -301,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         out.update(tokenizer_run(workdir, pods, seconds))
         if not args.no_warm:
             out.update(warm_run(workdir, args.warm_entries or 10_500_000, seconds, n_lat))
+        if not args.no_index_scale:  # the index alone at fleet scale (bench/index_scale.py)
+            out.update(index_scale.run(queries=500 if args.quick else 2000))
         out["cpus"] = os.cpu_count()
         out["loadavg_1m"] = round(os.getloadavg()[0], 2)
     finally:

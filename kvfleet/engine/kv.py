@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,11 +97,23 @@ def project_blocks(
     return [row.tobytes() for row in raw]
 
 
-def output_token(digest: int, step: int) -> int:
-    """The simulated model's token at ``step`` for a KV digest: printable ASCII (lowercase or space)."""
+#: What the simulated model writes: lowercase letters and spaces.
+OUTPUT_CHARS = "abcdefghijklmnopqrstuvwxyz "
+
+
+def output_token(digest: int, step: int, alphabet: Sequence[int] | None = None) -> int:
+    """The simulated model's token at ``step`` for a KV digest: one of :data:`OUTPUT_CHARS`, as the id the
+    engine's tokenizer gives that character (``alphabet``; default: its byte, as the byte tokenizer's id)."""
     x = xxhash.xxh3_64_intdigest(struct.pack("<QQ", digest & 0xFFFFFFFFFFFFFFFF, step))
-    r = x % 27
-    return 32 if r == 26 else 97 + r
+    r = x % len(OUTPUT_CHARS)
+    return alphabet[r] if alphabet is not None else ord(OUTPUT_CHARS[r])
+
+
+def output_alphabet(encode: Callable[[str], Any]) -> tuple[int, ...] | None:
+    """The token ids of :data:`OUTPUT_CHARS` under a tokenizer's ``encode`` (each character must be one token;
+    else ``None``: bytes)."""
+    ids = [list(encode(ch)) for ch in OUTPUT_CHARS]
+    return tuple(int(i[0]) for i in ids) if all(len(i) == 1 for i in ids) else None
 
 
 # -- the GPU stand-in -----------------------------------------------------------------------

@@ -28,7 +28,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,8 +138,10 @@ class StepStats:
 class Scheduler:
     """The continuous-batching loop over an :class:`EngineKV` (see the module doc)."""
 
-    def __init__(self, kv: EngineKV, on_step: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, kv: EngineKV, on_step: Callable[[], None] = lambda: None,
+                 alphabet: Sequence[int] | None = None) -> None:
         self.kv = kv
+        self.alphabet = alphabet  # the output characters' ids under the engine's tokenizer (kv.output_token)
         self.settings = kv.settings
         self.model = kv.model
         self.on_step = on_step
@@ -319,7 +321,7 @@ class Scheduler:
     def _emit(self, r: Request) -> None:
         assert r.digest is not None
         idx = len(r.generated)
-        tok = output_token(r.digest, idx)
+        tok = output_token(r.digest, idx, self.alphabet)
         r.generated.append(tok)
         self.stats.generation_tokens += 1
         r.events.put_nowait(TokenEvent(tok, idx))

@@ -58,7 +58,7 @@ from kvfleet.cache.modeltok import ModelTokenizer, load_model_tokenizer
 from kvfleet.cache.tokens import ByteTokenizer, salt_extra_keys
 from kvfleet.config import Settings
 from kvfleet.engine.decode import admit_prefiller, start_remote_prefill
-from kvfleet.engine.kv import EngineKV
+from kvfleet.engine.kv import EngineKV, output_alphabet
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.pd import (
     PREFILLER_HEADER,
@@ -127,14 +127,16 @@ class EngineServer:
         tiers = open_tiers(self.es, settings.cache.block_size, settings.tiers, sink=self.events,
                            registry=registry)
         self.kv = EngineKV(self.es, settings.cache, sink=self.events, tiers=tiers, model=settings.tiers.model)
-        self.sched = Scheduler(self.kv, on_step=self.flush_events)
+        self.tokenizer: ByteTokenizer | ModelTokenizer = (
+            ByteTokenizer() if self.es.tokenizer == "bytes" else load_model_tokenizer(self.es.tokenizer))
+        tok = self.tokenizer
+        alphabet = None if isinstance(tok, ByteTokenizer) else output_alphabet(tok.encode)
+        self.sched = Scheduler(self.kv, on_step=self.flush_events, alphabet=alphabet)
         self.metrics = EngineMetrics(self.sched, self.kv, settings.cache, held=lambda: self.held_blocks,
                                      registry=registry, replay=self._replay_bytes)
         #: the P/D transfers (prefill side: served, decode side: pulled) on the engine's own /metrics
         self.transfer_metrics = TransferMetrics(self.metrics.registry,
                                                 settings.transfer.link_capacity_gbps * 1e9)
-        self.tokenizer: ByteTokenizer | ModelTokenizer = (
-            ByteTokenizer() if self.es.tokenizer == "bytes" else load_model_tokenizer(self.es.tokenizer))
         self.publisher: ZmqPublisher | None = None
         self.transfer_server: TransferServer | None = None
         self.secret = self._secret()

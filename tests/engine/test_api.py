@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.engine.conftest import EngineFactory
 
@@ -66,6 +67,17 @@ async def test_default_tokenizer_is_the_models_as_vllm_applies_it(make_engine: E
     st, c, _ = await nemo.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
         {"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
     assert st == 400 and "alternate" in c["error"]["message"]
+
+
+@pytest.mark.parametrize("tokenizer", ["builtin:qwen2.5", "builtin:mistral-nemo", "bytes"])
+async def test_the_model_writes_letters_and_spaces_in_its_tokenizer(make_engine: EngineFactory,
+                                                                   tokenizer: str) -> None:
+    """The simulated model's output tokens are the tokenizer's ids of letters and spaces, so the text a
+    client reads is plain (not stray byte tokens that decode to U+FFFD)."""
+    eng = await make_engine(tokenizer=tokenizer)
+    _, r, _ = await eng.post("/v1/completions", {"model": MODEL, "prompt": "Once upon", "max_tokens": 24})
+    text = r["choices"][0]["text"]
+    assert len(text) == 24 and set(text) <= set("abcdefghijklmnopqrstuvwxyz "), text
 
 
 async def test_chat_stream_sse_framing(make_engine: EngineFactory) -> None:

@@ -48,6 +48,21 @@ class TestMatch:
             else:
                 assert m["a"].blocks == 100 and m["b"].blocks in (49, 60)
 
+    def test_a_long_prompt_few_pods_start_is_walked_exactly(self) -> None:
+        """Of 256 candidate pods only those holding the prompt's first block go on; when they are few enough
+        for the walk budget (a 4k-token prompt, 256 blocks, 4 such pods: 1,024 probes) their prefixes are
+        walked in one batch instead of searched then verified: the same exact answer (a hole cuts), with
+        fewer probes (the answer pinned here; bench.index_scale measures the time)."""
+        keys = list(range(10_000, 10_256))
+        idx = BlockIndex()  # exact_walk_blocks 1,024
+        for i in range(252):
+            idx.add(f"other-{i}", [i + 1, i + 2])  # hold blocks, none of this prompt's
+        for pod in ("a", "b", "c", "d"):
+            idx.add(pod, keys)
+        idx.remove("a", [keys[100]])
+        m = idx.match(keys, [f"other-{i}" for i in range(252)] + ["a", "b", "c", "d"])
+        assert {p: x.blocks for p, x in m.items()} == {"a": 100, "b": 256, "c": 256, "d": 256}
+
     def test_search_finds_every_prefix_length(self) -> None:
         keys = [(k * 0x9E3779B97F4A7C15) & ((1 << 64) - 1) for k in range(1, 1001)]
         idx = BlockIndex(exact_walk_blocks=0, initial_capacity=16)

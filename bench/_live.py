@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import time
@@ -143,14 +145,18 @@ class Engines:
             reset_engine(p.port, self.stack.transfer_secret)
 
     def stop(self, *children: Child) -> None:
+        """Stop each child and whatever it started (its process group: py-spy's EPP, say)."""
         for c in children:
-            c.proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c.proc.pid, signal.SIGTERM)
             try:
                 c.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                c.proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)
                 c.proc.wait()
             self.stack.children.remove(c)
+
 
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[int(q) - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -94,8 +96,10 @@ class Bench(Engines):
             self.stack.wait_http(envoy, f"http://127.0.0.1:{admin}/ready", timeout_s=60)
             yield f"http://127.0.0.1:{listen}", {"envoy": envoy, "epp": epp}
         finally:
-            if self.args.profile:  # py-spy writes its file on SIGINT
+            if self.args.profile:  # py-spy writes its file on SIGINT; the EPP it runs goes with its group
                 epp.proc.send_signal(signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    epp.proc.wait(timeout=30)
             self.stop(*([envoy] if envoy else []), epp)
 
     def phase(self, name: str, work: list[list[list[str]]], warm: list[list[list[str]]]) -> Result:

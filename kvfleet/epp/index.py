@@ -24,9 +24,8 @@ blocks sit in different tiers).
 **Holes** (a block removed while a later block of the same chain is still held:
 not produced by vLLM's tail-first eviction, but possible with lost or reordered
 events, or tier moves): when the prompt's blocks × candidate pods, or else the
-pods holding its first block × its blocks, or else the found prefixes' total, are at most
-``exact_walk_blocks`` (default 1,024 block probes, ≈ 0.1–0.2 ms: a 1k-token prompt held by 16 pods, or a
-4k-token prompt whose first block 4 of 256 pods hold), every position of each
+found prefixes' total, are at most ``exact_walk_blocks`` (default 1,024 block
+probes, ≈ 0.1–0.2 ms: a 1k-token prompt held by 16 pods), every position of each
 (found) prefix is probed in one batch and cut at the first hole, with exact
 per-block tier weights (the exact walk; for small prompts this also skips
 the search's sequential steps). Beyond that budget the search's answer stands: a pod may be
@@ -407,10 +406,6 @@ class BlockIndex:
             return {}
         slots, m0 = slots[has], m0[has]
         pnames = [p for p, h in zip(pnames, has.tolist(), strict=True) if h]
-        if n * len(slots) <= self.exact_walk_blocks:  # few pods hold block 0: walk them in one batch
-            length, weighted = self._walk(arr if arr is not None else as_u64(keys), table, slots, w)
-            return {p: PodMatch(blocks=b, weighted=x)
-                    for p, b, x in zip(pnames, length.tolist(), weighted.tolist(), strict=True) if b > 0}
         m_last = masks_at(np.full(len(slots), n - 1, dtype=np.int64), slots)
         length, last = self._search(masks_at, slots, m0, n, 0xFF, m_last)
         weighted = self._weigh(masks_at, slots, m0, last, length, w)

@@ -48,11 +48,10 @@ class TestMatch:
             else:
                 assert m["a"].blocks == 100 and m["b"].blocks in (49, 60)
 
-    def test_a_long_prompt_few_pods_start_is_walked_exactly(self) -> None:
-        """Of 256 candidate pods only those holding the prompt's first block go on; when they are few enough
-        for the walk budget (a 4k-token prompt, 256 blocks, 4 such pods: 1,024 probes) their prefixes are
-        walked in one batch instead of searched then verified: the same exact answer (a hole cuts), with
-        fewer probes (the answer pinned here; bench.index_scale measures the time)."""
+    def test_a_long_prompt_among_many_candidates_is_answered_exactly(self) -> None:
+        """256 candidate pods, four holding a 4k-token prompt (256 blocks): only those holding its first block
+        are searched (the last block is probed for them alone), and their found prefixes, 1,024 blocks in
+        all, are verified block by block: a hole cuts one."""
         keys = list(range(10_000, 10_256))
         idx = BlockIndex()  # exact_walk_blocks 1,024
         for i in range(252):

@@ -50,24 +50,32 @@ class ByteTokenizer:
         return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-def _content_text(content: Any, index: int) -> str:
+def _content_text(content: Any, index: int, mark_parts: bool) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts: list[str] = []
         for j, part in enumerate(content):
-            text = part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else None
-            if not isinstance(text, str):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            text = part.get("text") if kind == "text" else None
+            if isinstance(text, str):
+                parts.append(text)
+            elif mark_parts and isinstance(kind, str):
+                parts.append(f"<|{kind}|>")
+            elif mark_parts:
+                raise ChatFormatError(f"messages[{index}].content[{j}] must be an object with a 'type'")
+            else:
                 raise ChatFormatError(f"messages[{index}].content[{j}]: only text parts are supported")
-            parts.append(text)
         return "".join(parts)
     if content is None:
         return ""
     raise ChatFormatError(f"messages[{index}].content must be a string or a list of text parts")
 
 
-def render_chat(messages: Any, add_generation_prompt: bool = True) -> str:
-    """Render OpenAI chat ``messages`` with the default template (see the module doc)."""
+def render_chat(messages: Any, add_generation_prompt: bool = True, mark_parts: bool = False) -> str:
+    """Render OpenAI chat ``messages`` with the default template (see the module doc). ``mark_parts``: a
+    content part other than text (any object with a string ``type``) is written ``<|type|>`` instead of
+    refused."""
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError("messages must be a non-empty list")
     out: list[str] = []
@@ -77,7 +85,7 @@ def render_chat(messages: Any, add_generation_prompt: bool = True) -> str:
         role = msg.get("role")
         if not isinstance(role, str) or not role:
             raise ChatFormatError(f"messages[{i}].role must be a non-empty string")
-        out.append(f"<|{role}|>\n{_content_text(msg.get('content'), i)}<|end|>\n")
+        out.append(f"<|{role}|>\n{_content_text(msg.get('content'), i, mark_parts)}<|end|>\n")
     if add_generation_prompt:
         out.append("<|assistant|>\n")
     return "".join(out)

@@ -41,6 +41,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvfleet.cache.modeltok import ChatRequest
+from kvfleet.cache.tokens import ChatFormatError, render_chat
 from kvfleet.epp.errors import BadRequestError, BodyTooLargeError, EppError
 
 DEST_HEADER = "x-gateway-destination-endpoint"
@@ -144,30 +145,12 @@ def parse_request(path: str, body: bytes, max_body_bytes: int) -> InferenceReque
 def chat_text(messages: Any) -> str:
     """Check the shape of chat ``messages`` (400 for what no engine takes: not a non-empty list of objects
     with a string ``role``, ``content`` neither a string, a list of typed parts nor null) and return their
-    text as kvfleet's own template writes it, non-text parts as ``<|type|>`` (the picker's prompt text; the
-    pool's tokenizer decides the keys, and what it cannot render is routed on load, not refused)."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequestError("'messages' must be a non-empty list")
-    out: list[str] = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise BadRequestError(f"messages[{i}] must be an object")
-        role, content = msg.get("role"), msg.get("content")
-        if not isinstance(role, str) or not role:
-            raise BadRequestError(f"messages[{i}].role must be a non-empty string")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if not isinstance(kind, str):
-                    raise BadRequestError(f"messages[{i}].content[{j}] must be an object with a 'type'")
-                text = part.get("text")
-                texts.append(text if kind == "text" and isinstance(text, str) else f"<|{kind}|>")
-            content = "".join(texts)
-        elif content is not None and not isinstance(content, str):
-            raise BadRequestError(f"messages[{i}].content must be a string, a list of parts or null")
-        out.append(f"<|{role}|>\n{content or ''}<|end|>\n")
-    return "".join(out) + "<|assistant|>\n"
+    text in kvfleet's own template, non-text parts as ``<|type|>`` (the picker's prompt text; the pool's
+    tokenizer decides the keys, and what it cannot render is routed on load, not refused)."""
+    try:
+        return render_chat(messages, mark_parts=True)
+    except ChatFormatError as exc:
+        raise BadRequestError(str(exc)) from None
 
 
 def chat_request(data: dict[str, Any]) -> ChatRequest:

@@ -65,6 +65,22 @@ class Result:
     def requests(self) -> int:
         return len(self.ttft)
 
+    @property
+    def hit(self) -> float:
+        """Cached ÷ prompt tokens, as the engines reported them."""
+        return self.cached_tokens / max(1, self.prompt_tokens)
+
+    @classmethod
+    def merged(cls, results: list[Result]) -> Result:
+        """The runs of one configuration as one (latencies pooled, tokens and failures summed)."""
+        m = cls()
+        for x in results:
+            m.ttft += x.ttft
+            m.prompt_tokens += x.prompt_tokens
+            m.cached_tokens += x.cached_tokens
+            m.failed += x.failed
+        return m
+
 
 def system_prompts(n: int, words: int, rng: random.Random) -> list[str]:
     return [f"System {i}: you answer for team {i}. " + " ".join(rng.choice(WORDS) for _ in range(words))

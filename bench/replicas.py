@@ -76,7 +76,7 @@ class Bench(Engines):
             res = asyncio.run(drive(url, work))
         print(f"{name:9s} {replicas} EPP: {res.requests} requests ({res.failed} failed); TTFT p50 "
               f"{pct(res.ttft, 50) * 1e3:.0f} ms, p90 {pct(res.ttft, 90) * 1e3:.0f} ms, p99 "
-              f"{pct(res.ttft, 99) * 1e3:.0f} ms; hit {res.cached_tokens / max(1, res.prompt_tokens):.3f}",
+              f"{pct(res.ttft, 99) * 1e3:.0f} ms; hit {res.hit:.3f}",
               flush=True)
         return res
 
@@ -107,22 +107,12 @@ def main(argv: list[str] | None = None) -> int:
                 for name, work in workloads.items():
                     results.setdefault((name, replicas), []).append(b.phase(replicas, name, work, warm))
 
-    def merged(name: str, replicas: int) -> Result:
-        m = Result()
-        for x in results[(name, replicas)]:
-            m.ttft += x.ttft
-            m.prompt_tokens += x.prompt_tokens
-            m.cached_tokens += x.cached_tokens
-            m.failed += x.failed
-        return m
-
     out: dict[str, object] = {"bench": "replicas", "reps": reps, "pods": args.pods, "tokenizer": TOKENIZER}
     worst = {"hit": float("inf"), "p50": 0.0, "p90": 0.0, "p99": 0.0}
     failed = 0
     for name in workloads:
-        one, three = merged(name, 1), merged(name, 3)
-        hit1 = one.cached_tokens / max(1, one.prompt_tokens)
-        hit3 = three.cached_tokens / max(1, three.prompt_tokens)
+        one, three = Result.merged(results[(name, 1)]), Result.merged(results[(name, 3)])
+        hit1, hit3 = one.hit, three.hit
         ratios = {"hit": hit3 / max(1e-9, hit1)}
         for q in (50, 90, 99):
             ratios[f"p{q}"] = pct(three.ttft, q) / pct(one.ttft, q)

@@ -115,7 +115,7 @@ class Bench(Engines):
         print(f"{name:14s} {res.requests} requests ({res.failed} failed): CPU "
               + ", ".join(f"{k} {v:.2f} s" for k, v in res.cpu.items())
               + f"; TTFT p50 {pct(res.ttft, 50) * 1e3:.0f} ms, p90 {pct(res.ttft, 90) * 1e3:.0f} ms; "
-              f"hit {res.cached_tokens / max(1, res.prompt_tokens):.3f}", flush=True)
+              f"hit {res.hit:.3f}", flush=True)
         return res
 
 
@@ -152,16 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         rs = results[name]
         return 1000 * sum(sum(x.cpu[k] for k in keys) for x in rs) / max(1, sum(x.requests for x in rs))
 
-    def merged(name: str) -> Result:
-        m = Result()
-        for x in results[name]:
-            m.ttft += x.ttft
-            m.prompt_tokens += x.prompt_tokens
-            m.cached_tokens += x.cached_tokens
-            m.failed += x.failed
-        return m
-
-    router, kv = merged("sglang-router"), merged("kvfleet")
+    router, kv = Result.merged(results["sglang-router"]), Result.merged(results["kvfleet"])
     router_1k = per_1k("sglang-router", ("router",))
     epp_1k, envoy_1k = per_1k("kvfleet", ("epp",)), per_1k("kvfleet", ("envoy",))
     out = {
@@ -176,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p90_ms_sglang_router": round(pct(router.ttft, 90) * 1e3, 1),
         "ttft_p50_ms_kvfleet": round(pct(kv.ttft, 50) * 1e3, 1),
         "ttft_p90_ms_kvfleet": round(pct(kv.ttft, 90) * 1e3, 1),
-        "hit_sglang_router": round(router.cached_tokens / max(1, router.prompt_tokens), 4),
-        "hit_kvfleet": round(kv.cached_tokens / max(1, kv.prompt_tokens), 4),
+        "hit_sglang_router": round(router.hit, 4),
+        "hit_kvfleet": round(kv.hit, 4),
         "failed": router.failed + kv.failed,
     }
     print(f"CPU per 1,000 requests: sglang-router {router_1k:.2f} s; Envoy + EPP {epp_1k + envoy_1k:.2f} s "

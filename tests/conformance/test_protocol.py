@@ -75,18 +75,23 @@ def test_subset_without_an_eligible_endpoint_is_503(target: Target, subset: list
     assert p.header is None
 
 
+def pick_until(target: Target, status: int, what: str, timeout_s: float = 20.0) -> None:
+    """Pick until the target answers ``status``; until then every answer must be a pick."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        last = pick(target)
+        if last.status == status:
+            return
+        assert last.status is None, f"expected a pick or {status}, got {last.status}"
+        time.sleep(0.2)
+    raise AssertionError(f"no {status} {what}: {last}")
+
+
 def test_no_ready_endpoint_is_503_and_picks_resume(target: Target) -> None:
     try:
         for s in target.servers:
             s.stop()
-        deadline, last = time.monotonic() + 20, None
-        while time.monotonic() < deadline:
-            last = pick(target)
-            if last.status == 503:
-                break
-            assert last.status is None, f"expected a pick or 503, got {last.status}"
-            time.sleep(0.2)
-        assert last is not None and last.status == 503, f"still picking {last} with every endpoint down"
+        pick_until(target, 503, "with every endpoint down")
     finally:
         for s in target.servers:
             s.start()
@@ -97,14 +102,7 @@ def test_a_saturated_pool_sheds_with_429(target: Target) -> None:
     try:
         for s in target.servers:
             s.waiting = SHED_WAITING * 4
-        deadline, last = time.monotonic() + 20, None
-        while time.monotonic() < deadline:
-            last = pick(target)
-            if last.status == 429:
-                break
-            assert last.status is None, f"expected a pick or 429, got {last.status}"
-            time.sleep(0.2)
-        assert last is not None and last.status == 429, f"not shed with every endpoint saturated: {last}"
+        pick_until(target, 429, "with every endpoint saturated")
     finally:
         for s in target.servers:
             s.waiting = 0

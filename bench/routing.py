@@ -458,6 +458,7 @@ class Kvfleet(Policy):
             waiting, running = pod.waiting_running(now)
             usage = len(pod.gpu) / max(1, self.cfg.gpu_blocks)
             self.router.metrics.put(name, PodMetrics(waiting=waiting, running=running, kv_usage=usage,
+                                                     block_size=BLOCK, num_gpu_blocks=self.cfg.gpu_blocks,
                                                      scraped_at=now))
         self._next_scrape = now + SCRAPE_S
 
@@ -849,6 +850,7 @@ def kvfleet_plugins(
         PluginSpec(type="queue-scorer", weight=1.0, params={"running_s": 0.0, "overhead_s": overhead_s}),
         PluginSpec(type="kv-cache-utilization-scorer", weight=kv_weight),
         PluginSpec(type="prefix-affinity-scorer", weight=1.0, params={"affinity_s": affinity_s}),
+        PluginSpec(type="eviction-cost-scorer", weight=1.0),
         PluginSpec(type="max-score-picker", params={"fallbacks": 0, "seed": seed}),
     ]
 

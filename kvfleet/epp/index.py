@@ -114,6 +114,7 @@ class BlockIndex:
         self._names: list[str | None] = []
         self._free: deque[int] = deque()
         self._count: list[int] = []  # entries per slot
+        self._gpu: list[int] = []  # of those, entries on the GPU tier
         self._lock = threading.Lock()  # writers of the table
         self._spec: dict[int, dict[str, Lease]] = {}
         self._spec_n = 0
@@ -140,6 +141,7 @@ class BlockIndex:
                 raise RuntimeError(f"the block index holds at most {MAX_PODS} pods")
             self._names.append(pod)
             self._count.append(0)
+            self._gpu.append(0)
         self._slot[pod] = s
         return s
 
@@ -170,6 +172,8 @@ class BlockIndex:
             held = pos >= 0
             if held.any():
                 at = pos[held]
+                if tier is Tier.GPU:
+                    self._gpu[slot] += int(np.count_nonzero((t.mask[at] & bit) == 0))
                 t.mask[at] |= bit
             new = ~held
             n = int(np.count_nonzero(new))
@@ -177,6 +181,8 @@ class BlockIndex:
                 t = self._reserve(n)
                 t.insert(k[new], slots[new], np.full(n, bit, dtype=np.uint8))
                 self._count[slot] += n
+                if tier is Tier.GPU:
+                    self._gpu[slot] += n
 
     def remove(self, pod: str, keys: Iterable[int], tier: Tier | None = Tier.GPU) -> None:
         """Drop ``keys`` of ``pod`` from ``tier`` (``None``: from every tier). Removed from the GPU (or every
@@ -195,7 +201,9 @@ class BlockIndex:
             if not len(pos):
                 return
             keep = np.uint8(0 if tier is None else 0xFF ^ (1 << tier.rank))
-            m = t.mask[pos] & keep
+            before = t.mask[pos]
+            m = before & keep
+            self._gpu[slot] -= int(np.count_nonzero((before & ~m & 1) != 0))
             t.mask[pos] = m
             gone = pos[m == 0]
             t.pods[gone] = DELETED
@@ -217,6 +225,7 @@ class BlockIndex:
                     t.live -= len(gone)
                     t.deleted += len(gone)
                 self._count[slot] = 0
+                self._gpu[slot] = 0
                 self._names[slot] = None
                 self._free.append(slot)
         if not picks:
@@ -583,6 +592,11 @@ class BlockIndex:
     def num_pod_keys(self, pod: str) -> int:
         slot = self._slot.get(pod)
         return 0 if slot is None else self._count[slot]
+
+    def num_pod_gpu_keys(self, pod: str) -> int:
+        """Blocks ``pod`` holds on its GPU tier (what its ``num_gpu_blocks`` bounds)."""
+        slot = self._slot.get(pod)
+        return 0 if slot is None else self._gpu[slot]
 
     @property
     def num_speculative(self) -> int:

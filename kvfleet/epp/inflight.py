@@ -34,6 +34,7 @@ with :meth:`InflightTracker.forget_origin`; a lost close is reaped at ``max_age_
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import defaultdict, deque
@@ -49,6 +50,11 @@ class _Load:
     inflight: int = 0
     pending_tokens: float = 0.0
     pending_requests: int = 0
+    #: busy seconds and first tokens, each decayed with time constant ``history_s`` (:meth:`_fold`), and
+    #: the instant they were last folded
+    busy_s: float = 0.0
+    served: float = 0.0
+    mark: float = 0.0
 
 
 class Ticket:
@@ -112,10 +118,23 @@ class InflightTracker:
         self._emit("open", t)
         return t
 
+    def _fold(self, load: _Load, now: float) -> None:
+        """Brings the pod's decayed busy seconds up to ``now`` (busy: a request of the picker waits there
+        for its first token); the caller then changes ``pending_requests``."""
+        dt = now - load.mark
+        if dt > 0:
+            keep = math.exp(-dt / self.history_s)
+            busy = self.history_s * (1.0 - keep) if load.pending_requests else 0.0
+            load.busy_s = load.busy_s * keep + busy
+            load.served *= keep
+            load.mark = now
+
     def _add(self, t: Ticket) -> None:
         self._tickets[t.key] = t
+        now = self.clock()
         for pod in t.pods:
             load = self._loads[pod]
+            self._fold(load, now)
             load.inflight += 1
             load.pending_tokens += t.tokens
             load.pending_requests += 1
@@ -134,6 +153,8 @@ class InflightTracker:
             now = self.clock()
             for pod in t.pods:
                 load = self._loads[pod]
+                self._fold(load, now)
+                load.served += 1.0
                 load.pending_tokens = max(0.0, load.pending_tokens - t.tokens)
                 load.pending_requests = max(0, load.pending_requests - 1)
                 self._pending[pod].pop(t.key, None)
@@ -195,6 +216,9 @@ class InflightTracker:
             self._uncount(old, t.prefix)
             self._prefix[(new, t.prefix)] += 1
         if t.pending:
+            now = self.clock()
+            self._fold(src, now)
+            self._fold(dst, now)
             src.pending_tokens = max(0.0, src.pending_tokens - t.tokens)
             src.pending_requests = max(0, src.pending_requests - 1)
             dst.pending_tokens += t.tokens
@@ -278,6 +302,29 @@ class InflightTracker:
             oldest = min(tk.started for tk in pending.values())
             since = max(oldest, self._last_first.get(pod, oldest))
         return max(0.0, self.clock() - since)
+
+    def expected_wait(self, pod: str) -> float:
+        """The queueing delay a request arriving at ``pod`` can expect over the coming ``history_s``, from
+        its recent past: ``s̄ · u / (1 − u)`` (M/M/1) with ``u`` the fraction of the last ``history_s``
+        (exponentially decayed) the pod spent with a request of the picker waiting for its first token (at
+        most 0.95) and ``s̄ = busy seconds / first tokens`` its mean prefill. 0 without history.
+
+        A new context (a session's first turn, an agent's task, a document's first reader) stays where it
+        is placed: its later requests follow its cached prefix. The instantaneous queue says nothing about
+        that future (it is empty most of the time below saturation), so without this term every new context
+        went to the few pods holding its shared system prompt, and the pods without it stayed idle."""
+        with self._lock:
+            load = self._loads.get(pod)
+            if load is None:
+                return 0.0
+            dt = max(0.0, self.clock() - load.mark)
+            keep = math.exp(-dt / self.history_s)
+            busy = load.busy_s * keep + (self.history_s * (1.0 - keep) if load.pending_requests else 0.0)
+            served = load.served * keep
+        if served < 1.0:
+            return 0.0
+        u = min(0.95, busy / self.history_s)
+        return busy / served * u / (1.0 - u)
 
     def same_prefix(self, pod: str, prefix: int) -> int:
         """The picker's requests keyed ``prefix`` on ``pod`` still waiting for their first token

@@ -179,6 +179,21 @@ class TestMatch:
         idx.clear_pod("a")
         assert idx.num_keys == 1 and idx.match([1], ["a", "b"]).keys() == {"b"}
 
+    def test_gpu_blocks_are_counted_per_pod(self) -> None:
+        """``num_pod_gpu_keys``: entries with the GPU tier, whatever other tiers the key is on."""
+        idx = BlockIndex()
+        idx.add("a", [1, 2, 3])
+        idx.add("a", [3, 4], Tier.CPU)
+        idx.add("a", [4])  # already held (CPU): now on the GPU as well
+        assert idx.num_pod_gpu_keys("a") == 4 and idx.num_pod_keys("a") == 4
+        idx.add("a", [1, 2])  # again: counted once
+        idx.remove("a", [1, 4])  # GPU only: 4 stays on the CPU
+        assert idx.num_pod_gpu_keys("a") == 2 and idx.num_pod_keys("a") == 3
+        idx.remove("a", [3], None)
+        assert idx.num_pod_gpu_keys("a") == 1
+        idx.clear_pod("a")
+        assert idx.num_pod_gpu_keys("a") == 0 and idx.num_pod_gpu_keys("b") == 0
+
     def test_a_new_subscription_keeps_the_picks(self) -> None:
         """Clearing a pod's exact entries for a first subscription leaves its picks; a resync or removal drops
         them."""

@@ -9,6 +9,7 @@ from bench import _family as family
 from bench.routing import Knobs, Result, SimConfig, make_policy, simulate
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
+from kvfleet.epp.scheduling.plugins import EvictionCostScorer
 
 
 def case(workload: str, scale: str, rho: float, gpu: int, seed: int, n: int = 800,
@@ -22,36 +23,65 @@ def run(c: family.Case, policy: str = "kvfleet", knobs: Knobs | None = None) -> 
 
 #: branching agent trees on small caches at high load: the case where holders of a prefix get piled on
 AGENTS = case("agents", "ρ", 0.8, 250, 0)
+#: the same trees at moderate load, where most pods are idle most of the time
+AGENTS_MODERATE = case("agents", "ρ", 0.5, 250, 0)
+#: long documents outgrowing one pod's cache, at the utilisation of the ideal hit
+DOCUMENTS = case("documents", "ρ*", 0.5, 250, 1)
 
 
 def test_no_load_gain_by_default() -> None:
     """Hits valued at the latency they save (the seeds' rule), not ``1 + 20·ρ`` times it: with the former
-    load gain the agents case's p90 is more than twice the default's, which stays within 1.5 × GIE's."""
+    load gain the agents case's p90 is more than 1.4 × the default's, which is at or below GIE's."""
     default, gie = run(AGENTS), run(AGENTS, "gie-approx-prefix")
     gained = run(AGENTS, knobs=Knobs(load_gain=20.0))
-    assert gained.ttft["p90"] > 2.0 * default.ttft["p90"]
-    assert default.ttft["p90"] <= 1.5 * gie.ttft["p90"]
+    assert gained.ttft["p90"] > 1.4 * default.ttft["p90"]
+    assert default.ttft["p90"] <= 1.05 * gie.ttft["p90"]
 
 
 def test_served_speculative_entries_follow_evictions(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pod's removal event drops its speculative entries of picks already served: without it the
-    agents case's p90 is more than 1.5 × (the picker credits pods with branches they evicted)."""
+    agents case's p90 is more than 1.2 × and its hit rate lower (the picker credits pods with branches
+    they evicted)."""
     base = run(AGENTS)
     monkeypatch.setattr(BlockIndex, "drop_served_speculative", lambda self, pod, keys: 0)
     stale = run(AGENTS)
-    assert stale.ttft["p90"] > 1.5 * base.ttft["p90"]
+    assert stale.ttft["p90"] > 1.2 * base.ttft["p90"]
     assert stale.hit_rate < base.hit_rate
 
 
 def test_queue_counts_the_work_already_done(monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue scorer subtracts the seconds a pod has already worked on its pending requests: without
-    it, on tenants' shared system prompts at ρ* 0.8, p90 is more than 1.3 × (a pod deep into a long
-    prefill looks as loaded as when it took it, and requests leave the prompt's holders)."""
+    it, on tenants' shared system prompts at ρ* 0.8, the mean TTFT is more than 1.4 × and p90 more than
+    1.2 × (a pod deep into a long prefill looks as loaded as when it took it, and requests leave the
+    prompt's holders)."""
     c = case("tenants", "ρ*", 0.8, 1000, 1)
     base = run(c)
     monkeypatch.setattr(InflightTracker, "pending_elapsed", lambda self, pod: 0.0)
     blind = run(c)
-    assert blind.ttft["p90"] > 1.3 * base.ttft["p90"]
+    assert blind.ttft["mean"] > 1.4 * base.ttft["mean"]
+    assert blind.ttft["p90"] > 1.2 * base.ttft["p90"]
+
+
+def test_queue_counts_the_expected_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue scorer adds the wait a pod's recent busy time predicts (``InflightTracker.expected_wait``):
+    without it new agent tasks and document readers follow the shared prefix onto the busiest pods
+    (agents at ρ 0.8: p90 more than 1.15 ×; documents at ρ* 0.5: mean more than 1.3 ×)."""
+    base_agents, base_docs = run(AGENTS), run(DOCUMENTS)
+    monkeypatch.setattr(InflightTracker, "expected_wait", lambda self, pod: 0.0)
+    assert run(AGENTS).ttft["p90"] > 1.15 * base_agents.ttft["p90"]
+    assert run(DOCUMENTS).ttft["mean"] > 1.3 * base_docs.ttft["mean"]
+
+
+def test_placements_pay_for_what_they_evict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eviction-cost scorer prices the cached blocks a placement pushes out of a full cache: without
+    it, agent tasks pile onto the pods holding their system prompt while others stay empty (p90 more
+    than 1.4 ×, hit lower) and documents are copied over other pods' contexts (p90 more than 1.4 ×)."""
+    base_agents, base_docs = run(AGENTS_MODERATE), run(DOCUMENTS)
+    monkeypatch.setattr(EvictionCostScorer, "score", lambda self, req, cands: [0.0] * len(cands))
+    agents, docs = run(AGENTS_MODERATE), run(DOCUMENTS)
+    assert agents.ttft["p90"] > 1.4 * base_agents.ttft["p90"]
+    assert agents.hit_rate < base_agents.hit_rate
+    assert docs.ttft["p90"] > 1.4 * base_docs.ttft["p90"]
 
 
 def test_family_summary_names_the_worst_case() -> None:

@@ -103,6 +103,36 @@ class TestScorers:
         )
         assert score == pytest.approx(4 * 16 * 1e-3)
 
+    def test_eviction_cost_prices_what_a_full_cache_gives_up(self) -> None:
+        """−(new blocks − free blocks)·block prefill seconds: free room costs nothing, a full cache's blocks
+        cost their prefill, a hit stores nothing new; no score without the engine's cache size."""
+        _, plugin = create("eviction-cost-scorer", {})
+        # 10 blocks of 16 tokens; engine blocks of 16 tokens, 100 of them
+        req = SchedulingRequest(num_tokens=160, block_size=16, prefill_s_per_token=1e-3)
+        size = PodMetrics(block_size=16, num_gpu_blocks=100, scraped_at=0)
+        cands = [
+            self.cand("room", held_blocks=50, metrics=size),
+            self.cand("tight", held_blocks=96, metrics=size),
+            self.cand("full", held_blocks=100, metrics=size),
+            self.cand("held", held_blocks=100, hit_blocks=10, metrics=size),
+            self.cand("unknown", held_blocks=100),
+        ]
+        scores = plugin.score(req, cands)  # type: ignore[union-attr]
+        assert scores == pytest.approx([0.0, -6 * 16e-3, -10 * 16e-3, 0.0, 0.0])
+        # engine blocks of 32 tokens hold twice as many of the picker's 16-token blocks
+        big = PodMetrics(block_size=32, num_gpu_blocks=100, scraped_at=0)
+        assert plugin.score(req, [self.cand("x", held_blocks=195, metrics=big)]) == pytest.approx(  # type: ignore[union-attr]
+            [-5 * 16e-3])
+
+    def test_expected_wait_adds_to_the_queue(self) -> None:
+        """The queue scorer adds the candidate's expected wait (weight ``expected_weight``)."""
+        _, plugin = create("queue-scorer", {"overhead_s": 0.0, "running_s": 0.0})
+        _, off = create("queue-scorer", {"overhead_s": 0.0, "running_s": 0.0, "expected_weight": 0.0})
+        req = SchedulingRequest(num_tokens=160, block_size=16, prefill_s_per_token=1e-3)
+        c = self.cand("a", expected_wait_s=0.25, pending_tokens=100, pending_requests=1)
+        assert plugin.score(req, [c]) == pytest.approx([-0.35])  # type: ignore[union-attr]
+        assert off.score(req, [c]) == pytest.approx([-0.1])  # type: ignore[union-attr]
+
     def test_affinity_is_stable_per_shard(self) -> None:
         """The affinity bonus goes to one pod per shard, the same one every time, spread over pods across
         shards."""
@@ -354,6 +384,25 @@ class TestScrapedWaiting:
         assert tr.pending_at("p", 1.5) == 2  # a had not answered yet; the second was queued
         assert tr.pending_at("p", 2.5) == 1
         assert tr.pending_at("q", 1.5) == 0
+
+    def test_expected_wait_is_the_busy_history_of_the_pod(self) -> None:
+        """``s̄·u/(1−u)``: a pod busy half of a long past with 1 s requests expects about 1 s of wait; an idle
+        pod and one without history expect none; the figure decays once the pod idles."""
+        now = [0.0]
+        from kvfleet.epp.inflight import InflightTracker
+
+        tr = InflightTracker(clock=lambda: now[0], history_s=10.0)
+        for k in range(200):  # every 2 s a request that takes 1 s to its first token
+            now[0] = 2.0 * k
+            t = tr.open(("busy",), 1, 10.0)
+            now[0] = 2.0 * k + 1.0
+            t.first_byte()
+        for at in (399.0, 400.0, 400.5):  # (exponentially weighted: within a period, u moves about 0.5)
+            now[0] = at
+            assert 0.7 < tr.expected_wait("busy") < 1.3
+        assert tr.expected_wait("never") == 0.0
+        now[0] = 460.0  # a minute idle: u ≈ 0.5·e⁻⁶
+        assert tr.expected_wait("busy") < 0.01
 
     def test_a_stale_waiting_gauge_does_not_override_a_hit(self) -> None:
         now = [0.0]

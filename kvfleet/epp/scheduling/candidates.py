@@ -100,6 +100,8 @@ class CandidateBuilder:
                     pending_tokens=pending_tokens,
                     pending_requests=pending_requests,
                     pending_elapsed_s=self.tracker.pending_elapsed(p.name) if pending_requests else 0.0,
+                    expected_wait_s=self.tracker.expected_wait(p.name),
+                    held_blocks=self.index.num_pod_gpu_keys(p.name),
                     metrics=pm,
                     scrape_pending=scrape_pending,
                 )

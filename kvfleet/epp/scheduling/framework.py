@@ -70,6 +70,11 @@ class Candidate:
     pending_tokens: float = 0.0
     pending_requests: int = 0
     pending_elapsed_s: float = 0.0
+    #: the queueing delay the pod's recent past predicts
+    #: (:meth:`~kvfleet.epp.inflight.InflightTracker.expected_wait`)
+    expected_wait_s: float = 0.0
+    #: blocks the index holds on the pod's GPU tier
+    held_blocks: int = 0
     metrics: PodMetrics | None = None
     scrape_pending: int | None = None
 

@@ -114,12 +114,13 @@ class QueueScorer:
     def __init__(self, params: Mapping[str, float]) -> None:
         self.running_s = float(params.get("running_s", 0.01))
         self.overhead_s = float(params.get("overhead_s", 0.01))
+        self.expected = float(params.get("expected_weight", 1.0))
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         out = []
         for c in cands:
             q = c.pending_tokens * req.prefill_s_per_token + c.pending_requests * self.overhead_s
-            q = max(0.0, q - c.pending_elapsed_s)
+            q = max(0.0, q - c.pending_elapsed_s) + self.expected * c.expected_wait_s
             q += max(0, c.inflight - c.pending_requests) * self.running_s
             if c.metrics is not None:
                 own = c.pending_requests if c.scrape_pending is None else c.scrape_pending
@@ -224,3 +225,40 @@ class RoundRobinPicker:
         self._next[names] = turn + 1
         i = turn % len(order)
         return (order[i:] + order[:i])[: 1 + self.fallbacks]
+
+
+@register("eviction-cost-scorer", "scorer")
+class EvictionCostScorer:
+    """Minus the prefill seconds of the cached blocks the pick would evict from a full cache.
+
+    ``evict = max(0, new_blocks − free_blocks)`` where ``new_blocks`` are the request's blocks the pod does
+    not hold (the pick stores them) and ``free_blocks = capacity − held``: ``capacity`` from the pod's
+    ``vllm:cache_config_info`` (``num_gpu_blocks × block_size`` tokens, in the picker's blocks; no score
+    when the engine does not publish it), ``held`` the blocks the index holds for it.
+    ``score = −evict · block_size · prefill_s_per_token``: a block a full cache gives up is worth what it
+    cost to compute (what its next hit would have saved).
+
+    The per-request rule of the other scorers (TTFT now) is blind to what a placement leaves behind: a new
+    context written into a pod full of live sessions costs their next turns a recompute, the same context
+    on an idle pod with free blocks costs nothing. Without this term the picker concentrated new sessions,
+    agent tasks and documents on the few pods that held their system prompt while the others stayed
+    empty, and copied whole documents over the contexts of other pods under load (``docs/epp.md``,
+    workloads it was not tuned on).
+    """
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        pass
+
+    def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        unit = req.block_size * req.prefill_s_per_token
+        blocks = -(-req.num_tokens // req.block_size)
+        out = []
+        for c in cands:
+            m = c.metrics
+            if m is None or not m.num_gpu_blocks or not m.block_size:
+                out.append(0.0)
+                continue
+            capacity = m.num_gpu_blocks * m.block_size // req.block_size
+            evict = max(0, blocks - c.hit_blocks - max(0, capacity - c.held_blocks))
+            out.append(-evict * unit)
+        return out

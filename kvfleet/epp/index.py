@@ -1,48 +1,39 @@
 """The global block index: which pod holds which block key, in which tier.
 
-Write path (KV events, per pod, in order): :meth:`BlockIndex.add`,
-:meth:`BlockIndex.remove`, :meth:`BlockIndex.clear_pod`. Read path:
-:meth:`BlockIndex.match` returns, per pod, the length of the longest prefix of a
-request's chained block keys the pod holds and its tier-weighted value.
+Write path (KV events, per pod, in order): :meth:`BlockIndex.add`, :meth:`BlockIndex.remove`,
+:meth:`BlockIndex.clear_pod`. Read path: :meth:`BlockIndex.match` returns, per pod, the length of the longest
+prefix of a request's chained block keys the pod holds and its tier-weighted value.
 
 **Storage** is :class:`kvfleet.epp.table.PodKeyTable` (one numpy hash table of (block key, pod slot) → tier
 mask, ≈ 16–31 bytes per entry); pods get small integer slots, freed slots are reused oldest first. This module
 is one class of ~600 lines on purpose: the write path, the lookup and the speculative entries share the
 table reference, the pod slots and the locks described below.
 
-**Lookup: search, don't walk.** Keys are chained, so a pod holding the key at
-position ``i`` stored the whole prefix ``0..i`` when it stored it, and vLLM frees a
-request's blocks tail first (a parent is never evicted before its child): "held at
-``i``" is monotone in ``i``. :meth:`match` therefore finds each candidate pod's
-longest prefix by a binary search over positions, vectorized over the pods (each
-step is one batched probe of ``(keys[mid[p]], slot[p])``): O(pods · log blocks)
-numpy work. Tier weighting uses the same argument per tier: ``L_r``, the longest
-prefix held in tiers ``≤ r``, is monotone too, and the weighted hit is
-``Σ_r (L_r − L_{r−1}) · w_r`` (searched only for pods whose first and last held
-blocks sit in different tiers).
+**Lookup: search, don't walk.** Keys are chained, so a pod holding the key at position ``i`` stored the whole
+prefix ``0..i`` when it stored it, and vLLM frees a request's blocks tail first (a parent is never evicted
+before its child): "held at ``i``" is monotone in ``i``. :meth:`match` therefore finds each candidate pod's
+longest prefix by a binary search over positions, vectorized over the pods (each step is one batched probe of
+``(keys[mid[p]], slot[p])``): O(pods · log blocks) numpy work. Tier weighting uses the same argument per tier:
+``L_r``, the longest prefix held in tiers ``≤ r``, is monotone too, and the weighted hit is ``Σ_r (L_r −
+L_{r−1}) · w_r`` (searched only for pods whose first and last held blocks sit in different tiers).
 
-**Holes** (a block removed while a later block of the same chain is still held:
-not produced by vLLM's tail-first eviction, but possible with lost or reordered
-events, or tier moves): when the prompt's blocks × candidate pods, or else the
-found prefixes' total, are at most ``exact_walk_blocks`` (default 1,024 block
-probes, ≈ 0.1–0.2 ms: a 1k-token prompt held by 16 pods), every position of each
-(found) prefix is probed in one batch and cut at the first hole, with exact
-per-block tier weights (the exact walk; for small prompts this also skips
-the search's sequential steps). Beyond that budget the search's answer stands: a pod may be
-credited past a hole (the search settles on some held block followed by a missing
-one), by at most the blocks after the hole; such an over-prediction shows in
-``kvfleet_epp_misprediction_tokens_total{direction="over"}``, and the engine
-recomputes what it lacks, so a hole costs at most a less good pick, never a wrong
-answer. ``tests/epp/test_index.py`` pins both regimes.
+**Holes** (a block removed while a later block of the same chain is still held: not produced by vLLM's
+tail-first eviction, but possible with lost or reordered events, or tier moves): when the prompt's blocks ×
+candidate pods, or else the found prefixes' total, are at most ``exact_walk_blocks`` (default 1,024 block
+probes, ≈ 0.1–0.2 ms: a 1k-token prompt held by 16 pods), every position of each (found) prefix is probed in
+one batch and cut at the first hole, with exact per-block tier weights (the exact walk; for small prompts this
+also skips the search's sequential steps). Beyond that budget the search's answer stands: a pod may be
+credited past a hole (the search settles on some held block followed by a missing one), by at most the blocks
+after the hole; such an over-prediction shows in ``kvfleet_epp_misprediction_tokens_total{direction="over"}``,
+and the engine recomputes what it lacks, so a hole costs at most a less good pick, never a wrong answer.
+``tests/epp/test_index.py`` pins both regimes.
 
-**Concurrency.** Writers (the ingestion thread, ``clear_pod`` from the datastore)
-serialize on a write lock; readers take no lock. A reader reads the table
-reference once and probes that object: a rebuild fills a new object and swaps the
-reference, so a reader sees the old table or the new one, never a half-built one.
-An in-place insert writes the key and the mask before the pod slot (the slot is
-what makes the entry visible; readers read the slot first), and a slot only turns
-from empty to used, so probe chains never break under a reader. A reader may miss
-an entry being added or still see one being removed; it never sees garbage.
+**Concurrency.** Writers (the ingestion thread, ``clear_pod`` from the datastore) serialize on a write lock;
+readers take no lock. A reader reads the table reference once and probes that object: a rebuild fills a new
+object and swaps the reference, so a reader sees the old table or the new one, never a half-built one. An
+in-place insert writes the key and the mask before the pod slot (the slot is what makes the entry visible;
+readers read the slot first), and a slot only turns from empty to used, so probe chains never break under a
+reader. A reader may miss an entry being added or still see one being removed; it never sees garbage.
 
 Speculative entries (:meth:`add_speculative`: the picker's own picks until the pod's events confirm
 them or their TTL expires) are described in :mod:`kvfleet.epp.speculative`.

@@ -54,6 +54,7 @@ class _Load:
     #: the instant they were last folded
     busy_s: float = 0.0
     served: float = 0.0
+    opened: float = 0.0
     mark: float = 0.0
 
 
@@ -127,6 +128,7 @@ class InflightTracker:
             busy = self.history_s * (1.0 - keep) if load.pending_requests else 0.0
             load.busy_s = load.busy_s * keep + busy
             load.served *= keep
+            load.opened *= keep
             load.mark = now
 
     def _add(self, t: Ticket) -> None:
@@ -135,6 +137,7 @@ class InflightTracker:
         for pod in t.pods:
             load = self._loads[pod]
             self._fold(load, now)
+            load.opened += 1.0
             load.inflight += 1
             load.pending_tokens += t.tokens
             load.pending_requests += 1
@@ -325,6 +328,15 @@ class InflightTracker:
             return 0.0
         u = min(0.95, busy / self.history_s)
         return busy / served * u / (1.0 - u)
+
+    def arrival_rate(self, pod: str) -> float:
+        """The picker's picks of ``pod`` per second over the last ``history_s`` (exponentially decayed)."""
+        with self._lock:
+            load = self._loads.get(pod)
+            if load is None:
+                return 0.0
+            keep = math.exp(-max(0.0, self.clock() - load.mark) / self.history_s)
+            return load.opened * keep / self.history_s
 
     def same_prefix(self, pod: str, prefix: int) -> int:
         """The picker's requests keyed ``prefix`` on ``pod`` still waiting for their first token

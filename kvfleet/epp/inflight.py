@@ -54,7 +54,6 @@ class _Load:
     #: the instant they were last folded
     busy_s: float = 0.0
     served: float = 0.0
-    opened: float = 0.0
     mark: float = 0.0
 
 
@@ -128,7 +127,6 @@ class InflightTracker:
             busy = self.history_s * (1.0 - keep) if load.pending_requests else 0.0
             load.busy_s = load.busy_s * keep + busy
             load.served *= keep
-            load.opened *= keep
             load.mark = now
 
     def _add(self, t: Ticket) -> None:
@@ -137,7 +135,6 @@ class InflightTracker:
         for pod in t.pods:
             load = self._loads[pod]
             self._fold(load, now)
-            load.opened += 1.0
             load.inflight += 1
             load.pending_tokens += t.tokens
             load.pending_requests += 1
@@ -309,8 +306,13 @@ class InflightTracker:
     def expected_wait(self, pod: str) -> float:
         """The queueing delay a request arriving at ``pod`` can expect over the coming ``history_s``, from
         its recent past: ``s̄ · u / (1 − u)`` (M/M/1) with ``u`` the fraction of the last ``history_s``
-        (exponentially decayed) the pod spent with a request of the picker waiting for its first token (at
-        most 0.95) and ``s̄ = busy seconds / first tokens`` its mean prefill. 0 without history.
+        (exponentially decayed) the pod spent with a request of the picker waiting for its first token and
+        ``s̄ = busy seconds / first tokens`` its mean prefill; 0 without history. ``u`` counts up to 0.5, so
+        the figure is at most ``s̄``: beyond that the pod's pending work, which the queue scorer knows
+        exactly, already says it is busy, and the M/M/1 term near saturation (``u ≤ 0.95``: up to 19 ``s̄``)
+        counted that queue a second time and sent conversations away from their cached history (on the
+        Mooncake conversation trace at ρ 0.8 with 250-block caches, TTFT p90 1.25 × the oracle's, against
+        1.08 × with the cap at 0.5).
 
         A new context (a session's first turn, an agent's task, a document's first reader) stays where it
         is placed: its later requests follow its cached prefix. The instantaneous queue says nothing about
@@ -326,17 +328,8 @@ class InflightTracker:
             served = load.served * keep
         if served < 1.0:
             return 0.0
-        u = min(0.95, busy / self.history_s)
+        u = min(0.5, busy / self.history_s)
         return busy / served * u / (1.0 - u)
-
-    def arrival_rate(self, pod: str) -> float:
-        """The picker's picks of ``pod`` per second over the last ``history_s`` (exponentially decayed)."""
-        with self._lock:
-            load = self._loads.get(pod)
-            if load is None:
-                return 0.0
-            keep = math.exp(-max(0.0, self.clock() - load.mark) / self.history_s)
-            return load.opened * keep / self.history_s
 
     def same_prefix(self, pod: str, prefix: int) -> int:
         """The picker's requests keyed ``prefix`` on ``pod`` still waiting for their first token

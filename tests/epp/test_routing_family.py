@@ -23,7 +23,8 @@ def run(c: family.Case, policy: str = "kvfleet", knobs: Knobs | None = None) -> 
 
 #: branching agent trees on small caches at high load: the case where holders of a prefix get piled on
 AGENTS = case("agents", "ρ", 0.8, 250, 0)
-#: the same trees at moderate load, where most pods are idle most of the time
+#: the same trees at a higher and at a moderate load (most pods idle most of the time)
+AGENTS_HIGH = case("agents", "ρ", 0.95, 250, 0)
 AGENTS_MODERATE = case("agents", "ρ", 0.5, 250, 0)
 #: long documents outgrowing one pod's cache, at the utilisation of the ideal hit
 DOCUMENTS = case("documents", "ρ*", 0.5, 250, 1)
@@ -31,67 +32,57 @@ DOCUMENTS = case("documents", "ρ*", 0.5, 250, 1)
 
 def test_no_load_gain_by_default() -> None:
     """Hits valued at the latency they save (the seeds' rule), not ``1 + 20·ρ`` times it: with the former
-    load gain the agents case's p90 is more than 1.4 × the default's, which is at or below GIE's."""
+    load gain the agents case's p90 is more than 1.3 × the default's, which is at or below GIE's."""
     default, gie = run(AGENTS), run(AGENTS, "gie-approx-prefix")
     gained = run(AGENTS, knobs=Knobs(load_gain=20.0))
-    assert gained.ttft["p90"] > 1.4 * default.ttft["p90"]
+    assert gained.ttft["p90"] > 1.3 * default.ttft["p90"]
     assert default.ttft["p90"] <= 1.05 * gie.ttft["p90"]
 
 
 def test_served_speculative_entries_follow_evictions(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pod's removal event drops its speculative entries of picks already served: without it the
-    agents case's p90 is more than 1.15 × and its hit rate lower (the picker credits pods with branches
+    agents case's p90 is more than 1.5 × and its hit rate lower (the picker credits pods with branches
     they evicted)."""
-    base = run(AGENTS_MODERATE)
+    base = run(AGENTS_HIGH)
     monkeypatch.setattr(BlockIndex, "drop_served_speculative", lambda self, pod, keys: 0)
-    stale = run(AGENTS_MODERATE)
-    assert stale.ttft["p90"] > 1.15 * base.ttft["p90"]
+    stale = run(AGENTS_HIGH)
+    assert stale.ttft["p90"] > 1.5 * base.ttft["p90"]
     assert stale.hit_rate < base.hit_rate
 
 
 def test_queue_counts_the_work_already_done(monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue scorer subtracts the seconds a pod has already worked on its pending requests: without
-    it the mean TTFT is more than 1.12 × on tenants' shared system prompts at ρ* 0.8 and on documents (a
-    pod deep into a long prefill looks as loaded as when it took it, and requests leave the prefix's
-    holders)."""
-    tenants = case("tenants", "ρ*", 0.8, 250, 1)
-    base = [run(tenants), run(DOCUMENTS)]
+    it, on tenants' shared system prompts at ρ* 0.8, the mean TTFT is more than 1.4 × and p90 more than
+    1.15 × (a pod deep into a long prefill looks as loaded as when it took it, and requests leave the
+    prompt's holders)."""
+    c = case("tenants", "ρ*", 0.8, 1000, 1)
+    base = run(c)
     monkeypatch.setattr(InflightTracker, "pending_elapsed", lambda self, pod: 0.0)
-    blind = [run(tenants), run(DOCUMENTS)]
-    for b, r in zip(base, blind, strict=True):
-        assert r.ttft["mean"] > 1.12 * b.ttft["mean"]
+    blind = run(c)
+    assert blind.ttft["mean"] > 1.4 * base.ttft["mean"]
+    assert blind.ttft["p90"] > 1.15 * base.ttft["p90"]
 
 
 def test_queue_counts_the_expected_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue scorer adds the wait a pod's recent busy time predicts (``InflightTracker.expected_wait``):
-    without it new agent tasks follow their system prompt onto the busiest pods (p90 more than 1.4 ×)."""
-    base = run(AGENTS_MODERATE)
+    without it new agent tasks and documents follow their shared prefix onto the busiest pods (agents'
+    p90 more than 1.2 ×, documents' mean more than 1.1 ×)."""
+    base_agents, base_docs = run(AGENTS_HIGH), run(DOCUMENTS)
     monkeypatch.setattr(InflightTracker, "expected_wait", lambda self, pod: 0.0)
-    assert run(AGENTS_MODERATE).ttft["p90"] > 1.4 * base.ttft["p90"]
+    assert run(AGENTS_HIGH).ttft["p90"] > 1.2 * base_agents.ttft["p90"]
+    assert run(DOCUMENTS).ttft["mean"] > 1.1 * base_docs.ttft["mean"]
 
 
 def test_placements_pay_for_what_they_evict(monkeypatch: pytest.MonkeyPatch) -> None:
     """The eviction-cost scorer prices the cached blocks a placement pushes out of a full cache: without
     it agent tasks pile onto the pods holding their system prompt while others stay empty (p90 more than
-    1.3 ×, hit lower)."""
-    base = run(AGENTS_MODERATE)
+    1.4 ×, hit lower) and documents are copied over other pods' contexts (p90 more than 1.2 ×)."""
+    base_agents, base_docs = run(AGENTS_MODERATE), run(DOCUMENTS)
     monkeypatch.setattr(EvictionCostScorer, "score", lambda self, req, cands: [0.0] * len(cands))
-    blind = run(AGENTS_MODERATE)
-    assert blind.ttft["p90"] > 1.3 * base.ttft["p90"]
-    assert blind.hit_rate < base.hit_rate
-
-
-def test_long_prefills_pay_for_the_wait_they_cause(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The queue scorer adds ``b·λ·S²/2``, what this request's prefill makes the pod's next arrivals wait:
-    without it, on documents at ρ* 0.8 with small caches, long prefills land on the pods a document's
-    readers keep arriving at (p90 and mean more than 1.5 ×, hit lower)."""
-    c = case("documents", "ρ*", 0.8, 250, 1)
-    base = run(c)
-    monkeypatch.setattr(InflightTracker, "arrival_rate", lambda self, pod: 0.0)
-    blind = run(c)
-    assert blind.ttft["p90"] > 1.5 * base.ttft["p90"]
-    assert blind.ttft["mean"] > 1.5 * base.ttft["mean"]
-    assert blind.hit_rate < base.hit_rate
+    agents, docs = run(AGENTS_MODERATE), run(DOCUMENTS)
+    assert agents.ttft["p90"] > 1.4 * base_agents.ttft["p90"]
+    assert agents.hit_rate < base_agents.hit_rate
+    assert docs.ttft["p90"] > 1.2 * base_docs.ttft["p90"]
 
 
 def test_family_summary_names_the_worst_case() -> None:

@@ -124,17 +124,13 @@ class TestScorers:
         assert plugin.score(req, [self.cand("x", held_blocks=195, metrics=big)]) == pytest.approx(  # type: ignore[union-attr]
             [-5 * 16e-3])
 
-    def test_expected_wait_and_blocking_add_to_the_queue(self) -> None:
-        """The queue scorer adds the candidate's expected wait (weight ``expected_weight``) and
-        ``b·λ·S²/2`` for its own prefill ``S`` beyond the pod's match (weight ``blocking_weight``, 0.5)."""
+    def test_expected_wait_adds_to_the_queue(self) -> None:
+        """The queue scorer adds the candidate's expected wait (weight ``expected_weight``)."""
         _, plugin = create("queue-scorer", {"overhead_s": 0.0, "running_s": 0.0})
-        _, off = create("queue-scorer", {"overhead_s": 0.0, "running_s": 0.0, "expected_weight": 0.0,
-                                         "blocking_weight": 0.0})
+        _, off = create("queue-scorer", {"overhead_s": 0.0, "running_s": 0.0, "expected_weight": 0.0})
         req = SchedulingRequest(num_tokens=160, block_size=16, prefill_s_per_token=1e-3)
-        c = self.cand("a", expected_wait_s=0.25, pending_tokens=100, pending_requests=1, arrival_rate=4.0,
-                      hit_blocks=5)
-        s = 80 * 1e-3  # 10 blocks, 5 held
-        assert plugin.score(req, [c]) == pytest.approx([-(0.1 + 0.25 + 0.5 * 4.0 * s * s / 2)])  # type: ignore[union-attr]
+        c = self.cand("a", expected_wait_s=0.25, pending_tokens=100, pending_requests=1)
+        assert plugin.score(req, [c]) == pytest.approx([-0.35])  # type: ignore[union-attr]
         assert off.score(req, [c]) == pytest.approx([-0.1])  # type: ignore[union-attr]
 
     def test_affinity_is_stable_per_shard(self) -> None:
@@ -390,8 +386,9 @@ class TestScrapedWaiting:
         assert tr.pending_at("q", 1.5) == 0
 
     def test_expected_wait_is_the_busy_history_of_the_pod(self) -> None:
-        """``s̄·u/(1−u)``: a pod busy half of a long past with 1 s requests expects about 1 s of wait; an idle
-        pod and one without history expect none; the figure decays once the pod idles."""
+        """``s̄·u/(1−u)``: a pod busy half of a long past with 1 s requests expects about 1 s of wait; one busy
+        90 % of the time with 0.9 s requests is capped at ``s̄`` (``u`` counts up to 0.5); a pod without
+        history expects none; the figure decays once the pod idles."""
         now = [0.0]
         from kvfleet.epp.inflight import InflightTracker
 
@@ -404,10 +401,15 @@ class TestScrapedWaiting:
         for at in (399.0, 400.0, 400.5):  # (exponentially weighted: within a period, u moves about 0.5)
             now[0] = at
             assert 0.7 < tr.expected_wait("busy") < 1.3
+        for k in range(100):  # every second a request that takes 0.9 s
+            now[0] = 1000.0 + k
+            t = tr.open(("saturated",), 1, 10.0)
+            now[0] = 1000.0 + k + 0.9
+            t.first_byte()
+        assert tr.expected_wait("saturated") == pytest.approx(0.9, rel=0.05)
         assert tr.expected_wait("never") == 0.0
-        assert 0.4 < tr.arrival_rate("busy") < 0.6  # one pick every 2 s
         now[0] = 460.0  # a minute idle: u ≈ 0.5·e⁻⁶
-        assert tr.expected_wait("busy") < 0.01 and tr.arrival_rate("busy") < 0.01
+        assert tr.expected_wait("busy") < 0.01
 
     def test_a_stale_waiting_gauge_does_not_override_a_hit(self) -> None:
         now = [0.0]

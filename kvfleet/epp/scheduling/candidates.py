@@ -101,7 +101,6 @@ class CandidateBuilder:
                     pending_requests=pending_requests,
                     pending_elapsed_s=self.tracker.pending_elapsed(p.name) if pending_requests else 0.0,
                     expected_wait_s=self.tracker.expected_wait(p.name),
-                    arrival_rate=self.tracker.arrival_rate(p.name),
                     held_blocks=self.index.num_pod_gpu_keys(p.name),
                     metrics=pm,
                     scrape_pending=scrape_pending,

@@ -73,9 +73,6 @@ class Candidate:
     #: the queueing delay the pod's recent past predicts
     #: (:meth:`~kvfleet.epp.inflight.InflightTracker.expected_wait`)
     expected_wait_s: float = 0.0
-    #: the picker's recent picks of the pod per second
-    #: (:meth:`~kvfleet.epp.inflight.InflightTracker.arrival_rate`)
-    arrival_rate: float = 0.0
     #: blocks the index holds on the pod's GPU tier
     held_blocks: int = 0
     metrics: PodMetrics | None = None

@@ -94,8 +94,8 @@ class QueueScorer:
     """Minus the seconds of prefill queued on the pod ahead of this request.
 
     ``queue_s = max(0, pending_tokens · prefill_s_per_token + pending_requests · overhead_s − elapsed_s)
-    + expected_weight · expected_wait_s + blocking_weight · λ · S² / 2
-    + running · running_s + max(0, waiting − scrape_pending) · prefill_s(request)``
+    + expected_weight · expected_wait_s + running · running_s
+    + max(0, waiting − scrape_pending) · prefill_s(request)``
     where ``pending_tokens`` are the predicted uncached tokens of the picker's own
     ``pending_requests`` not yet answered (each also costs ``overhead_s``, param,
     default 0.01 s: at least one engine step), ``elapsed_s`` the seconds the pod has
@@ -111,30 +111,22 @@ class QueueScorer:
     into a phantom foreign request costing a whole prefill, which overrode hits of
     thousands of tokens (``docs/epp.md``).
 
-    Two terms look past this request. ``expected_wait_s`` (param ``expected_weight``, default 1) is the
-    wait the pod's recent busy time predicts (``Candidate.expected_wait_s``): a new context stays where it
-    is placed, and its later requests meet the pod's load, which the instantaneous queue (empty most of the
-    time below saturation) does not show. ``λ · S² / 2`` (param ``blocking_weight`` ``b``, default 0.5) is
-    the wait this request's own prefill ``S`` (its tokens beyond the pod's match) adds to the pod's next
-    arrivals, ``λ`` the picker's recent picks of the pod per second: arrivals during ``S`` wait ``S/2`` on
-    average. ``b < 1`` because the picker sends some of them elsewhere; 0.5 was chosen on the whole
-    workload family (1 and 0.25 measured, ``docs/epp.md``).
+    ``expected_wait_s`` (param ``expected_weight``, default 1) is the wait the pod's recent busy time
+    predicts (``Candidate.expected_wait_s``, at most its mean prefill): a new context stays where it is
+    placed and its later requests meet the pod's load, which the instantaneous queue (empty most of the
+    time below saturation) does not show.
     """
 
     def __init__(self, params: Mapping[str, float]) -> None:
         self.running_s = float(params.get("running_s", 0.01))
         self.overhead_s = float(params.get("overhead_s", 0.01))
         self.expected = float(params.get("expected_weight", 1.0))
-        self.blocking = float(params.get("blocking_weight", 0.5))
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         out = []
         for c in cands:
             q = c.pending_tokens * req.prefill_s_per_token + c.pending_requests * self.overhead_s
             q = max(0.0, q - c.pending_elapsed_s) + self.expected * c.expected_wait_s
-            if self.blocking and c.arrival_rate:
-                s = max(0, req.num_tokens - c.hit_blocks * req.block_size) * req.prefill_s_per_token
-                q += self.blocking * c.arrival_rate * s * s / 2
             q += max(0, c.inflight - c.pending_requests) * self.running_s
             if c.metrics is not None:
                 own = c.pending_requests if c.scrape_pending is None else c.scrape_pending

@@ -38,7 +38,7 @@ import math
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -304,32 +304,40 @@ class InflightTracker:
         return max(0.0, self.clock() - since)
 
     def expected_wait(self, pod: str) -> float:
-        """The queueing delay a request arriving at ``pod`` can expect over the coming ``history_s``, from
-        its recent past: ``s̄ · u / (1 − u)`` (M/M/1) with ``u`` the fraction of the last ``history_s``
-        (exponentially decayed) the pod spent with a request of the picker waiting for its first token and
-        ``s̄ = busy seconds / first tokens`` its mean prefill; 0 without history. ``u`` counts up to 0.5, so
-        the figure is at most ``s̄``: beyond that the pod's pending work, which the queue scorer knows
-        exactly, already says it is busy, and the M/M/1 term near saturation (``u ≤ 0.95``: up to 19 ``s̄``)
-        counted that queue a second time and sent conversations away from their cached history (on the
-        Mooncake conversation trace at ρ 0.8 with 250-block caches, TTFT p90 1.25 × the oracle's, against
-        1.08 × with the cap at 0.5).
+        """:meth:`expected_waits` of one pod."""
+        return self.expected_waits((pod,))[0]
+
+    def expected_waits(self, pods: Sequence[str]) -> list[float]:
+        """Per pod of ``pods`` (one lock, one clock read), the queueing delay a request arriving there can
+        expect over the coming ``history_s``, from its recent past: ``s̄ · u / (1 − u)`` (M/M/1) with
+        ``u`` the fraction of the last ``history_s`` (exponentially decayed) the pod spent with a request
+        of the picker waiting for its first token and ``s̄ = busy seconds / first tokens`` its mean
+        prefill; 0 without history. ``u`` counts up to 0.5, so the figure is at most ``s̄``: beyond that
+        the pod's pending work, which the queue scorer knows exactly, already says it is busy, and the
+        M/M/1 term near saturation (``u ≤ 0.95``: up to 19 ``s̄``) counted that queue a second time and
+        sent conversations away from their cached history (on the Mooncake conversation trace at ρ 0.8
+        with 250-block caches, TTFT p90 1.25 × the oracle's, against 1.08 × with the cap at 0.5).
 
         A new context (a session's first turn, an agent's task, a document's first reader) stays where it
         is placed: its later requests follow its cached prefix. The instantaneous queue says nothing about
-        that future (it is empty most of the time below saturation), so without this term every new context
-        went to the few pods holding its shared system prompt, and the pods without it stayed idle."""
+        that future (it is empty most of the time below saturation), so without this term every new
+        context went to the few pods holding its shared system prompt, and the pods without it stayed
+        idle."""
+        h = self.history_s
+        out = []
         with self._lock:
-            load = self._loads.get(pod)
-            if load is None:
-                return 0.0
-            dt = max(0.0, self.clock() - load.mark)
-            keep = math.exp(-dt / self.history_s)
-            busy = load.busy_s * keep + (self.history_s * (1.0 - keep) if load.pending_requests else 0.0)
-            served = load.served * keep
-        if served < 1.0:
-            return 0.0
-        u = min(0.5, busy / self.history_s)
-        return busy / served * u / (1.0 - u)
+            now = self.clock()
+            for pod in pods:
+                load = self._loads.get(pod)
+                if load is None or load.served <= 0.0:
+                    out.append(0.0)
+                    continue
+                keep = math.exp(-max(0.0, now - load.mark) / h)
+                busy = load.busy_s * keep + (h * (1.0 - keep) if load.pending_requests else 0.0)
+                served = load.served * keep
+                u = min(0.5, busy / h)
+                out.append(busy / served * u / (1.0 - u) if served >= 1.0 else 0.0)
+        return out
 
     def same_prefix(self, pod: str, prefix: int) -> int:
         """The picker's requests keyed ``prefix`` on ``pod`` still waiting for their first token

@@ -64,11 +64,11 @@ def test_queue_counts_the_work_already_done(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_queue_counts_the_expected_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The queue scorer adds the wait a pod's recent busy time predicts (``InflightTracker.expected_wait``):
+    """The queue scorer adds the wait a pod's recent busy time predicts (``InflightTracker.expected_waits``):
     without it new agent tasks and documents follow their shared prefix onto the busiest pods (agents'
     p90 more than 1.2 ×, documents' mean more than 1.1 ×)."""
     base_agents, base_docs = run(AGENTS_HIGH), run(DOCUMENTS)
-    monkeypatch.setattr(InflightTracker, "expected_wait", lambda self, pod: 0.0)
+    monkeypatch.setattr(InflightTracker, "expected_waits", lambda self, pods: [0.0] * len(pods))
     assert run(AGENTS_HIGH).ttft["p90"] > 1.2 * base_agents.ttft["p90"]
     assert run(DOCUMENTS).ttft["mean"] > 1.1 * base_docs.ttft["mean"]
 

@@ -82,7 +82,8 @@ class CandidateBuilder:
         if hot is None:
             hot = self.hot_key(keys, max((m.blocks for m in matches.values()), default=0), shard)
         out = []
-        for p in pods:
+        waits = self.tracker.expected_waits([p.name for p in pods])
+        for p, wait in zip(pods, waits, strict=True):
             m = matches.get(p.name)
             inflight, pending_tokens, pending_requests = self.tracker.load(p.name)
             pm = self.metrics.get(p.name)
@@ -100,7 +101,7 @@ class CandidateBuilder:
                     pending_tokens=pending_tokens,
                     pending_requests=pending_requests,
                     pending_elapsed_s=self.tracker.pending_elapsed(p.name) if pending_requests else 0.0,
-                    expected_wait_s=self.tracker.expected_wait(p.name),
+                    expected_wait_s=wait,
                     held_blocks=self.index.num_pod_gpu_keys(p.name),
                     metrics=pm,
                     scrape_pending=scrape_pending,

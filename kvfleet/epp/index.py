@@ -68,6 +68,8 @@ from kvfleet.epp.table import (
 #: probes per pod per search step (a SEARCH_FANOUT-ary search: 13,750 blocks in 5 steps, 256 in 3)
 SEARCH_FANOUT = 8
 _FAN = np.arange(1, SEARCH_FANOUT, dtype=np.int64)
+#: the GPU tier's bit in a tier mask
+_GPU_BIT = np.uint8(1 << Tier.GPU.rank)
 #: best (lowest) tier rank of a 4-bit mask; −1 for 0
 _BEST_RANK = np.array([-1] + [(m & -m).bit_length() - 1 for m in range(1, 256)], dtype=np.int64)
 
@@ -194,7 +196,7 @@ class BlockIndex:
             keep = np.uint8(0 if tier is None else 0xFF ^ (1 << tier.rank))
             before = t.mask[pos]
             m = before & keep
-            self._gpu[slot] -= int(np.count_nonzero((before & ~m & 1) != 0))
+            self._gpu[slot] -= int(np.count_nonzero(before & ~m & _GPU_BIT))
             t.mask[pos] = m
             gone = pos[m == 0]
             t.pods[gone] = DELETED

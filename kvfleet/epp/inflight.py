@@ -118,15 +118,17 @@ class InflightTracker:
         self._emit("open", t)
         return t
 
+    def _decayed(self, load: _Load, now: float) -> tuple[float, float]:
+        """The pod's decayed busy seconds and first tokens at ``now`` (busy: a request of the picker waits
+        there for its first token), from their values at ``load.mark``."""
+        keep = math.exp(-max(0.0, now - load.mark) / self.history_s)
+        busy = self.history_s * (1.0 - keep) if load.pending_requests else 0.0
+        return load.busy_s * keep + busy, load.served * keep
+
     def _fold(self, load: _Load, now: float) -> None:
-        """Brings the pod's decayed busy seconds up to ``now`` (busy: a request of the picker waits there
-        for its first token); the caller then changes ``pending_requests``."""
-        dt = now - load.mark
-        if dt > 0:
-            keep = math.exp(-dt / self.history_s)
-            busy = self.history_s * (1.0 - keep) if load.pending_requests else 0.0
-            load.busy_s = load.busy_s * keep + busy
-            load.served *= keep
+        """Brings the pod's decayed figures up to ``now``; the caller then changes ``pending_requests``."""
+        if now > load.mark:
+            load.busy_s, load.served = self._decayed(load, now)
             load.mark = now
 
     def _add(self, t: Ticket) -> None:
@@ -303,10 +305,6 @@ class InflightTracker:
             since = max(oldest, self._last_first.get(pod, oldest))
         return max(0.0, self.clock() - since)
 
-    def expected_wait(self, pod: str) -> float:
-        """:meth:`expected_waits` of one pod."""
-        return self.expected_waits((pod,))[0]
-
     def expected_waits(self, pods: Sequence[str]) -> list[float]:
         """Per pod of ``pods`` (one lock, one clock read), the queueing delay a request arriving there can
         expect over the coming ``history_s``, from its recent past: ``s̄ · u / (1 − u)`` (M/M/1) with
@@ -323,19 +321,13 @@ class InflightTracker:
         that future (it is empty most of the time below saturation), so without this term every new
         context went to the few pods holding its shared system prompt, and the pods without it stayed
         idle."""
-        h = self.history_s
         out = []
         with self._lock:
             now = self.clock()
             for pod in pods:
                 load = self._loads.get(pod)
-                if load is None or load.served <= 0.0:
-                    out.append(0.0)
-                    continue
-                keep = math.exp(-max(0.0, now - load.mark) / h)
-                busy = load.busy_s * keep + (h * (1.0 - keep) if load.pending_requests else 0.0)
-                served = load.served * keep
-                u = min(0.5, busy / h)
+                busy, served = self._decayed(load, now) if load is not None else (0.0, 0.0)
+                u = min(0.5, busy / self.history_s)
                 out.append(busy / served * u / (1.0 - u) if served >= 1.0 else 0.0)
         return out
 

@@ -400,16 +400,16 @@ class TestScrapedWaiting:
             t.first_byte()
         for at in (399.0, 400.0, 400.5):  # (exponentially weighted: within a period, u moves about 0.5)
             now[0] = at
-            assert 0.7 < tr.expected_wait("busy") < 1.3
+            assert 0.7 < tr.expected_waits(["busy"])[0] < 1.3
         for k in range(100):  # every second a request that takes 0.9 s
             now[0] = 1000.0 + k
             t = tr.open(("saturated",), 1, 10.0)
             now[0] = 1000.0 + k + 0.9
             t.first_byte()
-        assert tr.expected_wait("saturated") == pytest.approx(0.9, rel=0.05)
-        assert tr.expected_wait("never") == 0.0
+        assert tr.expected_waits(["saturated"])[0] == pytest.approx(0.9, rel=0.05)
+        assert tr.expected_waits(["never"])[0] == 0.0
         now[0] = 460.0  # a minute idle: u ≈ 0.5·e⁻⁶
-        assert tr.expected_wait("busy") < 0.01
+        assert tr.expected_waits(["busy"])[0] < 0.01
 
     def test_a_stale_waiting_gauge_does_not_override_a_hit(self) -> None:
         now = [0.0]

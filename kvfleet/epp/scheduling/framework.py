@@ -71,7 +71,7 @@ class Candidate:
     pending_requests: int = 0
     pending_elapsed_s: float = 0.0
     #: the queueing delay the pod's recent past predicts
-    #: (:meth:`~kvfleet.epp.inflight.InflightTracker.expected_wait`)
+    #: (:meth:`~kvfleet.epp.inflight.InflightTracker.expected_waits`)
     expected_wait_s: float = 0.0
     #: blocks the index holds on the pod's GPU tier
     held_blocks: int = 0

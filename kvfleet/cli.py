@@ -16,6 +16,8 @@ ROLES: dict[str, tuple[str, str]] = {
     "operator": ("kvfleet.operator.main", "run the kopf operator (KVCachePool, InferencePool)"),
     "epp": ("kvfleet.epp.main", "run the Envoy ext_proc endpoint picker"),
     "gateway-config": ("kvfleet.epp.envoy", "write the Envoy gateway configuration in front of the EPP"),
+    "gateway-extension": ("kvfleet.epp.gateway_extension",
+                          "serve Envoy Gateway's extension hooks: InferencePool routes through the EPP"),
     "agent": ("kvfleet.agent.main", "run the node agent (tiers, transfer engine, KV events)"),
     "engine": ("kvfleet.engine.main", "run the CPU-fallback engine simulator (OpenAI API)"),
     "demo": ("kvfleet.demo.main", "run the one-machine stack and replay a workload"),

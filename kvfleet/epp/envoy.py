@@ -104,7 +104,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _cluster(name: str, endpoints: Sequence[tuple[str, int]], http2: bool = False) -> dict[str, Any]:
+def upstream_cluster(name: str, endpoints: Sequence[tuple[str, int]], http2: bool = False) -> dict[str, Any]:
     """STATIC for IP endpoints, STRICT_DNS (every address of the name) for DNS names."""
     dns = any(not _is_ip(h) for h, _ in endpoints)
     c: dict[str, Any] = {
@@ -129,7 +129,8 @@ def _cluster(name: str, endpoints: Sequence[tuple[str, int]], http2: bool = Fals
     return c
 
 
-def _strip_filter() -> dict[str, Any]:
+def strip_filter() -> dict[str, Any]:
+    """Removes every routing header a client may have sent; only the picker sets them."""
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
@@ -139,7 +140,7 @@ def _strip_filter() -> dict[str, Any]:
     }
 
 
-def _local_replies() -> dict[str, Any]:
+def local_replies() -> dict[str, Any]:
     """Envoy's own error answers as OpenAI-style JSON: the picker unreachable (FailClose) → 503, an upstream
     that refuses, resets or times out → its status; the picker's own ImmediateResponses keep their bodies."""
     def body(kind: str, message: str) -> dict[str, Any]:
@@ -177,6 +178,123 @@ def _subset_filter(endpoints: Sequence[str]) -> dict[str, Any]:
             "metadata": [{"metadata_namespace": SUBSET_NS, "value": {SUBSET_KEY: list(endpoints)}}],
         },
     }
+
+
+def ext_proc_filter(cluster: str, *, name: str = "envoy.filters.http.ext_proc",
+                    body_mode: str = "FULL_DUPLEX_STREAMED", failure_mode_allow: bool = False,
+                    response_processing: bool = True, message_timeout_s: float = 10.0) -> dict[str, Any]:
+    """The ext_proc HTTP filter that calls the picker at ``cluster``: headers and body of the request, and the
+    response phase (``response_processing``) with the attribute ``upstream.address`` (the served endpoint);
+    a stream that cannot be opened on one picker replica is opened on another."""
+    if body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
+        raise ValueError(f"body_mode must be FULL_DUPLEX_STREAMED or BUFFERED, got {body_mode!r}")
+    streamed = body_mode == "FULL_DUPLEX_STREAMED"
+    mode: dict[str, str] = {
+        "request_header_mode": "SEND",
+        "request_body_mode": body_mode,
+        "request_trailer_mode": "SEND" if streamed else "SKIP",
+        "response_header_mode": "SEND" if response_processing else "SKIP",
+        "response_body_mode": ("FULL_DUPLEX_STREAMED" if streamed else "STREAMED")
+        if response_processing else "NONE",
+        "response_trailer_mode": "SEND" if streamed and response_processing else "SKIP",
+    }
+    return {
+        "name": name,
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": cluster},
+                "timeout": "10s",
+                "retry_policy": {
+                    "retry_on": "connect-failure,refused-stream,unavailable,reset",
+                    "num_retries": 2,
+                    "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
+                    "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
+                                              "typed_config": {"@type": _PREVIOUS_HOSTS}}],
+                    "host_selection_retry_max_attempts": 3,
+                },
+            },
+            "failure_mode_allow": failure_mode_allow,
+            "message_timeout": f"{message_timeout_s}s",
+            "processing_mode": mode,
+            "response_attributes": [UPSTREAM_ATTRIBUTE],
+            "metadata_options": {
+                "receiving_namespaces": {"untyped": [DEST_METADATA_NS]},
+                "forwarding_namespaces": {"untyped": [SUBSET_NS, DEST_METADATA_NS]},
+            },
+        },
+    }
+
+
+def epp_cluster(name: str, replicas: Sequence[tuple[str, int]], *, tls_ca: str = "", tls_sni: str = "",
+                health_interval_s: float = 0.5) -> dict[str, Any]:
+    """The picker's cluster (HTTP/2): replicas health-checked on GIE's ext_proc health service and ejected
+    on local connect failures, so a dead replica stops getting streams within about a second; TLS verified
+    against ``tls_ca`` when given."""
+    epp = upstream_cluster(name, replicas, http2=True)
+    interval = f"{health_interval_s}s"
+    # A busy picker may answer a check late: three misses (or a NOT_SERVING answer three times) take it
+    # out; a dead one is ejected at its first refused connection by the outlier detection below.
+    epp["health_checks"] = [{
+        "timeout": "1s", "interval": interval, "no_traffic_interval": interval,
+        "unhealthy_threshold": 3, "healthy_threshold": 1,
+        "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+    }]
+    epp["outlier_detection"] = {"split_external_local_origin_errors": True,
+                                "consecutive_local_origin_failure": 1,
+                                "base_ejection_time": "2s", "max_ejection_percent": 100}
+    epp["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+    if tls_ca:
+        sni = tls_sni or replicas[0][0]
+        epp["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "sni": sni,
+                "common_tls_context": {
+                    "alpn_protocols": ["h2"],
+                    "validation_context": {
+                        "trusted_ca": {"filename": tls_ca},
+                        "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": sni}}],
+                    },
+                },
+            },
+        }
+    return epp
+
+
+def picked_match() -> dict[str, Any]:
+    """Route match on the picker's dynamic metadata (``envoy.lb`` → ``x-gateway-destination-endpoint``):
+    set only by the picker, never by a client."""
+    return {"filter": DEST_METADATA_NS, "path": [{"key": DEST_HEADER}], "value": {"present_match": True}}
+
+
+def _json_reply(status: int, body: str) -> dict[str, Any]:
+    return {"direct_response": {"status": status, "body": {"inline_string": body}},
+            "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}]}
+
+
+def no_pick_response() -> dict[str, Any]:
+    """What a request with no pick gets where nothing else may serve it: 503 JSON ``no_ready_endpoint``."""
+    return _json_reply(503, _JSON_503)
+
+
+def refused_routes(match: dict[str, Any], per_filter: dict[str, Any]) -> list[dict[str, Any]]:
+    """Routes answering 400 JSON to a request matching ``match`` that carries a header steering
+    prefill/decode with no pick (the client sent it: the picker sets ``x-prefiller-host-port`` with its
+    pick); ``per_filter`` disables the picker there, so it never sees such a request."""
+    out = []
+    for h in CLIENT_REFUSED_HEADERS:
+        m = {**match, "headers": [*match.get("headers", []), {"name": h, "present_match": True}],
+             "dynamic_metadata": [*match.get("dynamic_metadata", []), {**picked_match(), "invert": True}]}
+        out.append({"match": m, **_json_reply(400, _JSON_REFUSED), "typed_per_filter_config": per_filter})
+    return out
+
+
+def internal_route(per_filter: dict[str, Any]) -> dict[str, Any]:
+    """``/kvfleet/`` (the engines' internal API) answered 404 JSON by Envoy itself, the picker disabled."""
+    return {"match": {"prefix": INTERNAL_PREFIX}, **_json_reply(404, _JSON_404),
+            "typed_per_filter_config": per_filter}
 
 
 def _health_listener(port: int, admin_port: int) -> dict[str, Any]:
@@ -238,44 +356,9 @@ def bootstrap(
         raise ValueError(f"body_mode must be FULL_DUPLEX_STREAMED or BUFFERED, got {body_mode!r}")
     if fallback_endpoints and fallback_service:
         raise ValueError("give fallback_endpoints or fallback_service, not both")
-    streamed = body_mode == "FULL_DUPLEX_STREAMED"
-    mode: dict[str, str] = {
-        "request_header_mode": "SEND",
-        "request_body_mode": body_mode,
-        "request_trailer_mode": "SEND" if streamed else "SKIP",
-        "response_header_mode": "SEND" if response_processing else "SKIP",
-        "response_body_mode": ("FULL_DUPLEX_STREAMED" if streamed else "STREAMED")
-        if response_processing else "NONE",
-        "response_trailer_mode": "SEND" if streamed and response_processing else "SKIP",
-    }
-    ext_proc: dict[str, Any] = {
-        "name": "envoy.filters.http.ext_proc",
-        "typed_config": {
-            "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {
-                "envoy_grpc": {"cluster_name": "kvfleet-epp"},
-                "timeout": "10s",
-                # a stream that cannot be opened on one replica is opened on another
-                "retry_policy": {
-                    "retry_on": "connect-failure,refused-stream,unavailable,reset",
-                    "num_retries": 2,
-                    "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
-                    "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
-                                              "typed_config": {"@type": _PREVIOUS_HOSTS}}],
-                    "host_selection_retry_max_attempts": 3,
-                },
-            },
-            "failure_mode_allow": failure_mode_allow,
-            "message_timeout": f"{message_timeout_s}s",
-            "processing_mode": mode,
-            "response_attributes": [UPSTREAM_ATTRIBUTE],
-            "metadata_options": {
-                "receiving_namespaces": {"untyped": [DEST_METADATA_NS]},
-                "forwarding_namespaces": {"untyped": [SUBSET_NS, DEST_METADATA_NS]},
-            },
-        },
-    }
-    filters: list[dict[str, Any]] = [_strip_filter()]
+    ext_proc = ext_proc_filter("kvfleet-epp", body_mode=body_mode, failure_mode_allow=failure_mode_allow,
+                               response_processing=response_processing, message_timeout_s=message_timeout_s)
+    filters: list[dict[str, Any]] = [strip_filter()]
     if subset_hint is not None:
         filters.append(_subset_filter(subset_hint))
     if use_epp:
@@ -285,21 +368,10 @@ def bootstrap(
     timeout = f"{upstream_timeout_s}s"
     no_ext_proc = {"envoy.filters.http.ext_proc": {
         "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}}
-    picked = {"filter": DEST_METADATA_NS, "path": [{"key": DEST_HEADER}], "value": {"present_match": True}}
+    picked = picked_match()
     # A refused header with no pick: the client sent it (the picker sets x-prefiller-host-port with its pick).
-    routes: list[dict[str, Any]] = [
-        {"match": {"prefix": "/", "headers": [{"name": h, "present_match": True}],
-                   "dynamic_metadata": [{**picked, "invert": True}]},
-         "direct_response": {"status": 400, "body": {"inline_string": _JSON_REFUSED}},
-         "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
-         "typed_per_filter_config": no_ext_proc}
-        for h in CLIENT_REFUSED_HEADERS
-    ]
-    routes.append({"match": {"prefix": INTERNAL_PREFIX},
-                   "direct_response": {"status": 404, "body": {"inline_string": _JSON_404}},
-                   "response_headers_to_add": [
-                       {"header": {"key": "content-type", "value": "application/json"}}],
-                   "typed_per_filter_config": no_ext_proc})
+    routes = refused_routes({"prefix": "/"}, no_ext_proc)
+    routes.append(internal_route(no_ext_proc))
     if use_epp:
         to_pods: dict[str, Any] = {"cluster": "kvfleet-pods", "timeout": timeout}
         if routing == "override_host" and pod_retries > 0:
@@ -317,8 +389,7 @@ def bootstrap(
         routes.append(
             {"match": {"prefix": "/"}, "route": {"cluster": "kvfleet-fallback", "timeout": timeout}})
     else:
-        routes.append({"match": {"prefix": "/"},
-                       "direct_response": {"status": 503, "body": {"inline_string": _JSON_503}}})
+        routes.append({"match": {"prefix": "/"}, **no_pick_response()})
     if routing == "header":
         odst: dict[str, Any] = {"use_http_header": True, "http_header_name": DEST_HEADER}
     else:
@@ -326,41 +397,11 @@ def bootstrap(
     clusters: list[dict[str, Any]] = []
     if use_epp:
         replicas = [split_endpoint(e) for e in epp_endpoints] or [(epp_host, epp_port)]
-        epp = _cluster("kvfleet-epp", replicas, http2=True)
-        # Replicas are health-checked on GIE's ext_proc health service and ejected on local connect failures,
-        # so a dead replica stops getting streams within about a second.
-        interval = f"{epp_health_interval_s}s"
-        # A busy picker may answer a check late: three misses (or a NOT_SERVING answer three times) take it
-        # out; a dead one is ejected at its first refused connection by the outlier detection below.
-        epp["health_checks"] = [{
-            "timeout": "1s", "interval": interval, "no_traffic_interval": interval,
-            "unhealthy_threshold": 3, "healthy_threshold": 1,
-            "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
-        }]
-        epp["outlier_detection"] = {"split_external_local_origin_errors": True,
-                                    "consecutive_local_origin_failure": 1,
-                                    "base_ejection_time": "2s", "max_ejection_percent": 100}
-        epp["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
-        if epp_tls_ca:
-            epp["transport_socket"] = {
-                "name": "envoy.transport_sockets.tls",
-                "typed_config": {
-                    "@type": _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-                    "sni": epp_tls_sni or epp_host,
-                    "common_tls_context": {
-                        "alpn_protocols": ["h2"],
-                        "validation_context": {
-                            "trusted_ca": {"filename": epp_tls_ca},
-                            "match_typed_subject_alt_names": [
-                                {"san_type": "DNS", "matcher": {"exact": epp_tls_sni or epp_host}}
-                            ],
-                        },
-                    },
-                },
-            }
+        epp = epp_cluster("kvfleet-epp", replicas, tls_ca=epp_tls_ca, tls_sni=epp_tls_sni or epp_host,
+                          health_interval_s=epp_health_interval_s)
         clusters.append(epp)
         if routing == "override_host":
-            pods_cluster = _cluster("kvfleet-pods", pods)
+            pods_cluster = upstream_cluster("kvfleet-pods", pods)
             del pods_cluster["lb_policy"]
             pods_cluster["connect_timeout"] = "2s"
             pods_cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
@@ -389,7 +430,7 @@ def bootstrap(
                 }
             )
     if fallback:
-        clusters.append(_cluster("kvfleet-fallback", fallback))
+        clusters.append(upstream_cluster("kvfleet-fallback", fallback))
     listeners: list[dict[str, Any]] = []
     hcm = {
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -401,7 +442,7 @@ def bootstrap(
         "route_config": {"name": "kvfleet",
                          "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": filters,
-        "local_reply_config": _local_replies(),
+        "local_reply_config": local_replies(),
     }
     listeners.append(
         {
@@ -415,7 +456,7 @@ def bootstrap(
         if not admin_port:
             raise ValueError("health_port needs a fixed admin_port")
         listeners.append(_health_listener(health_port, admin_port))
-        clusters.append(_cluster("kvfleet-admin", [("127.0.0.1", admin_port)]))
+        clusters.append(upstream_cluster("kvfleet-admin", [("127.0.0.1", admin_port)]))
     return {
         "admin": {"address": _addr("127.0.0.1", admin_port)},
         "static_resources": {"listeners": listeners, "clusters": clusters},

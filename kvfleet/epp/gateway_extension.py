@@ -423,6 +423,19 @@ class Extension:
         return count
 
 
+def extension_manager(hostname: str, port: int) -> dict[str, Any]:
+    """Envoy Gateway's ``extensionManager`` (its EnvoyGateway config) for this server at ``hostname:port``:
+    InferencePools as custom backends, the post hooks this server implements, every listener and route
+    in the translation hook (the chart's install notes print the same)."""
+    return {
+        "backendResources": [{"group": IP_API.split("/")[0], "kind": "InferencePool", "version": "v1"}],
+        "hooks": {"xdsTranslator": {
+            "translation": {"listener": {"includeAll": True}, "route": {"includeAll": True}},
+            "post": ["Route", "Cluster", "Translation"]}},
+        "service": {"fqdn": {"hostname": hostname, "port": port}},
+    }
+
+
 def _route_like(r: Any, out: Any) -> Any:
     out.name = r.name
     out.match.CopyFrom(r.match)

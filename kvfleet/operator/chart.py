@@ -103,6 +103,11 @@ CHART_VALUES: dict[str, Any] = {
         # Per-model HTTPRoutes: [{model: <base model>, inferencePool: <name>, name: <optional route name>}],
         # each matching header X-Gateway-Base-Model-Name (set by GIE body-based routing).
         "routes": [],
+        # provider envoy-gateway: `kvfleet gateway-extension`, the extension server Envoy Gateway calls for
+        # InferencePool backends (its extensionManager must name this Service: see the install notes and
+        # docs/kubernetes.md). replicas 0: none (another extension serves InferencePools).
+        "extension": {"replicas": 1, "port": 5005,
+                      "resources": {"requests": {"cpu": "50m", "memory": "96Mi"}}},
     },
     # The transfer engine's shared key. existingSecret: a Secret you manage (GitOps); value: this key;
     # neither: random, generated once and kept (reused on upgrade, left on uninstall).
@@ -191,6 +196,9 @@ def values_schema() -> dict[str, Any]:
                 "provider": {"enum": ["kvfleet", "envoy-gateway", "istio", "kgateway", "gke", "none"]},
                 "gatewayClassName": str_,
                 "port": {"type": "integer"}, "inferencePool": str_,
+                "extension": {"type": "object", "additionalProperties": False, "properties": {
+                    "replicas": {"type": "integer", "minimum": 0},
+                    "port": {"type": "integer", "minimum": 1, "maximum": 65535}, "resources": obj}},
                 "routes": {"type": "array", "items": {
                     "type": "object", "required": ["model", "inferencePool"], "additionalProperties": False,
                     "properties": {"model": {"type": "string", "minLength": 1},

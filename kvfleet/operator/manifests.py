@@ -68,6 +68,9 @@ ANN_MODELS = "kvfleet.io/models"
 ANN_EVENTS = "kvfleet.io/kv-events-port"
 ANN_REPLAY = "kvfleet.io/kv-replay-port"
 ANN_ROUTING = "kvfleet.io/routing"
+#: read by ``kvfleet gateway-extension`` (Envoy Gateway): the shards' headless Services, where a FailOpen
+#: request goes with the picker down
+ANN_FALLBACK = "kvfleet.io/fallback-services"
 AGENT_CONTAINER = "kvfleet-agent"
 ENGINE_CONTAINER = "engine"
 
@@ -493,7 +496,9 @@ def render_inferencepool(obj: Mapping[str, Any], spec: PoolSpec, base: Settings)
         "kind": "InferencePool",
         "metadata": _meta(obj, inferencepool_name(name), _labels(name, None, None, "inferencepool"),
                           {ANN_MODEL: spec.model.name, ANN_MODELS: spec.model.name,
-                           ANN_ROUTING: routing_annotation(spec)}),
+                           ANN_ROUTING: routing_annotation(spec),
+                           ANN_FALLBACK: ",".join(f"{shard_name(name, i)}:{op.engine_port}"
+                                                  for i in range(spec.pools))}),
         "spec": {
             "selector": {"matchLabels": pool_selector(name)},
             "targetPorts": [{"number": op.engine_port}],

@@ -30,7 +30,7 @@ import pytest
 
 from kvfleet.demo.envoy import envoy_binary
 from kvfleet.demo.stack import ProcessStack, free_port, plan_pods, write_yaml
-from kvfleet.epp.gateway_extension import ANN_FALLBACK
+from kvfleet.epp.gateway_extension import ANN_FALLBACK, extension_manager
 from tests.conftest import wait_for
 from tests.e2e import test_stack as standalone
 from tests.e2e.conftest import MODEL, Fleet, http_json
@@ -156,19 +156,8 @@ def eg_config(home: Path, res: Path, ext_port: int) -> dict[str, object]:
             },
         },
         "logging": {"level": {"default": "info"}},
-        # what the chart's NOTES and docs/kubernetes.md tell users to put in EG's config
-        "extensionManager": {
-            "backendResources": [
-                {"group": "inference.networking.k8s.io", "kind": "InferencePool", "version": "v1"}
-            ],
-            "hooks": {
-                "xdsTranslator": {
-                    "translation": {"listener": {"includeAll": True}, "route": {"includeAll": True}},
-                    "post": ["Route", "Cluster", "Translation"],
-                }
-            },
-            "service": {"fqdn": {"hostname": "127.0.0.1", "port": ext_port}},
-        },
+        # what the chart's install notes tell users to put in EG's config
+        "extensionManager": extension_manager("127.0.0.1", ext_port),
     }
 
 

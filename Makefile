@@ -42,8 +42,9 @@ interop: $(STAMP) ## Build the interop venvs: vLLM 0.11.0, 0.33.0 and SGLang 0.5
 test-interop: interop ## pytest -m interop: rendered vLLM/SGLang command lines through their own parsers; vLLM's KV-event publisher into the EPP.
 	KVFLEET_REQUIRE_INTEROP=1 $(PY) -m pytest -m interop $(PYTEST_ARGS)
 
-cluster: $(STAMP) ## Build the test control plane: etcd, kube-apiserver, kube-controller-manager from Go modules (cached in ~/.cache/kvfleet).
+cluster: $(STAMP) ## Build the test control plane: etcd, kube-apiserver, kube-controller-manager, and Envoy Gateway from Go modules (cached in ~/.cache/kvfleet).
 	$(PY) -m e2e.controlplane build
+	$(PY) -m e2e.kind.images envoy-gateway-program
 
 cluster-up: cluster tools ## Run that control plane on 127.0.0.1 in the foreground (prints its KUBECONFIG; Ctrl-C stops it).
 	$(PY) -m e2e.controlplane up

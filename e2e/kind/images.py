@@ -605,7 +605,9 @@ def build(only: set[str], kvfleet_tag: str) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m e2e.kind.images", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=["build", "info"])
+    p.add_argument("command", choices=["build", "info", "envoy-gateway-program"],
+                   help="envoy-gateway-program: only the envoy-gateway binary (no Docker; the real "
+                   "Envoy Gateway tests run it standalone), its path printed")
     p.add_argument("--only", action="append", choices=["node", "envoy", "kvfleet", "envoy-gateway"],
                    default=[], help="build only these (repeatable); default: node, envoy and kvfleet "
                    "(envoy-gateway is built only when named)")
@@ -614,6 +616,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         manifest = cache_root() / "images.json"
         print(manifest.read_text() if manifest.exists() else "{}")
+        return 0
+    if args.command == "envoy-gateway-program":
+        try:
+            print(envoy_gateway_program())
+        except BuildError as e:
+            print(f"kind-images: {e}", file=sys.stderr)
+            return 1
         return 0
     try:
         out = build(set(args.only), args.kvfleet_tag)

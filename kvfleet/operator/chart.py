@@ -106,7 +106,10 @@ CHART_VALUES: dict[str, Any] = {
         # provider envoy-gateway: `kvfleet gateway-extension`, the extension server Envoy Gateway calls for
         # InferencePool backends (its extensionManager must name this Service: see the install notes and
         # docs/kubernetes.md). replicas 0: none (another extension serves InferencePools).
+        # envoyGatewayServiceAccount (NAMESPACE/NAME; "" = none): Envoy Gateway's controller, granted read
+        # access to InferencePools (EG's own chart grants none; without it EG cannot watch them).
         "extension": {"replicas": 1, "port": 5005,
+                      "envoyGatewayServiceAccount": "envoy-gateway-system/envoy-gateway",
                       "resources": {"requests": {"cpu": "50m", "memory": "96Mi"}}},
     },
     # The transfer engine's shared key. existingSecret: a Secret you manage (GitOps); value: this key;
@@ -198,7 +201,9 @@ def values_schema() -> dict[str, Any]:
                 "port": {"type": "integer"}, "inferencePool": str_,
                 "extension": {"type": "object", "additionalProperties": False, "properties": {
                     "replicas": {"type": "integer", "minimum": 0},
-                    "port": {"type": "integer", "minimum": 1, "maximum": 65535}, "resources": obj}},
+                    "port": {"type": "integer", "minimum": 1, "maximum": 65535}, "resources": obj,
+                    "envoyGatewayServiceAccount": {
+                        "type": "string", "pattern": "^$|^[a-z0-9][-a-z0-9]*/[a-z0-9][-a-z0-9.]*$"}}},
                 "routes": {"type": "array", "items": {
                     "type": "object", "required": ["model", "inferencePool"], "additionalProperties": False,
                     "properties": {"model": {"type": "string", "minLength": 1},

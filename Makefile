@@ -69,6 +69,9 @@ kind-images: $(STAMP) ## Build and cache every image a kind cluster needs, offli
 e2e-kind: $(STAMP) tools ## Real kind cluster: images, 3 nodes, chart in a restricted namespace, pools, e2e/kind/check.py, teardown (KEEP=1 keeps it).
 	e2e/kind/run.sh
 
+e2e-kind-eg: $(STAMP) tools ## make e2e-kind with Envoy Gateway (built from its Go module) in front of the EPP instead of the chart's Envoy.
+	GATEWAY=envoy-gateway e2e/kind/run.sh
+
 docker-smoke: ## Build the image on BASE_IMAGE and start every role in it (needs a Docker engine; e2e/docker/base.sh makes a base).
 	e2e/docker/smoke.sh $(BASE_IMAGE)
 

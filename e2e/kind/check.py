@@ -17,6 +17,15 @@
    InferencePools survive (same UIDs); traffic is served after.
 8. ``helm uninstall`` (after the KVCachePools are deleted) leaves no pod of the release.
 
+With ``--gateway envoy-gateway`` (Envoy Gateway in front, ``make e2e-kind-eg``), two more, before 3:
+
+* the response phase reached the EPP through Envoy Gateway: every EPP replica's served-endpoint and
+  engine-cached-token counters grew, and no pick is left waiting for its first token;
+* both failure modes with every EPP replica gone: the FailClose pool (``sim-unified``, the default route)
+  answers 503, the FailOpen pool (``sim-pd``, the route for header ``X-Gateway-Base-Model-Name``, which
+  GIE's body-based routing sets) is served by its shard's headless Service; routing comes back with the
+  EPP.
+
 1 and 2 run on one machine too, against the real API server and a node that runs the pods
 (tests/cluster/test_serving.py); all eight run on kind (``make e2e-kind``).
 """
@@ -29,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -248,6 +258,77 @@ def check_epp_failover(url: str, namespace: str, model: str = "llama-3-8b", work
          lambda: len(ready_pods(namespace, "app.kubernetes.io/component=epp")) == 2)
 
 
+def epp_metric(namespace: str, name: str) -> dict[str, float]:
+    """``name``'s sum in each ready EPP replica's /metrics."""
+    return {pod: metric_sum(http_in_pod(namespace, pod, "epp", "http://127.0.0.1:9090/metrics"), name)
+            for pod in ready_pods(namespace, "app.kubernetes.io/component=epp")}
+
+
+def post(url: str, model: str, prompt: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        return 0, str(exc)
+
+
+def check_response_phase(url: str, namespace: str) -> None:
+    """The gateway's response phase reaches the EPP: the endpoint that served, the engine's cached tokens, the
+    first token (no pick still pending). Every replica is checked after traffic spread over them."""
+    served = epp_metric(namespace, "kvfleet_epp_served_total")
+    cached_before = epp_metric(namespace, "kvfleet_epp_engine_cached_tokens_total")
+    system = "You are the response-phase check. " + "Keep answers short. " * 40
+    for i in range(24):
+        complete(url, "llama-3-8b", system + f"Question {i}?")
+    grew = wait("every EPP replica told of the served endpoints", lambda: (
+        (now := epp_metric(namespace, "kvfleet_epp_served_total"))
+        and all(now.get(p, 0) > served.get(p, 0) for p in now) and now), timeout_s=60)
+    cached = epp_metric(namespace, "kvfleet_epp_engine_cached_tokens_total")
+    if sum(cached.values()) <= sum(cached_before.values()):
+        sys.exit(f"no engine-reported cached tokens reached the EPP through the gateway: {cached}")
+    pending = wait("every pick's first token back", lambda: (
+        (p := epp_metric(namespace, "kvfleet_epp_pod_pending_tokens")) and sum(p.values()) == 0 and p),
+        timeout_s=60)
+    print(f"response phase through the gateway: served endpoints reported {grew}, engine cached tokens "
+          f"{cached}, pending first tokens {pending}")
+
+
+def check_failure_modes(url: str, namespace: str) -> None:
+    """Every EPP replica gone: FailClose answers 503, FailOpen is served by the pool; then the EPP returns."""
+    (epp,) = [d["metadata"]["name"] for d in kget(namespace, "deployments", "-l",
+                                                   "app.kubernetes.io/component=epp")["items"]]
+    replicas = kget(namespace, "deployment", epp)["spec"]["replicas"]
+    kubectl("-n", namespace, "scale", f"deployment/{epp}", "--replicas=0")
+    try:
+        wait("no EPP pod left", lambda: not kget(namespace, "pods", "-l",
+                                                  "app.kubernetes.io/component=epp")["items"], timeout_s=120)
+        open_route = {"X-Gateway-Base-Model-Name": "llama-3-8b-pd"}
+        # the gateway's health checks see the picker gone within seconds; until then a stream may fail closed
+        opened = wait("the FailOpen pool served with the EPP down", lambda: (
+            (r := post(url, "llama-3-8b-pd", "FailOpen check. " * 20, open_route))[0] == 200 and r),
+            timeout_s=60)
+        for i in range(5):
+            st, body = post(url, "llama-3-8b-pd", f"FailOpen check {i}. " * 20, open_route)
+            if st != 200:
+                sys.exit(f"FailOpen pool with the EPP down answered {st}: {body[:300]}")
+            st, body = post(url, "llama-3-8b", f"FailClose check {i}. " * 20)
+            if st != 503:
+                sys.exit(f"FailClose pool with the EPP down answered {st}, not 503: {body[:300]}")
+        print(f"failure modes with the EPP down: FailOpen (sim-pd) 200 ({opened[1][:80]}...), "
+              f"FailClose (sim-unified) 503 ({body[:120]})")
+    finally:
+        kubectl("-n", namespace, "scale", f"deployment/{epp}", f"--replicas={replicas}")
+    wait(f"the EPP back at {replicas} ready replicas",
+         lambda: len(ready_pods(namespace, "app.kubernetes.io/component=epp")) == replicas)
+    wait("routing through the EPP again", lambda: post(url, "llama-3-8b", "Back? " * 20)[0] == 200,
+         timeout_s=120)
+
+
 def helm(*args: str) -> str:
     r = subprocess.run(["helm", *args], capture_output=True, text=True)
     if r.returncode != 0:
@@ -308,6 +389,8 @@ def main() -> int:
     parser.add_argument("--chart", default="charts/kvfleet")
     parser.add_argument("--values", default="charts/kvfleet/values-kind.yaml")
     parser.add_argument("--set", action="append", default=[], help="--set of the install, kept on upgrade")
+    parser.add_argument("--gateway", choices=["kvfleet", "envoy-gateway"], default="kvfleet",
+                        help="what serves --url: the chart's own Envoy, or Envoy Gateway (two more checks)")
     args = parser.parse_args()
     ns = args.namespace
     check_prefix_routing(args.url)
@@ -320,6 +403,9 @@ def main() -> int:
     check_pd(args.url, lambda: http_in_pod(ns, dpod, "engine", "http://127.0.0.1:8000/metrics"))
     if not args.release:
         return 0
+    if args.gateway == "envoy-gateway":
+        check_response_phase(args.url, ns)
+        check_failure_modes(args.url, ns)
     check_restricted(ns)
     check_discovery(ns)
     check_replacement(args.url, ns)

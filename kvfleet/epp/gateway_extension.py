@@ -76,6 +76,11 @@ META_NS = "kvfleet.io/inferencepool"
 #: InferencePool annotation: the Services a FailOpen request goes to with the picker down (``name:port``,
 #: comma-separated, in the pool's namespace); the operator writes its shards' headless Services there
 ANN_FALLBACK = "kvfleet.io/fallback-services"
+#: InferencePool annotation: the picker's replicas each by its own address (a headless Service over the
+#: ``endpointPickerRef`` Service's pods, ``name:port``): the ext_proc cluster resolves it to every replica,
+#: health-checks and balances them; without it the Service's one address (a ClusterIP: one connection, one
+#: replica gets every stream)
+ANN_EPP_REPLICAS = "kvfleet.io/epp-replicas"
 IP_API = "inference.networking.k8s.io/v1"
 HCM = "envoy.filters.network.http_connection_manager"
 HCM_TYPE = (
@@ -98,6 +103,8 @@ class Pool:
     failure_mode: str = "FailClose"
     fallback: tuple[tuple[str, int], ...] = ()
     error: str = ""
+    #: ``(host, port)`` of the picker's replicas (:data:`ANN_EPP_REPLICAS`), else the Service itself
+    replicas: tuple[str, int] | None = None
 
     @property
     def key(self) -> str:
@@ -106,7 +113,8 @@ class Pool:
     @property
     def epp_cluster(self) -> str:
         """One cluster per picker Service: pools sharing a picker share its health and ejections."""
-        return f"kvfleet-epp/{self.namespace}/{self.epp_service}:{self.epp_port}"
+        host, port = self.replicas or (self.epp_service, self.epp_port)
+        return f"kvfleet-epp/{self.namespace}/{host}:{port}"
 
     @property
     def fallback_cluster(self) -> str:
@@ -126,6 +134,7 @@ class Pool:
                 "failure_mode": self.failure_mode,
                 "fallback": [list(f) for f in self.fallback],
                 "error": self.error,
+                "replicas": list(self.replicas) if self.replicas else None,
             },
             sort_keys=True,
         )
@@ -141,6 +150,7 @@ class Pool:
             failure_mode=str(d["failure_mode"]),
             fallback=tuple((str(h), int(p)) for h, p in d["fallback"]),
             error=str(d["error"]),
+            replicas=(str(d["replicas"][0]), int(d["replicas"][1])) if d.get("replicas") else None,
         )
 
 
@@ -172,14 +182,23 @@ def parse_pool(obj: dict[str, Any]) -> Pool | None:
     mode = ref.get("failureMode") or "FailClose"
     if mode not in ("FailClose", "FailOpen"):
         return Pool(ns, name, error=f"{where}: endpointPickerRef.failureMode must be FailClose or FailOpen")
-    fallback: list[tuple[str, int]] = []
-    for item in str((meta.get("annotations") or {}).get(ANN_FALLBACK, "")).split(","):
+    annotations = meta.get("annotations") or {}
+    fallback = _endpoints(annotations, ANN_FALLBACK, where)
+    replicas = _endpoints(annotations, ANN_EPP_REPLICAS, where)[:1]
+    return Pool(ns, name, epp_service=svc, epp_port=port, failure_mode=mode, fallback=tuple(fallback),
+                replicas=replicas[0] if replicas else None)
+
+
+def _endpoints(annotations: dict[str, Any], key: str, where: str) -> list[tuple[str, int]]:
+    """``name:port`` entries of annotation ``key`` (comma-separated); a malformed one is logged, skipped."""
+    out: list[tuple[str, int]] = []
+    for item in str(annotations.get(key, "")).split(","):
         host, _, p = item.strip().rpartition(":")
         if host and p.isdigit() and 0 < int(p) < 65536:
-            fallback.append((host, int(p)))
+            out.append((host, int(p)))
         elif item.strip():
-            log.warning("%s: ignoring %s entry %r (expected NAME:PORT)", where, ANN_FALLBACK, item)
-    return Pool(ns, name, epp_service=svc, epp_port=port, failure_mode=mode, fallback=tuple(fallback))
+            log.warning("%s: ignoring %s entry %r (expected NAME:PORT)", where, key, item)
+    return out
 
 
 def _pools_in(resources: Sequence[Any]) -> list[Pool]:
@@ -295,13 +314,16 @@ class Extension:
             if p.error:
                 continue
             if p.epp_cluster not in names:
-                d = epp_cluster(p.epp_cluster, [(self._fqdn(p.epp_service, p.namespace), p.epp_port)])
+                host, port = p.replicas or (p.epp_service, p.epp_port)
+                d = epp_cluster(p.epp_cluster, [(self._fqdn(host, p.namespace), port)])
                 out.clusters.add().CopyFrom(json_format.ParseDict(d, cluster_pb2.Cluster()))
+                names.add(p.epp_cluster)  # pools sharing a picker share its cluster
             if p.failure_mode == "FailOpen" and p.fallback and p.fallback_cluster not in names:
                 d = upstream_cluster(
                     p.fallback_cluster, [(self._fqdn(h, p.namespace), port) for h, port in p.fallback]
                 )
                 out.clusters.add().CopyFrom(json_format.ParseDict(d, cluster_pb2.Cluster()))
+                names.add(p.fallback_cluster)
         for listener in out.listeners:
             if self._patch_listener(listener, pool_configs):
                 t.listeners += 1

@@ -71,6 +71,9 @@ ANN_ROUTING = "kvfleet.io/routing"
 #: read by ``kvfleet gateway-extension`` (Envoy Gateway): the shards' headless Services, where a FailOpen
 #: request goes with the picker down
 ANN_FALLBACK = "kvfleet.io/fallback-services"
+#: also read by ``kvfleet gateway-extension``: the EPP's replicas by address (the chart's headless
+#: ``<epp>-replicas`` Service), so a gateway spreads its ext_proc streams over all of them
+ANN_EPP_REPLICAS = "kvfleet.io/epp-replicas"
 AGENT_CONTAINER = "kvfleet-agent"
 ENGINE_CONTAINER = "engine"
 
@@ -498,7 +501,8 @@ def render_inferencepool(obj: Mapping[str, Any], spec: PoolSpec, base: Settings)
                           {ANN_MODEL: spec.model.name, ANN_MODELS: spec.model.name,
                            ANN_ROUTING: routing_annotation(spec),
                            ANN_FALLBACK: ",".join(f"{shard_name(name, i)}:{op.engine_port}"
-                                                  for i in range(spec.pools))}),
+                                                  for i in range(spec.pools)),
+                           ANN_EPP_REPLICAS: f"{op.epp_service}-replicas:{op.epp_port}"}),
         "spec": {
             "selector": {"matchLabels": pool_selector(name)},
             "targetPorts": [{"number": op.engine_port}],

@@ -20,6 +20,7 @@ from google.protobuf import json_format
 
 from kvfleet.epp.egproto import MESSAGES, SERVICE
 from kvfleet.epp.gateway_extension import (
+    ANN_EPP_REPLICAS,
     ANN_FALLBACK,
     HCM,
     STRIP_FILTER,
@@ -74,6 +75,11 @@ def test_a_pool_is_read_with_its_picker_mode_and_fallback() -> None:
         ({"name": "epp", "port": {"number": 9002}, "failureMode": "Maybe"}, "FailClose or FailOpen"),
     ],
 )
+def test_a_pool_survives_its_trip_through_route_metadata() -> None:
+    p = Pool("ns", "p", "epp", 9002, "FailOpen", (("a", 1), ("b", 2)), "", ("epp-replicas", 9002))
+    assert Pool.from_json(p.to_json()) == p and Pool.from_json(Pool("ns", "q").to_json()) == Pool("ns", "q")
+
+
 def test_a_pool_that_cannot_be_served_says_why(ref: dict[str, Any], says: str) -> None:
     p = parse_pool(inference_pool(ref=ref))
     assert p is not None and says in p.error and "ns/p" in p.error
@@ -197,7 +203,7 @@ def test_translation_adds_the_picker_per_pool_and_splits_its_routes() -> None:
     assert modes == {pa.filter_name: (False, pa.epp_cluster), pb.filter_name: (True, pa.epp_cluster)}
     assert _hcm(out).HasField("local_reply_config")
     clusters = {c.name: c for c in out.clusters}
-    assert set(clusters) == {pa.epp_cluster, pb.fallback_cluster}
+    assert sorted(c.name for c in out.clusters) == sorted({pa.epp_cluster, pb.fallback_cluster})  # no twice
     assert (
         clusters[pa.epp_cluster]
         .load_assignment.endpoints[0]
@@ -226,6 +232,18 @@ def test_translation_adds_the_picker_per_pool_and_splits_its_routes() -> None:
         pa.filter_name,
         pb.filter_name,
     }
+
+
+def test_the_picker_cluster_reaches_every_replica_when_the_pool_names_them() -> None:
+    """``kvfleet.io/epp-replicas`` (a headless Service): the ext_proc cluster resolves it to every replica
+    (STRICT_DNS, round robin, each health-checked); without it, the Service's one address."""
+    named = inference_pool(annotations={ANN_EPP_REPLICAS: "epp-replicas:9002"})
+    out = Extension().post_translate_modify(_translation([named]))
+    (c,) = out.clusters
+    addr = c.load_assignment.endpoints[0].lb_endpoints[0].endpoint.address.socket_address
+    assert (addr.address, addr.port_value) == ("epp-replicas.ns.svc.cluster.local", 9002)
+    assert c.type == cluster_pb2.Cluster.STRICT_DNS and c.health_checks[0].grpc_health_check.service_name
+    assert c.name == "kvfleet-epp/ns/epp-replicas:9002"
 
 
 def test_translation_is_idempotent_and_leaves_a_pool_less_gateway_alone() -> None:

@@ -26,6 +26,7 @@ from kvfleet.operator.inferencepools import selected_pods
 from kvfleet.operator.manifests import (
     AGENT_CONTAINER,
     ANN_CONFIG_HASH,
+    ANN_EPP_REPLICAS,
     ANN_FALLBACK,
     ANN_ROUTING,
     LABEL_AGENT,
@@ -93,6 +94,7 @@ def test_inferencepool_selects_every_shard_and_shards_are_pod_subsets() -> None:
 def test_inferencepool_names_its_shards_services_for_a_gateways_fail_open() -> None:
     """Envoy Gateway's kvfleet extension reads the FailOpen targets from the pool: every shard's headless
     Service at the engine port, parsed as that extension parses them."""
+    from kvfleet.epp.gateway_extension import ANN_EPP_REPLICAS as READ_REPLICAS
     from kvfleet.epp.gateway_extension import ANN_FALLBACK as READ
     from kvfleet.epp.gateway_extension import parse_pool
 
@@ -104,6 +106,8 @@ def test_inferencepool_names_its_shards_services_for_a_gateways_fail_open() -> N
         f"{s}:{port}" for s in services)
     parsed = parse_pool({**pool, "metadata": {**pool["metadata"], "namespace": "ns"}})
     assert parsed is not None and not parsed.error and parsed.fallback == tuple((s, port) for s in services)
+    # and the EPP's replicas by address: the chart's headless <epp>-replicas Service
+    assert READ_REPLICAS == ANN_EPP_REPLICAS and parsed.replicas == ("kvfleet-epp-replicas", 9002)
 
 
 def test_children_names_and_owner_references() -> None:

@@ -65,6 +65,11 @@ def test_a_pool_is_read_with_its_picker_mode_and_fallback() -> None:
     assert parse_pool({"apiVersion": "v1", "kind": "Service"}) is None
 
 
+def test_a_pool_survives_its_trip_through_route_metadata() -> None:
+    p = Pool("ns", "p", "epp", 9002, "FailOpen", (("a", 1), ("b", 2)), "", ("epp-replicas", 9002))
+    assert Pool.from_json(p.to_json()) == p and Pool.from_json(Pool("ns", "q").to_json()) == Pool("ns", "q")
+
+
 @pytest.mark.parametrize(
     ("ref", "says"),
     [
@@ -75,11 +80,6 @@ def test_a_pool_is_read_with_its_picker_mode_and_fallback() -> None:
         ({"name": "epp", "port": {"number": 9002}, "failureMode": "Maybe"}, "FailClose or FailOpen"),
     ],
 )
-def test_a_pool_survives_its_trip_through_route_metadata() -> None:
-    p = Pool("ns", "p", "epp", 9002, "FailOpen", (("a", 1), ("b", 2)), "", ("epp-replicas", 9002))
-    assert Pool.from_json(p.to_json()) == p and Pool.from_json(Pool("ns", "q").to_json()) == Pool("ns", "q")
-
-
 def test_a_pool_that_cannot_be_served_says_why(ref: dict[str, Any], says: str) -> None:
     p = parse_pool(inference_pool(ref=ref))
     assert p is not None and says in p.error and "ns/p" in p.error

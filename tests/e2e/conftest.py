@@ -129,16 +129,22 @@ class Fleet:
                 raise AssertionError(f"{child.name} died (rc {child.proc.returncode}):\n{child.log_tail()}")
 
 
+def engines_and_epp(stack: ProcessStack, workdir: Path) -> Fleet:
+    """Four engines in two pools and the EPP over them (a pods file); the caller puts a gateway in front."""
+    fleet = Fleet(stack, plan_pods(4, 2, 1), workdir, secret=stack.transfer_secret)
+    fleet.epp_ports = (free_port(), free_port(), free_port())
+    for p in fleet.pods:
+        fleet.start_engine(p)
+    fleet.start_epp()
+    return fleet
+
+
 def start_fleet(workdir: Path) -> Iterator[Fleet]:
     from kvfleet.demo.envoy import envoy_binary
     from kvfleet.epp.envoy import write_bootstrap
 
     with ProcessStack(workdir) as stack:
-        fleet = Fleet(stack, plan_pods(4, 2, 1), workdir, secret=stack.transfer_secret)
-        fleet.epp_ports = (free_port(), free_port(), free_port())
-        for p in fleet.pods:
-            fleet.start_engine(p)
-        fleet.start_epp()
+        fleet = engines_and_epp(stack, workdir)
         listen, admin = free_port(), free_port()
         boot = write_bootstrap(workdir / "envoy.yaml", listen_port=listen, epp_port=fleet.epp_ports[0],
                                admin_port=admin)

@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 
 from kvfleet.demo.envoy import envoy_binary
-from kvfleet.demo.stack import ProcessStack, free_port, plan_pods, write_yaml
+from kvfleet.demo.stack import ProcessStack, free_port, write_yaml
 from kvfleet.epp.gateway_extension import ANN_FALLBACK, extension_manager
 from tests.conftest import wait_for
 from tests.e2e import test_stack as standalone
-from tests.e2e.conftest import MODEL, Fleet, http_json
+from tests.e2e.conftest import MODEL, Fleet, engines_and_epp, http_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -166,11 +166,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     binary = eg_binary()
     workdir = tmp_path_factory.mktemp("eg")
     with ProcessStack(workdir) as stack:
-        fleet = Fleet(stack, plan_pods(4, 2, 1), workdir, secret=stack.transfer_secret)
-        fleet.epp_ports = (free_port(), free_port(), free_port())
-        for p in fleet.pods:
-            fleet.start_engine(p)
-        fleet.start_epp()
+        fleet = engines_and_epp(stack, workdir)
         ext_port = free_port()
         ext = stack.spawn_kvfleet(
             "gateway-extension", ["gateway-extension", "--listen", f"127.0.0.1:{ext_port}"]

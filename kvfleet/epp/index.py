@@ -533,9 +533,9 @@ class BlockIndex:
         first = self._spec.get(keys[positions[0]]) if len(positions) else None
         if first is None:
             return spec_len
-        for pod in names:
-            held = first.get(pod)
-            if held is None or held.expiry <= t:
+        wanted = set(names)
+        for pod, held in first.items():  # the few pods holding the first position, not every candidate
+            if pod not in wanted or held.expiry <= t:
                 continue
             # one pick stores a whole prefix, so "held at position i" is (nearly) monotone in i:
             # binary search for the last sampled position the pod holds

@@ -40,7 +40,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 TicketEvent = Literal["open", "first", "close", "move"]
 
@@ -80,6 +80,18 @@ class Ticket:
 
     def close(self) -> None:
         self.tracker._close(self)
+
+
+class PodView(NamedTuple):
+    """One pod as a pick sees it (:meth:`InflightTracker.view`)."""
+
+    inflight: int
+    pending_tokens: float
+    pending_requests: int
+    same_prefix: int
+    pending_elapsed_s: float
+    expected_wait_s: float
+    scrape_pending: int | None
 
 
 class InflightTracker:
@@ -284,12 +296,15 @@ class InflightTracker:
         """The picker's requests on ``pod`` opened by ``t`` whose first token had not come back at ``t``
         (exact for ``t`` within the last ``history_s``; older first tokens are forgotten)."""
         with self._lock:
-            n = sum(1 for tk in self._pending.get(pod, {}).values() if tk.started <= t)
-            # first tokens are recorded in time order: those after ``t`` are the deque's tail
-            for opened, first in reversed(self._recent.get(pod, ())):
-                if first <= t:
-                    break
-                n += opened <= t
+            return self._pending_at(pod, t)
+
+    def _pending_at(self, pod: str, t: float) -> int:
+        n = sum(1 for tk in self._pending.get(pod, {}).values() if tk.started <= t)
+        # first tokens are recorded in time order: those after ``t`` are the deque's tail
+        for opened, first in reversed(self._recent.get(pod, ())):
+            if first <= t:
+                break
+            n += opened <= t
         return n
 
     def pending_elapsed(self, pod: str) -> float:
@@ -298,12 +313,14 @@ class InflightTracker:
         picks (0 when none waits). The pod's unfinished prefill work is then the pending work minus this
         (a work-conserving server, whatever order or batching it serves them in)."""
         with self._lock:
-            pending = self._pending.get(pod)
-            if not pending:
-                return 0.0
-            oldest = min(tk.started for tk in pending.values())
-            since = max(oldest, self._last_first.get(pod, oldest))
-        return max(0.0, self.clock() - since)
+            return self._elapsed(pod, self.clock())
+
+    def _elapsed(self, pod: str, now: float) -> float:
+        pending = self._pending.get(pod)
+        if not pending:
+            return 0.0
+        oldest = min(tk.started for tk in pending.values())
+        return max(0.0, now - max(oldest, self._last_first.get(pod, oldest)))
 
     def expected_waits(self, pods: Sequence[str]) -> list[float]:
         """Per pod of ``pods`` (one lock, one clock read), the queueing delay a request arriving there can
@@ -321,14 +338,30 @@ class InflightTracker:
         that future (it is empty most of the time below saturation), so without this term every new
         context went to the few pods holding its shared system prompt, and the pods without it stayed
         idle."""
+        with self._lock:
+            now = self.clock()
+            return [self._expected(self._loads.get(pod), now) for pod in pods]
+
+    def _expected(self, load: _Load | None, now: float) -> float:
+        busy, served = self._decayed(load, now) if load is not None else (0.0, 0.0)
+        u = min(0.5, busy / self.history_s)
+        return busy / served * u / (1.0 - u) if served >= 1.0 else 0.0
+
+    def view(self, pods: Sequence[str], hot: int, scraped_at: Sequence[float | None]) -> list[PodView]:
+        """What a pick needs of each of ``pods``, under one lock and one clock read: :meth:`load`,
+        :meth:`same_prefix` of ``hot``, :meth:`pending_elapsed` (0 with nothing pending), the expected wait
+        (:meth:`expected_waits`) and, where ``scraped_at`` gives the instant of a scrape that saw waiting
+        requests, :meth:`pending_at` that instant (else None)."""
         out = []
         with self._lock:
             now = self.clock()
-            for pod in pods:
-                load = self._loads.get(pod)
-                busy, served = self._decayed(load, now) if load is not None else (0.0, 0.0)
-                u = min(0.5, busy / self.history_s)
-                out.append(busy / served * u / (1.0 - u) if served >= 1.0 else 0.0)
+            for pod, at in zip(pods, scraped_at, strict=True):
+                ld = self._loads.get(pod)
+                inflight, tokens, requests = (0, 0.0, 0) if ld is None else (
+                    ld.inflight, ld.pending_tokens, ld.pending_requests)
+                out.append(PodView(inflight, tokens, requests, self._prefix.get((pod, hot), 0),
+                                   self._elapsed(pod, now) if requests else 0.0, self._expected(ld, now),
+                                   None if at is None else self._pending_at(pod, at)))
         return out
 
     def same_prefix(self, pod: str, prefix: int) -> int:

@@ -57,18 +57,18 @@ def test_queue_counts_the_work_already_done(monkeypatch: pytest.MonkeyPatch) -> 
     prompt's holders)."""
     c = case("tenants", "ρ*", 0.8, 1000, 1)
     base = run(c)
-    monkeypatch.setattr(InflightTracker, "pending_elapsed", lambda self, pod: 0.0)
+    monkeypatch.setattr(InflightTracker, "_elapsed", lambda self, pod, now: 0.0)
     blind = run(c)
     assert blind.ttft["mean"] > 1.4 * base.ttft["mean"]
     assert blind.ttft["p90"] > 1.15 * base.ttft["p90"]
 
 
 def test_queue_counts_the_expected_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The queue scorer adds the wait a pod's recent busy time predicts (``InflightTracker.expected_waits``):
-    without it new agent tasks and documents follow their shared prefix onto the busiest pods (agents'
-    p90 more than 1.2 ×, documents' mean more than 1.1 ×)."""
+    """The queue scorer adds the wait a pod's recent busy time predicts (``InflightTracker.expected_waits``,
+    part of the tracker's ``view`` of the candidates): without it new agent tasks and documents follow their
+    shared prefix onto the busiest pods (agents' p90 more than 1.2 ×, documents' mean more than 1.1 ×)."""
     base_agents, base_docs = run(AGENTS_HIGH), run(DOCUMENTS)
-    monkeypatch.setattr(InflightTracker, "expected_waits", lambda self, pods: [0.0] * len(pods))
+    monkeypatch.setattr(InflightTracker, "_expected", lambda self, load, now: 0.0)
     assert run(AGENTS_HIGH).ttft["p90"] > 1.2 * base_agents.ttft["p90"]
     assert run(DOCUMENTS).ttft["mean"] > 1.1 * base_docs.ttft["mean"]
 

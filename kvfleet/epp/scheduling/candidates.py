@@ -82,29 +82,28 @@ class CandidateBuilder:
         if hot is None:
             hot = self.hot_key(keys, max((m.blocks for m in matches.values()), default=0), shard)
         out = []
-        waits = self.tracker.expected_waits([p.name for p in pods])
-        for p, wait in zip(pods, waits, strict=True):
+        names = [p.name for p in pods]
+        pms = [self.metrics.get(n) for n in names]
+        # which of the scraped waiting requests are ours: count them at the scrape's instant, not now
+        views = self.tracker.view(names, hot, [pm.scraped_at if pm is not None and pm.waiting > 0 else None
+                                               for pm in pms])
+        for p, pm, v in zip(pods, pms, views, strict=True):
             m = matches.get(p.name)
-            inflight, pending_tokens, pending_requests = self.tracker.load(p.name)
-            pm = self.metrics.get(p.name)
-            # which of the scraped waiting requests are ours: count them at the scrape's instant, not now
-            scrape_pending = (self.tracker.pending_at(p.name, pm.scraped_at)
-                              if pm is not None and pm.waiting > 0 else None)
             out.append(
                 Candidate(
                     pod=p,
                     hit_blocks=m.blocks if m else 0,
                     hit_weighted=m.weighted if m else 0.0,
                     spec_blocks=m.speculative if m else 0,
-                    inflight=inflight,
-                    same_prefix=self.tracker.same_prefix(p.name, hot),
-                    pending_tokens=pending_tokens,
-                    pending_requests=pending_requests,
-                    pending_elapsed_s=self.tracker.pending_elapsed(p.name) if pending_requests else 0.0,
-                    expected_wait_s=wait,
+                    inflight=v.inflight,
+                    same_prefix=v.same_prefix,
+                    pending_tokens=v.pending_tokens,
+                    pending_requests=v.pending_requests,
+                    pending_elapsed_s=v.pending_elapsed_s,
+                    expected_wait_s=v.expected_wait_s,
                     held_blocks=self.index.num_pod_gpu_keys(p.name),
                     metrics=pm,
-                    scrape_pending=scrape_pending,
+                    scrape_pending=v.scrape_pending,
                 )
             )
         return out, hot

@@ -38,7 +38,10 @@ Group = tuple[Pool, list[Pod]]
 
 def serving_pods(groups: Sequence[Group]) -> list[Pod]:
     """The pods a request can be sent to: every ready pod, except the prefill-only pods of a P/D shard."""
-    return [p for g, pods in groups for p in pods if not g.disaggregated or p.role in ("both", "decode")]
+    out: list[Pod] = []
+    for g, pods in groups:  # a group's roles once, not once per pod
+        out.extend([p for p in pods if p.role in ("both", "decode")] if g.disaggregated else pods)
+    return out
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ With ``--gateway envoy-gateway`` (Envoy Gateway in front, ``make e2e-kind-eg``),
   GIE's body-based routing sets) is served by its shard's headless Service; routing comes back with the
   EPP.
 
+There, every request carries ``X-Gateway-Base-Model-Name`` (what body-based routing would set), so each
+model's requests take its InferencePool's route, and the EPP keeps each pick in the pool its route invoked.
+
 1 and 2 run on one machine too, against the real API server and a node that runs the pods
 (tests/cluster/test_serving.py); all eight run on kind (``make e2e-kind``).
 """
@@ -43,11 +46,17 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+#: send ``X-Gateway-Base-Model-Name`` (the body's model), as GIE's body-based routing does in front of a
+#: Gateway API implementation, so the per-model HTTPRoutes pick each model's InferencePool
+BASE_MODEL_HEADER = False
+
 
 def complete(url: str, model: str, prompt: str) -> dict[str, Any]:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body,
-                                 headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    if BASE_MODEL_HEADER:
+        headers["X-Gateway-Base-Model-Name"] = model
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers=headers)
     with urllib.request.urlopen(req, timeout=60) as resp:
         result: dict[str, Any] = json.loads(resp.read())
     return result
@@ -393,6 +402,8 @@ def main() -> int:
                         help="what serves --url: the chart's own Envoy, or Envoy Gateway (two more checks)")
     args = parser.parse_args()
     ns = args.namespace
+    global BASE_MODEL_HEADER
+    BASE_MODEL_HEADER = args.gateway == "envoy-gateway"  # one route per InferencePool: model → pool
     check_prefix_routing(args.url)
     decode = ready_pods(ns, "kvfleet.io/pool=sim-pd,kvfleet.io/role=decode")
     prefill = ready_pods(ns, "kvfleet.io/pool=sim-pd,kvfleet.io/role=prefill")

@@ -63,6 +63,7 @@ from kvfleet.epp.protocol import (
     DEST_METADATA_NS,
     EXT_PROC_SERVICE,
     INTERNAL_PREFIX,
+    POOL_METADATA,
     SUBSET_KEY,
     SUBSET_NS,
     UNREACHABLE_HEADER,
@@ -182,10 +183,13 @@ def _subset_filter(endpoints: Sequence[str]) -> dict[str, Any]:
 
 def ext_proc_filter(cluster: str, *, name: str = "envoy.filters.http.ext_proc",
                     body_mode: str = "FULL_DUPLEX_STREAMED", failure_mode_allow: bool = False,
-                    response_processing: bool = True, message_timeout_s: float = 10.0) -> dict[str, Any]:
+                    response_processing: bool = True, message_timeout_s: float = 10.0,
+                    pool: str = "") -> dict[str, Any]:
     """The ext_proc HTTP filter that calls the picker at ``cluster``: headers and body of the request, and the
     response phase (``response_processing``) with the attribute ``upstream.address`` (the served endpoint);
-    a stream that cannot be opened on one picker replica is opened on another."""
+    a stream that cannot be opened on one picker replica is opened on another. ``pool``: the InferencePool
+    this filter serves, named to the picker on each stream (gRPC metadata ``x-kvfleet-inference-pool``) so
+    its picks stay in that pool."""
     if body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
         raise ValueError(f"body_mode must be FULL_DUPLEX_STREAMED or BUFFERED, got {body_mode!r}")
     streamed = body_mode == "FULL_DUPLEX_STREAMED"
@@ -205,6 +209,7 @@ def ext_proc_filter(cluster: str, *, name: str = "envoy.filters.http.ext_proc",
             "grpc_service": {
                 "envoy_grpc": {"cluster_name": cluster},
                 "timeout": "10s",
+                **({"initial_metadata": [{"key": POOL_METADATA, "value": pool}]} if pool else {}),
                 "retry_policy": {
                     "retry_on": "connect-failure,refused-stream,unavailable,reset",
                     "num_retries": 2,

@@ -367,6 +367,7 @@ class Extension:
                                 name=p.filter_name,
                                 body_mode=self.body_mode,
                                 failure_mode_allow=p.failure_mode == "FailOpen",
+                                pool=p.name,
                                 message_timeout_s=self.message_timeout_s,
                             )
                         )

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -379,6 +379,21 @@ def header_map(headers: Any) -> dict[str, str]:
     for h in headers.headers:
         out[h.key.lower()] = h.value if h.value else h.raw_value.decode("utf-8", errors="replace")
     return out
+
+
+#: gRPC request metadata a gateway with one picker for several InferencePools sends on each pool's ext_proc
+#: stream: the pool's name (``kvfleet gateway-extension`` sets it in each pool's filter)
+POOL_METADATA = "x-kvfleet-inference-pool"
+
+
+def invoked_pool(metadata: Iterable[tuple[str, Any]]) -> str:
+    """The InferencePool named by :data:`POOL_METADATA` in a stream's gRPC metadata ("" when absent), cut at
+    254 characters (no Kubernetes name is longer than 253, so a longer one matches no pool)."""
+    for key, value in metadata:
+        if key == POOL_METADATA:
+            name = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+            return name.strip()[:254]
+    return ""
 
 
 def subset_hint(metadata_context: Any) -> list[str] | None:

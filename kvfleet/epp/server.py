@@ -61,6 +61,7 @@ from kvfleet.epp.errors import (
     EppError,
     ForbiddenPathError,
     MethodNotAllowedError,
+    NoEndpointError,
     UnknownModelError,
 )
 from kvfleet.epp.keycheck import KeyCheck
@@ -107,6 +108,8 @@ class _Stream:
         self.decision: Decision | None = None
         self.model = ""
         self.subset: list[str] | None = None
+        #: the InferencePool the gateway's route invoked (gRPC metadata ``protocol.POOL_METADATA``), if named
+        self.pool = ""
         self.response = bytearray()
         self.routed = False
         self.request_id = ""
@@ -171,6 +174,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         st.response_mode = msg.protocol_config.response_body_mode
                     if msg.HasField("metadata_context"):
                         st.subset = protocol.subset_hint(msg.metadata_context)
+                    st.pool = protocol.invoked_pool(context.invocation_metadata() or () if context else ())
                 if self._routes(st, msg):
                     out = await asyncio.get_running_loop().run_in_executor(
                         self.route_pool, self._handle, st, msg)
@@ -282,7 +286,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         ctx = RequestContext(request_id=st.request_id, model=req.model, prompt=req.prompt,
                              prompt_token_ids=req.prompt_token_ids, cache_salt=req.cache_salt)
         with routing_request(ctx):
-            d = self.router.route(req, st.subset)
+            d = self.router.route(req, self._scope(st))
         st.decision = d
         st.predicted = (d.predicted_hit_tokens if ctx.predicted_hit_tokens is None
                         else ctx.predicted_hit_tokens)
@@ -296,11 +300,23 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return [protocol.pick_headers_response(headers), *protocol.streamed_body_responses(body)]
         return [protocol.pick_headers_response(headers, as_body=True)]
 
+    def _scope(self, st: _Stream) -> list[str] | None:
+        """The endpoints this request may go to: the subset hint's, within the InferencePool the route invoked
+        when the gateway names it (a gateway with one picker for several pools: each pool's ext_proc filter
+        sends its own), so a pick never leaves that pool (GIE v1.6), whatever model the body names."""
+        if not st.pool:
+            return st.subset
+        pool = next((p for p in self.router.datastore.pools() if p.name == st.pool), None)
+        if pool is None:
+            raise NoEndpointError(f"the route's InferencePool {st.pool[:64]!r} is not one this picker serves")
+        mine = [p.endpoint for p in pool.pods]
+        return mine if st.subset is None else [e for e in st.subset if e in set(mine)]
+
     def _route_other(self, st: _Stream, body: bytes) -> list[pb.ProcessingResponse]:
         """A non-inference path: the least-loaded pod of the pool of the body's ``model`` (if any)."""
         model = protocol.model_of(body)
         st.model = model or ""
-        st.decision = self.router.route_any(model, st.subset)
+        st.decision = self.router.route_any(model, self._scope(st))
         headers = protocol.routing_headers(st.decision.endpoints)
         if st.bodiless:
             return [protocol.pick_headers_response(headers)]

@@ -88,6 +88,11 @@ class Fleet:
     epp: Child | None = None
     engines: dict[str, Child] = field(default_factory=dict)
     secret: str = ""
+    #: headers every :meth:`complete` sends (a gateway route's match)
+    headers: dict[str, str] = field(default_factory=dict)
+    #: the EPP's pods file with one InferencePool per pod group (``pool-a``, ``pool-b``) instead of one pool
+    #: whose prefix shards they are
+    split_pools: bool = False
 
     def pod(self, name: str) -> PodSpec:
         return next(p for p in self.pods if p.name == name)
@@ -104,6 +109,12 @@ class Fleet:
     def start_epp(self) -> Child:
         grpc_port, health_port, metrics_port = self.epp_ports
         pods = pods_file(self.pods, MODEL, tokenizer=EngineSettings().tokenizer)
+        if self.split_pools:
+            (one,) = pods["pools"]
+            groups = sorted({m["shard"] for m in one["pods"]})
+            pods["pools"] = [{**one, "name": g, "pods": [{k: v for k, v in m.items() if k != "shard"}
+                                                         for m in one["pods"] if m["shard"] == g]}
+                             for g in groups]
         pods_path = write_yaml(self.workdir / "pods.yaml", pods)
         cfg = {"epp": {"host": "127.0.0.1", "grpc_port": grpc_port, "health_port": health_port,
                        "metrics_port": metrics_port, "pods_file": str(pods_path), "prefix_shard_blocks": 2}}
@@ -121,7 +132,7 @@ class Fleet:
         self, prompt: list[int], max_tokens: int = 4, headers: dict[str, str] | None = None, **kw: Any
     ) -> tuple[int, Any, dict[str, str]]:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **kw}
-        return http_json(self.gateway + "/v1/completions", body, headers=headers)
+        return http_json(self.gateway + "/v1/completions", body, headers={**self.headers, **(headers or {})})
 
     def check_alive(self) -> None:
         for child in self.stack.children:
@@ -129,9 +140,9 @@ class Fleet:
                 raise AssertionError(f"{child.name} died (rc {child.proc.returncode}):\n{child.log_tail()}")
 
 
-def engines_and_epp(stack: ProcessStack, workdir: Path) -> Fleet:
+def engines_and_epp(stack: ProcessStack, workdir: Path, split_pools: bool = False) -> Fleet:
     """Four engines in two pools and the EPP over them (a pods file); the caller puts a gateway in front."""
-    fleet = Fleet(stack, plan_pods(4, 2, 1), workdir, secret=stack.transfer_secret)
+    fleet = Fleet(stack, plan_pods(4, 2, 1), workdir, secret=stack.transfer_secret, split_pools=split_pools)
     fleet.epp_ports = (free_port(), free_port(), free_port())
     for p in fleet.pods:
         fleet.start_engine(p)

@@ -8,9 +8,10 @@ the routes, listeners and clusters are EG's, modified only through its extension
 
 The same tests as the standalone gateway's (tests/e2e/test_stack.py) run through it: prefix routing with the
 engines' cached tokens, a chat follow-up, P/D, client P/D controls refused, the EPP down under FailClose
-then its index rebuilt. Plus what only a Gateway API implementation has: a second InferencePool with
-``failureMode: FailOpen`` (requests with header ``x-pool: open``) serves from its fallback Service with
-the picker down, while the FailClose pool answers 503; the response phase reports the served endpoint.
+then its index rebuilt. Plus what only a Gateway API implementation has: one route per InferencePool
+(``pool-a``, FailClose, the default route; ``pool-b``, the P/D pool, FailOpen, for header ``x-pool: pd``),
+each pick inside the pool its route invoked; with the picker down, FailOpen serves from the pool's fallback
+Services while FailClose answers 503; the response phase reports the served endpoint.
 
 A ``cluster`` test (``make test-cluster``): it needs the Envoy Gateway binary, built once per pin
 (``make cluster`` builds it with the control plane).
@@ -128,10 +129,11 @@ def resources(gw_port: int, epp_port: int, fallback: str, version: str) -> list[
                 "listeners": [{"name": "http", "protocol": "HTTP", "port": gw_port}],
             },
         },
-        pool("engines", "FailClose", {}),
-        pool("engines-open", "FailOpen", {ANN_FALLBACK: fallback}),
-        route("engines", "engines", []),
-        route("engines-open", "engines-open", [{"type": "Exact", "name": "x-pool", "value": "open"}]),
+        # the pods file's pools: pool-a (unified pods) the default route's, pool-b (P/D) for header x-pool: pd
+        pool("pool-a", "FailClose", {}),
+        pool("pool-b", "FailOpen", {ANN_FALLBACK: fallback}),
+        route("pool-a", "pool-a", []),
+        route("pool-b", "pool-b", [{"type": "Exact", "name": "x-pool", "value": "pd"}]),
     ]
 
 
@@ -166,7 +168,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     binary = eg_binary()
     workdir = tmp_path_factory.mktemp("eg")
     with ProcessStack(workdir) as stack:
-        fleet = engines_and_epp(stack, workdir)
+        fleet = engines_and_epp(stack, workdir, split_pools=True)  # one InferencePool per route
         ext_port = free_port()
         ext = stack.spawn_kvfleet(
             "gateway-extension", ["gateway-extension", "--listen", f"127.0.0.1:{ext_port}"]
@@ -179,8 +181,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         shutil.copy(envoy_binary(), bindir / "envoy")
         res.mkdir()
         gw_port = free_port()
-        unified = next(p for p in fleet.pods if p.role == "both")
-        for i, obj in enumerate(resources(gw_port, fleet.epp_ports[0], f"127.0.0.1:{unified.port}", version)):
+        pd = ",".join(f"127.0.0.1:{p.port}" for p in fleet.pods if p.pool == "pool-b")
+        for i, obj in enumerate(resources(gw_port, fleet.epp_ports[0], pd, version)):
             write_yaml(res / f"{i:02d}.yaml", obj)
         cfg = write_yaml(workdir / "envoy-gateway.yaml", eg_config(home, res, ext_port))
         subprocess.run(
@@ -219,7 +221,21 @@ def test_follow_up_chat_turn_goes_to_its_conversation(fleet: Fleet) -> None:
 
 
 def test_pd_returns_the_same_tokens_as_a_unified_engine(fleet: Fleet) -> None:
-    standalone.test_pd_returns_the_same_tokens_as_a_unified_engine(fleet)
+    fleet.headers = {"x-pool": "pd"}  # the P/D pool's route
+    try:
+        standalone.test_pd_returns_the_same_tokens_as_a_unified_engine(fleet)
+    finally:
+        fleet.headers = {}
+
+
+def test_picks_stay_in_the_pool_the_route_invoked(fleet: Fleet) -> None:
+    """Both pools serve the model and the picker shards prompts over them by prefix; through a pool's route
+    (the pool named to the picker by that pool's ext_proc filter) every pick is a pod of that pool."""
+    pools = {p.name: p.pool for p in fleet.pods}
+    for headers, want in (({}, "pool-a"), ({"x-pool": "pd"}, "pool-b")):
+        for _ in range(12):
+            st, body, hdrs = fleet.complete(standalone.fresh_prompt(96), headers=headers)
+            assert st == 200 and pools[hdrs["x-kvfleet-pod"]] == want, (headers, st, body, hdrs)
 
 
 def test_client_supplied_pd_controls_are_refused(fleet: Fleet) -> None:
@@ -264,11 +280,11 @@ def test_failure_modes_with_the_picker_down(fleet: Fleet) -> None:
     try:
         st, body, _ = fleet.complete(standalone.fresh_prompt(64))
         assert st == 503, (st, body)
-        unified = next(p for p in fleet.pods if p.role == "both")
+        pd = {p.name for p in fleet.pods if p.pool == "pool-b"}
 
         def fails_open() -> bool:  # once the gateway's health checks saw the picker gone (about a second)
-            st, body, hdrs = fleet.complete(standalone.fresh_prompt(64), headers={"x-pool": "open"})
-            assert st == 200 and hdrs.get("x-kvfleet-pod") == unified.name, (st, body)
+            st, body, hdrs = fleet.complete(standalone.fresh_prompt(64), headers={"x-pool": "pd"})
+            assert st == 200 and hdrs.get("x-kvfleet-pod") in pd, (st, body)
             return True
 
         wait_for(fails_open, "the FailOpen pool served by its fallback Service", timeout_s=10, interval_s=0.3)

@@ -30,7 +30,7 @@ from kvfleet.epp.gateway_extension import (
     pool_of,
     serve,
 )
-from kvfleet.epp.protocol import DEST_HEADER
+from kvfleet.epp.protocol import DEST_HEADER, POOL_METADATA
 
 
 def inference_pool(
@@ -201,6 +201,11 @@ def test_translation_adds_the_picker_per_pool_and_splits_its_routes() -> None:
         modes[f.name] = (cfg.failure_mode_allow, cfg.grpc_service.envoy_grpc.cluster_name)
     # both pools name the same picker Service: one cluster, whose health both share
     assert modes == {pa.filter_name: (False, pa.epp_cluster), pb.filter_name: (True, pa.epp_cluster)}
+    # each filter names its pool to the picker
+    for f, pool in zip(_hcm(out).http_filters[1:3], ("a", "b"), strict=True):
+        cfg = ext_proc_pb2.ExternalProcessor()
+        f.typed_config.Unpack(cfg)
+        assert [(m.key, m.value) for m in cfg.grpc_service.initial_metadata] == [(POOL_METADATA, pool)]
     assert _hcm(out).HasField("local_reply_config")
     clusters = {c.name: c for c in out.clusters}
     assert sorted(c.name for c in out.clusters) == sorted({pa.epp_cluster, pb.fallback_cluster})  # no twice

@@ -48,8 +48,8 @@ def _pick(svc: ExtProcServicer, prompt: str, context: Context | None) -> pb.Proc
             await asyncio.Event().wait()
 
         gen = svc.Process(it(), context)
-        first = await gen.__anext__()
-        await gen.aclose()
+        first: pb.ProcessingResponse = await gen.__anext__()
+        await gen.aclose()  # type: ignore[attr-defined]  # an async generator
         return first
 
     return asyncio.run(asyncio.wait_for(run(), 10))
@@ -57,12 +57,12 @@ def _pick(svc: ExtProcServicer, prompt: str, context: Context | None) -> pb.Proc
 
 def _endpoint(resp: pb.ProcessingResponse) -> str:
     sets = resp.request_headers.response.header_mutation.set_headers
-    return next(h.header.raw_value.decode() for h in sets if h.header.key == DEST_HEADER)
+    return str(next(h.header.raw_value.decode() for h in sets if h.header.key == DEST_HEADER))
 
 
 def test_picks_stay_in_the_pool_the_route_invoked() -> None:
     data = pools(3, npools=2)  # pool-0 and pool-1, both serving model "m"
-    ports = {p["name"].split("-")[0]: set() for pl in data["pools"] for p in pl["pods"]}
+    ports: dict[str, set[str]] = {p["name"].split("-")[0]: set() for pl in data["pools"] for p in pl["pods"]}
     for pl in data["pools"]:
         for p in pl["pods"]:
             ports[p["name"].split("-")[0]].add(f'{p["address"]}:{p["port"]}')

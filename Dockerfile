@@ -22,10 +22,18 @@ COPY pyproject.toml ./
 RUN mkdir kvfleet && touch kvfleet/__init__.py README.md \
  && /opt/kvfleet/bin/pip wheel --wheel-dir /wheels '.[kernels]' \
  && rm -rf /wheels/kvfleet-*.whl kvfleet README.md build ./*.egg-info
-COPY README.md ./
+COPY README.md setup.py ./
 COPY kvfleet ./kvfleet
-# pip and setuptools leave the environment once kvfleet is in: nothing imports them at run time.
-RUN /opt/kvfleet/bin/pip wheel --no-deps --wheel-dir /wheels . \
+# kvfleet's one compiled part (the EPP index's probe loop, plain C, no Python headers) is built with the
+# base image's C compiler, else with zig's (the ziglang wheel from PyPI, in a venv of this stage only),
+# for the baseline CPU of the architecture. pip and setuptools leave the environment once kvfleet is in:
+# nothing imports them at run time.
+RUN if ! command -v cc >/dev/null 2>&1; then \
+      python3 -m venv /opt/cc && /opt/cc/bin/pip install --quiet 'ziglang>=0.13,<1' \
+      && zig="$(/opt/cc/bin/python -c 'import os, ziglang; print(os.path.dirname(ziglang.__file__))')/zig" \
+      && export CC="$zig cc -mcpu=baseline" LDSHARED="$zig cc -mcpu=baseline -shared"; \
+    fi \
+ && /opt/kvfleet/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/kvfleet/bin/pip install --no-index --find-links /wheels 'kvfleet[kernels]' \
  && /opt/kvfleet/bin/pip uninstall --yes pip setuptools \
  && /opt/kvfleet/bin/kvfleet --version

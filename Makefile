@@ -14,10 +14,15 @@ BASE_IMAGE ?= python:3.11-slim
 help: ## Show this help: every target with what it does.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py kvfleet/epp/_probe.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	@# kvfleet/epp/_probe.c (the EPP index's probe loop) needs a C compiler: `cc`, else zig's from PyPI
+	@if command -v cc >/dev/null; then $(PY) -m pip install --quiet -e '.[dev]'; else \
+	  echo "no C compiler (cc): building kvfleet's probe loop with zig (the ziglang package from PyPI)"; \
+	  $(PY) -m pip install --quiet 'ziglang>=0.13,<1' \
+	  && zig="$$($(PY) -c 'import os, ziglang; print(os.path.dirname(ziglang.__file__))')/zig" \
+	  && CC="$$zig cc -mcpu=baseline" LDSHARED="$$zig cc -mcpu=baseline -shared" $(PY) -m pip install --quiet -e '.[dev]'; fi
 	@# torch (the torch-backed gpu tier) only when a wheel is at hand without a download.
 	@if $(PY) -m pip install --quiet --no-index --no-deps 'torch>=2.4' 2>/dev/null; then $(PY) -m pip install --quiet 'torch>=2.4'; else echo "torch: no local wheel, the torch-backed gpu tier tests will skip (pip install torch to run them)"; fi
 	@touch $(STAMP)

@@ -46,7 +46,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -65,13 +64,8 @@ from kvfleet.epp.table import (
     capacity_for,
 )
 
-#: probes per pod per search step (a SEARCH_FANOUT-ary search: 13,750 blocks in 5 steps, 256 in 3)
-SEARCH_FANOUT = 8
-_FAN = np.arange(1, SEARCH_FANOUT, dtype=np.int64)
 #: the GPU tier's bit in a tier mask
 _GPU_BIT = np.uint8(1 << Tier.GPU.rank)
-#: best (lowest) tier rank of a 4-bit mask; −1 for 0
-_BEST_RANK = np.array([-1] + [(m & -m).bit_length() - 1 for m in range(1, 256)], dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -374,158 +368,23 @@ class BlockIndex:
         return out
 
     def _exact(self, keys: Sequence[int], names: list[str], w: list[float]) -> dict[str, PodMatch]:
-        n = len(keys)
         table = self._table  # read once: a concurrent rebuild swaps the reference, never this object
         count = self._count
         cand = [(p, s) for p in names if (s := self._slot.get(p)) is not None and s < len(count)
                 and count[s] > 0]
-        if n == 0 or not cand:
+        if not len(keys) or not cand:
             return {}
-        small = n * len(cand) <= self.exact_walk_blocks  # cheaper to probe every (position, pod) in one batch
-        arr = keys if isinstance(keys, np.ndarray) else as_u64(keys) if small else None
-
-        def key_at(pos: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
-            if arr is not None:
-                return arr[pos].astype(U64, copy=False)
-            return as_u64([keys[i] for i in pos.tolist()])
-
-        def masks_at(pos: npt.NDArray[np.int64], slots: npt.NDArray[np.uint16]) -> npt.NDArray[np.int64]:
-            at = table.find(key_at(pos), slots)
-            m = table.mask[np.maximum(at, 0)].astype(np.int64)
-            return np.where(at >= 0, m, 0)
-
+        if isinstance(keys, np.ndarray):
+            arr = keys
+        else:
+            try:
+                arr = np.fromiter(keys, dtype=U64, count=len(keys))
+            except OverflowError:  # negative ints: the int64 form of a hash
+                arr = as_u64(keys)
         slots = np.array([s for _, s in cand], dtype=np.uint16)
-        pnames = [p for p, _ in cand]
-        c = len(slots)
-        if small:
-            assert arr is not None
-            length, weighted = self._walk(arr, table, slots, w)
-            return {p: PodMatch(blocks=b, weighted=x)
-                    for p, b, x in zip(pnames, length.tolist(), weighted.tolist(), strict=True) if b > 0}
-        m0 = masks_at(np.zeros(c, dtype=np.int64), slots)
-        has = m0 > 0
-        if not has.any():
-            return {}
-        slots, m0 = slots[has], m0[has]
-        pnames = [p for p, h in zip(pnames, has.tolist(), strict=True) if h]
-        m_last = masks_at(np.full(len(slots), n - 1, dtype=np.int64), slots)
-        length, last = self._search(masks_at, slots, m0, n, 0xFF, m_last)
-        weighted = self._weigh(masks_at, slots, m0, last, length, w)
-        if int(length.sum()) <= self.exact_walk_blocks:
-            length, weighted = self._verify(key_at, table, slots, length, w)
+        length, weighted = table.match(arr, slots, w, self.exact_walk_blocks)
         return {p: PodMatch(blocks=b, weighted=x)
-                for p, b, x in zip(pnames, length.tolist(), weighted.tolist(), strict=True) if b > 0}
-
-    @staticmethod
-    def _search(
-        masks_at: Callable[[npt.NDArray[np.int64], npt.NDArray[np.uint16]], npt.NDArray[np.int64]],
-        slots: npt.NDArray[np.uint16],
-        m0: npt.NDArray[np.int64],
-        n: int,
-        bits: int,
-        m_last: npt.NDArray[np.int64] | None = None,
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Per pod, the longest prefix (of ``n`` blocks) held in a tier of ``bits``, given that block 0 is
-        (``m0 & bits``); also the mask of the prefix's last block. A SEARCH_FANOUT-ary search: each step
-        probes SEARCH_FANOUT − 1 positions of every pod's open interval in one batch."""
-        lo = np.zeros(len(slots), dtype=np.int64)  # held (in ``bits``)
-        hi = np.full(len(slots), n, dtype=np.int64)  # not held (n: past the end)
-        last = m0.copy()
-        if n > 1:  # the prompt's last block first: a repeated prompt ends the search at once
-            m = masks_at(np.full(len(slots), n - 1, dtype=np.int64), slots) if m_last is None else m_last
-            full = (m & bits) > 0
-            lo[full] = n - 1
-            last[full] = m[full]
-            hi[~full] = n - 1
-        while True:
-            act = np.flatnonzero(hi - lo > 1)
-            if not len(act):
-                break
-            lo_a, hi_a = lo[act], hi[act]
-            mids = lo_a[:, None] + ((hi_a - lo_a)[:, None] * _FAN) // SEARCH_FANOUT
-            mids = np.minimum(np.maximum(mids, lo_a[:, None] + 1), hi_a[:, None] - 1)
-            m = masks_at(mids.ravel(), np.repeat(slots[act], len(_FAN))).reshape(mids.shape)
-            ok = (m & bits) > 0
-            best = np.where(ok, mids, -1).argmax(axis=1)
-            any_ok = ok.any(axis=1)
-            new_lo = np.where(any_ok, mids[np.arange(len(act)), best], lo_a)
-            # the first position above the new lower bound that is not held (a hole below it is not seen)
-            new_hi = np.where(~ok & (mids > new_lo[:, None]), mids, hi_a[:, None]).min(axis=1)
-            last[act[any_ok]] = m[np.arange(len(act)), best][any_ok]
-            lo[act], hi[act] = new_lo, new_hi
-        return lo + 1, last
-
-    def _weigh(
-        self,
-        masks_at: Callable[[npt.NDArray[np.int64], npt.NDArray[np.uint16]], npt.NDArray[np.int64]],
-        slots: npt.NDArray[np.uint16],
-        m0: npt.NDArray[np.int64],
-        last: npt.NDArray[np.int64],
-        length: npt.NDArray[np.int64],
-        w: list[float],
-    ) -> npt.NDArray[np.float64]:
-        """Σ_r (L_r − L_{r−1}) · w_r, with L_r the longest prefix held in tiers ≤ r (monotone in the
-        position)."""
-        ranks = len(w)
-        prev = np.zeros(len(slots), dtype=np.int64)
-        out = np.zeros(len(slots), dtype=np.float64)
-        for r in range(ranks):
-            low = (1 << (r + 1)) - 1
-            if r == ranks - 1:
-                lr = length
-            else:
-                lr = np.where((m0 & low) > 0, length, 0)  # block 0 not in tiers ≤ r: L_r = 0
-                mixed = np.flatnonzero(((m0 & low) > 0) & ((last & low) == 0))
-                if len(mixed):  # first block in tiers ≤ r, last not: search the boundary
-                    sub, _ = self._search(masks_at, slots[mixed], m0[mixed], int(length[mixed].max()), low)
-                    lr[mixed] = np.minimum(sub, length[mixed])
-            lr = np.maximum(lr, prev)
-            out += (lr - prev) * w[r]
-            prev = lr
-        return out
-
-    @staticmethod
-    def _walk(
-        keys: npt.NDArray[Any], table: PodKeyTable, slots: npt.NDArray[np.uint16], w: list[float]
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-        """The exact walk for a small prompt, batched: every (position, pod) probed at once, each pod's prefix
-        cut at its first missing block, each block weighted by its best tier."""
-        c, n = len(slots), len(keys)
-        at = table.find(np.broadcast_to(keys.astype(U64, copy=False), (c, n)).ravel(), np.repeat(slots, n))
-        rank = np.where(at >= 0, _BEST_RANK[table.mask[at]], len(w)).reshape(c, n)
-        missing = rank == len(w)
-        length = np.where(missing.any(axis=1), missing.argmax(axis=1), n)
-        wt = np.append(np.asarray(w, dtype=np.float64), 0.0)[rank]
-        wt[np.arange(n) >= length[:, None]] = 0.0
-        return length.astype(np.int64), wt.sum(axis=1)
-
-    @staticmethod
-    def _verify(
-        key_at: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.uint64]],
-        table: PodKeyTable,
-        slots: npt.NDArray[np.uint16],
-        length: npt.NDArray[np.int64],
-        w: list[float],
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-        """The exact walk over the found prefixes, batched: probe every block of each, cut at the first hole,
-        weigh each block by its best tier."""
-        total = int(length.sum())
-        owner = np.repeat(np.arange(len(slots)), length)
-        starts = np.cumsum(length) - length
-        pos = np.arange(total) - np.repeat(starts, length)
-        at = table.find(key_at(pos), slots[owner])
-        rank = np.where(at >= 0, _BEST_RANK[table.mask[np.maximum(at, 0)]], -1)
-        held = rank >= 0
-        holes = np.flatnonzero(~held)
-        cut = length.copy()
-        if len(holes):
-            first = np.full(len(slots), total, dtype=np.int64)
-            np.minimum.at(first, owner[holes], holes)
-            cut = np.minimum(cut, np.where(first < total, first - starts, cut))
-        keep = pos < cut[owner]
-        wt = np.append(np.asarray(w, dtype=np.float64), 0.0)[np.where(held, rank, len(w))]
-        weighted = np.bincount(owner[keep], weights=wt[keep], minlength=len(slots)).astype(np.float64)
-        return cut.astype(np.int64), weighted
+                for (p, _), b, x in zip(cand, length.tolist(), weighted.tolist(), strict=True) if b > 0}
 
     def _speculative(self, keys: Sequence[int], names: list[str], t: float) -> dict[str, int]:
         spec_len: dict[str, int] = {}

@@ -19,11 +19,13 @@ a slot only turns from empty to used, so probe chains never break under a reader
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from kvfleet.epp import probe
 
 #: Pod-slot values that mark a free table slot: never used yet, or deleted (a "tombstone").
 EMPTY = 0xFFFF
@@ -83,30 +85,16 @@ class PodKeyTable:
         return int(self.keys.nbytes + self.pods.nbytes + self.mask.nbytes)
 
     def find(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
-        """Table position of each (key, slot), −1 where absent. Probes ``WINDOW`` slots per round: a pair is
-        settled at the first slot of its window that holds it or is empty."""
-        n = len(keys)
-        out = np.full(n, -1, dtype=np.int64)
-        if n == 0:
-            return out
-        slots = slots.astype(np.uint16, copy=False)
-        pos = _hash(keys, slots, self.shift)
-        idx = np.arange(n)
-        for _ in range(self.capacity // WINDOW + 1):
-            win = (pos[:, None] + _OFFSETS) & self.wrap
-            p = self.pods[win]  # the slot first: an entry is visible once its slot is written
-            stop = ((p == slots[:, None]) & (self.keys[win] == keys[:, None])) | (p == EMPTY)
-            j = stop.argmax(axis=1)
-            rows = np.arange(len(j))
-            at = win[rows, j]
-            settled = stop[rows, j]
-            hit = settled & (p[rows, j] != EMPTY)
-            out[idx[hit]] = at[hit]
-            if settled.all():
-                break
-            more = ~settled
-            idx, pos, keys, slots = idx[more], pos[more] + WINDOW, keys[more], slots[more]
-        return out
+        """Table position of each (key, slot), −1 where absent (linear probing from the pair's home position
+        up to the first empty slot; compiled: :mod:`kvfleet.epp.probe`)."""
+        return probe.find(self.keys, self.pods, _SLOT_MIX, int(self.shift), keys, slots)
+
+    def match(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[np.uint16], weights: Sequence[float],
+              walk_budget: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+        """Per pod slot, the longest prefix of the chained ``keys`` held and its tier-weighted value (the
+        rules: :mod:`kvfleet.epp.index`; compiled: :mod:`kvfleet.epp.probe`)."""
+        return probe.match(self.keys, self.pods, self.mask, _SLOT_MIX, int(self.shift), keys, slots,
+                           np.asarray(weights, dtype=np.float64), walk_budget)
 
     def insert(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any],
                masks: npt.NDArray[np.uint8]) -> None:

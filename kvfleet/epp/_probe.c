@@ -1,0 +1,186 @@
+/* The EPP index's read path, compiled: probes of the (block key, pod slot) hash table and the per-pod
+ * longest-prefix search of kvfleet/epp/index.py (the table's layout: kvfleet/epp/table.py).
+ *
+ * Plain C with no Python API: loaded with ctypes (kvfleet/epp/probe.py), so building it needs a C compiler
+ * and nothing else (no Python headers). Every function only reads the table; writers (numpy, under the
+ * index's write lock) publish an entry by writing its pod slot last, so a slot is read before its key
+ * (acquire load). The caller holds references to every array for the duration of a call and releases
+ * the GIL (ctypes does).
+ *
+ * kv_match follows the decision rules documented in index.py exactly:
+ *   - small prompts (blocks x pods <= the walk budget): every (position, pod) probed, each prefix cut at
+ *     its first missing block, each block weighted by its best tier;
+ *   - otherwise a SEARCH_FANOUT-ary search per pod for the longest prefix held (and per tier boundary),
+ *     then the verifying walk over the found prefixes when their total is within the budget.
+ */
+#include <stdint.h>
+
+#define EMPTY 0xFFFFu
+#define FANOUT 8
+#define PHI 0x9E3779B97F4A7C15ull
+
+typedef struct {
+    const uint64_t *keys;
+    const uint16_t *pods;
+    const uint8_t *mask;
+    const uint64_t *mix; /* a random word per pod slot */
+    int64_t wrap;        /* capacity - 1 */
+    unsigned shift;      /* 64 - log2(capacity) */
+} table_t;
+
+static inline int64_t find1(const table_t *t, uint64_t key, uint16_t slot) {
+    uint64_t x = key ^ t->mix[slot];
+    x ^= x >> 29;
+    int64_t pos = (int64_t)((x * PHI) >> t->shift);
+    for (int64_t i = 0; i <= t->wrap; i++) {
+        int64_t at = (pos + i) & t->wrap;
+        uint16_t p = __atomic_load_n(&t->pods[at], __ATOMIC_ACQUIRE);
+        if (p == EMPTY) return -1;
+        if (p == slot && t->keys[at] == key) return at;
+    }
+    return -1;
+}
+
+static inline int mask_at(const table_t *t, uint64_t key, uint16_t slot) {
+    int64_t at = find1(t, key, slot);
+    return at < 0 ? 0 : t->mask[at];
+}
+
+static inline int best_rank(int m) { return m ? __builtin_ctz((unsigned)m) : -1; }
+
+/* Table position of each (key, slot), -1 where absent. */
+void kv_find(const uint64_t *tkeys, const uint16_t *tpods, const uint64_t *mix, int64_t wrap, int shift,
+             const uint64_t *keys, const uint16_t *slots, int64_t n, int64_t *out) {
+    table_t t = {tkeys, tpods, 0, mix, wrap, (unsigned)shift};
+    for (int64_t i = 0; i < n; i++) out[i] = find1(&t, keys[i], slots[i]);
+}
+
+/* One pod's longest prefix of keys[0..n) held in a tier of `bits`, given block 0's mask m0 (held there);
+ * m_last: the mask of block n-1, or -1 to probe it. Writes the prefix's last block's mask to *last. */
+static int64_t search1(const table_t *t, const uint64_t *keys, uint16_t slot, int m0, int64_t n, int bits,
+                       int m_last, int *last) {
+    int64_t lo = 0, hi = n;
+    *last = m0;
+    if (n > 1) { /* the prompt's last block first: a repeated prompt ends the search at once */
+        int m = m_last >= 0 ? m_last : mask_at(t, keys[n - 1], slot);
+        if (m & bits) {
+            lo = n - 1;
+            *last = m;
+        } else {
+            hi = n - 1;
+        }
+    }
+    while (hi - lo > 1) {
+        int64_t mids[FANOUT - 1];
+        int ms[FANOUT - 1];
+        int64_t new_lo = lo, new_hi = hi;
+        int best = -1;
+        for (int j = 0; j < FANOUT - 1; j++) {
+            int64_t mid = lo + ((hi - lo) * (j + 1)) / FANOUT;
+            if (mid < lo + 1) mid = lo + 1;
+            if (mid > hi - 1) mid = hi - 1;
+            mids[j] = mid;
+            ms[j] = mask_at(t, keys[mid], slot);
+            if ((ms[j] & bits) && (best < 0 || mid > mids[best])) best = j;
+        }
+        if (best >= 0) {
+            new_lo = mids[best];
+            *last = ms[best];
+        }
+        /* the first position above the new lower bound that is not held (a hole below it is not seen) */
+        for (int j = 0; j < FANOUT - 1; j++)
+            if (!(ms[j] & bits) && mids[j] > new_lo && mids[j] < new_hi) new_hi = mids[j];
+        lo = new_lo;
+        hi = new_hi;
+    }
+    return lo + 1;
+}
+
+/* The exact walk over a given prefix length per pod: cut at the first block not held, weigh each block by
+ * its best tier (a held block whose mask is empty counts as missing). */
+static void verify(const table_t *t, const uint64_t *keys, const uint16_t *slots, int64_t c, int64_t *length,
+                   const double *w, double *weighted) {
+    for (int64_t i = 0; i < c; i++) {
+        double s = 0.0;
+        int64_t cut = length[i];
+        for (int64_t p = 0; p < length[i]; p++) {
+            int r = best_rank(mask_at(t, keys[p], slots[i]));
+            if (r < 0) {
+                cut = p;
+                break;
+            }
+            s += w[r];
+        }
+        length[i] = cut;
+        weighted[i] = s;
+    }
+}
+
+/* Longest held prefix of keys[0..n) for each of c pod slots: length[i] blocks, weighted[i] = sum of the
+ * tier weight (w[0..nw)) of each. walk_budget: the exact walk's probe budget. scratch: 3*c int64. */
+void kv_match(const uint64_t *tkeys, const uint16_t *tpods, const uint8_t *tmask, const uint64_t *mix,
+              int64_t wrap, int shift, const uint64_t *keys, int64_t n, const uint16_t *slots, int64_t c,
+              const double *w, int nw, int64_t walk_budget, int64_t *length, double *weighted,
+              int64_t *scratch) {
+    table_t t = {tkeys, tpods, tmask, mix, wrap, (unsigned)shift};
+    for (int64_t i = 0; i < c; i++) {
+        length[i] = 0;
+        weighted[i] = 0.0;
+    }
+    if (n == 0 || c == 0) return;
+    if (n * c <= walk_budget) { /* every (position, pod): cut at the first missing block */
+        for (int64_t i = 0; i < c; i++) {
+            double s = 0.0;
+            int64_t p = 0;
+            for (; p < n; p++) {
+                int64_t at = find1(&t, keys[p], slots[i]);
+                if (at < 0) break;
+                int r = best_rank(t.mask[at]);
+                s += r < 0 ? 0.0 : w[r];
+            }
+            length[i] = p;
+            weighted[i] = s;
+        }
+        return;
+    }
+    int64_t *m0 = scratch, *last = scratch + c, *prev = scratch + 2 * c;
+    int64_t total = 0;
+    for (int64_t i = 0; i < c; i++) {
+        m0[i] = mask_at(&t, keys[0], slots[i]);
+        if (!m0[i]) continue;
+        int lm;
+        length[i] = search1(&t, keys, slots[i], (int)m0[i], n, 0xFF, -1, &lm);
+        last[i] = lm;
+        total += length[i];
+    }
+    /* sum over tiers r of (L_r - L_{r-1}) * w_r, L_r the longest prefix held in tiers <= r (monotone in the
+     * position): searched only for pods whose first and last blocks sit on either side of the boundary,
+     * over the longest such prefix (as one batched search would) */
+    for (int64_t i = 0; i < c; i++) prev[i] = 0;
+    for (int r = 0; r < nw; r++) {
+        int low = (1 << (r + 1)) - 1;
+        int64_t mixed_n = 0;
+        if (r < nw - 1)
+            for (int64_t i = 0; i < c; i++)
+                if (m0[i] && (m0[i] & low) && !(last[i] & low) && length[i] > mixed_n) mixed_n = length[i];
+        for (int64_t i = 0; i < c; i++) {
+            if (!m0[i]) continue;
+            int64_t lr;
+            if (r == nw - 1) {
+                lr = length[i];
+            } else if (!(m0[i] & low)) {
+                lr = 0;
+            } else if (!(last[i] & low)) {
+                int lm;
+                lr = search1(&t, keys, slots[i], (int)m0[i], mixed_n, low, -1, &lm);
+                if (lr > length[i]) lr = length[i];
+            } else {
+                lr = length[i];
+            }
+            if (lr < prev[i]) lr = prev[i];
+            weighted[i] += (double)(lr - prev[i]) * w[r];
+            prev[i] = lr;
+        }
+    }
+    if (total <= walk_budget) verify(&t, keys, slots, c, length, w, weighted);
+}

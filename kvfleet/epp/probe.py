@@ -1,0 +1,72 @@
+"""The index's compiled read path (``_probe.c``, loaded with ctypes): table probes and the per-pod
+longest-prefix search. The decision rules are documented in :mod:`kvfleet.epp.index`; this module only
+passes the table's arrays. There is no Python version: a kvfleet installed without its compiled part
+fails here, at import, with the way to build it."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _load() -> ctypes.CDLL:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_probe{suffix}"
+        if path.exists():
+            return ctypes.CDLL(str(path))
+    raise ImportError(
+        f"kvfleet's compiled index probe (_probe*.so) is not in {here}: kvfleet was not built from its "
+        "sources here. Install it with pip (`pip install -e .` in a checkout, or `make venv`); the build "
+        "needs a C compiler (`cc`, or CC='python -m ziglang cc' LDSHARED='python -m ziglang cc -shared' "
+        "with the ziglang package from PyPI)")
+
+
+_lib = _load()
+_lib.kv_find.argtypes = [_P, _P, _P, _I64, _INT, _P, _P, _I64, _P]
+_lib.kv_find.restype = None
+_lib.kv_match.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _P, _I64, _P, _INT, _I64, _P, _P, _P]
+_lib.kv_match.restype = None
+
+
+def _ptr(a: npt.NDArray[Any]) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def find(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], mix: npt.NDArray[np.uint64],
+         shift: int, keys: npt.NDArray[np.uint64], slots: npt.NDArray[np.uint16]) -> npt.NDArray[np.int64]:
+    """Table position of each (key, slot) of a table (``tkeys``, ``tpods``; ``mix``: a word per slot), −1
+    where absent."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    slots = np.ascontiguousarray(slots, dtype=np.uint16)
+    out = np.empty(len(keys), dtype=np.int64)
+    _lib.kv_find(_ptr(tkeys), _ptr(tpods), _ptr(mix), len(tkeys) - 1, shift, _ptr(keys), _ptr(slots),
+                 len(keys), _ptr(out))
+    return out
+
+
+def match(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], tmask: npt.NDArray[np.uint8],
+          mix: npt.NDArray[np.uint64], shift: int, keys: npt.NDArray[np.uint64],
+          slots: npt.NDArray[np.uint16],
+          weights: npt.NDArray[np.float64], walk_budget: int,
+          ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """Per pod slot, the longest prefix of ``keys`` held (blocks) and its tier-weighted value (the rules:
+    :mod:`kvfleet.epp.index`)."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    slots = np.ascontiguousarray(slots, dtype=np.uint16)
+    weights = np.ascontiguousarray(weights, dtype=np.float64)
+    c = len(slots)
+    length = np.empty(c, dtype=np.int64)
+    weighted = np.empty(c, dtype=np.float64)
+    scratch = np.empty(3 * c, dtype=np.int64)
+    _lib.kv_match(_ptr(tkeys), _ptr(tpods), _ptr(tmask), _ptr(mix), len(tkeys) - 1, shift, _ptr(keys),
+                  len(keys), _ptr(slots), c, _ptr(weights), len(weights), walk_budget, _ptr(length),
+                  _ptr(weighted), _ptr(scratch))
+    return length, weighted

@@ -12,8 +12,9 @@ table reference, the pod slots and the locks described below.
 **Lookup: search, don't walk.** Keys are chained, so a pod holding the key at position ``i`` stored the whole
 prefix ``0..i`` when it stored it, and vLLM frees a request's blocks tail first (a parent is never evicted
 before its child): "held at ``i``" is monotone in ``i``. :meth:`match` therefore finds each candidate pod's
-longest prefix by a binary search over positions, vectorized over the pods (each step is one batched probe of
-``(keys[mid[p]], slot[p])``): O(pods · log blocks) numpy work. Tier weighting uses the same argument per tier:
+longest prefix by an 8-way search over positions (each step probes 7 positions of the pod's open interval):
+O(pods · log blocks) probes. The probes and the search are compiled (``_probe.c`` through
+:mod:`kvfleet.epp.probe`: one call per lookup, no Python per probe). Tier weighting uses the same argument per tier:
 ``L_r``, the longest prefix held in tiers ``≤ r``, is monotone too, and the weighted hit is ``Σ_r (L_r −
 L_{r−1}) · w_r`` (searched only for pods whose first and last held blocks sit in different tiers).
 

@@ -14,9 +14,10 @@ prefix ``0..i`` when it stored it, and vLLM frees a request's blocks tail first 
 before its child): "held at ``i``" is monotone in ``i``. :meth:`match` therefore finds each candidate pod's
 longest prefix by an 8-way search over positions (each step probes 7 positions of the pod's open interval):
 O(pods · log blocks) probes. The probes and the search are compiled (``_probe.c`` through
-:mod:`kvfleet.epp.probe`: one call per lookup, no Python per probe). Tier weighting uses the same argument per tier:
-``L_r``, the longest prefix held in tiers ``≤ r``, is monotone too, and the weighted hit is ``Σ_r (L_r −
-L_{r−1}) · w_r`` (searched only for pods whose first and last held blocks sit in different tiers).
+:mod:`kvfleet.epp.probe`: one call per lookup, no Python per probe). Tier weighting uses the same argument
+per tier: ``L_r``, the longest prefix held in tiers ``≤ r``, is monotone too, and the weighted hit is
+``Σ_r (L_r − L_{r−1}) · w_r`` (searched only for pods whose first and last held blocks sit in different
+tiers).
 
 **Holes** (a block removed while a later block of the same chain is still held: not produced by vLLM's
 tail-first eviction, but possible with lost or reordered events, or tier moves): when the prompt's blocks ×

@@ -43,9 +43,10 @@ class SchedulingRequest:
         return self.num_tokens * self.prefill_s_per_token
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate:
-    """One pod for one request.
+    """One pod for one request (read-only by convention: not frozen, as a frozen dataclass costs ≈ 2 µs more
+    per construction, ≈ 0.15 ms per decision over 64 pods).
 
     ``hit_blocks``/``hit_weighted``: prefix blocks the pod holds (tier-weighted sum).
     ``inflight``: the picker's requests on the pod not yet finished;

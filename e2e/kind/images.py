@@ -580,8 +580,29 @@ def envoy_gateway_image() -> str:
 # -- entry -----------------------------------------------------------------------------------------
 
 
+def debian_bases(only: set[str]) -> list[str]:
+    """The Debian images (made with debootstrap) that building ``only`` (empty: the default set) needs."""
+    tags = []
+    if not only or "node" in only or "envoy" in only or "envoy-gateway" in only:
+        tags.append(TOOLS)
+    if not only or "node" in only:
+        tags.append(f"kvfleet-kind/base-rootfs:{DEBIAN}")
+    if not only or "kvfleet" in only:
+        tags.append(PYTHON_BASE)
+    return tags
+
+
+def check_debootstrap(only: set[str]) -> None:
+    """Fail before the long Go builds, not after them, when a Debian base is missing and debootstrap too."""
+    missing = [t for t in debian_bases(only) if image_inputs(t) is None]
+    if missing and shutil.which("debootstrap") is None:
+        raise BuildError(f"no `debootstrap`, needed to make {', '.join(missing)}: "
+                         "apt-get install debootstrap")
+
+
 def build(only: set[str], kvfleet_tag: str) -> dict[str, str]:
     docker_ready()
+    check_debootstrap(only)
     t0 = time.monotonic()
     out: dict[str, str] = {}
     if not only or "node" in only:

@@ -119,3 +119,19 @@ def test_node_scripts_parse() -> None:
         path = Path(images.HERE) / "node" / script
         r = subprocess.run([shell, "-n", str(path)], capture_output=True, text=True)
         assert r.returncode == 0, (script, r.stderr)
+
+
+def test_missing_debootstrap_fails_before_the_go_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh machine without debootstrap hears so before the Go builds of the node programs (tens of
+    minutes), not after them; with the Debian bases already built, debootstrap is not needed."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(images, "image_inputs", lambda tag: None)
+    with pytest.raises(images.BuildError, match=r"debootstrap.*debian-tools"):
+        images.check_debootstrap(set())
+    with pytest.raises(images.BuildError, match="kvfleet-base"):
+        images.check_debootstrap({"kvfleet"})
+    monkeypatch.setattr(images, "image_inputs", lambda tag: "built")
+    images.check_debootstrap(set())
+    monkeypatch.setattr(images, "image_inputs", lambda tag: None)
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/sbin/{name}")
+    images.check_debootstrap(set())

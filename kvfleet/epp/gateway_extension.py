@@ -111,9 +111,14 @@ class Pool:
         return f"{self.namespace}/{self.name}"
 
     @property
+    def epp_target(self) -> tuple[str, int]:
+        """Where the picker is reached: its replicas' headless Service when annotated, else its Service."""
+        return self.replicas or (self.epp_service, self.epp_port)
+
+    @property
     def epp_cluster(self) -> str:
         """One cluster per picker Service: pools sharing a picker share its health and ejections."""
-        host, port = self.replicas or (self.epp_service, self.epp_port)
+        host, port = self.epp_target
         return f"kvfleet-epp/{self.namespace}/{host}:{port}"
 
     @property
@@ -314,7 +319,7 @@ class Extension:
             if p.error:
                 continue
             if p.epp_cluster not in names:
-                host, port = p.replicas or (p.epp_service, p.epp_port)
+                host, port = p.epp_target
                 d = epp_cluster(p.epp_cluster, [(self._fqdn(host, p.namespace), port)])
                 out.clusters.add().CopyFrom(json_format.ParseDict(d, cluster_pb2.Cluster()))
                 names.add(p.epp_cluster)  # pools sharing a picker share its cluster

@@ -60,7 +60,6 @@ from kvfleet.epp.table import (
     MAX_PODS,
     MIN_CAPACITY,
     REBUILD_CHUNK,
-    U64,
     PodKeyTable,
     as_u64,
     capacity_for,
@@ -376,15 +375,8 @@ class BlockIndex:
                 and count[s] > 0]
         if not len(keys) or not cand:
             return {}
-        if isinstance(keys, np.ndarray):
-            arr = keys
-        else:
-            try:
-                arr = np.fromiter(keys, dtype=U64, count=len(keys))
-            except OverflowError:  # negative ints: the int64 form of a hash
-                arr = as_u64(keys)
         slots = np.array([s for _, s in cand], dtype=np.uint16)
-        length, weighted = table.match(arr, slots, w, self.exact_walk_blocks)
+        length, weighted = table.match(as_u64(keys), slots, w, self.exact_walk_blocks)
         return {p: PodMatch(blocks=b, weighted=x)
                 for (p, _), b, x in zip(cand, length.tolist(), weighted.tolist(), strict=True) if b > 0}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,8 @@ def _load() -> ctypes.CDLL:
     raise ImportError(
         f"kvfleet's compiled index probe (_probe*.so) is not in {here}: kvfleet was not built from its "
         "sources here. Install it with pip (`pip install -e .` in a checkout, or `make venv`); the build "
-        "needs a C compiler (`cc`, or CC='python -m ziglang cc' LDSHARED='python -m ziglang cc -shared' "
-        "with the ziglang package from PyPI)")
+        "needs a C compiler: `cc`, or zig's from the ziglang package on PyPI, CC='ZIG cc' LDSHARED='ZIG cc "
+        "-shared' with ZIG the `zig` binary in the ziglang package's directory (what `make venv` does)")
 
 
 _lib = _load()
@@ -55,18 +56,18 @@ def find(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], mix: npt.
 def match(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], tmask: npt.NDArray[np.uint8],
           mix: npt.NDArray[np.uint64], shift: int, keys: npt.NDArray[np.uint64],
           slots: npt.NDArray[np.uint16],
-          weights: npt.NDArray[np.float64], walk_budget: int,
+          weights: Sequence[float], walk_budget: int,
           ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
     """Per pod slot, the longest prefix of ``keys`` held (blocks) and its tier-weighted value (the rules:
     :mod:`kvfleet.epp.index`)."""
     keys = np.ascontiguousarray(keys, dtype=np.uint64)
     slots = np.ascontiguousarray(slots, dtype=np.uint16)
-    weights = np.ascontiguousarray(weights, dtype=np.float64)
+    w = np.ascontiguousarray(weights, dtype=np.float64)
     c = len(slots)
     length = np.empty(c, dtype=np.int64)
     weighted = np.empty(c, dtype=np.float64)
     scratch = np.empty(3 * c, dtype=np.int64)
     _lib.kv_match(_ptr(tkeys), _ptr(tpods), _ptr(tmask), _ptr(mix), len(tkeys) - 1, shift, _ptr(keys),
-                  len(keys), _ptr(slots), c, _ptr(weights), len(weights), walk_budget, _ptr(length),
+                  len(keys), _ptr(slots), c, _ptr(w), len(w), walk_budget, _ptr(length),
                   _ptr(weighted), _ptr(scratch))
     return length, weighted

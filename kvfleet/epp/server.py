@@ -310,7 +310,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if pool is None:
             raise NoEndpointError(f"the route's InferencePool {st.pool[:64]!r} is not one this picker serves")
         mine = [p.endpoint for p in pool.pods]
-        return mine if st.subset is None else [e for e in st.subset if e in set(mine)]
+        if st.subset is None:
+            return mine
+        allowed = set(mine)
+        return [e for e in st.subset if e in allowed]
 
     def _route_other(self, st: _Stream, body: bytes) -> list[pb.ProcessingResponse]:
         """A non-inference path: the least-loaded pod of the pool of the body's ``model`` (if any)."""

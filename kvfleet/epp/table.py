@@ -50,7 +50,7 @@ def as_u64(keys: Iterable[int]) -> npt.NDArray[np.uint64]:
         return keys.astype(U64, copy=False)
     seq = keys if isinstance(keys, (list, tuple)) else list(keys)
     try:
-        return np.array(seq, dtype=U64)
+        return np.fromiter(seq, dtype=U64, count=len(seq))
     except OverflowError:  # negative ints: their 64-bit two's complement, as to_int64 gives
         return np.array([k & MASK64 for k in seq], dtype=U64)
 
@@ -93,8 +93,8 @@ class PodKeyTable:
               walk_budget: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
         """Per pod slot, the longest prefix of the chained ``keys`` held and its tier-weighted value (the
         rules: :mod:`kvfleet.epp.index`; compiled: :mod:`kvfleet.epp.probe`)."""
-        return probe.match(self.keys, self.pods, self.mask, _SLOT_MIX, int(self.shift), keys, slots,
-                           np.asarray(weights, dtype=np.float64), walk_budget)
+        return probe.match(self.keys, self.pods, self.mask, _SLOT_MIX, int(self.shift), keys, slots, weights,
+                           walk_budget)
 
     def insert(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any],
                masks: npt.NDArray[np.uint8]) -> None:

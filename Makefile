@@ -14,7 +14,7 @@ BASE_IMAGE ?= python:3.11-slim
 help: ## Show this help: every target with what it does.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml setup.py kvfleet/epp/_probe.c
+$(STAMP): pyproject.toml setup.py kvfleet/epp/_probe.c kvfleet/epp/_reuse.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@# kvfleet/epp/_probe.c (the EPP index's probe loop) needs a C compiler: `cc`, else zig's from PyPI

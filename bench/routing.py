@@ -519,10 +519,10 @@ class KvfleetReplicas(Policy):
             for i, rep in enumerate(self.reps):
                 others = [o for j, o in enumerate(self.reps) if j != i]
 
-                def share(pod: str, sampled: list[int], others: list[Kvfleet] = others) -> None:
+                def share(pod: str, sampled: list[int], blocks: int, others: list[Kvfleet] = others) -> None:
                     def deliver() -> None:
                         for o in others:
-                            o.index.add_speculative_sampled(pod, sampled, self.GOSSIP_TTL_S)
+                            o.index.add_speculative_sampled(pod, sampled, self.GOSSIP_TTL_S, blocks=blocks)
                     self._send(deliver)
 
                 def tickets(event: TicketEvent, t: Ticket, moved: tuple[str, str] | None,

@@ -70,6 +70,9 @@ class EppSettings:
     ``max_speculative_entries``: bound on the index's speculative (pick) entries
     (≈ 200 bytes each; a 220 KB prompt's pick is ≈ 300): beyond it, expired picks
     and then the oldest are dropped and counted (``kvfleet_epp_speculative_dropped_total``).
+    ``reuse_sketch_entries``: per pod, the picks' sampled keys remembered to tell whether a held prefix will
+    still be cached when a request runs (kvfleet/epp/reuse.py; 112 bytes each, about as many as the
+    blocks of reuse distance covered, 0: off); beyond it the index is trusted as it is.
     ``gossip_port``: share this replica's picks with the other EPP replicas (ZMQ PUB on this port; 0 = off)
     and apply theirs from ``gossip_peers`` (``host:port``; a name resolving to several addresses, such as
     the chart's headless ``<epp>-replicas`` Service, means each) for ``gossip_ttl_s``; with
@@ -96,6 +99,7 @@ class EppSettings:
     speculative_ttl_s: float = 10.0
     approximate_ttl_s: float = 300.0
     max_speculative_entries: int = 1_000_000
+    reuse_sketch_entries: int = 4096
     gossip_port: int = 0
     gossip_peers: tuple[str, ...] = ()
     gossip_ttl_s: float = 30.0
@@ -119,6 +123,8 @@ class EppSettings:
             raise ValueError("max_body_bytes and prefix_shard_blocks must be > 0")
         if self.max_speculative_entries <= 0:
             raise ValueError("max_speculative_entries must be > 0")
+        if not 0 <= self.reuse_sketch_entries <= 1 << 24:
+            raise ValueError("reuse_sketch_entries must be 0..16777216")
         if not 0 <= self.gossip_port <= 65535 or self.gossip_ttl_s <= 0:
             raise ValueError("gossip_port must be 0..65535 and gossip_ttl_s > 0")
         for peer in self.gossip_peers:

@@ -62,7 +62,8 @@ class Epp:
         self.settings = settings or Settings()
         s = self.settings.epp
         self.datastore = datastore if datastore is not None else make_datastore(self.settings)
-        self.index = BlockIndex(max_speculative=s.max_speculative_entries)
+        self.index = BlockIndex(max_speculative=s.max_speculative_entries,
+                                reuse_entries=s.reuse_sketch_entries)
         self.tracker = InflightTracker()
         self.store = MetricsStore(staleness_s=s.metrics_staleness_s)
         self.scraper = MetricsScraper(self.store, s.scrape_interval_s)

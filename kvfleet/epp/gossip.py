@@ -73,8 +73,11 @@ EVENTS: tuple[TicketEvent, ...] = get_args(TicketEvent)
 
 
 class Pick(msgspec.Struct, array_like=True, frozen=True):
+    """``blocks``: the prompt's length (0: unknown; a peer of an older release sends none)."""
+
     pod: str
     keys: list[int]
+    blocks: int = 0
 
 
 class TicketChange(msgspec.Struct, array_like=True, frozen=True):
@@ -157,9 +160,9 @@ class ReplicaGossip:
         self._decoder = msgspec.msgpack.Decoder(Message)
 
     # --- the pick path -----------------------------------------------------------------
-    def publish(self, pod: str, sampled: list[int]) -> None:
+    def publish(self, pod: str, sampled: list[int], blocks: int = 0) -> None:
         """Queue one of this replica's picks (the index's ``on_pick``); never blocks."""
-        self._put(Pick(pod, sampled[:MAX_KEYS]), self.picks_out)
+        self._put(Pick(pod, sampled[:MAX_KEYS], blocks if len(sampled) <= MAX_KEYS else 0), self.picks_out)
 
     def publish_ticket(self, event: TicketEvent, t: Ticket, moved: tuple[str, str] | None) -> None:
         """Queue a change of one of this replica's tickets (the tracker's ``on_ticket``); never blocks."""
@@ -339,7 +342,7 @@ class ReplicaGossip:
             return "too_large"
         if not self.known_pod(pick.pod):
             return "unknown_pod"
-        self.index.add_speculative_sampled(pick.pod, pick.keys, self.ttl_s)
+        self.index.add_speculative_sampled(pick.pod, pick.keys, self.ttl_s, blocks=max(0, pick.blocks))
         return "applied"
 
     def _apply_ticket(self, origin: str, c: TicketChange) -> str:

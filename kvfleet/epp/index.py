@@ -53,6 +53,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfleet.cache.tiers import Tier
+from kvfleet.epp.reuse import ReuseTracker
 from kvfleet.epp.speculative import Lease, spec_positions
 from kvfleet.epp.table import (
     DELETED,
@@ -83,7 +84,8 @@ class BlockIndex:
 
     ``max_speculative``: bound on speculative entries; ``exact_walk_blocks``: the verifying walk's budget (see
     Holes); ``initial_capacity``: the table's smallest size (rounded up to a power of two ≥ 16; tests use a
-    small one to exercise growth). At most ``MAX_PODS`` pods at once.
+    small one to exercise growth). At most ``MAX_PODS`` pods at once. ``reuse``: each pod's reuse distance,
+    fed by every pick recorded here (:mod:`kvfleet.epp.reuse`; ``reuse_entries`` per pod, 0: off).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class BlockIndex:
         max_speculative: int = 1_000_000,
         exact_walk_blocks: int = 1024,
         initial_capacity: int = MIN_CAPACITY,
+        reuse_entries: int = 4096,
     ) -> None:
         self.clock = clock
         self.max_speculative = max(1, max_speculative)
@@ -110,10 +113,11 @@ class BlockIndex:
         self._spec_lock = threading.Lock()
         #: speculative entries dropped by the ``max_speculative`` bound (expired ones do not count)
         self.speculative_dropped = 0
-        #: called with (pod, sampled keys) after each of this picker's own picks (:meth:`add_speculative`),
-        #: not for picks learned from other replicas (:meth:`add_speculative_sampled`): how picks are shared
-        #: (epp/gossip.py)
-        self.on_pick: Callable[[str, list[int]], None] | None = None
+        #: called with (pod, sampled keys, prompt blocks) after each of this picker's own picks
+        #: (:meth:`add_speculative`), not for picks learned from other replicas
+        #: (:meth:`add_speculative_sampled`): how picks are shared (epp/gossip.py)
+        self.on_pick: Callable[[str, list[int], int], None] | None = None
+        self.reuse = ReuseTracker(reuse_entries)
 
     # --- slots -----------------------------------------------------------------------
     def _acquire(self, pod: str) -> int:
@@ -218,6 +222,7 @@ class BlockIndex:
                 self._free.append(slot)
         if not picks:
             return
+        self.reuse.forget(pod)
         with self._spec_lock:
             for k in [k for k, s in self._spec.items() if pod in s]:
                 self._spec[k].pop(pod).owned -= 1
@@ -239,16 +244,16 @@ class BlockIndex:
         Beyond ``max_speculative`` entries, expired picks and then the oldest picks are dropped.
         """
         sampled = [keys[i] for i in spec_positions(len(keys))]
-        lease = self.add_speculative_sampled(pod, sampled, ttl_s, now)
+        lease = self.add_speculative_sampled(pod, sampled, ttl_s, now, len(keys))
         if self.on_pick is not None:
-            self.on_pick(pod, sampled)
+            self.on_pick(pod, sampled, len(keys))
         return lease
 
     def add_speculative_sampled(self, pod: str, sampled: Sequence[int], ttl_s: float,
-                                now: float | None = None) -> Lease:
+                                now: float | None = None, blocks: int = 0) -> Lease:
         """:meth:`add_speculative` of a pick already sampled (the keys of a prompt at :func:`spec_positions`
         of its length: positions are absolute, so the sample alone is the pick): how another replica's pick is
-        recorded."""
+        recorded. ``blocks``: the prompt's length, when known (the reuse sketch's weight of the last key)."""
         t = self.clock() if now is None else now
         lease = Lease(t + ttl_s)
         spec = self._spec
@@ -274,6 +279,7 @@ class BlockIndex:
                 self._expire(t)
                 while self._spec_n > self.max_speculative and len(self._spec_picks) > 1:
                     self.speculative_dropped += self._drop(*self._spec_picks.popleft())
+        self.reuse.touch(pod, sampled, blocks)
         return lease
 
     def _drop(self, lease: Lease, pod: str, keys: list[int]) -> int:

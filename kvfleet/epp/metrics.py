@@ -21,6 +21,9 @@ kvfleet's own:
   speculative (pick) entries, ``kvfleet_epp_speculative_dropped_total`` — speculative entries dropped by
   ``max_speculative_entries`` (expired ones not counted), ``kvfleet_epp_engine_hash_map_entries`` — engine
   block hashes mapped to the picker's keys (kvfleet/epp/ingest.py; at most ``1 << 18`` per pod)
+* ``kvfleet_epp_reuse_shortened_hits_total`` — candidates whose held prefix was cut to what should survive
+  until the request runs (kvfleet/epp/reuse.py), ``kvfleet_epp_reuse_forgotten_sends_total`` — sketch
+  entries forgotten at the ``reuse_sketch_entries`` bound, ``kvfleet_epp_reuse_sketch_bytes`` — their memory
 * ``kvfleet_epp_pod_inflight{pod}``, ``kvfleet_epp_pod_pending_tokens{pod}`` — the picker's load view
 * ``kvfleet_epp_kv_event_batches_total{pod}``, ``kvfleet_epp_kv_event_gaps_total{pod}``,
   ``kvfleet_epp_kv_event_resyncs_total{pod}`` — the event feed, and its faults:
@@ -118,6 +121,15 @@ class _StateCollector(Collector):
             "kvfleet_epp_index_speculative_blocks", "Speculative (pick-based) index entries",
             value=self.index.num_speculative
         )
+        reuse = self.index.reuse
+        yield CounterMetricFamily("kvfleet_epp_reuse_shortened_hits",
+                                  "Candidates whose held prefix was cut to what is expected to survive in "
+                                  "the pod's cache until the request runs", value=reuse.shortened)
+        yield CounterMetricFamily("kvfleet_epp_reuse_forgotten_sends",
+                                  "Picks' sampled keys the per-pod reuse sketches forgot at their "
+                                  "reuse_sketch_entries bound", value=reuse.forgotten())
+        yield GaugeMetricFamily("kvfleet_epp_reuse_sketch_bytes", "Bytes of the per-pod reuse sketches",
+                                value=reuse.memory_bytes)
         yield GaugeMetricFamily("kvfleet_epp_engine_hash_map_entries",
                                 "Engine block hashes mapped to the picker's keys, over every pod (bounded "
                                 "per pod)", value=self.key_map())

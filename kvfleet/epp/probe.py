@@ -30,7 +30,8 @@ def _load() -> ctypes.CDLL:
         "-shared' with ZIG the `zig` binary in the ziglang package's directory (what `make venv` does)")
 
 
-_lib = _load()
+lib = _load()
+_lib = lib
 _lib.kv_find.argtypes = [_P, _P, _P, _I64, _INT, _P, _P, _I64, _P]
 _lib.kv_find.restype = None
 _lib.kv_match.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _P, _I64, _P, _INT, _I64, _P, _P, _P]

@@ -41,6 +41,12 @@ def _grid(limit: int = 1 << 32) -> list[int]:
 _GRID = _grid()  # ≈ 1,500 positions up to 2^32 blocks
 
 
+def grid() -> list[int]:
+    """The absolute sample grid (a prompt of ``n`` blocks is sampled at its positions below ``n``, and
+    ``n − 1``); read-only."""
+    return _GRID
+
+
 def spec_positions(n: int) -> Sequence[int]:
     """Block positions sampled for speculative entries of an ``n``-block prompt: the grid (absolute, so all
     prompts agree on it) below ``n``, and ``n − 1`` (so a repeated prompt is credited in full)."""

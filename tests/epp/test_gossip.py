@@ -139,6 +139,13 @@ class TestBoundary:
         assert g.apply([self.payload([["pod-0", sampled]])]) == "ok"
         assert g.picks_in["applied"] == 1
         assert idx.match(keys, ["pod-0"])["pod-0"].blocks == 100
+        # the pick also counts in the pod's reuse sketch: without its length (a peer of an older release) the
+        # last sampled key weighs up to the grid's next point (111), with it exactly (99)
+        assert idx.reuse.distance("pod-0", [keys[99], keys[0]]) == [0, 111]
+        assert g.apply([self.payload([["pod-0", sampled, 100], ["pod-1", sampled, -7]])]) == "ok"
+        assert g.picks_in["applied"] == 3
+        assert idx.reuse.distance("pod-0", [keys[0]]) == [99]
+        assert idx.reuse.distance("pod-1", [keys[0]]) == [111]  # a length that does not fit: the grid's
 
     def test_valid_ticket_changes_are_applied(self) -> None:
         g, _ = self.gossip()

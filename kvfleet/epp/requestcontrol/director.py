@@ -230,7 +230,7 @@ class Director:
         groups = self.locator.shards(model, shard, invoked, allowed)
         serving = serving_pods(groups)
         with self._lock:
-            cands, hot = self.candidates.build(serving, keys, shard)
+            cands, hot = self.candidates.build(serving, keys, shard, block_size=block_size)
             self._admit(invoked, cands)
             result = self.scheduler.schedule(sreq, profile, cands, groups, keys, hot)
             if result is None:

@@ -5,6 +5,8 @@ A :class:`~kvfleet.epp.scheduling.framework.Candidate` joins three sources for o
 * the global block index (:class:`~kvfleet.epp.index.BlockIndex`): the longest prefix of the request's keys
   the pod holds, weighted by tier (:func:`tier_weights`), and how much of it only the picker's speculative
   entries vouch for;
+* the index's reuse sketch (:mod:`kvfleet.epp.reuse`): of the held prefix, what is expected to be still in
+  the pod's cache when the request runs there (the queued requests' prefills may evict it first);
 * the in-flight tracker (:class:`~kvfleet.epp.inflight.InflightTracker`): the picker's requests on the pod,
   those counted under the request's hot key (hot-spot decay), and the predicted prefill work still pending;
 * the scraped model-server metrics (:class:`~kvfleet.epp.podmetrics.MetricsStore`), with the picker's pending
@@ -25,7 +27,7 @@ from kvfleet.config.epp import CostModelSettings
 from kvfleet.epp.datastore import Pod
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
-from kvfleet.epp.podmetrics import MetricsStore
+from kvfleet.epp.podmetrics import MetricsStore, PodMetrics
 from kvfleet.epp.scheduling.framework import Candidate
 
 #: ``(keys, longest held prefix in blocks, shard key) → hot key``
@@ -52,6 +54,13 @@ def hotspot_key(keys: Sequence[int], longest: int, shard: int) -> int:
     return keys[longest - 1] if 0 < longest <= len(keys) else shard
 
 
+def capacity(pm: PodMetrics | None, block_size: int) -> int:
+    """A pod's GPU cache in blocks of ``block_size`` tokens (``vllm:cache_config_info``), 0 when unknown."""
+    if pm is None or not pm.num_gpu_blocks or not pm.block_size or block_size <= 0:
+        return 0
+    return pm.num_gpu_blocks * pm.block_size // block_size
+
+
 class CandidateBuilder:
     """One :class:`Candidate` per pod from the index, the in-flight tracker and the scraped metrics.
 
@@ -75,26 +84,31 @@ class CandidateBuilder:
 
     def build(
         self, pods: Sequence[Pod], keys: Sequence[int], shard: int, hot: int | None = None,
+        block_size: int = 16,
     ) -> tuple[list[Candidate], int]:
         """One candidate per pod, and the hot key their ``same_prefix`` counts (``hot``, else
-        ``hot_key`` of the longest match among ``pods``)."""
-        matches = self.index.match(keys, [p.name for p in pods], self.weights)
+        ``hot_key`` of the longest match among ``pods``). ``block_size``: the tokens of one of ``keys``'
+        blocks (a pod's cache size is published in its engine's blocks)."""
+        names = [p.name for p in pods]
+        matches = self.index.match(keys, names, self.weights)
         if hot is None:
             hot = self.hot_key(keys, max((m.blocks for m in matches.values()), default=0), shard)
         out = []
-        names = [p.name for p in pods]
         pms = [self.metrics.get(n) for n in names]
+        hits = [m.blocks if (m := matches.get(n)) else 0 for n in names]
+        # what the index holds now, cut to what is expected to survive until the request runs
+        kept = self.index.reuse.fit(names, hits, [capacity(pm, block_size) for pm in pms], keys)
         # which of the scraped waiting requests are ours: count them at the scrape's instant, not now
         views = self.tracker.view(names, hot, [pm.scraped_at if pm is not None and pm.waiting > 0 else None
                                                for pm in pms])
-        for p, pm, v in zip(pods, pms, views, strict=True):
+        for p, pm, v, h, k in zip(pods, pms, views, hits, kept, strict=True):
             m = matches.get(p.name)
             out.append(
                 Candidate(
                     pod=p,
-                    hit_blocks=m.blocks if m else 0,
-                    hit_weighted=m.weighted if m else 0.0,
-                    spec_blocks=m.speculative if m else 0,
+                    hit_blocks=k,
+                    hit_weighted=(m.weighted if k == h else m.weighted * k / h) if m and h else 0.0,
+                    spec_blocks=min(m.speculative, k) if m else 0,
                     inflight=v.inflight,
                     same_prefix=v.same_prefix,
                     pending_tokens=v.pending_tokens,

@@ -105,7 +105,8 @@ class Scheduler:
         if group.disaggregated and uncached >= self.settings.pd_min_uncached_tokens:
             pre = [p for p in pods if p.role in ("both", "prefill") and p.name != best.name]
             if pre:
-                pranked = profile.run(req, self.candidates.build(pre, keys, req.shard, hot)[0])
+                built = self.candidates.build(pre, keys, req.shard, hot, req.block_size)[0]
+                pranked = profile.run(req, built)
                 if pranked.pods:
                     prefiller = pranked.pods[0].pod
                     # The prefill pod computes the prompt and its cache is what the engine reports as

@@ -1,10 +1,11 @@
-/* The EPP index's read path, compiled: probes of the (block key, pod slot) hash table and the per-pod
- * longest-prefix search of kvfleet/epp/index.py (the table's layout: kvfleet/epp/table.py).
+/* The EPP index's hash table, compiled: probes of the (block key, pod slot) table, its inserts, and the
+ * per-pod longest-prefix search of kvfleet/epp/index.py (the table's layout: kvfleet/epp/table.py). The
+ * home position of a pair (home() below) is computed here only.
  *
  * Plain C with no Python API: loaded with ctypes (kvfleet/epp/probe.py), so building it needs a C compiler
- * and nothing else (no Python headers). Every function only reads the table; writers (numpy, under the
- * index's write lock) publish an entry by writing its pod slot last, so a slot is read before its key
- * (acquire load). The caller holds references to every array for the duration of a call and releases
+ * and nothing else (no Python headers). kv_insert is the one writer (called under the index's write lock);
+ * it publishes an entry by writing its pod slot last (release store), and readers load a slot before its key
+ * (acquire load), so readers need no lock. The caller holds references to every array for the duration of a call and releases
  * the GIL (ctypes does).
  *
  * kv_match follows the decision rules documented in index.py exactly:
@@ -16,6 +17,7 @@
 #include <stdint.h>
 
 #define EMPTY 0xFFFFu
+#define DELETED 0xFFFEu
 #define FANOUT 8
 #define PHI 0x9E3779B97F4A7C15ull
 
@@ -28,10 +30,16 @@ typedef struct {
     unsigned shift;      /* 64 - log2(capacity) */
 } table_t;
 
-static inline int64_t find1(const table_t *t, uint64_t key, uint16_t slot) {
+/* Home position of (key, slot): Fibonacci hashing of key ^ a random word per slot, after folding the key's
+ * high bits down (block keys may be small or sequential integers: tests, simulations). */
+static inline int64_t home(const table_t *t, uint64_t key, uint16_t slot) {
     uint64_t x = key ^ t->mix[slot];
     x ^= x >> 29;
-    int64_t pos = (int64_t)((x * PHI) >> t->shift);
+    return (int64_t)((x * PHI) >> t->shift);
+}
+
+static inline int64_t find1(const table_t *t, uint64_t key, uint16_t slot) {
+    int64_t pos = home(t, key, slot);
     for (int64_t i = 0; i <= t->wrap; i++) {
         int64_t at = (pos + i) & t->wrap;
         uint16_t p = __atomic_load_n(&t->pods[at], __ATOMIC_ACQUIRE);
@@ -47,6 +55,24 @@ static inline int mask_at(const table_t *t, uint64_t key, uint16_t slot) {
 }
 
 static inline int best_rank(int m) { return m ? __builtin_ctz((unsigned)m) : -1; }
+
+/* Insert (key, slot) pairs known to be absent and distinct, each in the first free position (never used, or
+ * deleted) from its home; the caller keeps the load below 1. Returns how many deleted positions were
+ * reused. */
+int64_t kv_insert(uint64_t *tkeys, uint16_t *tpods, uint8_t *tmask, const uint64_t *mix, int64_t wrap,
+                  int shift, const uint64_t *keys, const uint16_t *slots, const uint8_t *masks, int64_t n) {
+    table_t t = {tkeys, tpods, tmask, mix, wrap, (unsigned)shift};
+    int64_t reused = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t at = home(&t, keys[i], slots[i]);
+        while (tpods[at] < DELETED) at = (at + 1) & wrap;
+        reused += tpods[at] == DELETED;
+        tkeys[at] = keys[i];
+        tmask[at] = masks[i];
+        __atomic_store_n(&tpods[at], slots[i], __ATOMIC_RELEASE); /* last: publishes the entry */
+    }
+    return reused;
+}
 
 /* Table position of each (key, slot), -1 where absent. */
 void kv_find(const uint64_t *tkeys, const uint16_t *tpods, const uint64_t *mix, int64_t wrap, int shift,

@@ -1,4 +1,4 @@
-"""The index's compiled read path (``_probe.c``, loaded with ctypes): table probes and the per-pod
+"""The index's compiled table (``_probe.c``, loaded with ctypes): probes, inserts and the per-pod
 longest-prefix search. The decision rules are documented in :mod:`kvfleet.epp.index`; this module only
 passes the table's arrays. There is no Python version: a kvfleet installed without its compiled part
 fails here, at import, with the way to build it."""
@@ -34,6 +34,8 @@ lib = _load()
 _lib = lib
 _lib.kv_find.argtypes = [_P, _P, _P, _I64, _INT, _P, _P, _I64, _P]
 _lib.kv_find.restype = None
+_lib.kv_insert.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _P, _P, _I64]
+_lib.kv_insert.restype = _I64
 _lib.kv_match.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _P, _I64, _P, _INT, _I64, _P, _P, _P]
 _lib.kv_match.restype = None
 
@@ -52,6 +54,18 @@ def find(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], mix: npt.
     _lib.kv_find(_ptr(tkeys), _ptr(tpods), _ptr(mix), len(tkeys) - 1, shift, _ptr(keys), _ptr(slots),
                  len(keys), _ptr(out))
     return out
+
+
+def insert(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], tmask: npt.NDArray[np.uint8],
+           mix: npt.NDArray[np.uint64], shift: int, keys: npt.NDArray[np.uint64],
+           slots: npt.NDArray[np.uint16], masks: npt.NDArray[np.uint8]) -> int:
+    """Insert (key, slot) pairs known to be absent and distinct, with their tier masks, into a table whose
+    load stays below 1; returns how many deleted positions were reused."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    slots = np.ascontiguousarray(slots, dtype=np.uint16)
+    masks = np.ascontiguousarray(masks, dtype=np.uint8)
+    return int(_lib.kv_insert(_ptr(tkeys), _ptr(tpods), _ptr(tmask), _ptr(mix), len(tkeys) - 1, shift,
+                              _ptr(keys), _ptr(slots), _ptr(masks), len(keys)))
 
 
 def match(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], tmask: npt.NDArray[np.uint8],

@@ -7,14 +7,15 @@ keyed by (block key, pod slot), linear probing: ``keys`` (uint64), ``pods``
 (uint16; two reserved values mark an empty and a deleted slot, so every 64-bit key
 is a valid key) and ``mask`` (uint8, bit ``Tier.rank`` per tier held): 11 bytes per
 slot, grown at load 0.7 to load ≤ 0.5 (≈ 16–31 bytes per (block, pod) entry; the
-old ``key → {pod: mask}`` dicts plus per-pod key sets cost ≈ 173–209). Writes are vectorized (one batch per
-event). The table is rebuilt into a new object, and the reference swapped, when
-live entries plus deleted slots pass the load limit.
+old ``key → {pod: mask}`` dicts plus per-pod key sets cost ≈ 173–209). Writes go in one batch per event.
+The table is rebuilt into a new object, and the reference swapped, when live entries plus deleted slots pass
+the load limit.
 
-Linear probing ``WINDOW`` slots per round (one cache line of keys). A table is never resized in place: the
-index fills a new one and swaps its reference (:class:`kvfleet.epp.index.BlockIndex`), so readers need no
-lock. An insert writes the key and the mask before the pod slot (the slot is what makes an entry visible), and
-a slot only turns from empty to used, so probe chains never break under a reader.
+Linear probing from a pair's home position, in ``_probe.c`` for reads and inserts alike (one implementation
+of the hash). A table is never resized in place: the index fills a new one and swaps its reference
+(:class:`kvfleet.epp.index.BlockIndex`), so readers need no lock. An insert writes the key and the mask before
+the pod slot (the slot is what makes an entry visible), and a slot only turns from free (never used, or
+deleted) to used, so probe chains never break under a reader.
 """
 
 from __future__ import annotations
@@ -34,12 +35,9 @@ MAX_PODS = DELETED  # slots 0 .. MAX_PODS − 1
 MAX_LOAD = 0.7
 TARGET_LOAD = 0.5
 MIN_CAPACITY = 1 << 10
-WINDOW = 8  # slots probed per round (keys: one cache line)
 REBUILD_CHUNK = 1 << 18  # entries moved per batch when the table is rebuilt
 MASK64 = (1 << 64) - 1
 U64 = np.uint64
-_OFFSETS = np.arange(WINDOW, dtype=np.int64)
-_PHI, _S29 = U64(0x9E3779B97F4A7C15), U64(29)
 _SLOT_MIX = np.random.default_rng(0x6B7666).integers(0, np.iinfo(np.uint64).max, 1 << 16, dtype=np.uint64,
                                                      endpoint=True)
 
@@ -53,16 +51,6 @@ def as_u64(keys: Iterable[int]) -> npt.NDArray[np.uint64]:
         return np.fromiter(seq, dtype=U64, count=len(seq))
     except OverflowError:  # negative ints: their 64-bit two's complement, as to_int64 gives
         return np.array([k & MASK64 for k in seq], dtype=U64)
-
-
-def _hash(keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any], shift: np.uint64) -> npt.NDArray[np.int64]:
-    """Home position of (key, slot): Fibonacci hashing of key ⊕ a random word per slot, after folding the
-    key's high bits down (block keys may be small or sequential integers: tests, simulations).
-    ``shift`` = 64 − log2 of the capacity; arrays wrap silently on overflow (only numpy scalars warn)."""
-    x = keys ^ _SLOT_MIX[slots]
-    x ^= x >> _S29
-    out: npt.NDArray[np.int64] = ((x * _PHI) >> shift).astype(np.int64)
-    return out
 
 
 class PodKeyTable:
@@ -98,32 +86,14 @@ class PodKeyTable:
 
     def insert(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any],
                masks: npt.NDArray[np.uint8]) -> None:
-        """Insert (key, slot) pairs known to be absent and distinct; the caller keeps the load below 1."""
-        n = len(keys)
-        if n == 0:
+        """Insert (key, slot) pairs known to be absent and distinct; the caller keeps the load below 1
+        (compiled: :mod:`kvfleet.epp.probe`, where the home position of a pair is computed for every
+        probe)."""
+        if len(keys) == 0:
             return
-        slots = slots.astype(np.uint16, copy=False)
-        pos = _hash(keys, slots, self.shift)
-        while len(keys):
-            win = (pos[:, None] + _OFFSETS) & self.wrap
-            free = self.pods[win] >= DELETED
-            has = free.any(axis=1)
-            target = win[np.arange(len(keys)), free.argmax(axis=1)]
-            cand = np.flatnonzero(has)
-            # several pairs may want one slot: the first of each wins, the others probe again
-            _, first = np.unique(target[cand], return_index=True)
-            won = cand[first]
-            at = target[won]
-            self.deleted -= int(np.count_nonzero(self.pods[at] == DELETED))
-            self.keys[at] = keys[won]
-            self.mask[at] = masks[won]
-            self.pods[at] = slots[won]  # last: publishes the entry
-            self.live += len(won)
-            rest = np.ones(len(keys), dtype=bool)
-            rest[won] = False
-            # a pair that found no free slot in its window moves on; a loser retries from its free slot
-            pos = np.where(has, target, pos + WINDOW)[rest]
-            keys, slots, masks = keys[rest], slots[rest], masks[rest]
+        self.deleted -= probe.insert(self.keys, self.pods, self.mask, _SLOT_MIX, int(self.shift), keys, slots,
+                                     masks)
+        self.live += len(keys)
 
     def entries(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint16], npt.NDArray[np.uint8]]:
         used = np.flatnonzero(self.pods < DELETED)

@@ -27,6 +27,7 @@ def default_plugins(fallbacks: int = 0) -> tuple[PluginSpec, ...]:
         PluginSpec(type="kv-cache-utilization-scorer", weight=0.05),
         PluginSpec(type="prefix-affinity-scorer", weight=1.0),
         PluginSpec(type="eviction-cost-scorer", weight=1.0),
+        PluginSpec(type="recompute-load-scorer", weight=1.0),
         PluginSpec(type="max-score-picker", params={"fallbacks": fallbacks}),
     )
 

@@ -12,7 +12,7 @@ from bench.routing import Knobs, Result, SimConfig, make_policy, simulate
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.reuse import ReuseTracker
-from kvfleet.epp.scheduling.plugins import EvictionCostScorer
+from kvfleet.epp.scheduling.plugins import EvictionCostScorer, RecomputeLoadScorer
 
 
 def case(workload: str, scale: str, rho: float, gpu: int, seed: int, n: int = 800,
@@ -30,7 +30,7 @@ AGENTS = case("agents", "ρ", 0.8, 250, 0)
 AGENTS_HIGH = case("agents", "ρ", 0.95, 250, 0)
 AGENTS_MODERATE = case("agents", "ρ", 0.5, 250, 0)
 #: long documents outgrowing one pod's cache, at the utilisation of the ideal hit
-DOCUMENTS = case("documents", "ρ*", 0.5, 250, 1, n=1200)
+DOCUMENTS = case("documents", "ρ*", 0.5, 250, 1)
 #: the trees at the utilisation of the ideal hit, and sessions at a high load, on small caches
 AGENTS_SATURATED = case("agents", "ρ*", 0.5, 250, 0, n=1200)
 SESSIONS_HIGH = case("sessions", "ρ", 0.95, 250, 1, n=1200)
@@ -67,40 +67,43 @@ def test_served_speculative_entries_follow_evictions(monkeypatch: pytest.MonkeyP
 
 def test_queue_counts_the_work_already_done(monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue scorer subtracts the seconds a pod has already worked on its pending requests: without
-    it, on tenants' shared system prompts at ρ* 0.8, the mean TTFT is more than 1.4 × and p90 more than
-    1.15 × (a pod deep into a long prefill looks as loaded as when it took it, and requests leave the
-    prompt's holders)."""
-    c = case("tenants", "ρ*", 0.8, 1000, 1)
-    base = run(c)
+    it, on tenants' shared system prompts at ρ* 0.8, p90 is more than 1.15 × and the hit lower (a pod deep
+    into a long prefill looks as loaded as when it took it, and requests leave the prompt's holders), and
+    documents' mean more than 1.3 ×."""
+    tenants = case("tenants", "ρ*", 0.8, 1000, 1, n=1200)
+    base, base_docs = run(tenants), run(DOCUMENTS)
     monkeypatch.setattr(InflightTracker, "_elapsed", lambda self, pod, now: 0.0)
-    blind = run(c)
-    assert blind.ttft["mean"] > 1.4 * base.ttft["mean"]
+    blind, blind_docs = run(tenants), run(DOCUMENTS)
     assert blind.ttft["p90"] > 1.15 * base.ttft["p90"]
+    assert blind.hit_rate < base.hit_rate
+    assert blind_docs.ttft["mean"] > 1.3 * base_docs.ttft["mean"]
 
 
 def test_queue_counts_the_expected_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue scorer adds the wait a pod's recent busy time predicts (``InflightTracker.expected_waits``,
     part of the tracker's ``view`` of the candidates): without it new agent tasks follow their shared
-    prefix onto the busiest pods (p90 more than 1.3 × at ρ 0.8, more than 1.2 × at ρ 0.5)."""
-    moderate = case("agents", "ρ", 0.5, 250, 0, n=1200)
-    base, base_moderate = run(AGENTS), run(moderate)
+    prefix onto the busiest pods (p90 more than 1.3 × and mean more than 1.15 × at ρ 0.8 with 250-block
+    caches, p90 more than 1.2 × at ρ 0.95 with 1,000-block caches)."""
+    large = case("agents", "ρ", 0.95, 1000, 0)
+    base, base_large = run(AGENTS), run(large)
     monkeypatch.setattr(InflightTracker, "_expected", lambda self, load, now: 0.0)
-    assert run(AGENTS).ttft["p90"] > 1.3 * base.ttft["p90"]
-    assert run(moderate).ttft["p90"] > 1.2 * base_moderate.ttft["p90"]
+    blind, blind_large = run(AGENTS), run(large)
+    assert blind.ttft["p90"] > 1.3 * base.ttft["p90"]
+    assert blind.ttft["mean"] > 1.15 * base.ttft["mean"]
+    assert blind_large.ttft["p90"] > 1.2 * base_large.ttft["p90"]
 
 
 def test_placements_pay_for_what_they_evict(monkeypatch: pytest.MonkeyPatch) -> None:
     """The eviction-cost scorer prices the cached blocks a placement pushes out of a full cache: without
-    it agent tasks pile onto the pods holding their system prompt while others stay empty (p90 more than
-    1.4 ×, hit lower) and documents are copied over other pods' contexts (mean more than 1.4 ×, p90 more
-    than 1.2 ×)."""
-    base_agents, base_docs = run(AGENTS_MODERATE), run(DOCUMENTS)
+    it agent tasks pile onto the pods holding their system prompt while others stay empty (at ρ 0.5 p90
+    more than 1.4 ×, mean more than 1.2 ×, hit lower; at ρ 0.8 p90 more than 1.3 ×)."""
+    base_moderate, base = run(AGENTS_MODERATE), run(AGENTS)
     monkeypatch.setattr(EvictionCostScorer, "score", lambda self, req, cands: [0.0] * len(cands))
-    agents, docs = run(AGENTS_MODERATE), run(DOCUMENTS)
-    assert agents.ttft["p90"] > 1.4 * base_agents.ttft["p90"]
-    assert agents.hit_rate < base_agents.hit_rate
-    assert docs.ttft["mean"] > 1.4 * base_docs.ttft["mean"]
-    assert docs.ttft["p90"] > 1.2 * base_docs.ttft["p90"]
+    moderate, blind = run(AGENTS_MODERATE), run(AGENTS)
+    assert moderate.ttft["p90"] > 1.4 * base_moderate.ttft["p90"]
+    assert moderate.ttft["mean"] > 1.2 * base_moderate.ttft["mean"]
+    assert moderate.hit_rate < base_moderate.hit_rate
+    assert blind.ttft["p90"] > 1.3 * base.ttft["p90"]
 
 
 def test_a_held_prefix_counts_only_if_it_survives_the_queue(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,3 +131,17 @@ def test_family_summary_names_the_worst_case() -> None:
         assert out[f"family_worst_{q}_vs_best_peer"] == pytest.approx(max(ratios), abs=1e-4)
         worst = cs[ratios.index(max(ratios))]
         assert out[f"family_worst_{q}_vs_best_peer_at"].startswith(worst.label)
+
+
+def test_a_recompute_on_a_busy_pod_pays_for_the_delay_it_causes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recompute-load scorer charges a candidate that lacks a prefix another holds with the delay its
+    recompute puts on the pod's later requests (``u / (1 − u)`` of the recompute's seconds): without it,
+    sessions near saturation on 8 pods trade hits for queues on pods just as busy (p90 and mean more than
+    1.3 ×, hit lower)."""
+    sessions = case("sessions", "ρ*", 0.8, 1000, 0, n=1200)
+    base = run(sessions)
+    monkeypatch.setattr(RecomputeLoadScorer, "score", lambda self, req, cands: [0.0] * len(cands))
+    blind = run(sessions)
+    assert blind.ttft["p90"] > 1.3 * base.ttft["p90"]
+    assert blind.ttft["mean"] > 1.3 * base.ttft["mean"]
+    assert blind.hit_rate < base.hit_rate

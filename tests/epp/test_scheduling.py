@@ -124,6 +124,27 @@ class TestScorers:
         assert plugin.score(req, [self.cand("x", held_blocks=195, metrics=big)]) == pytest.approx(  # type: ignore[union-attr]
             [-5 * 16e-3])
 
+    def test_recompute_load_charges_busy_pods_that_lack_the_prefix(self) -> None:
+        """−(H − hit)·block prefill seconds·u/(1 − u): nothing on an idle pod, on the holder, or when no pod
+        holds more than another; u capped at ``max_busy``; damped by the hot prefix's requests in flight."""
+        _, plugin = create("recompute-load-scorer", {})
+        req = SchedulingRequest(num_tokens=160, block_size=16, prefill_s_per_token=1e-3, hotspot_beta=0.5)
+        unit = 16e-3
+        cands = [
+            self.cand("holder", hit_weighted=8.0, busy_share=0.9),
+            self.cand("idle", busy_share=0.0),
+            self.cand("quarter", hit_weighted=2.0, busy_share=0.25),
+            self.cand("busy", busy_share=0.9),
+        ]
+        scores = plugin.score(req, cands)  # type: ignore[union-attr]
+        assert scores == pytest.approx([0.0, 0.0, -6 * unit / 3, -8 * unit])  # 0.9 counts as 0.5: factor 1
+        assert plugin.score(req, [self.cand("a", busy_share=0.9), self.cand("b", busy_share=0.4)]) == [  # type: ignore[union-attr]
+            0.0, 0.0]
+        hot = [self.cand("holder", hit_weighted=8.0, same_prefix=2), self.cand("busy", busy_share=0.9)]
+        assert plugin.score(req, hot) == pytest.approx([0.0, -8 * unit / 2])  # type: ignore[union-attr]
+        _, wide = create("recompute-load-scorer", {"max_busy": 0.8})
+        assert wide.score(req, cands)[3] == pytest.approx(-8 * unit * 4)  # type: ignore[union-attr]
+
     def test_expected_wait_adds_to_the_queue(self) -> None:
         """The queue scorer adds the candidate's expected wait (weight ``expected_weight``)."""
         _, plugin = create("queue-scorer", {"overhead_s": 0.0, "running_s": 0.0})
@@ -408,6 +429,10 @@ class TestScrapedWaiting:
             t.first_byte()
         assert tr.expected_waits(["saturated"])[0] == pytest.approx(0.9, rel=0.05)
         assert tr.expected_waits(["never"])[0] == 0.0
+        # the busy share itself (the recompute-load scorer's u), uncapped
+        busy, saturated, never = tr.view(["busy", "saturated", "never"], 0, [None] * 3)
+        assert 0.85 < saturated.busy_share < 0.95 and never.busy_share == 0.0
+        assert busy.busy_share < 0.01  # a long while idle
         now[0] = 460.0  # a minute idle: u ≈ 0.5·e⁻⁶
         assert tr.expected_waits(["busy"])[0] < 0.01
 

@@ -118,6 +118,7 @@ class CandidateBuilder:
                     held_blocks=self.index.num_pod_gpu_keys(p.name),
                     metrics=pm,
                     scrape_pending=v.scrape_pending,
+                    busy_share=v.busy_share,
                 )
             )
         return out, hot

@@ -76,6 +76,9 @@ class Candidate:
     expected_wait_s: float = 0.0
     #: blocks the index holds on the pod's GPU tier
     held_blocks: int = 0
+    #: the pod's recent utilisation as the picker sees it
+    #: (:meth:`~kvfleet.epp.inflight.InflightTracker.busy_share`)
+    busy_share: float = 0.0
     metrics: PodMetrics | None = None
     scrape_pending: int | None = None
 

@@ -17,9 +17,9 @@ help: ## Show this help: every target with what it does.
 $(STAMP): pyproject.toml setup.py kvfleet/epp/_probe.c kvfleet/epp/_reuse.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	@# kvfleet/epp/_probe.c (the EPP index's probe loop) needs a C compiler: `cc`, else zig's from PyPI
+	@# kvfleet/epp/_probe.c and _reuse.c (the EPP's compiled loops) need a C compiler: `cc`, else zig's from PyPI
 	@if command -v cc >/dev/null; then $(PY) -m pip install --quiet -e '.[dev]'; else \
-	  echo "no C compiler (cc): building kvfleet's probe loop with zig (the ziglang package from PyPI)"; \
+	  echo "no C compiler (cc): building kvfleet's compiled loops with zig (the ziglang package from PyPI)"; \
 	  $(PY) -m pip install --quiet 'ziglang>=0.13,<1' \
 	  && zig="$$($(PY) -c 'import os, ziglang; print(os.path.dirname(ziglang.__file__))')/zig" \
 	  && CC="$$zig cc -mcpu=baseline" LDSHARED="$$zig cc -mcpu=baseline -shared" $(PY) -m pip install --quiet -e '.[dev]'; fi

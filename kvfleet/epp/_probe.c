@@ -4,9 +4,9 @@
  *
  * Plain C with no Python API: loaded with ctypes (kvfleet/epp/probe.py), so building it needs a C compiler
  * and nothing else (no Python headers). kv_insert is the one writer (called under the index's write lock);
- * it publishes an entry by writing its pod slot last (release store), and readers load a slot before its key
- * (acquire load), so readers need no lock. The caller holds references to every array for the duration of a call and releases
- * the GIL (ctypes does).
+ * it publishes an entry by writing its pod slot last (release store), and readers load a slot before its
+ * key (acquire load), so readers need no lock. The caller holds references to every array for the duration
+ * of a call and releases the GIL (ctypes does).
  *
  * kv_match follows the decision rules documented in index.py exactly:
  *   - small prompts (blocks x pods <= the walk budget): every (position, pod) probed, each prefix cut at

@@ -44,6 +44,14 @@ class PodMetrics:
     scraped_at: float = 0.0
 
 
+def gpu_capacity(pm: PodMetrics | None, block_size: int) -> int | None:
+    """A pod's GPU cache in blocks of ``block_size`` tokens (``vllm:cache_config_info``: ``num_gpu_blocks`` of
+    ``block_size`` tokens), None when the engine does not publish it."""
+    if pm is None or not pm.num_gpu_blocks or not pm.block_size:
+        return None
+    return pm.num_gpu_blocks * pm.block_size // block_size
+
+
 def parse_metrics(text: str, now: float) -> PodMetrics:
     waiting = running = 0.0
     usage = 0.0

@@ -31,16 +31,15 @@ def _load() -> ctypes.CDLL:
 
 
 lib = _load()
-_lib = lib
-_lib.kv_find.argtypes = [_P, _P, _P, _I64, _INT, _P, _P, _I64, _P]
-_lib.kv_find.restype = None
-_lib.kv_insert.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _P, _P, _I64]
-_lib.kv_insert.restype = _I64
-_lib.kv_match.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _P, _I64, _P, _INT, _I64, _P, _P, _P]
-_lib.kv_match.restype = None
+lib.kv_find.argtypes = [_P, _P, _P, _I64, _INT, _P, _P, _I64, _P]
+lib.kv_find.restype = None
+lib.kv_insert.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _P, _P, _I64]
+lib.kv_insert.restype = _I64
+lib.kv_match.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _P, _I64, _P, _INT, _I64, _P, _P, _P]
+lib.kv_match.restype = None
 
 
-def _ptr(a: npt.NDArray[Any]) -> int:
+def ptr(a: npt.NDArray[Any]) -> int:
     return int(a.__array_interface__["data"][0])
 
 
@@ -51,8 +50,8 @@ def find(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], mix: npt.
     keys = np.ascontiguousarray(keys, dtype=np.uint64)
     slots = np.ascontiguousarray(slots, dtype=np.uint16)
     out = np.empty(len(keys), dtype=np.int64)
-    _lib.kv_find(_ptr(tkeys), _ptr(tpods), _ptr(mix), len(tkeys) - 1, shift, _ptr(keys), _ptr(slots),
-                 len(keys), _ptr(out))
+    lib.kv_find(ptr(tkeys), ptr(tpods), ptr(mix), len(tkeys) - 1, shift, ptr(keys), ptr(slots),
+                 len(keys), ptr(out))
     return out
 
 
@@ -64,8 +63,8 @@ def insert(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], tmask: 
     keys = np.ascontiguousarray(keys, dtype=np.uint64)
     slots = np.ascontiguousarray(slots, dtype=np.uint16)
     masks = np.ascontiguousarray(masks, dtype=np.uint8)
-    return int(_lib.kv_insert(_ptr(tkeys), _ptr(tpods), _ptr(tmask), _ptr(mix), len(tkeys) - 1, shift,
-                              _ptr(keys), _ptr(slots), _ptr(masks), len(keys)))
+    return int(lib.kv_insert(ptr(tkeys), ptr(tpods), ptr(tmask), ptr(mix), len(tkeys) - 1, shift,
+                              ptr(keys), ptr(slots), ptr(masks), len(keys)))
 
 
 def match(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], tmask: npt.NDArray[np.uint8],
@@ -82,7 +81,7 @@ def match(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], tmask: n
     length = np.empty(c, dtype=np.int64)
     weighted = np.empty(c, dtype=np.float64)
     scratch = np.empty(3 * c, dtype=np.int64)
-    _lib.kv_match(_ptr(tkeys), _ptr(tpods), _ptr(tmask), _ptr(mix), len(tkeys) - 1, shift, _ptr(keys),
-                  len(keys), _ptr(slots), c, _ptr(w), len(w), walk_budget, _ptr(length),
-                  _ptr(weighted), _ptr(scratch))
+    lib.kv_match(ptr(tkeys), ptr(tpods), ptr(tmask), ptr(mix), len(tkeys) - 1, shift, ptr(keys),
+                  len(keys), ptr(slots), c, ptr(w), len(w), walk_budget, ptr(length),
+                  ptr(weighted), ptr(scratch))
     return length, weighted

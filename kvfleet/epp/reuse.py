@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvfleet.epp.probe import lib
+from kvfleet.epp.probe import lib, ptr
 from kvfleet.epp.speculative import grid, spec_positions
 from kvfleet.epp.table import as_u64
 
@@ -52,12 +52,7 @@ lib.kv_reuse_distance.restype = None
 lib.kv_reuse_fit.argtypes = [_P, _I64, _P, _P, _P]
 lib.kv_reuse_fit.restype = None
 
-_HDR = 8
-_TOTAL, _DROPPED = 1, 5
-
-
-def _addr(a: npt.NDArray[np.generic]) -> int:
-    return int(a.__array_interface__["data"][0])
+_TOTAL, _DROPPED = 1, 5  # header words (_reuse.c)
 
 
 def _weights(m: int, blocks: int = 0) -> list[int]:
@@ -92,9 +87,6 @@ class ReuseTracker:
     def memory_bytes(self) -> int:
         return 8 * self._words * len(self._pods)
 
-    def pods(self) -> int:
-        return len(self._pods)
-
     def forgotten(self) -> int:
         """Sends forgotten by the bound, over all pods."""
         with self._lock:
@@ -104,7 +96,7 @@ class ReuseTracker:
         plan = self._plans.get((m, blocks))
         if plan is None:
             w = np.asarray(_weights(m, blocks), dtype=np.int64)
-            plan = (w, _addr(w))
+            plan = (w, ptr(w))
             if len(self._plans) < 4096:
                 self._plans[m, blocks] = plan
         return plan
@@ -120,9 +112,9 @@ class ReuseTracker:
             addr = self._addrs.get(pod)
             if addr is None:
                 buf = self._pods[pod] = np.zeros(self._words, dtype=np.int64)
-                addr = self._addrs[pod] = _addr(buf)
+                addr = self._addrs[pod] = ptr(buf)
                 lib.kv_reuse_init(addr, self._ring, self.entries)
-            lib.kv_reuse_touch(addr, _addr(keys), waddr, len(keys))
+            lib.kv_reuse_touch(addr, ptr(keys), waddr, len(keys))
 
     def distance(self, pod: str, keys: Sequence[int]) -> list[int]:
         """Blocks sent to ``pod`` since each key was last sent to it (−1: unknown)."""
@@ -131,7 +123,7 @@ class ReuseTracker:
         with self._lock:
             buf = self._pods.get(pod)
             if buf is not None and len(k):
-                lib.kv_reuse_distance(_addr(buf), _addr(k), len(k), _addr(out))
+                lib.kv_reuse_distance(ptr(buf), ptr(k), len(k), ptr(out))
         return [int(x) for x in out]
 
     def live_blocks(self, pod: str) -> int:
@@ -163,7 +155,7 @@ class ReuseTracker:
         with self._lock:  # a forgotten pod (0) keeps its hit
             cand = np.array([(addrs.get(pods[j], 0), hits[j], capacities[j], bisect.bisect_left(pos, hits[j]))
                              for j in todo], dtype=np.int64)
-            lib.kv_reuse_fit(_addr(cand), len(todo), _addr(kat), _addr(parr), _addr(res))
+            lib.kv_reuse_fit(ptr(cand), len(todo), ptr(kat), ptr(parr), ptr(res))
         for j, r in zip(todo, res.tolist(), strict=True):
             if r < out[j]:
                 out[j] = r

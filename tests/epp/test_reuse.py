@@ -10,9 +10,9 @@ import pytest
 from kvfleet.epp.datastore import Pod
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
-from kvfleet.epp.podmetrics import MetricsStore, PodMetrics
+from kvfleet.epp.podmetrics import MetricsStore, PodMetrics, gpu_capacity
 from kvfleet.epp.reuse import ReuseTracker, _weights
-from kvfleet.epp.scheduling.candidates import CandidateBuilder, capacity
+from kvfleet.epp.scheduling.candidates import CandidateBuilder
 from kvfleet.epp.speculative import spec_positions
 
 
@@ -115,4 +115,5 @@ def test_candidates_credit_only_what_survives(cap_blocks: int, expect: int) -> N
     (c,), _ = b.build([Pod("p", "10.0.0.1", 8000)], prompt, 0, block_size=16)
     assert c.hit_blocks == expect
     assert c.hit_weighted == pytest.approx(float(expect))
-    assert capacity(metrics.get("p"), 32) == cap_blocks // 2
+    assert gpu_capacity(metrics.get("p"), 32) == cap_blocks // 2
+    assert gpu_capacity(None, 16) is None

@@ -27,7 +27,7 @@ from kvfleet.config.epp import CostModelSettings
 from kvfleet.epp.datastore import Pod
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
-from kvfleet.epp.podmetrics import MetricsStore, PodMetrics
+from kvfleet.epp.podmetrics import MetricsStore, gpu_capacity
 from kvfleet.epp.scheduling.framework import Candidate
 
 #: ``(keys, longest held prefix in blocks, shard key) → hot key``
@@ -52,13 +52,6 @@ def hotspot_key(keys: Sequence[int], longest: int, shard: int) -> int:
     one hot spot, while sessions of one application (one shard, each with its own history)
     are not counted against each other."""
     return keys[longest - 1] if 0 < longest <= len(keys) else shard
-
-
-def capacity(pm: PodMetrics | None, block_size: int) -> int:
-    """A pod's GPU cache in blocks of ``block_size`` tokens (``vllm:cache_config_info``), 0 when unknown."""
-    if pm is None or not pm.num_gpu_blocks or not pm.block_size or block_size <= 0:
-        return 0
-    return pm.num_gpu_blocks * pm.block_size // block_size
 
 
 class CandidateBuilder:
@@ -95,14 +88,14 @@ class CandidateBuilder:
             hot = self.hot_key(keys, max((m.blocks for m in matches.values()), default=0), shard)
         out = []
         pms = [self.metrics.get(n) for n in names]
-        hits = [m.blocks if (m := matches.get(n)) else 0 for n in names]
+        held = [matches.get(n) for n in names]
+        hits = [m.blocks if m else 0 for m in held]
         # what the index holds now, cut to what is expected to survive until the request runs
-        kept = self.index.reuse.fit(names, hits, [capacity(pm, block_size) for pm in pms], keys)
+        kept = self.index.reuse.fit(names, hits, [gpu_capacity(pm, block_size) or 0 for pm in pms], keys)
         # which of the scraped waiting requests are ours: count them at the scrape's instant, not now
         views = self.tracker.view(names, hot, [pm.scraped_at if pm is not None and pm.waiting > 0 else None
                                                for pm in pms])
-        for p, pm, v, h, k in zip(pods, pms, views, hits, kept, strict=True):
-            m = matches.get(p.name)
+        for p, pm, v, m, h, k in zip(pods, pms, views, held, hits, kept, strict=True):
             out.append(
                 Candidate(
                     pod=p,

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import xxhash
 
+from kvfleet.epp.podmetrics import gpu_capacity
 from kvfleet.epp.scheduling.framework import Candidate, SchedulingRequest, register
 
 
@@ -301,11 +302,10 @@ class EvictionCostScorer:
         blocks = -(-req.num_tokens // req.block_size)
         out = []
         for c in cands:
-            m = c.metrics
-            if m is None or not m.num_gpu_blocks or not m.block_size:
+            capacity = gpu_capacity(c.metrics, req.block_size)
+            if capacity is None:
                 out.append(0.0)
                 continue
-            capacity = m.num_gpu_blocks * m.block_size // req.block_size
             evict = max(0, blocks - c.hit_blocks - max(0, capacity - c.held_blocks))
             out.append(-evict * unit)
         return out

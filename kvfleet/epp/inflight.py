@@ -346,7 +346,11 @@ class InflightTracker:
             return [self._expected(self._loads.get(pod), now) for pod in pods]
 
     def _expected(self, load: _Load | None, now: float) -> float:
-        busy, served = self._decayed(load, now) if load is not None else (0.0, 0.0)
+        return self._wait(*self._decayed(load, now)) if load is not None else 0.0
+
+    def _wait(self, busy: float, served: float) -> float:
+        """The expected wait (:meth:`expected_waits`) of a pod with ``busy`` decayed busy seconds and
+        ``served`` decayed first tokens."""
         u = min(0.5, busy / self.history_s)
         return busy / served * u / (1.0 - u) if served >= 1.0 else 0.0
 
@@ -361,16 +365,20 @@ class InflightTracker:
         (:meth:`expected_waits`), the :meth:`busy_share` and, where ``scraped_at`` gives the instant of a
         scrape that saw waiting requests, :meth:`pending_at` that instant (else None)."""
         out = []
+        loads, prefix, hs = self._loads, self._prefix, self.history_s
         with self._lock:
             now = self.clock()
             for pod, at in zip(pods, scraped_at, strict=True):
-                ld = self._loads.get(pod)
-                inflight, tokens, requests = (0, 0.0, 0) if ld is None else (
-                    ld.inflight, ld.pending_tokens, ld.pending_requests)
-                out.append(PodView(inflight, tokens, requests, self._prefix.get((pod, hot), 0),
-                                   self._elapsed(pod, now) if requests else 0.0, self._expected(ld, now),
-                                   None if at is None else self._pending_at(pod, at),
-                                   self.busy_share(ld, now)))
+                ld = loads.get(pod)
+                scraped = None if at is None else self._pending_at(pod, at)
+                if ld is None:
+                    out.append(PodView(0, 0.0, 0, prefix.get((pod, hot), 0), 0.0, 0.0, scraped, 0.0))
+                    continue
+                busy, served = self._decayed(ld, now)  # once: the expected wait and the busy share
+                requests = ld.pending_requests
+                out.append(PodView(ld.inflight, ld.pending_tokens, requests, prefix.get((pod, hot), 0),
+                                   self._elapsed(pod, now) if requests else 0.0, self._wait(busy, served),
+                                   scraped, min(1.0, busy / hs)))
         return out
 
     def same_prefix(self, pod: str, prefix: int) -> int:

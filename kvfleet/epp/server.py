@@ -44,6 +44,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -119,7 +120,7 @@ class _Stream:
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, router: Router, metrics: EppMetrics, max_body_bytes: int,
-                 default_mode: str = "FULL_DUPLEX_STREAMED") -> None:
+                 default_mode: str = "FULL_DUPLEX_STREAMED", inline_route_bytes: int = 16 * 1024) -> None:
         self.created = int(time.time())
         self.decision_log = os.environ.get(DECISION_LOG_ENV, "")
         self.keycheck = KeyCheck(
@@ -128,10 +129,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.default_mode = _Mode.BodySendMode.Value(default_mode)
-        # routing (tokenize, key, index lookup, score) runs off the event loop, so streams in flight keep
-        # moving; one thread: picks stay serialized as on the loop (the router's bookkeeping is not built for
-        # parallel picks, and the GIL would not run two at once anyway)
+        # routing (tokenize, key, index lookup, score) of a long body runs off the event loop, so streams in
+        # flight keep moving; a short one runs on the loop (the hop to a thread and back cost about as much
+        # CPU as its decision). One routing thread and one lock: picks stay serialized (the router's
+        # bookkeeping is not built for parallel picks, and the GIL would not run two at once anyway); a
+        # short body finding the lock taken goes to the thread too, so the loop never waits for it
         self.route_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-route")
+        self.inline_route_bytes = inline_route_bytes
+        self._route_lock = threading.Lock()
+        #: decisions made on the event loop (the rest on the routing thread)
+        self.inline_routes = 0
 
     @staticmethod
     def _ends(msg: pb.ProcessingRequest, side: str) -> bool:
@@ -176,8 +183,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         st.subset = protocol.subset_hint(msg.metadata_context)
                     st.pool = protocol.invoked_pool(context.invocation_metadata() or () if context else ())
                 if self._routes(st, msg):
-                    out = await asyncio.get_running_loop().run_in_executor(
-                        self.route_pool, self._handle, st, msg)
+                    if self._short(st, msg) and self._route_lock.acquire(blocking=False):
+                        try:
+                            out = self._handle(st, msg)
+                            self.inline_routes += 1
+                        finally:
+                            self._route_lock.release()
+                    else:
+                        out = await asyncio.get_running_loop().run_in_executor(
+                            self.route_pool, self._serialized, st, msg)
                 else:
                     out = self._handle(st, msg)
                 for resp in out:
@@ -187,6 +201,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         finally:
             if st is not None and st.decision is not None and st.decision.ticket is not None:
                 st.decision.ticket.close()
+
+    def _short(self, st: _Stream, msg: pb.ProcessingRequest) -> bool:
+        """Whether the request that ``msg`` completes is short enough to route on the event loop."""
+        body = msg.request_body.body if msg.WhichOneof("request") == "request_body" else b""
+        return len(st.body) + len(body) <= self.inline_route_bytes
+
+    def _serialized(self, st: _Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        with self._route_lock:
+            return self._handle(st, msg)
 
     # --- one message ------------------------------------------------------------------
     def _handle(self, st: _Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:

@@ -38,6 +38,8 @@ def test_wrong_type_and_invalid_value() -> None:
         load(overrides={"cache": {"block_size": "sixteen"}})
     with pytest.raises(ConfigError, match="block_size must be > 0"):
         load(overrides={"cache": {"block_size": 0}})
+    with pytest.raises(ConfigError, match="inline_route_bytes must be >= 0"):
+        load(overrides={"epp": {"inline_route_bytes": -1}})
 
 
 def test_nested_lists_dict_values_and_unknown_keys_name_the_path() -> None:

@@ -86,7 +86,7 @@ def test_queue_counts_the_expected_wait(monkeypatch: pytest.MonkeyPatch) -> None
     caches, p90 more than 1.2 × at ρ 0.95 with 1,000-block caches)."""
     large = case("agents", "ρ", 0.95, 1000, 0)
     base, base_large = run(AGENTS), run(large)
-    monkeypatch.setattr(InflightTracker, "_expected", lambda self, load, now: 0.0)
+    monkeypatch.setattr(InflightTracker, "_wait", lambda self, busy, served: 0.0)
     blind, blind_large = run(AGENTS), run(large)
     assert blind.ttft["p90"] > 1.3 * base.ttft["p90"]
     assert blind.ttft["mean"] > 1.15 * base.ttft["mean"]

@@ -47,7 +47,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -72,11 +72,14 @@ _GPU_BIT = np.uint8(1 << Tier.GPU.rank)
 
 @dataclass(frozen=True)
 class PodMatch:
-    """One pod's prefix hit: ``blocks`` matched from the start, ``weighted`` = Σ tier weight per block."""
+    """One pod's prefix hit: ``blocks`` matched from the start, ``weighted`` = Σ tier weight per block;
+    ``speculative``: of ``blocks``, those only picks vouch for; ``picked``: the prefix a live pick covers
+    (sent to the pod within the speculative TTL after its first token, whatever the events say)."""
 
     blocks: int = 0
     weighted: float = 0.0
     speculative: int = 0
+    picked: int = 0
 
 
 class BlockIndex:
@@ -371,7 +374,9 @@ class BlockIndex:
                 exact = out.get(pod, PodMatch())
                 if n > exact.blocks:
                     out[pod] = PodMatch(blocks=n, weighted=exact.weighted + (n - exact.blocks) * w[0],
-                                        speculative=n - exact.blocks)
+                                        speculative=n - exact.blocks, picked=n)
+                else:
+                    out[pod] = replace(exact, picked=n)
         return out
 
     def _exact(self, keys: Sequence[int], names: list[str], w: list[float]) -> dict[str, PodMatch]:

@@ -154,6 +154,18 @@ class TestScorers:
         assert plugin.score(req, [c]) == pytest.approx([-0.35])  # type: ignore[union-attr]
         assert off.score(req, [c]) == pytest.approx([-0.1])  # type: ignore[union-attr]
 
+    def test_expected_wait_counts_the_followups(self) -> None:
+        """With a follow-up share ``f`` the expected wait counts ``1 + min(max_followups, f / (1 − f))``
+        times: once for the request and once per request expected to follow it to the pod."""
+        _, plugin = create("queue-scorer", {"overhead_s": 0.0, "running_s": 0.0})
+        _, two = create("queue-scorer", {"overhead_s": 0.0, "running_s": 0.0, "max_followups": 2.0})
+        c = self.cand("a", expected_wait_s=0.25, pending_tokens=100, pending_requests=1)
+        for f, n in ((0.0, 0.0), (0.5, 1.0), (0.75, 3.0), (0.9, 4.0), (1.0, 4.0)):
+            req = SchedulingRequest(num_tokens=160, block_size=16, prefill_s_per_token=1e-3, followup_share=f)
+            assert plugin.followups(req) == pytest.approx(n)  # type: ignore[union-attr]
+            assert plugin.score(req, [c]) == pytest.approx([-0.1 - 0.25 * (1 + n)])  # type: ignore[union-attr]
+            assert two.followups(req) == pytest.approx(min(2.0, n))  # type: ignore[union-attr]
+
     def test_affinity_is_stable_per_shard(self) -> None:
         """The affinity bonus goes to one pod per shard, the same one every time, spread over pods across
         shards."""
@@ -170,6 +182,28 @@ class TestScorers:
 
 class TestRouting:
     """Level 2 follows the index, spreads hot prefixes, and errors map to typed exceptions."""
+
+    def test_followup_share_counts_requests_that_follow_a_live_pick(self) -> None:
+        """A pool's follow-up share rises with requests whose prefix a pick still live covers (a
+        conversation's next turns), and stays 0 while every request is new."""
+        r = router()
+        seen: list[float] = []
+        schedule = r.scheduler.schedule
+
+        def spy(req: SchedulingRequest, *a: Any, **kw: Any) -> Any:
+            seen.append(req.followup_share)
+            return schedule(req, *a, **kw)
+
+        r.scheduler.schedule = spy  # type: ignore[method-assign]
+        for i in range(20):  # distinct prompts: nothing to follow
+            r.route(InferenceRequest(model="m", prompt=f"{i:04d} a fresh question " * 20))
+        assert seen[-1] == 0.0
+        turns = "a conversation " * 20
+        for i in range(20):  # each turn extends the last: its prefix is the previous pick
+            turns += f"turn {i} " * 8
+            r.route(InferenceRequest(model="m", prompt=turns))
+        assert 0.05 < seen[-1] < 0.2  # ≈ 19 turns of ≈ 0.9 at an average weight of 1 %
+        assert seen == sorted(seen)
 
     def test_follows_the_index(self) -> None:
         r = router()

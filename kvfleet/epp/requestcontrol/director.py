@@ -51,6 +51,9 @@ from kvfleet.epp.speculative import Lease
 from kvfleet.epp.tokenize import PoolTokenizers, Tokens
 
 log = logging.getLogger(__name__)
+#: weight of one decision in a pool's :attr:`~kvfleet.epp.scheduling.SchedulingRequest.followup_share` (its
+#: last ≈ 1 / FOLLOWUP_ALPHA decisions count)
+FOLLOWUP_ALPHA = 0.01
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,8 @@ class Director:
             (cache.block_size, cache.hash_algo, cache.hash_seed): self.hasher}
         self.prefill_s_per_token = 1.0 / settings.cost.prefill_tokens_per_s
         self._lock = threading.Lock()
+        #: per pool: the share of its recent prompts' blocks a live pick covered (``followup_share``)
+        self._followup: dict[str, float] = {}
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -225,12 +230,14 @@ class Director:
             prefill_s_per_token=self.prefill_s_per_token,
             hotspot_beta=self.settings.hotspot_beta if beta is None else beta,
             shard=shard,
+            followup_share=self._followup.get(invoked.name, 0.0),
         )
         profile = self.scheduler.profile_for(invoked.cache)
         groups = self.locator.shards(model, shard, invoked, allowed)
         serving = serving_pods(groups)
         with self._lock:
             cands, hot = self.candidates.build(serving, keys, shard, block_size=block_size)
+            self._observe_followup(invoked.name, keys, cands)
             self._admit(invoked, cands)
             result = self.scheduler.schedule(sreq, profile, cands, groups, keys, hot)
             if result is None:
@@ -251,6 +258,15 @@ class Director:
             block_size=block_size,
             on_served=self._on_served(result, keys, ticket, leases, ttl),
         )
+
+    def _observe_followup(self, pool: str, keys: Sequence[int], cands: Sequence[Candidate]) -> None:
+        """Folds this request's share covered by a live pick (the longest prefix a pick on any candidate
+        covers ÷ its blocks) into the pool's ``followup_share``."""
+        if not keys:
+            return
+        picked = min(1.0, max((c.picked_blocks for c in cands), default=0) / len(keys))
+        prev = self._followup.get(pool)
+        self._followup[pool] = picked if prev is None else prev + FOLLOWUP_ALPHA * (picked - prev)
 
     def _admit(self, pool: Pool, cands: Sequence[Candidate]) -> None:
         """Shedding: refuse the request when every candidate waits ≥ ``shed_queue`` (0: never)."""

@@ -109,6 +109,7 @@ class CandidateBuilder:
                     pending_elapsed_s=v.pending_elapsed_s,
                     expected_wait_s=v.expected_wait_s,
                     held_blocks=self.index.num_pod_gpu_keys(p.name),
+                    picked_blocks=m.picked if m else 0,
                     metrics=pm,
                     scrape_pending=v.scrape_pending,
                     busy_share=v.busy_share,

@@ -37,6 +37,11 @@ class SchedulingRequest:
     hotspot_beta: float = 0.1
     #: the prefix shard key (the key of block ``min(K, n) − 1``), for affinity
     shard: int = 0
+    #: the share of the invoked pool's recent prompts that a live pick covered (blocks of a prompt sent to a
+    #: candidate within the speculative TTL after its first token: the request follows an earlier one
+    #: closely); an exponential average over the pool's last ≈ 100 decisions before this one
+    #: (:data:`~kvfleet.epp.requestcontrol.director.FOLLOWUP_ALPHA`)
+    followup_share: float = 0.0
 
     @property
     def prefill_s(self) -> float:
@@ -76,6 +81,8 @@ class Candidate:
     expected_wait_s: float = 0.0
     #: blocks the index holds on the pod's GPU tier
     held_blocks: int = 0
+    #: the prefix a live pick on the pod covers (:attr:`~kvfleet.epp.index.PodMatch.picked`)
+    picked_blocks: int = 0
     #: the pod's recent utilisation as the picker sees it
     #: (:meth:`~kvfleet.epp.inflight.InflightTracker.busy_share`)
     busy_share: float = 0.0

@@ -112,22 +112,38 @@ class QueueScorer:
     into a phantom foreign request costing a whole prefill, which overrode hits of
     thousands of tokens (``docs/epp.md``).
 
-    ``expected_wait_s`` (param ``expected_weight``, default 1) is the wait the pod's recent busy time
-    predicts (``Candidate.expected_wait_s``, at most its mean prefill): a new context stays where it is
-    placed and its later requests meet the pod's load, which the instantaneous queue (empty most of the
-    time below saturation) does not show.
+    ``expected_wait_s`` is the wait the pod's recent busy time predicts (``Candidate.expected_wait_s``, at
+    most its mean prefill): a new context stays where it is placed and its later requests meet the pod's
+    load, which the instantaneous queue (empty most of the time below saturation) does not show. It counts
+    ``expected_weight · (1 + F)`` times (param ``expected_weight``, default 1): once for this request and
+    once for each of the ``F`` requests expected to follow it there while the pod's recent load still
+    predicts theirs, ``F = min(max_followups, f / (1 − f))`` with ``f`` the share of the pool's recent
+    prompts a live pick covered (``SchedulingRequest.followup_share``: how often a request follows an
+    earlier one within the speculative TTL; a chain of follow-ups each coming with probability ``f`` has
+    ``f / (1 − f)`` of them on average). Counted once, the next steps an agent tree's placement attracts
+    were free, and the trees piled onto busy pods (TTFT p90 up to 1.31 × GIE's picker on the workload
+    family). The bound (param ``max_followups``, default 4): beyond a few follow-ups the pods' loads have
+    moved on; with 8 or none, documents read by many close readers were copied to idle pods to escape a
+    wait shorter than their recompute (``docs/epp.md``).
     """
 
     def __init__(self, params: Mapping[str, float]) -> None:
         self.running_s = float(params.get("running_s", 0.01))
         self.overhead_s = float(params.get("overhead_s", 0.01))
         self.expected = float(params.get("expected_weight", 1.0))
+        self.max_followups = max(0.0, float(params.get("max_followups", 4.0)))
+
+    def followups(self, req: SchedulingRequest) -> float:
+        """``F``: the requests expected to follow this one to its pod (the class doc)."""
+        f = min(1.0, max(0.0, req.followup_share))
+        return self.max_followups if f >= 1.0 else min(self.max_followups, f / (1.0 - f))
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         out = []
+        expected = self.expected * (1.0 + self.followups(req))
         for c in cands:
             q = c.pending_tokens * req.prefill_s_per_token + c.pending_requests * self.overhead_s
-            q = max(0.0, q - c.pending_elapsed_s) + self.expected * c.expected_wait_s
+            q = max(0.0, q - c.pending_elapsed_s) + expected * c.expected_wait_s
             q += max(0, c.inflight - c.pending_requests) * self.running_s
             if c.metrics is not None:
                 own = c.pending_requests if c.scrape_pending is None else c.scrape_pending

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from kvfleet.cache.tiers import Tier
 from kvfleet.epp.datastore import Pod
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
@@ -117,3 +118,21 @@ def test_candidates_credit_only_what_survives(cap_blocks: int, expect: int) -> N
     assert c.hit_weighted == pytest.approx(float(expect))
     assert gpu_capacity(metrics.get("p"), 32) == cap_blocks // 2
     assert gpu_capacity(None, 16) is None
+
+
+def test_a_pod_with_lower_tiers_keeps_what_its_gpu_demotes() -> None:
+    """Blocks a full GPU pushes out of a pod with a CPU tier move there and still hit: once the index holds
+    blocks of the pod off the GPU, the sketch's GPU bound no longer cuts its held prefix."""
+    idx = BlockIndex()
+    prompt = list(range(30))
+    idx.add("p", prompt)
+    idx.add_speculative("p", prompt, 10.0)
+    idx.add_speculative("p", list(range(100, 130)), 10.0)  # 30 blocks queued behind it on a 40-block GPU
+    metrics = MetricsStore(clock=lambda: 0.0)
+    metrics.put("p", PodMetrics(waiting=0, running=0, kv_usage=0.5, block_size=16, num_gpu_blocks=40))
+    b = CandidateBuilder(idx, InflightTracker(), metrics, [1.0, 0.9, 0.5, 0.2])
+    pod = [Pod("p", "10.0.0.1", 8000)]
+    assert b.build(pod, prompt, 0, block_size=16)[0][0].hit_blocks == 0  # GPU only: pushed out, cut
+    idx.add("p", [500, 501], Tier.CPU)  # the pod demotes to a CPU tier
+    (c,), _ = b.build(pod, prompt, 0, block_size=16)
+    assert c.hit_blocks == 30 and c.hit_weighted == pytest.approx(30.0)

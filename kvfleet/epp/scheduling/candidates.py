@@ -90,8 +90,13 @@ class CandidateBuilder:
         pms = [self.metrics.get(n) for n in names]
         held = [matches.get(n) for n in names]
         hits = [m.blocks if m else 0 for m in held]
-        # what the index holds now, cut to what is expected to survive until the request runs
-        kept = self.index.reuse.fit(names, hits, [gpu_capacity(pm, block_size) or 0 for pm in pms], keys)
+        # what the index holds now, cut to what is expected to survive until the request runs; a pod with
+        # lower tiers (the index holds blocks of it off the GPU) demotes what its GPU pushes out, and a
+        # demoted block still hits: the sketch's GPU bound does not apply there (capacity 0: not cut)
+        idx = self.index
+        caps = [0 if idx.num_pod_keys(n) > idx.num_pod_gpu_keys(n) else gpu_capacity(pm, block_size) or 0
+                for n, pm in zip(names, pms, strict=True)]
+        kept = idx.reuse.fit(names, hits, caps, keys)
         # which of the scraped waiting requests are ours: count them at the scrape's instant, not now
         views = self.tracker.view(names, hot, [pm.scraped_at if pm is not None and pm.waiting > 0 else None
                                                for pm in pms])

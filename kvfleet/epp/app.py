@@ -75,7 +75,8 @@ class Epp:
         self.metrics = EppMetrics()
         self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools,
                                   lambda: dict(self.subscriber.stats),
-                                  lambda: sum(len(a) for a in list(self.appliers.values())))
+                                  lambda: sum(len(a) for a in list(self.appliers.values())),
+                                  self.router.director.followup_shares)
         self.servicer = ExtProcServicer(self.router, self.metrics, s.max_body_bytes, body_mode,
                                        s.inline_route_bytes)
         self.appliers: dict[str, PodEventApplier] = {}

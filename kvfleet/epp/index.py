@@ -47,7 +47,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -376,7 +376,7 @@ class BlockIndex:
                     out[pod] = PodMatch(blocks=n, weighted=exact.weighted + (n - exact.blocks) * w[0],
                                         speculative=n - exact.blocks, picked=n)
                 else:
-                    out[pod] = replace(exact, picked=n)
+                    out[pod] = PodMatch(exact.blocks, exact.weighted, exact.speculative, n)
         return out
 
     def _exact(self, keys: Sequence[int], names: list[str], w: list[float]) -> dict[str, PodMatch]:

@@ -25,6 +25,9 @@ kvfleet's own:
   until the request runs (kvfleet/epp/reuse.py), ``kvfleet_epp_reuse_forgotten_sends_total`` — sketch
   entries forgotten at the ``reuse_sketch_entries`` bound, ``kvfleet_epp_reuse_sketch_bytes`` — their memory
 * ``kvfleet_epp_pod_inflight{pod}``, ``kvfleet_epp_pod_pending_tokens{pod}`` — the picker's load view
+* ``kvfleet_epp_pool_followup_share{name}`` — per pool, the share of recent prompts a live pick covered
+  (requests following an earlier one closely; the queue scorer counts a pod's expected wait once more for
+  each follow-up it predicts from it: kvfleet/epp/scheduling/plugins.py)
 * ``kvfleet_epp_kv_event_batches_total{pod}``, ``kvfleet_epp_kv_event_gaps_total{pod}``,
   ``kvfleet_epp_kv_event_resyncs_total{pod}`` — the event feed, and its faults:
   ``kvfleet_epp_kv_event_rejected_total{pod}`` (messages or events dropped as invalid),
@@ -103,9 +106,10 @@ class _StateCollector(Collector):
         pools: Callable[[], Sequence[Pool]],
         feeds: Callable[[], dict[str, FeedStats]],
         key_map: Callable[[], int] = lambda: 0,
+        followups: Callable[[], dict[str, float]] = dict,
     ) -> None:
         self.index, self.tracker, self.store, self.pools, self.feeds = index, tracker, store, pools, feeds
-        self.key_map = key_map
+        self.key_map, self.followups = key_map, followups
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily("kvfleet_epp_index_entries", "(block, pod) entries in the global index",
@@ -144,7 +148,12 @@ class _StateCollector(Collector):
                                   labels=["name"])
         kv = GaugeMetricFamily("inference_pool_average_kv_cache_utilization", "Average KV-cache utilisation",
                                labels=["name"])
+        follow = GaugeMetricFamily("kvfleet_epp_pool_followup_share",
+                                   "Share of the pool's recent prompts a live pick covered (requests "
+                                   "following an earlier one closely)", labels=["name"])
+        shares = self.followups()
         for pool in self.pools():
+            follow.add_metric([pool.name], shares.get(pool.name, 0.0))
             # ready in the datastore and not out of rotation (refusing scrapes, KV-event connection lost):
             # the pods the picker would pick, as a dead engine stops counting at once, not when its Pod does
             up = sum(1 for p in pool.pods if p.ready and not self.store.down(p.name))
@@ -156,7 +165,7 @@ class _StateCollector(Collector):
                 n, tokens, _ = self.tracker.load(p.name)
                 inflight.add_metric([p.name], n)
                 pending.add_metric([p.name], tokens)
-        yield from (inflight, pending, ready, queue, kv)
+        yield from (inflight, pending, ready, queue, kv, follow)
         families = [
             CounterMetricFamily(f"kvfleet_epp_kv_event_{name}", doc, labels=["pod"])
             for name, doc, _ in _FEED_COUNTERS
@@ -250,8 +259,9 @@ class EppMetrics:
         pools: Callable[[], Sequence[Pool]],
         feeds: Callable[[], dict[str, FeedStats]],
         key_map: Callable[[], int] = lambda: 0,
+        followups: Callable[[], dict[str, float]] = dict,
     ) -> None:
-        self.registry.register(_StateCollector(index, tracker, store, pools, feeds, key_map))
+        self.registry.register(_StateCollector(index, tracker, store, pools, feeds, key_map, followups))
 
     def attach_gossip(self, gossip: ReplicaGossip) -> None:
         """The ``kvfleet_epp_gossip_*`` families and ``kvfleet_epp_remote_tickets``: what is shared with other

@@ -45,6 +45,7 @@ GOLDEN_METRICS = sorted([
     "kvfleet_epp_misprediction_tokens",
     "kvfleet_epp_pod_inflight",
     "kvfleet_epp_pod_pending_tokens",
+    "kvfleet_epp_pool_followup_share",
     "kvfleet_epp_pool_key_mismatch",
     "kvfleet_epp_predicted_hit_tokens",
     "kvfleet_epp_prompt_tokens",

@@ -12,6 +12,7 @@ from kvfleet.config.epp import PluginSpec
 from kvfleet.epp.datastore import Pod, Pool, StaticDatastore
 from kvfleet.epp.errors import NoEndpointError, SheddingError, UnknownModelError, UnknownPluginError
 from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.metrics import EppMetrics
 from kvfleet.epp.podmetrics import MetricsStore, PodMetrics
 from kvfleet.epp.protocol import InferenceRequest
 from kvfleet.epp.router import Router
@@ -204,6 +205,11 @@ class TestRouting:
             r.route(InferenceRequest(model="m", prompt=turns))
         assert 0.05 < seen[-1] < 0.2  # ≈ 19 turns of ≈ 0.9 at an average weight of 1 %
         assert seen == sorted(seen)
+        m = EppMetrics()
+        m.attach_state(r.index, r.tracker, r.metrics, r.datastore.pools, dict,
+                       followups=r.director.followup_shares)
+        share = m.registry.get_sample_value("kvfleet_epp_pool_followup_share", {"name": "pool-0"})
+        assert share is not None and share > seen[-1]  # the last turn folded in too
 
     def test_follows_the_index(self) -> None:
         r = router()

@@ -259,6 +259,10 @@ class Director:
             on_served=self._on_served(result, keys, ticket, leases, ttl),
         )
 
+    def followup_shares(self) -> dict[str, float]:
+        """Per pool, its ``followup_share`` now (the metric's source)."""
+        return dict(self._followup)
+
     def _observe_followup(self, pool: str, keys: Sequence[int], cands: Sequence[Candidate]) -> None:
         """Folds this request's share covered by a live pick (the longest prefix a pick on any candidate
         covers ÷ its blocks) into the pool's ``followup_share``."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -18,6 +18,8 @@ from kvfleet.epp.metrics import EppMetrics
 from kvfleet.epp.server import ExtProcServicer
 from tests.conftest import eventually
 from tests.epp.test_scheduling import router
+
+T = TypeVar("T")
 
 
 def _messages(body: bytes) -> list[pb.ProcessingRequest]:
@@ -38,6 +40,18 @@ async def _stream(svc: ExtProcServicer, msgs: list[pb.ProcessingRequest]) -> lis
             yield m
 
     return [r async for r in svc.Process(it(), None)]
+
+
+def _run(svc: ExtProcServicer, main: Callable[[], Coroutine[Any, Any, T]],
+         release: threading.Event | None = None) -> T:
+    """``main`` on an event loop of its own; then the picks held back are released and the routing thread
+    stopped, whatever happened."""
+    try:
+        return asyncio.run(main())
+    finally:
+        if release is not None:
+            release.set()
+        svc.route_pool.shutdown(wait=True)
 
 
 def test_the_pick_runs_on_the_route_thread_while_the_loop_serves_other_streams() -> None:
@@ -65,11 +79,7 @@ def test_the_pick_runs_on_the_route_thread_while_the_loop_serves_other_streams()
         out = await asyncio.wait_for(first, 10)
         assert out[0].request_headers.response.header_mutation.set_headers
 
-    try:
-        asyncio.run(main())
-    finally:
-        release.set()
-        svc.route_pool.shutdown(wait=True)
+    _run(svc, main, release)
     assert threads and all(t.startswith("epp-route") for t in threads)
 
 
@@ -90,10 +100,7 @@ def test_a_short_body_is_routed_on_the_loop() -> None:
         loop_thread.append(threading.current_thread().name)
         return await _stream(svc, _messages(json.dumps({"model": "m", "prompt": "hi " * 50}).encode()))
 
-    try:
-        out = asyncio.run(main())
-    finally:
-        svc.route_pool.shutdown(wait=True)
+    out = _run(svc, main)
     assert out[0].request_headers.response.header_mutation.set_headers
     assert threads == loop_thread and svc.inline_routes == 1
 
@@ -133,10 +140,6 @@ def test_a_short_body_waits_behind_a_pick_in_progress_without_blocking_the_loop(
             out = await asyncio.wait_for(f, 10)
             assert out[0].request_headers.response.header_mutation.set_headers
 
-    try:
-        asyncio.run(main())
-    finally:
-        release.set()
-        svc.route_pool.shutdown(wait=True)
+    _run(svc, main, release)
     assert len(threads) == 2 and all(t.startswith("epp-route") for t in threads)
     assert running[1] == 1 and svc.inline_routes == 0

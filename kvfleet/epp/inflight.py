@@ -93,7 +93,7 @@ class PodView(NamedTuple):
     expected_wait_s: float
     scrape_pending: int | None
     #: the share of the last ``history_s`` (decayed) the pod had a request of the picker waiting for its
-    #: first token (:meth:`InflightTracker.busy_share`)
+    #: first token (:meth:`InflightTracker.view`)
     busy_share: float = 0.0
 
 
@@ -354,18 +354,19 @@ class InflightTracker:
         u = min(0.5, busy / self.history_s)
         return busy / served * u / (1.0 - u) if served >= 1.0 else 0.0
 
-    def busy_share(self, load: _Load | None, now: float) -> float:
-        """The share of the last ``history_s`` (exponentially decayed) the pod spent with a request of the
-        picker waiting for its first token: its recent utilisation as the picker sees it (0 to 1)."""
-        return 0.0 if load is None else min(1.0, self._decayed(load, now)[0] / self.history_s)
+    def _share(self, busy: float) -> float:
+        """The busy share of a pod with ``busy`` decayed busy seconds: the share of the last ``history_s``
+        (exponentially decayed) it spent with a request of the picker waiting for its first token, its
+        recent utilisation as the picker sees it (0 to 1)."""
+        return min(1.0, busy / self.history_s)
 
     def view(self, pods: Sequence[str], hot: int, scraped_at: Sequence[float | None]) -> list[PodView]:
         """What a pick needs of each of ``pods``, under one lock and one clock read: :meth:`load`,
         :meth:`same_prefix` of ``hot``, :meth:`pending_elapsed` (0 with nothing pending), the expected wait
-        (:meth:`expected_waits`), the :meth:`busy_share` and, where ``scraped_at`` gives the instant of a
-        scrape that saw waiting requests, :meth:`pending_at` that instant (else None)."""
+        (:meth:`expected_waits`), the busy share (:meth:`_share`) and, where ``scraped_at`` gives the instant
+        of a scrape that saw waiting requests, :meth:`pending_at` that instant (else None)."""
         out = []
-        loads, prefix, hs = self._loads, self._prefix, self.history_s
+        loads, prefix = self._loads, self._prefix
         with self._lock:
             now = self.clock()
             for pod, at in zip(pods, scraped_at, strict=True):
@@ -378,7 +379,7 @@ class InflightTracker:
                 requests = ld.pending_requests
                 out.append(PodView(ld.inflight, ld.pending_tokens, requests, prefix.get((pod, hot), 0),
                                    self._elapsed(pod, now) if requests else 0.0, self._wait(busy, served),
-                                   scraped, min(1.0, busy / hs)))
+                                   scraped, self._share(busy)))
         return out
 
     def same_prefix(self, pod: str, prefix: int) -> int:

@@ -94,13 +94,14 @@ class CandidateBuilder:
         # lower tiers (the index holds blocks of it off the GPU) demotes what its GPU pushes out, and a
         # demoted block still hits: the sketch's GPU bound does not apply there (capacity 0: not cut)
         idx = self.index
-        caps = [0 if idx.num_pod_keys(n) > idx.num_pod_gpu_keys(n) else gpu_capacity(pm, block_size) or 0
-                for n, pm in zip(names, pms, strict=True)]
+        gpu = [idx.num_pod_gpu_keys(n) for n in names]  # also each candidate's held_blocks
+        caps = [0 if idx.num_pod_keys(n) > g else gpu_capacity(pm, block_size) or 0
+                for n, g, pm in zip(names, gpu, pms, strict=True)]
         kept = idx.reuse.fit(names, hits, caps, keys)
         # which of the scraped waiting requests are ours: count them at the scrape's instant, not now
         views = self.tracker.view(names, hot, [pm.scraped_at if pm is not None and pm.waiting > 0 else None
                                                for pm in pms])
-        for p, pm, v, m, h, k in zip(pods, pms, views, held, hits, kept, strict=True):
+        for p, pm, v, m, h, k, g in zip(pods, pms, views, held, hits, kept, gpu, strict=True):
             out.append(
                 Candidate(
                     pod=p,
@@ -113,7 +114,7 @@ class CandidateBuilder:
                     pending_requests=v.pending_requests,
                     pending_elapsed_s=v.pending_elapsed_s,
                     expected_wait_s=v.expected_wait_s,
-                    held_blocks=self.index.num_pod_gpu_keys(p.name),
+                    held_blocks=g,
                     picked_blocks=m.picked if m else 0,
                     metrics=pm,
                     scrape_pending=v.scrape_pending,

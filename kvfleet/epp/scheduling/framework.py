@@ -84,7 +84,7 @@ class Candidate:
     #: the prefix a live pick on the pod covers (:attr:`~kvfleet.epp.index.PodMatch.picked`)
     picked_blocks: int = 0
     #: the pod's recent utilisation as the picker sees it
-    #: (:meth:`~kvfleet.epp.inflight.InflightTracker.busy_share`)
+    #: (:attr:`~kvfleet.epp.inflight.PodView.busy_share`)
     busy_share: float = 0.0
     metrics: PodMetrics | None = None
     scrape_pending: int | None = None

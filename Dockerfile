@@ -22,9 +22,25 @@ COPY pyproject.toml ./
 RUN mkdir kvfleet && touch kvfleet/__init__.py README.md \
  && /opt/kvfleet/bin/pip wheel --wheel-dir /wheels '.[kernels]' \
  && rm -rf /wheels/kvfleet-*.whl kvfleet README.md build ./*.egg-info
+# The EPP's gRPC front (native/epp-front, Go) needs a Go toolchain: the base image's `go` when it has one,
+# else golang.org/toolchain from the Go module proxy (GOPROXY), checked against the Go checksum database
+# (native/fetch_go.py, standard library only). Its modules come from the proxy too, and are compiled, in a
+# layer only native/epp-front/go.mod and go.sum invalidate. KVFLEET_REQUIRE_FRONT=1: no image without it.
+ARG GO_VERSION=1.26.8
+ARG GOPROXY=https://proxy.golang.org,direct
+ENV GOPROXY=${GOPROXY} GOTOOLCHAIN=local GOPATH=/tmp/go GOCACHE=/tmp/go-build CGO_ENABLED=0 \
+    KVFLEET_REQUIRE_FRONT=1
+COPY native/fetch_go.py ./native/
+COPY native/epp-front/go.mod native/epp-front/go.sum ./native/epp-front/
+RUN if ! command -v go >/dev/null 2>&1; then python3 native/fetch_go.py /opt/go "${GO_VERSION}" \
+      && ln -s /opt/go/bin/go /usr/local/bin/go; fi \
+ && cd native/epp-front && go mod download \
+ && go build -trimpath -o /dev/null google.golang.org/grpc google.golang.org/grpc/credentials \
+      google.golang.org/grpc/metadata google.golang.org/grpc/status && go version
+COPY native ./native
 COPY README.md setup.py ./
 COPY kvfleet ./kvfleet
-# kvfleet's one compiled part (the EPP index's probe loop, plain C, no Python headers) is built with the
+# kvfleet's compiled C part (the EPP index's probe loop, plain C, no Python headers) is built with the
 # base image's C compiler, else with zig's (the ziglang wheel from PyPI, in a venv of this stage only),
 # for the baseline CPU of the architecture. pip and setuptools leave the environment once kvfleet is in:
 # nothing imports them at run time.
@@ -36,7 +52,8 @@ RUN if ! command -v cc >/dev/null 2>&1; then \
  && /opt/kvfleet/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/kvfleet/bin/pip install --no-index --find-links /wheels 'kvfleet[kernels]' \
  && /opt/kvfleet/bin/pip uninstall --yes pip setuptools \
- && /opt/kvfleet/bin/kvfleet --version
+ && /opt/kvfleet/bin/kvfleet --version \
+ && cd / && /opt/kvfleet/bin/python -c "import sys; from kvfleet.epp.front import front_program; sys.exit(front_program() is None)"
 
 FROM ${BASE_IMAGE} AS runtime
 # PATH spelled out: an imported base image (docker import) may carry no PATH at all.

@@ -14,7 +14,7 @@ BASE_IMAGE ?= python:3.11-slim
 help: ## Show this help: every target with what it does.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml setup.py kvfleet/epp/_probe.c kvfleet/epp/_reuse.c
+$(STAMP): pyproject.toml setup.py kvfleet/epp/_probe.c kvfleet/epp/_reuse.c $(wildcard native/epp-front/*.go) native/epp-front/go.mod native/epp-front/go.sum
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@# kvfleet/epp/_probe.c and _reuse.c (the EPP's compiled loops) need a C compiler: `cc`, else zig's from PyPI
@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml setup.py kvfleet/epp/_probe.c kvfleet/epp/_reuse.c
 
 venv: $(STAMP) ## Create or refresh the virtual environment in .venv with every dependency.
 
-lint: $(STAMP) ## ruff (style, imports, bugbear) over the package, tests and benchmarks.
+lint: $(STAMP) ## ruff (style, imports, bugbear) over the package, tests and benchmarks; go vet over the EPP's gRPC front.
 	$(VENV)/bin/ruff check kvfleet tests bench e2e
+	@if command -v go >/dev/null; then cd native/epp-front && go vet . && test -z "$$(gofmt -l .)" || { gofmt -l .; exit 1; }; fi
 
 typecheck: $(STAMP) ## mypy over package, benchmarks and tests: strict for the cache core and config.
 	$(VENV)/bin/mypy kvfleet bench tests e2e

@@ -175,10 +175,20 @@ class Upstream:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux ``/proc``), to price a decision independently of
-    contention."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time of a process and of its live children (Linux ``/proc``; the EPP's native gRPC
+    front is its child), to price a decision independently of contention."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        total += sum(cpu_seconds(int(c)) for c in children)
+    return total
 
 
 def timed_post(url: str, body: bytes) -> float:
@@ -603,9 +613,10 @@ def reference_bytes_per_entry(entries: int, pods: int = WARM_PODS, seed: int = 5
     return old_bytes / total, new_bytes / total
 
 
-def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int = 7) -> dict[str, Any]:
+def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int = 7,
+             front: str = "auto") -> dict[str, Any]:
     """The EPP's index filled through its real subscriber from ``WARM_PODS`` publishing pods, then
-    decisions."""
+    decisions (``front``: the EPP's ``epp.front``)."""
     print(f"warm: planning {WARM_PODS} pods, {entries:,} (block, pod) entries", flush=True)
     plan = WarmPlan(seed, entries)
     ports = [(free_port(), free_port()) for _ in range(WARM_PODS)]
@@ -622,7 +633,7 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
         pods = [{"name": f"pod-{i}", "address": "127.0.0.1", "port": 20000 + i,
                  "events": f"tcp://127.0.0.1:{a}", "replay": f"tcp://127.0.0.1:{b}"}
                 for i, (a, b) in enumerate(ports)]
-        proc, grpc_port, metrics_port = start_epp(workdir, pods, recompute_keys=False)
+        proc, grpc_port, metrics_port = start_epp(workdir, pods, recompute_keys=False, front=front)
         time.sleep(2.0)  # the subscriber's SUB sockets join (and ask each pod's replay endpoint from 0)
         rss0 = rss_mb(proc.pid)
         helper.stdin.write("go\n")

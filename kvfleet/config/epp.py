@@ -65,6 +65,10 @@ class EppSettings:
     ``tokenizer_cache_dir`` (empty: ``$TMPDIR/kvfleet-tokenizers``).
     ``tls_cert_file``/``tls_key_file``: serve ext_proc over TLS (PEM files; the chart
     mounts them from a Secret); both empty = plaintext h2c. Health stays plaintext.
+    ``front``: what serves the ext_proc port. ``native``: the compiled gRPC front ``kvfleet-epp-front``
+    (kvfleet/epp/front.py; it passes each stream's messages to this process over a Unix socket and takes
+    gRPC's own per-message work off the picker); ``grpcio``: Python's ``grpc.aio`` in this process; ``auto``:
+    ``native`` where the front is installed (the image, a build with Go), else ``grpcio``, logged at start.
     ``inline_route_bytes``: a request whose body is at most this long is routed on the ext_proc event loop
     itself (one thread hop less: ≈ 0.1 ms of CPU per decision); a longer one (its tokenizing and hashing can
     take milliseconds, which would hold up the other streams' messages) on the routing thread; picks stay
@@ -101,6 +105,7 @@ class EppSettings:
     tls_key_file: str = ""
     max_body_bytes: int = 8 * 1024 * 1024
     inline_route_bytes: int = 16 * 1024
+    front: str = "auto"
     events_enabled: bool = True
     speculative_ttl_s: float = 10.0
     approximate_ttl_s: float = 300.0
@@ -127,6 +132,8 @@ class EppSettings:
             raise ValueError(f"datastore must be 'static' or 'kubernetes', got {self.datastore!r}")
         if self.max_body_bytes <= 0 or self.prefix_shard_blocks <= 0:
             raise ValueError("max_body_bytes and prefix_shard_blocks must be > 0")
+        if self.front not in ("auto", "native", "grpcio"):
+            raise ValueError(f"front must be 'auto', 'native' or 'grpcio', got {self.front!r}")
         if self.inline_route_bytes < 0:
             raise ValueError("inline_route_bytes must be >= 0")
         if self.max_speculative_entries <= 0:

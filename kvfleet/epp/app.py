@@ -20,6 +20,7 @@ from prometheus_client import start_http_server
 
 from kvfleet.config import Settings
 from kvfleet.epp.datastore import Datastore, Pod, StaticDatastore
+from kvfleet.epp.front import FRONT_ENV, FRONT_NAME, NativeFront, front_program
 from kvfleet.epp.gossip import ReplicaGossip
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
@@ -97,6 +98,8 @@ class Epp:
             self.metrics.attach_gossip(self.gossip)
         self._grpc: grpc.aio.Server | None = None
         self._health: grpc.aio.Server | None = None
+        #: the native gRPC front serving the ext_proc port (``epp.front``), or None under grpc.aio
+        self.front: NativeFront | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._http: Any = None
@@ -148,23 +151,36 @@ class Epp:
 
     async def _start_grpc(self) -> None:
         s = self.settings.epp
-        self._grpc = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", 64 << 20),
-                     ("grpc.max_send_message_length", 64 << 20)],
-        )
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         health = HealthServicer(alive=lambda: not self._stop.is_set(), ready=self.ready)
-        health_pb2_grpc.add_HealthServicer_to_server(health, self._grpc)
-        creds = server_credentials(s.tls_cert_file, s.tls_key_file)
-        target = f"{s.host}:{s.grpc_port}"
-        if creds is None:
-            self.grpc_port = self._grpc.add_insecure_port(target)
+        program = front_program() if s.front != "grpcio" else None
+        if s.front == "native" and program is None:
+            raise RuntimeError(f"epp.front is 'native' but {FRONT_NAME} is not installed (build it with Go: "
+                               f"pip install . with `go` on PATH, or set {FRONT_ENV}); 'auto' falls back to "
+                               "grpcio")
+        if program is not None:
+            self.front = NativeFront(program, self.servicer, health, s.host, s.grpc_port, 64 << 20,
+                                     s.tls_cert_file, s.tls_key_file)
+            self.grpc_port = await self.front.start()
         else:
-            self.grpc_port = self._grpc.add_secure_port(target, creds)
+            if s.front == "auto":
+                log.warning("epp: %s is not installed: ext_proc is served by grpc.aio (more CPU per "
+                            "decision; docs/epp.md)", FRONT_NAME)
+            self._grpc = grpc.aio.server(
+                options=[("grpc.max_receive_message_length", 64 << 20),
+                         ("grpc.max_send_message_length", 64 << 20)],
+            )
+            pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
+            health_pb2_grpc.add_HealthServicer_to_server(health, self._grpc)
+            creds = server_credentials(s.tls_cert_file, s.tls_key_file)
+            target = f"{s.host}:{s.grpc_port}"
+            if creds is None:
+                self.grpc_port = self._grpc.add_insecure_port(target)
+            else:
+                self.grpc_port = self._grpc.add_secure_port(target, creds)
+            await self._grpc.start()
         self._health = grpc.aio.server()  # plaintext: kubelet's gRPC probes do not speak TLS
         health_pb2_grpc.add_HealthServicer_to_server(health, self._health)
         self.health_port = self._health.add_insecure_port(f"{s.host}:{s.health_port}")
-        await self._grpc.start()
         await self._health.start()
 
     def ready(self) -> bool:
@@ -182,6 +198,8 @@ class Epp:
         return True
 
     async def _stop_grpc(self) -> None:
+        if self.front is not None:
+            await self.front.stop()
         for srv in (self._grpc, self._health):
             if srv is not None:
                 await srv.stop(grace=0.5)
@@ -200,17 +218,19 @@ class Epp:
     def stop(self) -> None:
         self.serving = False
         self._stop.set()
-        if self._loop is not None:
+        loop, self._loop = self._loop, None  # a second stop() finds nothing left to stop
+        if loop is not None:
             try:
-                asyncio.run_coroutine_threadsafe(self._stop_grpc(), self._loop).result(5)
+                asyncio.run_coroutine_threadsafe(self._stop_grpc(), loop).result(5)
             finally:
-                self._loop.call_soon_threadsafe(self._loop.stop)
+                loop.call_soon_threadsafe(loop.stop)
                 if self._loop_thread is not None:
                     self._loop_thread.join(timeout=5)
-                self._loop.close()
+                loop.close()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
+            self._http = None
         self.servicer.route_pool.shutdown(wait=False)
         self.subscriber.stop()
         self.scraper.stop()

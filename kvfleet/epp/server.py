@@ -46,7 +46,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -96,7 +96,7 @@ def log_decision(path: str, d: Decision, reported: int | None, request_id: str =
         log.warning("decision log %s: %s", path, exc)
 
 
-class _Stream:
+class Stream:
     """Per-request state of one ext_proc stream."""
 
     def __init__(self, request_mode: int) -> None:
@@ -160,59 +160,82 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return cls._ends(msg, "response")
 
     @classmethod
-    def _routes(cls, st: _Stream, msg: pb.ProcessingRequest) -> bool:
+    def _routes(cls, st: Stream, msg: pb.ProcessingRequest) -> bool:
         """Whether handling ``msg`` picks an endpoint: the request's last message (trailers only when the
         body has not routed already)."""
         return cls._ends(msg, "request") and not (msg.WhichOneof("request") == "request_trailers"
                                                   and st.routed)
 
+    def open_stream(self, msg: pb.ProcessingRequest, metadata: Iterable[tuple[str, Any]]) -> Stream:
+        """The state of a stream whose first message is ``msg``; ``metadata`` is the call's gRPC metadata."""
+        mode = self.default_mode
+        if msg.HasField("protocol_config"):
+            mode = msg.protocol_config.request_body_mode
+        st = Stream(mode)
+        if msg.HasField("protocol_config"):
+            st.response_mode = msg.protocol_config.response_body_mode
+        if msg.HasField("metadata_context"):
+            st.subset = protocol.subset_hint(msg.metadata_context)
+        st.pool = protocol.invoked_pool(metadata)
+        return st
+
+    def step(self, st: Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse] | None:
+        """The answers to ``msg``, handled on the caller's thread (the event loop), or ``None`` when it routes
+        a long body or finds a pick in progress: then :meth:`routed` handles it on ``route_pool``."""
+        if not self._routes(st, msg):
+            return self._handle(st, msg)
+        if self._short(st, msg) and self._route_lock.acquire(blocking=False):
+            try:
+                out = self._handle(st, msg)
+                self.inline_routes += 1
+            finally:
+                self._route_lock.release()
+            return out
+        return None
+
+    def routed(self, st: Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """:meth:`step`'s work for a message it left to ``route_pool`` (run there; picks never overlap)."""
+        with self._route_lock:
+            return self._handle(st, msg)
+
+    @classmethod
+    def finished(cls, msg: pb.ProcessingRequest, out: list[pb.ProcessingResponse]) -> bool:
+        """Whether the stream ends after ``msg`` was answered with ``out``: an immediate response, or the
+        response's last message (:meth:`_last`)."""
+        return bool(out and out[-1].HasField("immediate_response")) or cls._last(msg)
+
+    @staticmethod
+    def close_stream(st: Stream | None) -> None:
+        """Release what a stream holds when it ends, however it ends (its in-flight ticket)."""
+        if st is not None and st.decision is not None and st.decision.ticket is not None:
+            st.decision.ticket.close()
+
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: Any) -> AsyncIterator[pb.ProcessingResponse]:
-        """One stream on the ``grpc.aio`` server; the message that routes is handled on ``route_pool``."""
-        st: _Stream | None = None
+        """One stream on the ``grpc.aio`` server (the native front's streams: :mod:`kvfleet.epp.front`)."""
+        st: Stream | None = None
         try:
             async for msg in request_iterator:
                 if st is None:
-                    mode = self.default_mode
-                    if msg.HasField("protocol_config"):
-                        mode = msg.protocol_config.request_body_mode
-                    st = _Stream(mode)
-                    if msg.HasField("protocol_config"):
-                        st.response_mode = msg.protocol_config.response_body_mode
-                    if msg.HasField("metadata_context"):
-                        st.subset = protocol.subset_hint(msg.metadata_context)
-                    st.pool = protocol.invoked_pool(context.invocation_metadata() or () if context else ())
-                if self._routes(st, msg):
-                    if self._short(st, msg) and self._route_lock.acquire(blocking=False):
-                        try:
-                            out = self._handle(st, msg)
-                            self.inline_routes += 1
-                        finally:
-                            self._route_lock.release()
-                    else:
-                        out = await asyncio.get_running_loop().run_in_executor(
-                            self.route_pool, self._serialized, st, msg)
-                else:
-                    out = self._handle(st, msg)
+                    st = self.open_stream(msg, context.invocation_metadata() or () if context else ())
+                out = self.step(st, msg)
+                if out is None:
+                    loop = asyncio.get_running_loop()
+                    out = await loop.run_in_executor(self.route_pool, self.routed, st, msg)
                 for resp in out:
                     yield resp
-                if (out and out[-1].HasField("immediate_response")) or self._last(msg):
+                if self.finished(msg, out):
                     return
         finally:
-            if st is not None and st.decision is not None and st.decision.ticket is not None:
-                st.decision.ticket.close()
+            self.close_stream(st)
 
-    def _short(self, st: _Stream, msg: pb.ProcessingRequest) -> bool:
+    def _short(self, st: Stream, msg: pb.ProcessingRequest) -> bool:
         """Whether the request that ``msg`` completes is short enough to route on the event loop."""
         body = msg.request_body.body if msg.WhichOneof("request") == "request_body" else b""
         return len(st.body) + len(body) <= self.inline_route_bytes
 
-    def _serialized(self, st: _Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        with self._route_lock:
-            return self._handle(st, msg)
-
     # --- one message ------------------------------------------------------------------
-    def _handle(self, st: _Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def _handle(self, st: Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = msg.WhichOneof("request")
         try:
             if kind == "request_headers":
@@ -250,7 +273,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return [self._error(st, EppError("internal error in the endpoint picker"))]
         return []
 
-    def _request_headers(self, st: _Stream, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+    def _request_headers(self, st: Stream, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
         hm = protocol.header_map(headers.headers)
         st.path = hm.get(":path", "")
         st.request_id = hm.get(REQUEST_ID_HEADER, "")[:128]
@@ -287,7 +310,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             raise UnknownModelError(f"The model `{model}` does not exist.")
         return protocol.json_response(200, json.dumps(protocol.model_card(model, self.created)).encode())
 
-    def _request_body(self, st: _Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def _request_body(self, st: Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         st.body += body.body
         if len(st.body) > self.max_body_bytes:
             raise BodyTooLargeError(f"request body exceeds the limit of {self.max_body_bytes} bytes")
@@ -297,7 +320,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return []
         return [protocol.buffered_body_ack(request=True)]  # STREAMED: let chunks through
 
-    def _route(self, st: _Stream) -> list[pb.ProcessingResponse]:
+    def _route(self, st: Stream) -> list[pb.ProcessingResponse]:
         st.routed = True
         t0 = time.perf_counter()
         body = bytes(st.body)
@@ -323,7 +346,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return [protocol.pick_headers_response(headers), *protocol.streamed_body_responses(body)]
         return [protocol.pick_headers_response(headers, as_body=True)]
 
-    def _scope(self, st: _Stream) -> list[str] | None:
+    def _scope(self, st: Stream) -> list[str] | None:
         """The endpoints this request may go to: the subset hint's, within the InferencePool the route invoked
         when the gateway names it (a gateway with one picker for several pools: each pool's ext_proc filter
         sends its own), so a pick never leaves that pool (GIE v1.6), whatever model the body names."""
@@ -338,7 +361,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         allowed = set(mine)
         return [e for e in st.subset if e in allowed]
 
-    def _route_other(self, st: _Stream, body: bytes) -> list[pb.ProcessingResponse]:
+    def _route_other(self, st: Stream, body: bytes) -> list[pb.ProcessingResponse]:
         """A non-inference path: the least-loaded pod of the pool of the body's ``model`` (if any)."""
         model = protocol.model_of(body)
         st.model = model or ""
@@ -350,7 +373,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return [protocol.pick_headers_response(headers), *protocol.streamed_body_responses(body)]
         return [protocol.pick_headers_response(headers, as_body=True)]
 
-    def _response_body(self, st: _Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def _response_body(self, st: Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if len(st.response) < _MAX_RESPONSE_CAPTURE:
             st.response += body.body
         if body.end_of_stream and st.decision is not None:
@@ -373,7 +396,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return ""
         return model if any(model in p.models for p in self.router.datastore.pools()) else UNKNOWN_MODEL
 
-    def _error(self, st: _Stream, exc: EppError) -> pb.ProcessingResponse:
+    def _error(self, st: Stream, exc: EppError) -> pb.ProcessingResponse:
         self.metrics.errors.labels(self._model_label(st.model), str(exc.status)).inc()
         return protocol.immediate_response(exc)
 

@@ -30,6 +30,8 @@ from tests.conformance.modelservers import ModelServer, free_port
 
 HERE = Path(__file__).parent
 LAUNCH_ENV = "EPP_CONFORMANCE_LAUNCH"
+#: kvfleet_target.py: the gRPC front of a run
+FRONT_ENV = "KVFLEET_CONFORMANCE_FRONT"
 MODEL = "m"
 SHED_WAITING = 50
 
@@ -85,8 +87,12 @@ class Target:
         raise AssertionError(f"the target never picked within {timeout_s}s (last answer {last})")
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+#: kvfleet's launcher runs the suite once per gRPC front (``epp.front``); another EPP's launcher once
+FRONTS = ["native", "grpcio"] if not os.environ.get(LAUNCH_ENV) else [""]
+
+
+@pytest.fixture(scope="module", params=FRONTS)
+def target(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Target]:
     work = tmp_path_factory.mktemp("epp-target")
     servers = [ModelServer() for _ in range(3)]
     for s in servers:
@@ -97,8 +103,9 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     (work / "spec.json").write_text(json.dumps(spec))
     launch = os.environ.get(LAUNCH_ENV) or f"{shlex.quote(sys.executable)} {HERE / 'kvfleet_target.py'}"
     log = (work / "target.log").open("wb")
+    env = {**os.environ, FRONT_ENV: request.param} if request.param else None
     proc = subprocess.Popen([*shlex.split(launch), str(work / "spec.json")], stdout=subprocess.PIPE,
-                            stderr=log)
+                            stderr=log, env=env)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

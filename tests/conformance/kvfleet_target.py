@@ -15,6 +15,9 @@ from pathlib import Path
 
 import yaml
 
+#: ``epp.front`` for this run (conftest.py runs the suite under each)
+FRONT_ENV = "KVFLEET_CONFORMANCE_FRONT"
+
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
@@ -34,6 +37,8 @@ def main() -> None:
            "events_enabled": False,
            "scrape_interval_s": 0.2, "metrics_staleness_s": 1.0, "shed_queue": float(spec["shed_waiting"]),
            "pool_saturation_queue": float(spec["shed_waiting"]), "plugins": plugins}
+    if os.environ.get(FRONT_ENV):  # the suite's run per gRPC front
+        epp["front"] = os.environ[FRONT_ENV]
     (work / "epp.yaml").write_text(yaml.safe_dump({"epp": epp}))
     print(json.dumps({
         "metrics": f"http://127.0.0.1:{spec['metrics_port']}/metrics",

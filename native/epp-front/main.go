@@ -1,0 +1,360 @@
+// kvfleet-epp-front is the gRPC front of the kvfleet endpoint picker (EPP).
+//
+// It serves the picker's gRPC port (Envoy's ext_proc calls, gRPC health) and moves every call's
+// messages, as their serialized bytes, to and from the picker process over one Unix socket that
+// the picker hands it (a file descriptor inherited at exec). It decodes no message and makes no
+// decision: the picker (kvfleet/epp/server.py, kvfleet/epp/front.py) does both, so there is one
+// implementation of the protocol. What it takes off the picker is gRPC itself: HTTP/2, flow
+// control and the per-message work of Python's grpc.aio, which cost as much CPU as a decision.
+//
+// Frames on the socket, both ways: u32 little-endian length of what follows, u64 little-endian
+// call id, u8 kind, payload.
+//
+//	front → picker: HELLO (call 0, payload: the bound port, decimal), OPEN (payload: the method,
+//	                then the metadata as u16/u32 length-prefixed key/value pairs), MSG (a request
+//	                message), HALF_CLOSE (the client sent its last message), CANCEL (the call ended
+//	                before the picker finished it: reset by the client, or a send failed)
+//	picker → front: MSG (a response message), END (finish the call with OK), ERROR (payload: u32
+//	                gRPC status code, then the status message)
+//
+// The front exits when the socket closes (the picker is gone), after failing its calls with
+// UNAVAILABLE, so a data plane's failure mode (failure_mode_allow, GIE's FailOpen) applies.
+package main
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"os"
+	"os/signal"
+	"runtime"
+	"runtime/pprof"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+)
+
+const (
+	kindHello     = 1
+	kindOpen      = 2
+	kindMsg       = 3
+	kindHalfClose = 4
+	kindCancel    = 5
+	kindEnd       = 6
+	kindError     = 7
+
+	headerLen = 4 + 8 + 1
+)
+
+// rawCodec passes messages through as bytes; it registers under "proto" so clients' content type
+// (application/grpc+proto, or none) is accepted unchanged.
+type rawCodec struct{}
+
+func (rawCodec) Marshal(v any) ([]byte, error) { return *(v.(*[]byte)), nil }
+
+func (rawCodec) Unmarshal(data []byte, v any) error {
+	*(v.(*[]byte)) = append([]byte(nil), data...)
+	return nil
+}
+
+func (rawCodec) Name() string { return "proto" }
+
+type frame struct {
+	call    uint64
+	kind    byte
+	payload []byte
+}
+
+// call is the front's side of one gRPC call: the picker's frames for it, in order.
+type call struct {
+	mu     sync.Mutex
+	queue  []frame
+	notify chan struct{}
+}
+
+func (c *call) push(f frame) {
+	c.mu.Lock()
+	c.queue = append(c.queue, f)
+	c.mu.Unlock()
+	select {
+	case c.notify <- struct{}{}:
+	default:
+	}
+}
+
+func (c *call) pop() (frame, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.queue) == 0 {
+		return frame{}, false
+	}
+	f := c.queue[0]
+	c.queue[0] = frame{}
+	c.queue = c.queue[1:]
+	return f, true
+}
+
+type front struct {
+	conn    net.Conn
+	maxMsg  int
+	nextID  atomic.Uint64
+	calls   sync.Map // uint64 → *call
+	out     chan frame
+	dead    chan struct{}
+	dieOnce sync.Once
+}
+
+func (f *front) die(why error) {
+	f.dieOnce.Do(func() {
+		log.Printf("kvfleet-epp-front: picker connection lost: %v", why)
+		close(f.dead)
+	})
+}
+
+// send queues a frame for the writer; after the picker is gone it drops it.
+func (f *front) send(fr frame) {
+	select {
+	case f.out <- fr:
+	case <-f.dead:
+	}
+}
+
+// writer owns the socket's write side: it writes queued frames and flushes when the queue is empty,
+// so frames from many calls share a write under load.
+func (f *front) writer() {
+	w := bufio.NewWriterSize(f.conn, 256<<10)
+	var hdr [headerLen]byte
+	for {
+		var fr frame
+		select {
+		case fr = <-f.out:
+		case <-f.dead:
+			return
+		}
+	batch:
+		for {
+			binary.LittleEndian.PutUint32(hdr[0:4], uint32(9+len(fr.payload)))
+			binary.LittleEndian.PutUint64(hdr[4:12], fr.call)
+			hdr[12] = fr.kind
+			if _, err := w.Write(hdr[:]); err != nil {
+				f.die(err)
+				return
+			}
+			if _, err := w.Write(fr.payload); err != nil {
+				f.die(err)
+				return
+			}
+			select {
+			case fr = <-f.out:
+			default:
+				// let the goroutines that are about to send (a call's next message, another call's
+				// answer) run before the flush, so one write carries them all
+				runtime.Gosched()
+				select {
+				case fr = <-f.out:
+				default:
+					break batch
+				}
+			}
+		}
+		if err := w.Flush(); err != nil {
+			f.die(err)
+			return
+		}
+	}
+}
+
+// reader hands the picker's frames to their calls; a frame for a call that has ended is dropped.
+func (f *front) reader() {
+	r := bufio.NewReaderSize(f.conn, 256<<10)
+	var hdr [headerLen]byte
+	for {
+		if _, err := io.ReadFull(r, hdr[:]); err != nil {
+			f.die(err)
+			return
+		}
+		n := binary.LittleEndian.Uint32(hdr[0:4])
+		if n < 9 || int(n)-9 > f.maxMsg+64 {
+			f.die(fmt.Errorf("bad frame length %d", n))
+			return
+		}
+		fr := frame{call: binary.LittleEndian.Uint64(hdr[4:12]), kind: hdr[12], payload: make([]byte, n-9)}
+		if _, err := io.ReadFull(r, fr.payload); err != nil {
+			f.die(err)
+			return
+		}
+		if c, ok := f.calls.Load(fr.call); ok {
+			c.(*call).push(fr)
+		}
+	}
+}
+
+func encodeOpen(method string, md metadata.MD) []byte {
+	b := make([]byte, 0, 256)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(method)))
+	b = append(b, method...)
+	for k, vs := range md {
+		if len(k) > 0xffff {
+			continue
+		}
+		for _, v := range vs {
+			b = binary.LittleEndian.AppendUint16(b, uint16(len(k)))
+			b = append(b, k...)
+			b = binary.LittleEndian.AppendUint32(b, uint32(len(v)))
+			b = append(b, v...)
+		}
+	}
+	return b
+}
+
+// handle serves any method: the picker answers the ones it knows and refuses the rest.
+func (f *front) handle(_ any, ss grpc.ServerStream) error {
+	method, ok := grpc.MethodFromServerStream(ss)
+	if !ok {
+		return status.Error(codes.Internal, "no method")
+	}
+	id := f.nextID.Add(1)
+	c := &call{notify: make(chan struct{}, 1)}
+	f.calls.Store(id, c)
+	defer f.calls.Delete(id)
+	md, _ := metadata.FromIncomingContext(ss.Context())
+	f.send(frame{call: id, kind: kindOpen, payload: encodeOpen(method, md)})
+
+	recvErr := make(chan error, 1)
+	go func() {
+		for {
+			var b []byte
+			if err := ss.RecvMsg(&b); err != nil {
+				if errors.Is(err, io.EOF) {
+					f.send(frame{call: id, kind: kindHalfClose})
+					err = nil
+				}
+				recvErr <- err
+				return
+			}
+			f.send(frame{call: id, kind: kindMsg, payload: b})
+		}
+	}()
+	cancel := func(err error) error {
+		f.send(frame{call: id, kind: kindCancel})
+		return err
+	}
+	for {
+		select {
+		case <-c.notify:
+			for {
+				fr, ok := c.pop()
+				if !ok {
+					break
+				}
+				switch fr.kind {
+				case kindMsg:
+					if err := ss.SendMsg(&fr.payload); err != nil {
+						return cancel(err)
+					}
+				case kindEnd:
+					return nil
+				case kindError:
+					code := codes.Unknown
+					msg := ""
+					if len(fr.payload) >= 4 {
+						code = codes.Code(binary.LittleEndian.Uint32(fr.payload[:4]))
+						msg = string(fr.payload[4:])
+					}
+					return status.Error(code, msg)
+				}
+			}
+		case err := <-recvErr:
+			if err != nil {
+				return cancel(err)
+			}
+			recvErr = nil
+		case <-ss.Context().Done():
+			return cancel(ss.Context().Err())
+		case <-f.dead:
+			return status.Error(codes.Unavailable, "the endpoint picker process is gone")
+		}
+	}
+}
+
+func main() {
+	fd := flag.Int("fd", -1, "the inherited Unix socket to the picker process")
+	listen := flag.String("listen", "0.0.0.0:9002", "host:port to serve gRPC on (port 0: any free port)")
+	maxMsg := flag.Int("max-message-bytes", 64<<20, "the largest gRPC message accepted or sent")
+	cert := flag.String("tls-cert-file", "", "serve TLS with this certificate (with --tls-key-file)")
+	key := flag.String("tls-key-file", "", "the TLS certificate's private key")
+	flag.Parse()
+	log.SetFlags(log.LstdFlags | log.Lmicroseconds)
+	if os.Getenv("GOMAXPROCS") == "" {
+		// one OS thread runs the goroutines: a front does ≈ 0.1-0.3 ms of work per call, and idle
+		// processors spinning for work cost more CPU than they save here (measured: docs/epp.md)
+		runtime.GOMAXPROCS(1)
+	}
+	if *fd < 0 {
+		log.Fatal("kvfleet-epp-front: --fd is required (the picker process starts this program)")
+	}
+	conn, err := net.FileConn(os.NewFile(uintptr(*fd), "picker"))
+	if err != nil {
+		log.Fatalf("kvfleet-epp-front: --fd %d: %v", *fd, err)
+	}
+	encoding.RegisterCodec(rawCodec{})
+	f := &front{conn: conn, maxMsg: *maxMsg, out: make(chan frame, 4096), dead: make(chan struct{})}
+	opts := []grpc.ServerOption{
+		grpc.ForceServerCodec(rawCodec{}),
+		grpc.UnknownServiceHandler(f.handle),
+		grpc.MaxRecvMsgSize(*maxMsg),
+		grpc.MaxSendMsgSize(*maxMsg),
+	}
+	if *cert != "" || *key != "" {
+		creds, err := credentials.NewServerTLSFromFile(*cert, *key)
+		if err != nil {
+			log.Fatalf("kvfleet-epp-front: TLS: %v", err)
+		}
+		opts = append(opts, grpc.Creds(creds))
+	}
+	lis, err := net.Listen("tcp", *listen)
+	if err != nil {
+		log.Fatalf("kvfleet-epp-front: listen %s: %v", *listen, err)
+	}
+	srv := grpc.NewServer(opts...)
+	// KVFLEET_EPP_FRONT_CPUPROFILE=PATH writes a Go CPU profile (go tool pprof) when the front stops.
+	if path := os.Getenv("KVFLEET_EPP_FRONT_CPUPROFILE"); path != "" {
+		if out, err := os.Create(path); err == nil && pprof.StartCPUProfile(out) == nil {
+			defer pprof.StopCPUProfile()
+		}
+	}
+	go f.writer()
+	go f.reader()
+	port := lis.Addr().(*net.TCPAddr).Port
+	f.send(frame{call: 0, kind: kindHello, payload: []byte(strconv.Itoa(port))})
+	go func() {
+		if err := srv.Serve(lis); err != nil {
+			log.Printf("kvfleet-epp-front: serve: %v", err)
+			f.die(err)
+		}
+	}()
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+	select {
+	case <-f.dead:
+		srv.Stop()
+		pprof.StopCPUProfile()
+		os.Exit(1)
+	case s := <-sig:
+		log.Printf("kvfleet-epp-front: %v: stopping", s)
+		srv.Stop()
+	}
+}

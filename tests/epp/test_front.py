@@ -1,0 +1,282 @@
+"""The native gRPC front (``kvfleet-epp-front``, kvfleet/epp/front.py) against the picker served by grpc.aio:
+the same answers over real gRPC, health and refusals on its port, calls that end early, a killed front, and
+a broken socket. Every test runs the real front program built by ``pip install`` (Go on PATH)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvfleet.epp import front as fr
+from kvfleet.epp.app import Epp
+from kvfleet.epp.protocol import DEST_HEADER, POOL_METADATA
+
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+
+pytestmark = pytest.mark.skipif(fr.front_program() is None and shutil.which("go") is None,
+                                reason="no Go toolchain: kvfleet-epp-front is not built")
+
+
+def test_the_front_is_installed_where_go_is() -> None:
+    assert fr.front_program() is not None, "pip install with `go` on PATH builds kvfleet-epp-front"
+
+
+def _headers(path: str, method: str = "POST", extra: tuple[tuple[str, str], ...] = ()) -> pb.HttpHeaders:
+    pairs = [(":path", path), (":method", method), *extra]
+    return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]))
+
+
+def _exchange(path: str, body: bytes | None, method: str = "POST", mode: int = FULL_DUPLEX,
+              response: bool = True) -> list[pb.ProcessingRequest]:
+    cfg = pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode)
+    msgs = [pb.ProcessingRequest(request_headers=_headers(path, method), protocol_config=cfg)]
+    if body is None:
+        msgs[0].request_headers.end_of_stream = True
+    else:
+        msgs.append(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    if response:
+        msgs += [
+            pb.ProcessingRequest(response_headers=_headers("", extra=((":status", "200"),))),
+            pb.ProcessingRequest(response_body=pb.HttpBody(
+                body=json.dumps({"usage": {"prompt_tokens": 9}}).encode(), end_of_stream=True)),
+        ]
+    return msgs
+
+
+def _body(prompt: str, model: str = "m", **kw: Any) -> bytes:
+    return json.dumps({"model": model, "prompt": prompt, **kw}).encode()
+
+
+#: (name, messages): what a data plane sends, answered alike by both fronts
+CASES: list[tuple[str, list[pb.ProcessingRequest]]] = [
+    ("completion", _exchange("/v1/completions", _body("the same prompt " * 40))),
+    ("chat", _exchange("/v1/chat/completions", json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi " * 30}]}).encode())),
+    ("buffered", _exchange("/v1/completions", _body("buffered " * 30), mode=BUFFERED)),
+    ("models", _exchange("/v1/models", None, method="GET", response=False)),
+    ("internal path", _exchange("/kvfleet/blocks", b"{}", response=False)),
+    ("wrong method", _exchange("/v1/completions", None, method="DELETE", response=False)),
+    ("bad json", _exchange("/v1/completions", b"{not json", response=False)),
+    ("unknown model", _exchange("/v1/completions", _body("x", model="nope"), response=False)),
+    ("too large", _exchange("/v1/completions", _body("y" * 70_000), response=False)),
+]
+
+
+def _call(target: str, msgs: list[pb.ProcessingRequest],
+          metadata: tuple[tuple[str, str], ...] = ()) -> list[pb.ProcessingResponse]:
+    with grpc.insecure_channel(target) as ch:
+        return list(pb_grpc.ExternalProcessorStub(ch).Process(iter(msgs), timeout=10, metadata=metadata))
+
+
+@pytest.fixture
+def pair(epp_factory: Callable[..., Epp]) -> Iterator[tuple[Epp, Epp]]:
+    native = epp_factory(front="native", max_body_bytes=65_536, events_enabled=False)
+    aio = epp_factory(front="grpcio", max_body_bytes=65_536, events_enabled=False)
+    assert native.front is not None and aio.front is None
+    yield native, aio
+
+
+def _endpoints(resps: list[pb.ProcessingResponse]) -> list[str]:
+    found = []
+    for r in resps:
+        for part in (r.request_headers, r.request_body):
+            for h in part.response.header_mutation.set_headers:
+                if h.header.key == DEST_HEADER:
+                    found.append(h.header.raw_value.decode())
+    return found
+
+
+def _strip_endpoint(resps: list[pb.ProcessingResponse]) -> list[pb.ProcessingResponse]:
+    out = []
+    for r in resps:
+        c = pb.ProcessingResponse()
+        c.CopyFrom(r)
+        for part in (c.request_headers, c.request_body):
+            for h in part.response.header_mutation.set_headers:
+                if h.header.key == DEST_HEADER:
+                    h.header.raw_value = b"<pick>"
+        c.ClearField("dynamic_metadata")
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("name,msgs", CASES, ids=[c[0] for c in CASES])
+def test_both_fronts_answer_alike(pair: tuple[Epp, Epp], name: str, msgs: list[pb.ProcessingRequest]) -> None:
+    native, aio = pair
+    a = _call(f"127.0.0.1:{native.grpc_port}", msgs)
+    b = _call(f"127.0.0.1:{aio.grpc_port}", msgs)
+    assert a, name
+    assert _strip_endpoint(a) == _strip_endpoint(b)
+    assert len(_endpoints(a)) == len(_endpoints(b))
+
+
+def test_the_invoked_pool_reaches_the_picker(epp_factory: Callable[..., Epp]) -> None:
+    """gRPC metadata crosses the front: a pool the picker does not serve is refused with 503."""
+    epp = epp_factory(front="native", events_enabled=False)
+    out = _call(f"127.0.0.1:{epp.grpc_port}", _exchange("/v1/completions", _body("p " * 20), response=False),
+                metadata=((POOL_METADATA, "no-such-pool"),))
+    assert out[-1].immediate_response.status.code == 503
+
+
+def test_health_on_the_front_s_port(epp_factory: Callable[..., Epp]) -> None:
+    epp = epp_factory(front="native")
+    with grpc.insecure_channel(f"127.0.0.1:{epp.grpc_port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for service in ("liveness", "readiness", ""):
+            assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+
+
+def test_unknown_methods_and_undecodable_messages_are_refused(epp_factory: Callable[..., Epp]) -> None:
+    epp = epp_factory(front="native")
+    with grpc.insecure_channel(f"127.0.0.1:{epp.grpc_port}") as ch:
+        other = ch.unary_unary("/foo.Bar/Baz")
+        with pytest.raises(grpc.RpcError) as err:
+            other(b"", timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        process = ch.stream_stream(fr.PROCESS)
+        with pytest.raises(grpc.RpcError) as err:
+            list(process(iter([b"\xff\xff\xff"]), timeout=5))
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "undecodable" in (err.value.details() or "")
+        # the front and the picker serve on
+        assert _endpoints(_call(f"127.0.0.1:{epp.grpc_port}", CASES[0][1]))
+
+
+def _inflight(epp: Epp) -> int:
+    return sum(epp.tracker.load(p.name)[0] for pool in epp.datastore.pools() for p in pool.pods)
+
+
+def test_a_call_cancelled_after_its_pick_releases_it(epp_factory: Callable[..., Epp]) -> None:
+    """The client resets the stream once it has its pick (Envoy does when the client goes away): the
+    in-flight ticket the pick opened is closed."""
+    epp = epp_factory(front="native", events_enabled=False)
+
+    async def requests() -> AsyncIterator[pb.ProcessingRequest]:
+        for m in _exchange("/v1/completions", _body("cancel me " * 30), response=False):
+            yield m
+        await asyncio.Event().wait()  # the data plane's side stays open until the reset
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.grpc_port}") as ch:
+            call = pb_grpc.ExternalProcessorStub(ch).Process(requests())
+            async for resp in call:
+                if _endpoints([resp]):
+                    break
+            assert _inflight(epp) == 1
+            call.cancel()
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 5
+    while _inflight(epp) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _inflight(epp) == 0
+
+
+def test_routing_thread_keeps_each_call_s_order(epp_factory: Callable[..., Epp]) -> None:
+    """Every request routed on the routing thread (``inline_route_bytes`` 0): a call's later messages wait
+    for its pick, and many calls at once are each answered in order."""
+    epp = epp_factory(front="native", inline_route_bytes=0, events_enabled=False)
+    msgs = CASES[0][1]
+
+    async def one(ch: grpc.aio.Channel, i: int) -> list[str]:
+        call = pb_grpc.ExternalProcessorStub(ch).Process(iter(_exchange(
+            "/v1/completions", _body(f"prompt {i} " * 40))))
+        return [r.WhichOneof("response") async for r in call]
+
+    async def run() -> list[list[str]]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.grpc_port}") as ch:
+            return await asyncio.gather(*(one(ch, i) for i in range(32)))
+
+    want = [r.WhichOneof("response") for r in _call(f"127.0.0.1:{epp.grpc_port}", msgs)]
+    assert want[:2] == ["request_headers", "request_body"]
+    for got in asyncio.run(run()):
+        assert got == want
+
+
+def test_a_killed_front_is_restarted_on_its_port(epp_factory: Callable[..., Epp]) -> None:
+    epp = epp_factory(front="native", events_enabled=False)
+    assert epp.front is not None and epp.front.proc is not None
+    port, old = epp.grpc_port, epp.front.proc
+    os.kill(old.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        proc = epp.front.proc
+        if proc is not old and proc is not None and epp.front.port == port:
+            try:
+                if _endpoints(_call(f"127.0.0.1:{port}", CASES[0][1])):
+                    break
+            except grpc.RpcError:
+                pass
+        time.sleep(0.1)
+    else:
+        pytest.fail("the front was not restarted")
+    assert epp.front.restarts == 1
+
+
+def test_the_front_exits_with_the_picker(epp_factory: Callable[..., Epp]) -> None:
+    epp = epp_factory(front="native", events_enabled=False)
+    assert epp.front is not None and epp.front.proc is not None
+    proc = epp.front.proc
+    epp.stop()
+    proc.wait(10)
+    with pytest.raises(grpc.RpcError):
+        _call(f"127.0.0.1:{epp.grpc_port}", CASES[0][1])
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self.aborted = False
+
+    def write(self, data: Any) -> None:
+        self.written.append(bytes(data))
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+
+def test_the_bridge_drops_a_broken_socket_and_ignores_strangers() -> None:
+    """Frames for calls it does not know are ignored; a frame longer than any message aborts the socket."""
+    from kvfleet.epp.metrics import EppMetrics
+    from kvfleet.epp.server import ExtProcServicer, HealthServicer
+    from tests.epp.test_scheduling import router
+
+    async def run() -> _Transport:
+        svc = ExtProcServicer(router(), EppMetrics(), 1 << 20)
+        bridge = fr.Bridge(svc, HealthServicer(lambda: True, lambda: True), 1 << 20)
+        t = _Transport()
+        bridge.connection_made(t)
+        bridge.data_received(fr._HEAD.pack(9 + 3, 77, fr.MSG) + b"abc")  # no such call
+        assert t.written == [] and not t.aborted
+        bridge.data_received(fr._HEAD.pack(9 + (1 << 20) + fr._SLACK + 1, 1, fr.MSG)[:4])
+        svc.route_pool.shutdown(wait=True)
+        return t
+
+    assert asyncio.run(run()).aborted

@@ -142,7 +142,11 @@ class Bridge(asyncio.Protocol):
             _, cid, kind = _HEAD.unpack_from(buf, off)
             payload = bytes(buf[off + 13:off + 4 + n])
             off += 4 + n
-            self._frame(cid, kind, payload)
+            try:
+                self._frame(cid, kind, payload)
+            except Exception:  # one call fails (as a handler's exception fails its call), not the socket
+                log.exception("epp front: call %d", cid)
+                self._fail(cid, StatusCode.INTERNAL, "internal error in the endpoint picker")
         del buf[:off]
         self._flush()
 
@@ -226,8 +230,12 @@ class Bridge(asyncio.Protocol):
     def _routed(self, cid: int, call: _Call, msg: pb.ProcessingRequest,
                 fut: asyncio.Future[list[pb.ProcessingResponse]]) -> None:
         call.busy = False
-        if self.calls.get(cid) is not call:  # cancelled while routing: release what the pick took
+        if self.calls.get(cid) is not call:  # reset while routing: release what the pick took
             self.servicer.close_stream(call.st)
+            return
+        if fut.cancelled():  # the routing thread is stopping
+            self._fail(cid, StatusCode.UNAVAILABLE, "the endpoint picker is stopping")
+            self._flush()
             return
         try:
             exc = fut.exception()

@@ -263,7 +263,8 @@ class _Transport(asyncio.Transport):
 
 
 def test_the_bridge_drops_a_broken_socket_and_ignores_strangers() -> None:
-    """Frames for calls it does not know are ignored; a frame longer than any message aborts the socket."""
+    """Frames for calls it does not know are ignored; a call whose frames break the picker fails alone; a
+    frame longer than any message aborts the socket."""
     from kvfleet.epp.metrics import EppMetrics
     from kvfleet.epp.server import ExtProcServicer, HealthServicer
     from tests.epp.test_scheduling import router
@@ -275,6 +276,9 @@ def test_the_bridge_drops_a_broken_socket_and_ignores_strangers() -> None:
         bridge.connection_made(t)
         bridge.data_received(fr._HEAD.pack(9 + 3, 77, fr.MSG) + b"abc")  # no such call
         assert t.written == [] and not t.aborted
+        bridge.data_received(fr._HEAD.pack(9 + 1, 5, fr.OPEN) + b"\x07")  # a truncated OPEN: that call fails
+        (_, cid, kind), = [fr._HEAD.unpack_from(w) for w in t.written]
+        assert (cid, kind) == (5, fr.ERROR) and not t.aborted
         bridge.data_received(fr._HEAD.pack(9 + (1 << 20) + fr._SLACK + 1, 1, fr.MSG)[:4])
         svc.route_pool.shutdown(wait=True)
         return t

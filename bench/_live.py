@@ -38,19 +38,31 @@ WORDS = ["freight", "container", "berth", "customs", "pallet", "manifest", "insp
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, every thread included."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    """User + system CPU seconds of a process, every thread included, and of its live descendants (the
+    EPP's native gRPC front is its child); 0 for a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    total = (int(fields[11]) + int(fields[12])) / _TICK
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        total += sum(cpu_s(int(c)) for c in children)
+    return total
 
 
 def measured_pid(child: Child) -> int:
-    """The process to measure: the child itself, or the one process it runs (py-spy's EPP)."""
+    """The process to measure: the child itself, or, when it is py-spy recording the EPP, the EPP."""
     try:
+        comm = Path(f"/proc/{child.proc.pid}/comm").read_text().strip()
         kids = Path(f"/proc/{child.proc.pid}/task/{child.proc.pid}/children").read_text().split()
     except OSError:
-        kids = []
-    return int(kids[0]) if child.name == "epp" and len(kids) == 1 else child.proc.pid
+        return child.proc.pid
+    return int(kids[0]) if comm == "py-spy" and len(kids) == 1 else child.proc.pid
 
 
 @dataclass

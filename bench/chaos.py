@@ -93,13 +93,21 @@ class Run:
 
 
 def rss_mb(pid: int) -> float:
+    """Resident MB of a process and of its live descendants (the EPP's native gRPC front is its child)."""
+    total = 0.0
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
+                total = int(line.split()[1]) / 1024.0
+                break
     except OSError:
-        pass
-    return 0.0
+        return 0.0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            total += sum(rss_mb(int(c)) for c in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return total
 
 
 def scrape(url: str) -> str:

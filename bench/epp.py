@@ -64,6 +64,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from bench import index_scale
+from bench._live import cpu_s
 from kvfleet.agent.publisher import ZmqPublisher
 from kvfleet.cache.events import AnyEvent, KVEventBatch, stored
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
@@ -177,23 +178,6 @@ class Upstream:
         self._thread.join(timeout=5)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and of its live children (Linux ``/proc``; the EPP's native gRPC
-    front is its child), to price a decision independently of contention."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue
-        total += sum(cpu_seconds(int(c)) for c in children)
-    return total
-
-
 def timed_post(url: str, body: bytes) -> float:
     req = urllib.request.Request(url, data=body, method="POST",
                                  headers={"content-type": "application/json"})
@@ -255,22 +239,22 @@ def main(argv: list[str] | None = None) -> int:
         target = f"127.0.0.1:{grpc_port}"
         small = prompts(256, 4096, 1)
         large = prompts(32, 220 * 1024, 2)
-        c0 = cpu_seconds(proc.pid)
+        c0 = cpu_s(proc.pid)
         d4k, e4k = asyncio.run(decisions_per_s(target, small, seconds))
-        c1 = cpu_seconds(proc.pid)
+        c1 = cpu_s(proc.pid)
         cpu4k = (c1 - c0) / max(1.0, d4k * seconds + 16) * 1e3
         print(f"decisions/s, 4k-token prompts:  {d4k:8.0f}  (errors {e4k}); EPP CPU {cpu4k:.2f} ms/decision")
         d220, e220 = asyncio.run(decisions_per_s(target, large, seconds))
-        cpu220 = (cpu_seconds(proc.pid) - c1) / max(1.0, d220 * seconds + 16) * 1e3
+        cpu220 = (cpu_s(proc.pid) - c1) / max(1.0, d220 * seconds + 16) * 1e3
         print(f"decisions/s, 220 KB prompts:   {d220:8.0f}  (errors {e220}); "
               f"EPP CPU {cpu220:.2f} ms/decision")
         # the same decisions through Python's grpc.aio (epp.front grpcio): the native front's baseline
         proc.terminate()
         proc.wait(10)
         proc, aio_port, _ = start_epp(workdir, pods, front="grpcio")
-        c2 = cpu_seconds(proc.pid)
+        c2 = cpu_s(proc.pid)
         d4k_aio, _ = asyncio.run(decisions_per_s(f"127.0.0.1:{aio_port}", small, seconds))
-        cpu4k_aio = (cpu_seconds(proc.pid) - c2) / max(1.0, d4k_aio * seconds + 16) * 1e3
+        cpu4k_aio = (cpu_s(proc.pid) - c2) / max(1.0, d4k_aio * seconds + 16) * 1e3
         print(f"the same through grpc.aio:      {d4k_aio:8.0f}  EPP CPU {cpu4k_aio:.2f} ms/decision "
               f"(native front ÷ grpc.aio: {cpu4k / cpu4k_aio:.2f} × the CPU)")
         proc.terminate()
@@ -402,9 +386,9 @@ def tokenizer_run(workdir: Path, pods: list[dict[str, Any]], seconds: float) -> 
             runs = (("4k", single, b"/v1/completions"), ("220kb", large, b"/v1/completions"),
                     ("multiturn_4k", chats, b"/v1/chat/completions"))
             for name, bodies, path in runs:
-                c0 = cpu_seconds(proc.pid)
+                c0 = cpu_s(proc.pid)
                 rate, errors = asyncio.run(decisions_per_s(target, bodies, seconds, path=path))
-                cpu = (cpu_seconds(proc.pid) - c0) / max(1.0, rate * seconds + 16) * 1e3
+                cpu = (cpu_s(proc.pid) - c0) / max(1.0, rate * seconds + 16) * 1e3
                 print(f"{tag:9s} {name:13s} decisions/s {rate:8.1f}  EPP CPU {cpu:7.2f} ms/decision"
                       f"  (errors {errors})")
                 out[f"warm_decisions_per_s_{name}_{tag}"] = round(rate, 1)
@@ -691,14 +675,14 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
               flush=True)
         target = f"127.0.0.1:{grpc_port}"
         small, large = plan.prompts_4k(), plan.prompts_220kb()
-        c0 = cpu_seconds(proc.pid)
+        c0 = cpu_s(proc.pid)
         d4k, e4k = asyncio.run(decisions_per_s(target, small, seconds))
-        c1 = cpu_seconds(proc.pid)
+        c1 = cpu_s(proc.pid)
         cpu4k = (c1 - c0) / max(1.0, d4k * seconds + 16) * 1e3
         print(f"warm decisions/s, 4k-token prompts: {d4k:8.0f}  (errors {e4k}); "
               f"EPP CPU {cpu4k:.2f} ms/decision", flush=True)
         d220, e220 = asyncio.run(decisions_per_s(target, large, seconds))
-        cpu220 = (cpu_seconds(proc.pid) - c1) / max(1.0, d220 * seconds + 16) * 1e3
+        cpu220 = (cpu_s(proc.pid) - c1) / max(1.0, d220 * seconds + 16) * 1e3
         print(f"warm decisions/s, 220 KB prompts:  {d220:8.0f}  (errors {e220}); "
               f"EPP CPU {cpu220:.2f} ms/decision", flush=True)
         m2 = _scrape(metrics_port)

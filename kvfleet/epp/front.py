@@ -22,6 +22,7 @@ import collections
 import logging
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -288,8 +289,9 @@ class NativeFront:
 
     def __init__(self, program: str, servicer: srv.ExtProcServicer, health: srv.HealthServicer, host: str,
                  port: int, max_message_bytes: int = 64 << 20, tls_cert_file: str = "",
-                 tls_key_file: str = "") -> None:
+                 tls_key_file: str = "", grace_s: float = 0.5) -> None:
         self.program, self.servicer, self.health = program, servicer, health
+        self.grace_s = grace_s
         self.host, self.port, self.max_message_bytes = host, port, max_message_bytes
         self.tls = (tls_cert_file, tls_key_file) if tls_cert_file or tls_key_file else None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -303,7 +305,7 @@ class NativeFront:
         self._loop = asyncio.get_running_loop()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [self.program, "--fd", str(theirs.fileno()), "--listen", f"{self.host}:{self.port}",
-               "--max-message-bytes", str(self.max_message_bytes)]
+               "--max-message-bytes", str(self.max_message_bytes), "--grace", f"{self.grace_s}s"]
         if self.tls is not None:
             cmd += ["--tls-cert-file", self.tls[0], "--tls-key-file", self.tls[1]]
         try:
@@ -352,7 +354,15 @@ class NativeFront:
         threading.Thread(target=_reap, args=(proc,), daemon=True).start()
 
     async def stop(self) -> None:
+        """Stop serving: the front takes no new call and gives the calls in flight ``grace_s`` to finish (as
+        ``grpc.aio``'s ``stop(grace)``), answered by this process meanwhile; then it exits."""
         self._stopping = True
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.grace_s + 1.0
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
         if self.bridge is not None and self.bridge.transport is not None:
             self.bridge.transport.close()
         self._kill()

@@ -38,6 +38,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -296,6 +297,7 @@ func main() {
 	maxMsg := flag.Int("max-message-bytes", 64<<20, "the largest gRPC message accepted or sent")
 	cert := flag.String("tls-cert-file", "", "serve TLS with this certificate (with --tls-key-file)")
 	key := flag.String("tls-key-file", "", "the TLS certificate's private key")
+	grace := flag.Duration("grace", 500*time.Millisecond, "on SIGTERM, how long calls in flight may go on")
 	flag.Parse()
 	log.SetFlags(log.LstdFlags | log.Lmicroseconds)
 	if os.Getenv("GOMAXPROCS") == "" {
@@ -354,7 +356,19 @@ func main() {
 		pprof.StopCPUProfile()
 		os.Exit(1)
 	case s := <-sig:
-		log.Printf("kvfleet-epp-front: %v: stopping", s)
-		srv.Stop()
+		// no new calls; the calls in flight get --grace to finish (the picker answers them meanwhile)
+		log.Printf("kvfleet-epp-front: %v: stopping (grace %v)", s, *grace)
+		done := make(chan struct{})
+		go func() {
+			srv.GracefulStop()
+			close(done)
+		}()
+		select {
+		case <-done:
+		case <-time.After(*grace):
+			srv.Stop()
+		case <-f.dead:
+			srv.Stop()
+		}
 	}
 }

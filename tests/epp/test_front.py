@@ -236,6 +236,37 @@ def test_a_killed_front_is_restarted_on_its_port(epp_factory: Callable[..., Epp]
     assert epp.front.restarts == 1
 
 
+def test_a_stopping_picker_lets_the_calls_in_flight_finish(epp_factory: Callable[..., Epp]) -> None:
+    """Stopped (SIGTERM in a pod), the front takes no new call but the ones in flight get their grace (as
+    under grpc.aio's ``stop(grace)``): a response phase arriving meanwhile is answered; the call ends OK."""
+    epp = epp_factory(front="native", events_enabled=False)
+    msgs = _exchange("/v1/completions", _body("in flight " * 30))
+    go_on = asyncio.Event()
+
+    async def requests() -> AsyncIterator[pb.ProcessingRequest]:
+        for m in msgs[:2]:
+            yield m
+        await go_on.wait()
+        for m in msgs[2:]:
+            yield m
+
+    async def run() -> list[str]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.grpc_port}") as ch:
+            call = pb_grpc.ExternalProcessorStub(ch).Process(requests())
+            got = []
+            async for resp in call:
+                got.append(resp.WhichOneof("response"))
+                if len(got) == 2:  # picked: now stop the picker, then send the response phase
+                    stopping = asyncio.get_running_loop().run_in_executor(None, epp.stop)
+                    await asyncio.sleep(0.2)
+                    go_on.set()
+            await stopping
+            assert await call.code() == grpc.StatusCode.OK
+            return got
+
+    assert asyncio.run(run()) == ["request_headers", "request_body", "response_headers", "response_body"]
+
+
 def test_the_front_exits_with_the_picker(epp_factory: Callable[..., Epp]) -> None:
     epp = epp_factory(front="native", events_enabled=False)
     assert epp.front is not None and epp.front.proc is not None

@@ -298,6 +298,7 @@ class NativeFront:
         self.bridge: Bridge | None = None
         self.restarts = 0
         self._stopping = False
+        self._serving = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, timeout_s: float = 30.0) -> int:
@@ -309,7 +310,9 @@ class NativeFront:
         if self.tls is not None:
             cmd += ["--tls-cert-file", self.tls[0], "--tls-key-file", self.tls[1]]
         try:
-            self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            # its own session: a terminal's Ctrl-C reaches the picker, which stops the front in order
+            self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         finally:
             theirs.close()
         _, self.bridge = await self._loop.connect_accepted_socket(
@@ -321,11 +324,13 @@ class NativeFront:
             self._kill()
             raise RuntimeError(f"{self.program} did not start serving on {self.host}:{self.port} "
                                f"({'exit code ' + str(code) if code is not None else exc})") from None
+        self._serving = True
         log.info("epp: ext_proc served by %s (pid %d) on :%d", FRONT_NAME, self.proc.pid, self.port)
         return self.port
 
     def _lost(self) -> None:
-        if self._stopping or self._loop is None:
+        serving, self._serving = self._serving, False
+        if self._stopping or self._loop is None or not serving:  # not serving yet: start() reports it
             return
         code = self.proc.poll() if self.proc is not None else None
         log.error("epp: %s exited (code %s) or closed its socket: restarting it on :%d", FRONT_NAME, code,

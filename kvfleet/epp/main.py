@@ -60,7 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    epp.start()
+    try:
+        epp.start()
+    except (RuntimeError, OSError) as exc:  # a port taken, the native front missing or not starting
+        print(f"kvfleet epp: {exc}", file=sys.stderr)
+        epp.stop()
+        return 2
     print(f"kvfleet epp: ext_proc :{epp.grpc_port} health :{epp.health_port} metrics :{epp.metrics_port}",
           flush=True)
     try:

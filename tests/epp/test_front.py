@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvfleet.epp import front as fr
 from kvfleet.epp.app import Epp
 from kvfleet.epp.protocol import DEST_HEADER, POOL_METADATA
+from tests.epp.pods import PodFleet
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
@@ -315,3 +316,23 @@ def test_the_bridge_drops_a_broken_socket_and_ignores_strangers() -> None:
         return t
 
     assert asyncio.run(run()).aborted
+
+
+def test_a_taken_port_fails_the_start_clearly(fleet: PodFleet) -> None:
+    import socket
+
+    from kvfleet.config import load
+    from kvfleet.epp.datastore import StaticDatastore
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": taken.getsockname()[1],
+                                           "health_port": 0, "metrics_port": 0, "front": "native"}})
+        epp = Epp(settings, datastore=StaticDatastore(data=fleet.pools_config()))
+        with pytest.raises(RuntimeError, match="did not start serving"):
+            epp.start()
+        epp.stop()
+    finally:
+        taken.close()

@@ -14,6 +14,9 @@ pickers:
 Printed per workload: the hit rate (cached ÷ prompt tokens the engines report) and TTFT p50/p90/p99 (time
 to the first streamed chunk) of each, and ``live_replicas3_hit_vs_1``, ``live_replicas3_p50_vs_1``,
 ``live_replicas3_p90_vs_1``, ``live_replicas3_p99_vs_1`` over both workloads (the worse of the two).
+The control (``--no-control`` skips it): three replicas running as above but Envoy sending every stream to
+one of them, ``live_replicas3_serving1_p*_vs_1``: what two more EPP processes (their KV-event ingestion,
+scrapes and gossip) cost the TTFT on these shared cores whoever routes; the rest of the gap is routing.
 Rounds alternate 1 then 3, then 3 then 1 (``--reps``). Last line: one JSON object.
 """
 
@@ -39,8 +42,9 @@ Work = list[list[list[str]]]
 
 class Bench(Engines):
     @contextmanager
-    def gateway(self, replicas: int) -> Iterator[str]:
-        """Envoy in front of ``replicas`` EPP processes (gossiping when more than one)."""
+    def gateway(self, replicas: int, serving: int = 0) -> Iterator[str]:
+        """Envoy in front of ``replicas`` EPP processes (gossiping when more than one); with ``serving``,
+        Envoy knows only the first ``serving`` of them (the others run, ingest and gossip: the control)."""
         pods = write_yaml(self.stack.workdir / "pods.yaml", pods_file(self.pods, MODEL, tokenizer=TOKENIZER))
         ports = [(free_port(), free_port(), free_port(), free_port()) for _ in range(replicas)]
         children: list[Child] = []
@@ -58,7 +62,8 @@ class Bench(Engines):
                 self.stack.wait_http(child, f"http://127.0.0.1:{metrics}/metrics", timeout_s=60)
             listen, admin = free_port(), free_port()
             boot = write_bootstrap(self.stack.workdir / "envoy.yaml", listen_port=listen, admin_port=admin,
-                                   epp_endpoints=[f"127.0.0.1:{p[0]}" for p in ports], body_mode="BUFFERED")
+                                   epp_endpoints=[f"127.0.0.1:{p[0]}" for p in ports[:serving or replicas]],
+                                   body_mode="BUFFERED")
             envoy = self.stack.spawn("envoy", [envoy_binary(), "-c", str(boot), "--base-id", str(admin), "-l",
                                                "warning", "--concurrency", "1", "--disable-hot-restart"])
             children.append(envoy)
@@ -68,13 +73,14 @@ class Bench(Engines):
         finally:
             self.stop(*reversed(children))
 
-    def phase(self, replicas: int, name: str, work: Work, warm: Work) -> Result:
-        with self.gateway(replicas) as url:
+    def phase(self, replicas: int, name: str, work: Work, warm: Work, serving: int = 0) -> Result:
+        with self.gateway(replicas, serving) as url:
             asyncio.run(drive(url, warm))
             self.reset()
             time.sleep(0.5)
             res = asyncio.run(drive(url, work))
-        print(f"{name:9s} {replicas} EPP: {res.requests} requests ({res.failed} failed); TTFT p50 "
+        label = f"{replicas} EPP" + (f" ({serving} serving)" if serving else "")
+        print(f"{name:9s} {label}: {res.requests} requests ({res.failed} failed); TTFT p50 "
               f"{pct(res.ttft, 50) * 1e3:.0f} ms, p90 {pct(res.ttft, 90) * 1e3:.0f} ms, p99 "
               f"{pct(res.ttft, 99) * 1e3:.0f} ms; hit {res.hit:.3f}",
               flush=True)
@@ -89,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-factor", type=float, default=0.1, help="simulated GPU time scale of the engines")
     ap.add_argument("--gpu-blocks", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=2)
+    ap.add_argument("--no-control", action="store_true",
+                    help="skip the control: 3 replicas running, Envoy sending every stream to one of them")
     args = ap.parse_args(argv)
     reps = args.reps or (1 if args.quick else 2)
     rng = random.Random(args.seed)
@@ -106,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
             for replicas in ((1, 3) if r % 2 == 0 else (3, 1)):
                 for name, work in workloads.items():
                     results.setdefault((name, replicas), []).append(b.phase(replicas, name, work, warm))
+            if not args.no_control:  # what the two extra processes cost on these cores, whoever routes
+                for name, work in workloads.items():
+                    results.setdefault((name, 0), []).append(b.phase(3, name, work, warm, serving=1))
 
     out: dict[str, object] = {"bench": "replicas", "reps": reps, "pods": args.pods, "tokenizer": TOKENIZER}
     worst = {"hit": float("inf"), "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    control = {"p50": 0.0, "p90": 0.0, "p99": 0.0}
     failed = 0
     for name in workloads:
         one, three = Result.merged(results[(name, 1)]), Result.merged(results[(name, 3)])
@@ -122,12 +134,22 @@ def main(argv: list[str] | None = None) -> int:
         out[f"{name}_requests"] = one.requests // reps
         print(f"{name}: 3 replicas / 1: hit {ratios['hit']:.3f}, TTFT p50 {ratios['p50']:.2f}, "
               f"p90 {ratios['p90']:.2f}, p99 {ratios['p99']:.2f}")
+        if (name, 0) in results:
+            ctl = Result.merged(results[(name, 0)])
+            cr = {f"p{q}": pct(ctl.ttft, q) / pct(one.ttft, q) for q in (50, 90, 99)}
+            for key, v in cr.items():
+                control[key] = max(control[key], v)
+            print(f"{name}: control, 3 replicas with 1 serving / 1: hit {ctl.hit / max(1e-9, hit1):.3f}, "
+                  f"TTFT p50 {cr['p50']:.2f}, p90 {cr['p90']:.2f}, p99 {cr['p99']:.2f}")
         worst["hit"] = min(worst["hit"], ratios["hit"])
         for key in ("p50", "p90", "p99"):
             worst[key] = max(worst[key], ratios[key])
-        failed += one.failed + three.failed
+        failed += one.failed + three.failed + sum(r.failed for r in results.get((name, 0), []))
     for key in ("hit", "p50", "p90", "p99"):
         out[f"live_replicas3_{key}_vs_1"] = round(worst[key], 3)
+    if not args.no_control:
+        for key, v in control.items():
+            out[f"live_replicas3_serving1_{key}_vs_1"] = round(v, 3)
     out["failed"] = failed
     print(json.dumps(out))
     return 0 if failed == 0 else 1

@@ -121,21 +121,55 @@ type front struct {
 	out     chan frame
 	dead    chan struct{}
 	dieOnce sync.Once
+	// payload bytes queued for the writer, at most queueBudget (one frame of any size gets through
+	// alone): a picker that reads slowly holds the calls' receivers back, and gRPC's flow control
+	// then holds the data plane back, instead of the front's memory growing
+	queuedMu sync.Mutex
+	queuedCv *sync.Cond
+	queued   int
 }
+
+const queueBudget = 64 << 20
 
 func (f *front) die(why error) {
 	f.dieOnce.Do(func() {
 		log.Printf("kvfleet-epp-front: picker connection lost: %v", why)
 		close(f.dead)
+		f.queuedMu.Lock()
+		f.queuedCv.Broadcast()
+		f.queuedMu.Unlock()
 	})
 }
 
-// send queues a frame for the writer; after the picker is gone it drops it.
+func (f *front) isDead() bool {
+	select {
+	case <-f.dead:
+		return true
+	default:
+		return false
+	}
+}
+
+// send queues a frame for the writer within the byte budget; after the picker is gone it drops it.
 func (f *front) send(fr frame) {
+	n := len(fr.payload)
+	f.queuedMu.Lock()
+	for f.queued > 0 && f.queued+n > queueBudget && !f.isDead() {
+		f.queuedCv.Wait()
+	}
+	f.queued += n
+	f.queuedMu.Unlock()
 	select {
 	case f.out <- fr:
 	case <-f.dead:
 	}
+}
+
+func (f *front) written(n int) {
+	f.queuedMu.Lock()
+	f.queued -= n
+	f.queuedCv.Broadcast()
+	f.queuedMu.Unlock()
 }
 
 // writer owns the socket's write side: it writes queued frames and flushes when the queue is empty,
@@ -163,6 +197,7 @@ func (f *front) writer() {
 				f.die(err)
 				return
 			}
+			f.written(len(fr.payload))
 			select {
 			case fr = <-f.out:
 			default:
@@ -322,7 +357,8 @@ func main() {
 		log.Fatalf("kvfleet-epp-front: --fd %d: %v", *fd, err)
 	}
 	encoding.RegisterCodecV2(rawCodec{})
-	f := &front{conn: conn, maxMsg: *maxMsg, out: make(chan frame, 4096), dead: make(chan struct{})}
+	f := &front{conn: conn, maxMsg: *maxMsg, out: make(chan frame, 1024), dead: make(chan struct{})}
+	f.queuedCv = sync.NewCond(&f.queuedMu)
 	opts := []grpc.ServerOption{
 		grpc.ForceServerCodecV2(rawCodec{}),
 		grpc.UnknownServiceHandler(f.handle),

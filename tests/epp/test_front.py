@@ -336,3 +336,12 @@ def test_a_taken_port_fails_the_start_clearly(fleet: PodFleet) -> None:
         epp.stop()
     finally:
         taken.close()
+
+
+def test_a_body_of_megabytes_crosses_the_socket(epp_factory: Callable[..., Epp]) -> None:
+    """A message many socket reads long (3 MB, BUFFERED: one body message) is reassembled and routed."""
+    epp = epp_factory(front="native", events_enabled=False, max_body_bytes=8 << 20)
+    prompt = "".join(chr(97 + i % 26) for i in range(3 << 20))
+    out = _call(f"127.0.0.1:{epp.grpc_port}", _exchange("/v1/completions", _body(prompt), mode=BUFFERED,
+                                                        response=False))
+    assert _endpoints(out), [r.WhichOneof("response") for r in out]

@@ -131,23 +131,25 @@ class Bridge(asyncio.Protocol):
         buf = self.buf
         buf += data
         off, end = 0, len(buf)
-        while end - off >= 4:
-            n = int.from_bytes(buf[off:off + 4], "little")
-            if n < 9 or n > self.max_frame:
-                log.error("epp front: bad frame length %d: dropping the connection", n)
-                if self.transport is not None:
-                    self.transport.abort()
-                return
-            if end - off < 4 + n:
-                break
-            _, cid, kind = _HEAD.unpack_from(buf, off)
-            payload = bytes(buf[off + 13:off + 4 + n])
-            off += 4 + n
-            try:
-                self._frame(cid, kind, payload)
-            except Exception:  # one call fails (as a handler's exception fails its call), not the socket
-                log.exception("epp front: call %d", cid)
-                self._fail(cid, StatusCode.INTERNAL, "internal error in the endpoint picker")
+        # the view is released before the resize below (a viewed bytearray cannot change size)
+        with memoryview(buf) as view:
+            while end - off >= 4:
+                (n,) = _U32.unpack_from(buf, off)
+                if n < 9 or n > self.max_frame:
+                    log.error("epp front: bad frame length %d: dropping the connection", n)
+                    if self.transport is not None:
+                        self.transport.abort()
+                    return
+                if end - off < 4 + n:
+                    break
+                _, cid, kind = _HEAD.unpack_from(buf, off)
+                payload = bytes(view[off + 13:off + 4 + n])  # one copy
+                off += 4 + n
+                try:
+                    self._frame(cid, kind, payload)
+                except Exception:  # one call fails (as a handler's exception fails its call), not the socket
+                    log.exception("epp front: call %d", cid)
+                    self._fail(cid, StatusCode.INTERNAL, "internal error in the endpoint picker")
         del buf[:off]
         self._flush()
 

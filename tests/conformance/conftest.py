@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.conformance import kvfleet_target
 from tests.conformance.extproc import FULL_DUPLEX, Exchange, completion, health
 from tests.conformance.modelservers import ModelServer, free_port
 
@@ -87,8 +88,8 @@ class Target:
         raise AssertionError(f"the target never picked within {timeout_s}s (last answer {last})")
 
 
-#: kvfleet's launcher runs the suite once per gRPC front (``epp.front``); another EPP's launcher once
-FRONTS = ["native", "grpcio"] if not os.environ.get(LAUNCH_ENV) else [""]
+#: kvfleet's launcher runs the suite once per gRPC front it has (kvfleet_target.fronts); another EPP's once
+FRONTS = [""] if os.environ.get(LAUNCH_ENV) else kvfleet_target.fronts()
 
 
 @pytest.fixture(scope="module", params=FRONTS)

@@ -19,6 +19,14 @@ import yaml
 FRONT_ENV = "KVFLEET_CONFORMANCE_FRONT"
 
 
+def fronts() -> list[str]:
+    """kvfleet's gRPC fronts (``epp.front``) to run the suite under: the native one where it is built
+    (tests/epp/test_front.py fails when Go is on PATH and it is not), and grpc.aio."""
+    from kvfleet.epp.front import front_program
+
+    return ["native", "grpcio"] if front_program() is not None else ["grpcio"]
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     work = Path(spec["workdir"])

@@ -207,18 +207,25 @@ def check_replacement(url: str, namespace: str, model: str = "llama-3-8b", pool:
     (new,) = set(now) - set(before)
     if now[new] in before.values():
         sys.exit(f"replacement pod {new} reuses an old address {now[new]}")
-    for i in range(16):
-        system = f"Replacement round, tenant {i}. " + "Keep answers short. " * 30
-        first = complete(url, model, system + "first?")
-        again = complete(url, model, system + "second?")
-        if cached(again) < (int(first["usage"]["prompt_tokens"]) - 8) * 0.8:
-            sys.exit(f"after the replacement, tenant {i}'s follow-up missed its prefix: {again['usage']}")
-    text = http_in_pod(namespace, new, "engine", "http://127.0.0.1:8000/metrics")
-    queries = metric_sum(text, "vllm:prefix_cache_queries_total")
+    # new tenants until the replacement has served some (at least 16; up to 64): which pod a new tenant
+    # lands on is the picker's choice (its pool by prefix shard, then hit, load and cache use), so a few
+    # tenants may all land elsewhere; a replacement out of rotation gets none of 64
+    queries, tenants = 0.0, 0
+    while tenants < 64 and (tenants < 16 or queries <= 0):
+        for i in range(tenants, tenants + 8):
+            system = f"Replacement round, tenant {i}. " + "Keep answers short. " * 30
+            first = complete(url, model, system + "first?")
+            again = complete(url, model, system + "second?")
+            if cached(again) < (int(first["usage"]["prompt_tokens"]) - 8) * 0.8:
+                sys.exit(f"after the replacement, tenant {i}'s follow-up missed its prefix: {again['usage']}")
+        tenants += 8
+        text = http_in_pod(namespace, new, "engine", "http://127.0.0.1:8000/metrics")
+        queries = metric_sum(text, "vllm:prefix_cache_queries_total")
     if queries <= 0:
-        sys.exit(f"the replacement pod {new} ({now[new]}) got no requests")
+        sys.exit(f"the replacement pod {new} ({now[new]}) got none of {tenants} new tenants' requests")
     print(f"replacement: {victim} deleted; {new} at {now[new]} (new address) serves "
-          f"({queries:.0f} prefix-cache queries); follow-ups still reuse their prefixes")
+          f"({queries:.0f} prefix-cache queries after {tenants} new tenants); follow-ups still reuse their "
+          "prefixes")
 
 
 def check_epp_failover(url: str, namespace: str, model: str = "llama-3-8b", workers: int = 4,

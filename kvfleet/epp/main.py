@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED",
                    choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
                    help="assumed request body mode when Envoy does not say (it does from 1.33 on)")
+    p.add_argument("--front", choices=["auto", "native", "grpcio"],
+                   help="what serves the ext_proc port: the native front kvfleet-epp-front, Python's "
+                        "grpc.aio, or auto (native where installed; epp.front)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -46,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag, key in (("grpc_port", "grpc_port"), ("health_port", "health_port"),
                       ("metrics_port", "metrics_port"),
                       ("host", "host"), ("pods", "pods_file"), ("tls_cert_file", "tls_cert_file"),
-                      ("tls_key_file", "tls_key_file")):
+                      ("tls_key_file", "tls_key_file"), ("front", "front")):
         if getattr(args, flag) is not None:
             over[key] = getattr(args, flag)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import yaml
 
 from kvfleet.demo.envoy import free_port
 from kvfleet.epp.datastore import StaticDatastore
+from kvfleet.epp.front import front_program
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.main import main
@@ -76,6 +78,25 @@ def test_bad_config_exits_2(tmp_path: Path) -> None:
     assert main(["--pods", str(pods), "--grpc-port", "0", "--health-port", "0", "--metrics-port", "0"]) == 2
 
 
+def _gone(pid: int) -> bool:
+    """``pid`` has exited (reaped, or a zombie awaiting its reaper)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_front_that_cannot_start_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(yaml.safe_dump({"pools": [{"name": "a", "models": ["m"],
+                                               "pods": [{"name": "p", "address": "127.0.0.1", "port": 1}]}]}))
+    monkeypatch.setenv("KVFLEET_EPP_FRONT", str(tmp_path / "no-such-program"))
+    assert main(["--pods", str(pods), "--front", "native", "--grpc-port", "0", "--health-port", "0",
+                 "--metrics-port", "0"]) == 2
+    assert "kvfleet-epp-front is not installed" in capsys.readouterr().err
+
+
 def test_process_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
     """``python -m kvfleet.epp.main`` binds the configured ports, reports SERVING, exits 0 on SIGTERM."""
     pods = tmp_path / "pods.yaml"
@@ -95,8 +116,14 @@ def test_process_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
             return health_check(f"127.0.0.1:{health}", 0.5)
 
         wait_for(healthy, "the EPP's gRPC health SERVING", timeout_s=20, interval_s=0.1)
+        children = [int(c) for t in Path(f"/proc/{proc.pid}/task").glob("*")
+                    for c in (t / "children").read_text().split()]
+        assert children or front_program() is None, "the native gRPC front runs as the EPP's child"
         proc.terminate()
         assert proc.wait(10) == 0
+        for pid in children:  # the native gRPC front stops with it
+            wait_for(functools.partial(_gone, pid), f"the EPP's child {pid} gone", timeout_s=10,
+                     interval_s=0.1)
     finally:
         if proc.poll() is None:
             proc.kill()

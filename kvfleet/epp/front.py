@@ -28,9 +28,9 @@ import struct
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
@@ -54,7 +54,6 @@ _HEAD = struct.Struct("<IQB")
 _U16, _U32 = struct.Struct("<H"), struct.Struct("<I")
 #: a frame beyond the largest message plus this is a broken front: the connection is dropped
 _SLACK = 1 << 16
-_WATCH_PERIOD_S = 0.5
 
 
 def front_program() -> str | None:
@@ -102,7 +101,7 @@ class Bridge(asyncio.Protocol):
     """
 
     def __init__(self, servicer: srv.ExtProcServicer, health: srv.HealthServicer, max_message_bytes: int,
-                 on_lost: Any = None) -> None:
+                 on_lost: Callable[[], None] | None = None) -> None:
         self.servicer, self.health = servicer, health
         self.max_frame = max_message_bytes + _SLACK
         self.calls: dict[int, _Call] = {}
@@ -236,11 +235,10 @@ class Bridge(asyncio.Protocol):
         if self.calls.get(cid) is not call:  # reset while routing: release what the pick took
             self.servicer.close_stream(call.st)
             return
-        if fut.cancelled():  # the routing thread is stopping
-            self._fail(cid, StatusCode.UNAVAILABLE, "the endpoint picker is stopping")
-            self._flush()
-            return
         try:
+            if fut.cancelled():  # the routing thread is stopping
+                self._fail(cid, StatusCode.UNAVAILABLE, "the endpoint picker is stopping")
+                return
             exc = fut.exception()
             if exc is not None:  # _handle answers its own errors; this is the executor itself failing
                 self._fail(cid, StatusCode.INTERNAL, f"routing failed: {exc}")
@@ -273,16 +271,10 @@ class Bridge(asyncio.Protocol):
             call.watch = asyncio.get_running_loop().create_task(self._watch(cid, service))
 
     async def _watch(self, cid: int, service: str) -> None:
-        last: int | None = -1
-        while cid in self.calls:
-            status = self.health.status(service)
-            if status != last:
-                last = status
-                self._send(cid, MSG, health_pb2.HealthCheckResponse(
-                    status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status is None else status
-                ).SerializeToString())
-                self._flush()
-            await asyncio.sleep(_WATCH_PERIOD_S)
+        """The servicer's own Watch stream, each change sent as it comes (cancelled when the call ends)."""
+        async for resp in self.health.Watch(health_pb2.HealthCheckRequest(service=service), None):
+            self._send(cid, MSG, resp.SerializeToString())
+            self._flush()
 
 
 class NativeFront:

@@ -37,6 +37,17 @@ WORDS = ["freight", "container", "berth", "customs", "pallet", "manifest", "insp
          "route", "schedule"]
 
 
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (of every one of its threads); none for a process that is gone."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process, every thread included, and of its live descendants (the
     EPP's native gRPC front is its child); 0 for a process that is gone."""
@@ -45,24 +56,17 @@ def cpu_s(pid: int) -> float:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    total = (int(fields[11]) + int(fields[12])) / _TICK
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue
-        total += sum(cpu_s(int(c)) for c in children)
-    return total
+    return (int(fields[11]) + int(fields[12])) / _TICK + sum(cpu_s(c) for c in children(pid))
 
 
 def measured_pid(child: Child) -> int:
     """The process to measure: the child itself, or, when it is py-spy recording the EPP, the EPP."""
     try:
         comm = Path(f"/proc/{child.proc.pid}/comm").read_text().strip()
-        kids = Path(f"/proc/{child.proc.pid}/task/{child.proc.pid}/children").read_text().split()
     except OSError:
         return child.proc.pid
-    return int(kids[0]) if comm == "py-spy" and len(kids) == 1 else child.proc.pid
+    kids = children(child.proc.pid)
+    return kids[0] if comm == "py-spy" and len(kids) == 1 else child.proc.pid
 
 
 @dataclass

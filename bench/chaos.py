@@ -58,6 +58,7 @@ import aiohttp
 import msgspec
 import zmq
 
+from bench._live import children
 from kvfleet.config.epp import default_plugins
 from kvfleet.demo.envoy import envoy_binary
 from kvfleet.demo.stack import (
@@ -102,12 +103,7 @@ def rss_mb(pid: int) -> float:
                 break
     except OSError:
         return 0.0
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            total += sum(rss_mb(int(c)) for c in (task / "children").read_text().split())
-        except OSError:
-            continue
-    return total
+    return total + sum(rss_mb(c) for c in children(pid))
 
 
 def scrape(url: str) -> str:

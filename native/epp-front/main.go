@@ -267,6 +267,9 @@ func (f *front) handle(_ any, ss grpc.ServerStream) error {
 	if !ok {
 		return status.Error(codes.Internal, "no method")
 	}
+	if len(method) > 0xffff { // no method the picker serves is as long; its frame holds a u16 length
+		return status.Error(codes.Unimplemented, "unknown method")
+	}
 	id := f.nextID.Add(1)
 	c := &call{notify: make(chan struct{}, 1)}
 	f.calls.Store(id, c)

@@ -345,3 +345,18 @@ def test_a_body_of_megabytes_crosses_the_socket(epp_factory: Callable[..., Epp])
     out = _call(f"127.0.0.1:{epp.grpc_port}", _exchange("/v1/completions", _body(prompt), mode=BUFFERED,
                                                         response=False))
     assert _endpoints(out), [r.WhichOneof("response") for r in out]
+
+
+def test_a_method_name_too_long_for_a_frame_is_refused(epp_factory: Callable[..., Epp]) -> None:
+    """A call's method crosses the socket with a 16-bit length. A path of ext_proc's method padded past 64 KiB
+    would wrap that length to the method itself and have its padding read as the call's gRPC metadata (a
+    pool name, say): the front refuses it, and serves on."""
+    epp = epp_factory(front="native", events_enabled=False)
+    crafted = fr.PROCESS + "x" * (1 << 16)  # its length ≡ len(PROCESS) modulo 2**16
+    msg = _exchange("/v1/models", None, method="GET", response=False)[0].SerializeToString()
+    big_headers = [("grpc.max_metadata_size", 1 << 20)]
+    with grpc.insecure_channel(f"127.0.0.1:{epp.grpc_port}", options=big_headers) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            ch.unary_unary(crafted)(msg, timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert _endpoints(_call(f"127.0.0.1:{epp.grpc_port}", CASES[0][1]))

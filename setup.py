@@ -31,7 +31,8 @@ class BuildWithFront(build_ext):
         go = shutil.which("go")
         if go is None:
             msg = (f"{FRONT}: no `go` on PATH: the EPP will serve ext_proc with grpc.aio "
-                   "(about twice the CPU per decision); install Go >= 1.24 to build it")
+                   "(≈ 1.6 × the CPU per decision); install Go >= 1.21 (it fetches the toolchain "
+                   "native/epp-front/go.mod names) to build it")
             if os.environ.get("KVFLEET_REQUIRE_FRONT") == "1":
                 sys.exit(f"error: {msg}")
             print(f"warning: {msg}", file=sys.stderr)

@@ -124,6 +124,7 @@ type front struct {
 	// payload bytes queued for the writer, at most queueBudget (one frame of any size gets through
 	// alone): a picker that reads slowly holds the calls' receivers back, and gRPC's flow control
 	// then holds the data plane back, instead of the front's memory growing
+	srv      *grpc.Server // set before the socket is read
 	queuedMu sync.Mutex
 	queuedCv *sync.Cond
 	queued   int
@@ -134,6 +135,12 @@ const queueBudget = 64 << 20
 func (f *front) die(why error) {
 	f.dieOnce.Do(func() {
 		log.Printf("kvfleet-epp-front: picker connection lost: %v", why)
+		// close the listener and the connections first: a call opened from now on would reach no
+		// picker, and a data plane that cannot open its stream applies its failure mode (FailOpen
+		// passes the request on) where a stream it had opened and sent the body on fails the request
+		if f.srv != nil {
+			f.srv.Stop()
+		}
 		close(f.dead)
 		f.queuedMu.Lock()
 		f.queuedCv.Broadcast()
@@ -384,6 +391,7 @@ func main() {
 		log.Fatalf("kvfleet-epp-front: listen %s: %v", *listen, err)
 	}
 	srv := grpc.NewServer(opts...)
+	f.srv = srv
 	// KVFLEET_EPP_FRONT_CPUPROFILE=PATH writes a Go CPU profile (go tool pprof) when the front stops.
 	if path := os.Getenv("KVFLEET_EPP_FRONT_CPUPROFILE"); path != "" {
 		if out, err := os.Create(path); err == nil && pprof.StartCPUProfile(out) == nil {

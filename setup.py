@@ -1,8 +1,9 @@
 """kvfleet's compiled parts; everything else is in pyproject.toml.
 
 * The EPP's hot loops (kvfleet/epp/_probe.c, the index's probes; kvfleet/epp/_reuse.c, the per-pod reuse
-  distance): plain C loaded with ctypes (no Python headers needed). Any C compiler works: ``CC`` and
-  ``LDSHARED`` choose one (the Dockerfile uses ``zig cc`` from PyPI where the base image has none).
+  distance) and the block digests (kvfleet/cache/_digest.c, xxh3 of every block of a prompt; the vendored
+  native/xxhash/xxhash.h): plain C loaded with ctypes (no Python headers needed). Any C compiler works:
+  ``CC`` and ``LDSHARED`` choose one (the Dockerfile uses ``zig cc`` from PyPI where the base image has none).
 * The EPP's gRPC front (native/epp-front, Go: ``kvfleet-epp-front``, kvfleet/epp/front.py), built with ``go``
   from PATH into ``kvfleet/epp/bin/`` (modules from the Go module proxy, ``GOPROXY``). Without ``go`` it is
   skipped with a warning and the EPP serves ext_proc with Python's grpc.aio; ``KVFLEET_REQUIRE_FRONT=1``
@@ -51,6 +52,12 @@ setup(
             ["kvfleet/epp/_probe.c", "kvfleet/epp/_reuse.c"],
             # no contraction into FMA: the tier-weighted sums stay what the decision rules define
             extra_compile_args=["-O2", "-std=c11", "-ffp-contract=off"],
-        )
+        ),
+        Extension(
+            "kvfleet.cache._digest",
+            ["kvfleet/cache/_digest.c"],
+            include_dirs=["native/xxhash"],  # vendored xxhash.h (native/xxhash/README.md)
+            extra_compile_args=["-O2", "-std=c11"],
+        ),
     ],
 )

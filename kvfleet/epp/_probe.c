@@ -19,6 +19,7 @@
 #define EMPTY 0xFFFFu
 #define DELETED 0xFFFEu
 #define FANOUT 8
+#define AHEAD 8 /* a walk's probes started ahead of the one it reads */
 #define PHI 0x9E3779B97F4A7C15ull
 
 typedef struct {
@@ -52,6 +53,15 @@ static inline int64_t find1(const table_t *t, uint64_t key, uint16_t slot) {
 static inline int mask_at(const table_t *t, uint64_t key, uint16_t slot) {
     int64_t at = find1(t, key, slot);
     return at < 0 ? 0 : t->mask[at];
+}
+
+/* Start loading the lines (key, slot)'s probe reads first: a search issues its FANOUT - 1 probes, or a match
+ * its first probe per pod, before it reads any, so their cache misses overlap instead of adding up. */
+static inline void prefetch1(const table_t *t, uint64_t key, uint16_t slot) {
+    int64_t at = home(t, key, slot);
+    __builtin_prefetch(&t->pods[at]);
+    __builtin_prefetch(&t->keys[at]);
+    __builtin_prefetch(&t->mask[at]);
 }
 
 static inline int best_rank(int m) { return m ? __builtin_ctz((unsigned)m) : -1; }
@@ -106,6 +116,10 @@ static int64_t search1(const table_t *t, const uint64_t *keys, uint16_t slot, in
             if (mid < lo + 1) mid = lo + 1;
             if (mid > hi - 1) mid = hi - 1;
             mids[j] = mid;
+            prefetch1(t, keys[mid], slot);
+        }
+        for (int j = 0; j < FANOUT - 1; j++) {
+            int64_t mid = mids[j];
             ms[j] = mask_at(t, keys[mid], slot);
             if ((ms[j] & bits) && (best < 0 || mid > mids[best])) best = j;
         }
@@ -129,7 +143,9 @@ static void verify(const table_t *t, const uint64_t *keys, const uint16_t *slots
     for (int64_t i = 0; i < c; i++) {
         double s = 0.0;
         int64_t cut = length[i];
+        for (int64_t p = 0; p < length[i] && p < AHEAD; p++) prefetch1(t, keys[p], slots[i]);
         for (int64_t p = 0; p < length[i]; p++) {
+            if (p + AHEAD < length[i]) prefetch1(t, keys[p + AHEAD], slots[i]);
             int r = best_rank(mask_at(t, keys[p], slots[i]));
             if (r < 0) {
                 cut = p;
@@ -158,7 +174,9 @@ void kv_match(const uint64_t *tkeys, const uint16_t *tpods, const uint8_t *tmask
         for (int64_t i = 0; i < c; i++) {
             double s = 0.0;
             int64_t p = 0;
+            for (int64_t q = 0; q < n && q < AHEAD; q++) prefetch1(&t, keys[q], slots[i]);
             for (; p < n; p++) {
+                if (p + AHEAD < n) prefetch1(&t, keys[p + AHEAD], slots[i]);
                 int64_t at = find1(&t, keys[p], slots[i]);
                 if (at < 0) break;
                 int r = best_rank(t.mask[at]);
@@ -171,6 +189,10 @@ void kv_match(const uint64_t *tkeys, const uint16_t *tpods, const uint8_t *tmask
     }
     int64_t *m0 = scratch, *last = scratch + c, *prev = scratch + 2 * c;
     int64_t total = 0;
+    for (int64_t i = 0; i < c; i++) {
+        prefetch1(&t, keys[0], slots[i]);
+        prefetch1(&t, keys[n - 1], slots[i]);
+    }
     for (int64_t i = 0; i < c; i++) {
         m0[i] = mask_at(&t, keys[0], slots[i]);
         if (!m0[i]) continue;

@@ -364,42 +364,60 @@ class BlockIndex:
         A pod's match is the longer of its exact prefix (events; tier-weighted) and
         its speculative prefix (picks; GPU weight for the blocks beyond the exact part).
         """
+        names = list(dict.fromkeys(pods))
+        blocks, weighted, spec, picked = self.match_lists(keys, names, tier_weights, now)
+        rows = zip(names, blocks, weighted, spec, picked, strict=True)
+        return {p: PodMatch(b, x, s, k) for p, b, x, s, k in rows if b > 0 or k > 0}
+
+    def match_lists(
+        self, keys: Sequence[int], names: Sequence[str], tier_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
+        now: float | None = None,
+    ) -> tuple[list[int], list[float], list[int], list[int]]:
+        """:meth:`match` as four lists in the order of ``names`` (distinct): each pod's ``blocks``,
+        ``weighted``, ``speculative`` and ``picked`` (:class:`PodMatch`; 0 without a hit). What candidate
+        building reads: no object per pod."""
         t = self.clock() if now is None else now
         w = list(tier_weights)
-        names = list(dict.fromkeys(pods))
-        out = self._exact(keys, names, w)
+        n = len(names)
+        blocks, weighted, spec, picked = [0] * n, [0.0] * n, [0] * n, [0] * n
+        self._exact(keys, names, w, blocks, weighted)
         if self._spec:
-            spec_len = self._speculative(keys, names, t)
-            for pod, n in spec_len.items():
-                exact = out.get(pod, PodMatch())
-                if n > exact.blocks:
-                    out[pod] = PodMatch(blocks=n, weighted=exact.weighted + (n - exact.blocks) * w[0],
-                                        speculative=n - exact.blocks, picked=n)
-                else:
-                    out[pod] = PodMatch(exact.blocks, exact.weighted, exact.speculative, n)
-        return out
+            for i, k in self._speculative(keys, names, t):
+                exact = blocks[i]
+                if k > exact:
+                    weighted[i] += (k - exact) * w[0]
+                    spec[i] = k - exact
+                    blocks[i] = k
+                picked[i] = k
+        return blocks, weighted, spec, picked
 
-    def _exact(self, keys: Sequence[int], names: list[str], w: list[float]) -> dict[str, PodMatch]:
+    def _exact(self, keys: Sequence[int], names: Sequence[str], w: list[float], blocks: list[int],
+               weighted: list[float]) -> None:
         table = self._table  # read once: a concurrent rebuild swaps the reference, never this object
         count = self._count
-        cand = [(p, s) for p in names if (s := self._slot.get(p)) is not None and s < len(count)
+        slot = self._slot
+        cand = [(i, s) for i, p in enumerate(names) if (s := slot.get(p)) is not None and s < len(count)
                 and count[s] > 0]
         if not len(keys) or not cand:
-            return {}
+            return
         slots = np.array([s for _, s in cand], dtype=np.uint16)
-        length, weighted = table.match(as_u64(keys), slots, w, self.exact_walk_blocks)
-        return {p: PodMatch(blocks=b, weighted=x)
-                for (p, _), b, x in zip(cand, length.tolist(), weighted.tolist(), strict=True) if b > 0}
+        length, wt = table.match(as_u64(keys), slots, w, self.exact_walk_blocks)
+        for (i, _), b, x in zip(cand, length.tolist(), wt.tolist(), strict=True):
+            if b > 0:
+                blocks[i] = b
+                weighted[i] = x
 
-    def _speculative(self, keys: Sequence[int], names: list[str], t: float) -> dict[str, int]:
-        spec_len: dict[str, int] = {}
+    def _speculative(self, keys: Sequence[int], names: Sequence[str], t: float) -> list[tuple[int, int]]:
+        """(position in ``names``, speculative prefix length) of the pods with a live pick of ``keys``."""
+        out: list[tuple[int, int]] = []
         positions = spec_positions(len(keys))
         first = self._spec.get(keys[positions[0]]) if len(positions) else None
         if first is None:
-            return spec_len
-        wanted = set(names)
+            return out
+        wanted = {p: i for i, p in enumerate(names)}
         for pod, held in first.items():  # the few pods holding the first position, not every candidate
-            if pod not in wanted or held.expiry <= t:
+            i = wanted.get(pod)
+            if i is None or held.expiry <= t:
                 continue
             # one pick stores a whole prefix, so "held at position i" is (nearly) monotone in i:
             # binary search for the last sampled position the pod holds
@@ -412,8 +430,8 @@ class BlockIndex:
                     lo = mid
                 else:
                     hi = mid - 1
-            spec_len[pod] = positions[lo] + 1
-        return spec_len
+            out.append((i, positions[lo] + 1))
+        return out
 
     def pod_tiers(self, pod: str, key: int) -> set[Tier]:
         mask = int(self.masks(pod, [key])[0])
@@ -454,6 +472,12 @@ class BlockIndex:
         """Blocks ``pod`` holds on its GPU tier (what its ``num_gpu_blocks`` bounds)."""
         slot = self._slot.get(pod)
         return 0 if slot is None else self._gpu[slot]
+
+    def pod_key_counts(self, pods: Sequence[str]) -> tuple[list[int], list[int]]:
+        """:meth:`num_pod_keys` and :meth:`num_pod_gpu_keys` of each of ``pods``."""
+        slot, count, gpu = self._slot, self._count, self._gpu
+        slots = [slot.get(p) for p in pods]
+        return ([0 if s is None else count[s] for s in slots], [0 if s is None else gpu[s] for s in slots])
 
     @property
     def num_speculative(self) -> int:

@@ -366,20 +366,30 @@ class InflightTracker:
         (:meth:`expected_waits`), the busy share (:meth:`_share`) and, where ``scraped_at`` gives the instant
         of a scrape that saw waiting requests, :meth:`pending_at` that instant (else None)."""
         out = []
-        loads, prefix = self._loads, self._prefix
+        loads, prefix, pending, recent = self._loads, self._prefix, self._pending, self._recent
+        h, exp, elapsed, wait = self.history_s, math.exp, self._elapsed, self._wait
         with self._lock:
             now = self.clock()
+            # _pending_at, _decayed and _share inlined: this runs for every candidate of every decision
             for pod, at in zip(pods, scraped_at, strict=True):
                 ld = loads.get(pod)
-                scraped = None if at is None else self._pending_at(pod, at)
+                scraped = None
+                if at is not None:
+                    waiting = pending.get(pod)
+                    scraped = sum(1 for tk in waiting.values() if tk.started <= at) if waiting else 0
+                    for opened, first in reversed(recent.get(pod, ())):
+                        if first <= at:
+                            break
+                        scraped += opened <= at
                 if ld is None:
                     out.append(PodView(0, 0.0, 0, prefix.get((pod, hot), 0), 0.0, 0.0, scraped, 0.0))
                     continue
-                busy, served = self._decayed(ld, now)  # once: the expected wait and the busy share
                 requests = ld.pending_requests
+                keep = exp(-max(0.0, now - ld.mark) / h)
+                busy = ld.busy_s * keep + (h * (1.0 - keep) if requests else 0.0)
                 out.append(PodView(ld.inflight, ld.pending_tokens, requests, prefix.get((pod, hot), 0),
-                                   self._elapsed(pod, now) if requests else 0.0, self._wait(busy, served),
-                                   scraped, self._share(busy)))
+                                   elapsed(pod, now) if requests else 0.0, wait(busy, ld.served * keep),
+                                   scraped, min(1.0, busy / h)))
         return out
 
     def same_prefix(self, pod: str, prefix: int) -> int:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -112,6 +112,12 @@ class MetricsStore:
         if m is None or self.clock() - m.scraped_at > self.staleness_s:
             return None
         return m
+
+    def get_many(self, pods: Sequence[str]) -> list[PodMetrics | None]:
+        """:meth:`get` of each of ``pods``, with one clock read."""
+        now, limit = self.clock(), self.staleness_s
+        got = map(self._data.get, pods)
+        return [m if m is not None and now - m.scraped_at <= limit else None for m in got]
 
     def forget(self, pod: str) -> None:
         self._data.pop(pod, None)

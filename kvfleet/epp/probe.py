@@ -6,7 +6,6 @@ fails here, at import, with the way to build it."""
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,23 +13,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvfleet.cache.compiled import load
+
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
-def _load() -> ctypes.CDLL:
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"_probe{suffix}"
-        if path.exists():
-            return ctypes.CDLL(str(path))
-    raise ImportError(
-        f"kvfleet's compiled index probe (_probe*.so) is not in {here}: kvfleet was not built from its "
-        "sources here. Install it with pip (`pip install -e .` in a checkout, or `make venv`); the build "
-        "needs a C compiler: `cc`, or zig's from the ziglang package on PyPI, CC='ZIG cc' LDSHARED='ZIG cc "
-        "-shared' with ZIG the `zig` binary in the ziglang package's directory (what `make venv` does)")
-
-
-lib = _load()
+lib = load(Path(__file__).parent, "_probe", "index probe")
 lib.kv_find.argtypes = [_P, _P, _P, _I64, _INT, _P, _P, _I64, _P]
 lib.kv_find.restype = None
 lib.kv_insert.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _P, _P, _I64]

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvfleet.cache.hashing import BlockKeys
 from kvfleet.epp import probe
 
 #: Pod-slot values that mark a free table slot: never used yet, or deleted (a "tombstone").
@@ -46,6 +47,8 @@ def as_u64(keys: Iterable[int]) -> npt.NDArray[np.uint64]:
     """Block keys as uint64 (negative ints, the int64 form of a hash, as their two's complement)."""
     if isinstance(keys, np.ndarray):
         return keys.astype(U64, copy=False)
+    if isinstance(keys, BlockKeys):
+        return keys.u64
     seq = keys if isinstance(keys, (list, tuple)) else list(keys)
     try:
         return np.fromiter(seq, dtype=U64, count=len(seq))

@@ -106,3 +106,48 @@ def test_unknown_algorithm_lists_known_names() -> None:
 def test_invalid_tokens_rejected() -> None:
     with pytest.raises(ValueError, match="token ids"):
         BlockHasher().hash_tokens([-1] * 16)
+
+
+@pytest.mark.parametrize("row", [4, 16, 64, 128, 240, 256, 1024])
+def test_compiled_block_digests_equal_the_xxhash_package(row: int) -> None:
+    """The compiled digests (vendored xxhash.h) equal the ``xxhash`` package's ``xxh3_64`` on every length
+    class XXH3 treats apart (≤ 16, ≤ 128, ≤ 240 bytes and longer)."""
+    import xxhash
+
+    from kvfleet.cache.digest import digest_rows
+
+    rows = np.random.default_rng(row).integers(0, 256, (33, row), dtype=np.uint8)
+    assert digest_rows(rows).tolist() == [xxhash.xxh3_64_intdigest(r.tobytes()) for r in rows]
+    assert len(digest_rows(rows[:0])) == 0
+    with pytest.raises(ValueError, match="C-contiguous 2-D uint8"):
+        digest_rows(rows[:, ::2])
+
+
+def test_extra_keys_follow_the_documented_digest() -> None:
+    """A block with extra keys digests its tokens ‖ cbor(extra); the blocks without keep the compiled
+    digest."""
+    import cbor2
+    import xxhash
+
+    bs = 16
+    tokens = list(range(1000, 1000 + 4 * bs))
+    extras: list[Any] = [("salt",), None, ["lora", 3], None]
+    h = BlockHasher(block_size=bs, seed="s")
+    state = fmix64_inverse(h.root)  # type: ignore[arg-type]
+    want = []
+    for i in range(4):
+        data = np.asarray(tokens[i * bs : (i + 1) * bs], dtype="<u4").tobytes()
+        if extras[i] is not None:
+            data += cbor2.dumps(extras[i], canonical=True)
+        state = (state * 0x9E3779B97F4A7C15 + xxhash.xxh3_64_intdigest(data)) & ((1 << 64) - 1)
+        want.append(fmix64(state))
+    assert hashes_as_ints(h.hash_tokens(tokens, extra_keys=extras)) == want
+
+
+def test_block_keys_carry_their_array() -> None:
+    from kvfleet.cache.hashing import BlockKeys
+
+    keys = hashes_as_ints(BlockHasher(block_size=4).hash_tokens(range(40)))
+    assert isinstance(keys, BlockKeys) and len(keys) == 10
+    assert keys.u64.dtype == np.uint64 and keys.u64.tolist() == list(keys)
+    assert type(keys[2:5]) is list  # a slice is a plain list: no array to fall out of step with

@@ -83,42 +83,24 @@ class CandidateBuilder:
         ``hot_key`` of the longest match among ``pods``). ``block_size``: the tokens of one of ``keys``'
         blocks (a pod's cache size is published in its engine's blocks)."""
         names = [p.name for p in pods]
-        matches = self.index.match(keys, names, self.weights)
+        idx = self.index
+        blocks, weighted, spec, picked = idx.match_lists(keys, names, self.weights)
         if hot is None:
-            hot = self.hot_key(keys, max((m.blocks for m in matches.values()), default=0), shard)
-        out = []
-        pms = [self.metrics.get(n) for n in names]
-        held = [matches.get(n) for n in names]
-        hits = [m.blocks if m else 0 for m in held]
+            hot = self.hot_key(keys, max(blocks, default=0), shard)
+        pms = self.metrics.get_many(names)
         # what the index holds now, cut to what is expected to survive until the request runs; a pod with
         # lower tiers (the index holds blocks of it off the GPU) demotes what its GPU pushes out, and a
         # demoted block still hits: the sketch's GPU bound does not apply there (capacity 0: not cut)
-        idx = self.index
-        gpu = [idx.num_pod_gpu_keys(n) for n in names]  # also each candidate's held_blocks
-        caps = [0 if idx.num_pod_keys(n) > g else gpu_capacity(pm, block_size) or 0
-                for n, g, pm in zip(names, gpu, pms, strict=True)]
-        kept = idx.reuse.fit(names, hits, caps, keys)
+        held, gpu = idx.pod_key_counts(names)  # gpu: also each candidate's held_blocks
+        caps = [0 if a > g else gpu_capacity(pm, block_size) or 0
+                for a, g, pm in zip(held, gpu, pms, strict=True)]
+        kept = idx.reuse.fit(names, blocks, caps, keys)
         # which of the scraped waiting requests are ours: count them at the scrape's instant, not now
         views = self.tracker.view(names, hot, [pm.scraped_at if pm is not None and pm.waiting > 0 else None
                                                for pm in pms])
-        for p, pm, v, m, h, k, g in zip(pods, pms, views, held, hits, kept, gpu, strict=True):
-            out.append(
-                Candidate(
-                    pod=p,
-                    hit_blocks=k,
-                    hit_weighted=(m.weighted if k == h else m.weighted * k / h) if m and h else 0.0,
-                    spec_blocks=min(m.speculative, k) if m else 0,
-                    inflight=v.inflight,
-                    same_prefix=v.same_prefix,
-                    pending_tokens=v.pending_tokens,
-                    pending_requests=v.pending_requests,
-                    pending_elapsed_s=v.pending_elapsed_s,
-                    expected_wait_s=v.expected_wait_s,
-                    held_blocks=g,
-                    picked_blocks=m.picked if m else 0,
-                    metrics=pm,
-                    scrape_pending=v.scrape_pending,
-                    busy_share=v.busy_share,
-                )
-            )
-        return out, hot
+        # positional, in Candidate's field order (keywords cost ≈ 0.45 µs more per candidate)
+        rows = zip(pods, pms, views, blocks, weighted, spec, picked, kept, gpu, strict=True)
+        return [Candidate(p, k, (x if k == h else x * k / h) if h else 0.0, min(sp, k), v.inflight,
+                          v.same_prefix, v.pending_tokens, v.pending_requests, v.pending_elapsed_s,
+                          v.expected_wait_s, g, pk, v.busy_share, pm, v.scrape_pending)
+                for p, pm, v, h, x, sp, pk, k, g in rows], hot

@@ -7,6 +7,7 @@ flipped: with weights 1, ``score = hit_s − queue_s − w_kv·kv``.
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Mapping, Sequence
 
@@ -141,13 +142,18 @@ class QueueScorer:
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         out = []
         expected = self.expected * (1.0 + self.followups(req))
-        for c in cands:
-            q = c.pending_tokens * req.prefill_s_per_token + c.pending_requests * self.overhead_s
-            q = max(0.0, q - c.pending_elapsed_s) + expected * c.expected_wait_s
-            q += max(0, c.inflight - c.pending_requests) * self.running_s
+        per_token, overhead, running = req.prefill_s_per_token, self.overhead_s, self.running_s
+        prefill = req.prefill_s
+        for c in cands:  # max(0, x) written out: this runs for every candidate of every decision
+            n = c.pending_requests
+            q = c.pending_tokens * per_token + n * overhead - c.pending_elapsed_s
+            q = (q if q > 0.0 else 0.0) + expected * c.expected_wait_s
+            if c.inflight > n:
+                q += (c.inflight - n) * running
             if c.metrics is not None:
-                own = c.pending_requests if c.scrape_pending is None else c.scrape_pending
-                q += max(0.0, c.metrics.waiting - own) * req.prefill_s
+                foreign = c.metrics.waiting - (n if c.scrape_pending is None else c.scrape_pending)
+                if foreign > 0.0:
+                    q += foreign * prefill
             out.append(-q)
         return out
 
@@ -207,9 +213,10 @@ class MaxScorePicker:
 
     def pick(self, req: SchedulingRequest, cands: Sequence[Candidate],
              scores: Sequence[float]) -> list[Candidate]:
-        order = sorted(range(len(cands)),
-                       key=lambda i: (-round(scores[i], 9), cands[i].inflight, self._rng.random()))
-        return [cands[i] for i in order[: 1 + self.fallbacks]]
+        rnd = self._rng.random  # one draw per candidate, in candidate order: ties break the same way always
+        keys = [(-round(s, 9), c.inflight, rnd()) for s, c in zip(scores, cands, strict=True)]
+        best = heapq.nsmallest(1 + self.fallbacks, range(len(cands)), key=keys.__getitem__)
+        return [cands[i] for i in best]
 
 
 @register("random-picker", "picker")

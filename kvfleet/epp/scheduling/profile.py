@@ -62,8 +62,7 @@ class Profile:
                 return Ranked((), ())
         totals = [0.0] * len(alive)
         for weight, scorer in self.scorers:
-            for i, s in enumerate(scorer.score(req, alive)):
-                totals[i] += weight * s
+            totals = [t + weight * s for t, s in zip(totals, scorer.score(req, alive), strict=True)]
         order = self.picker.pick(req, alive, totals)
         if order:
             for hook in self.hooks:

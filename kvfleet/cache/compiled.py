@@ -1,0 +1,23 @@
+"""kvfleet's compiled parts (plain C, no Python API, built by ``pip install``: ``setup.py``), loaded with
+ctypes. There is no Python version of any of them: a kvfleet installed without its compiled parts fails at
+import, with the way to build them."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+from pathlib import Path
+
+
+def load(here: Path, stem: str, what: str) -> ctypes.CDLL:
+    """The shared library ``stem`` (``_probe``, ``_digest``...) built next to the module in ``here``; ``what``
+    names it in the error when it is missing."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{stem}{suffix}"
+        if path.exists():
+            return ctypes.CDLL(str(path))
+    raise ImportError(
+        f"kvfleet's compiled {what} ({stem}*.so) is not in {here}: kvfleet was not built from its "
+        "sources here. Install it with pip (`pip install -e .` in a checkout, or `make venv`); the build "
+        "needs a C compiler: `cc`, or zig's from the ziglang package on PyPI, CC='ZIG cc' LDSHARED='ZIG cc "
+        "-shared' with ZIG the `zig` binary in the ziglang package's directory (what `make venv` does)")

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvfleet.cache.hashing import BlockKeys
 from kvfleet.cache.tiers import Tier
 from kvfleet.epp.reuse import ReuseTracker
 from kvfleet.epp.speculative import Lease, spec_positions
@@ -80,6 +81,14 @@ class PodMatch:
     weighted: float = 0.0
     speculative: int = 0
     picked: int = 0
+
+
+def sampled_keys(keys: Sequence[int], positions: Sequence[int]) -> list[int]:
+    """``keys`` at ``positions`` (one array read for a :class:`~kvfleet.cache.hashing.BlockKeys`)."""
+    if isinstance(keys, BlockKeys):
+        out: list[int] = keys.u64[positions].tolist()
+        return out
+    return [keys[i] for i in positions]
 
 
 class BlockIndex:
@@ -246,7 +255,7 @@ class BlockIndex:
         every entry still held by this pick at once (a later pick of the same key takes the entry over).
         Beyond ``max_speculative`` entries, expired picks and then the oldest picks are dropped.
         """
-        sampled = [keys[i] for i in spec_positions(len(keys))]
+        sampled = sampled_keys(keys, spec_positions(len(keys)))
         lease = self.add_speculative_sampled(pod, sampled, ttl_s, now, len(keys))
         if self.on_pick is not None:
             self.on_pick(pod, sampled, len(keys))
@@ -415,16 +424,19 @@ class BlockIndex:
         if first is None:
             return out
         wanted = {p: i for i, p in enumerate(names)}
+        rows: list[dict[str, Lease] | None] = []  # the entries at each sampled position, read once
         for pod, held in first.items():  # the few pods holding the first position, not every candidate
             i = wanted.get(pod)
             if i is None or held.expiry <= t:
                 continue
+            if not rows:
+                rows = list(map(self._spec.get, sampled_keys(keys, positions)))
             # one pick stores a whole prefix, so "held at position i" is (nearly) monotone in i:
             # binary search for the last sampled position the pod holds
             lo, hi = 0, len(positions) - 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                spec = self._spec.get(keys[positions[mid]])
+                spec = rows[mid]
                 lease = None if spec is None else spec.get(pod)
                 if lease is not None and lease.expiry > t:
                     lo = mid

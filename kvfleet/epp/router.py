@@ -95,7 +95,7 @@ class Router:
         """The scheduling profile with the pool's routing weights applied (prefix and load scorers scaled)."""
         return self.scheduler.profile_for(cache)
 
-    def keys_of(self, tokens: np.ndarray, cache_salt: str | None, pool: Pool | None = None) -> list[int]:
+    def keys_of(self, tokens: np.ndarray, cache_salt: str | None, pool: Pool | None = None) -> Sequence[int]:
         return self.director.keys_of(tokens, cache_salt, pool)
 
     def serving_pools(self, model: str) -> list[Pool]:

@@ -144,10 +144,16 @@ def test_extra_keys_follow_the_documented_digest() -> None:
     assert hashes_as_ints(h.hash_tokens(tokens, extra_keys=extras)) == want
 
 
-def test_block_keys_carry_their_array() -> None:
-    from kvfleet.cache.hashing import BlockKeys
+def test_block_keys_read_as_ints_from_their_array() -> None:
+    from kvfleet.cache.hashing import BlockKeys, block_keys
 
-    keys = hashes_as_ints(BlockHasher(block_size=4).hash_tokens(range(40)))
-    assert isinstance(keys, BlockKeys) and len(keys) == 10
-    assert keys.u64.dtype == np.uint64 and keys.u64.tolist() == list(keys)
-    assert type(keys[2:5]) is list  # a slice is a plain list: no array to fall out of step with
+    hashes = BlockHasher(block_size=4).hash_tokens(range(40))
+    keys = block_keys(hashes)
+    ints = hashes_as_ints(hashes)
+    assert isinstance(keys, BlockKeys) and keys.u64 is hashes and len(keys) == 10
+    assert keys == ints and ints == list(keys) and keys != ints[:-1] and keys != "x"
+    assert keys[3] == ints[3] and type(keys[3]) is int and keys[-1] == ints[-1]
+    assert keys[2:5] == ints[2:5] and type(keys[2:5]) is list
+    with pytest.raises(IndexError):
+        keys[10]
+    assert type(block_keys(BlockHasher(block_size=4, algo="sha256_cbor").hash_tokens(range(8)))) is list

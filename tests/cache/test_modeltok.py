@@ -137,3 +137,16 @@ def test_piecewise_encoding_equals_the_whole_encoding(tok: ModelTokenizer) -> No
             reply = "".join(rng.choices(alphabet, k=rng.randint(0, 200)))
             msgs.append({"role": "assistant", "content": reply})
     assert tok.piece_hits > hits  # the earlier turns' pieces were reused
+
+
+@pytest.mark.parametrize("name", builtin_names())
+@pytest.mark.parametrize("special", [True, False])
+def test_the_offset_free_encoding_gives_the_plain_encodings_ids(name: str, special: bool) -> None:
+    """The ids come from ``encode_batch_fast`` (no character offsets) where the release has it: the same ids
+    as ``encode``, special tokens, whitespace and non-ASCII text included."""
+    tok = load_model_tokenizer(f"builtin:{name}")
+    assert tok._fast is not None  # the release pinned here has it: the path under test is the fast one
+    texts = ["", " ", "Hello there", "héllo <|im_end|> wörld\n\n  \t", "</s><s>[INST] x [/INST]",
+             "数据 " * 50 + "tail", "a" * 5000]
+    for text in texts:
+        assert tok._ids(text, special).tolist() == tok._tok.encode(text, add_special_tokens=special).ids

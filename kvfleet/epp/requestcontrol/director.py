@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import xxhash
 
-from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
+from kvfleet.cache.hashing import BlockHasher, block_keys
 from kvfleet.cache.tokens import salt_extra_keys
 from kvfleet.config.cache import CacheSettings
 from kvfleet.config.epp import EppSettings
@@ -145,9 +145,9 @@ class Director:
             h = self._hashers[key] = BlockHasher(*key)
         return h
 
-    def keys_of(self, tokens: np.ndarray, cache_salt: str | None, pool: Pool | None = None) -> list[int]:
+    def keys_of(self, tokens: np.ndarray, cache_salt: str | None, pool: Pool | None = None) -> Sequence[int]:
         hasher = self.hasher_for(pool)
-        return hashes_as_ints(hasher.hash_tokens(tokens, extra_keys=salt_extra_keys(cache_salt)))
+        return block_keys(hasher.hash_tokens(tokens, extra_keys=salt_extra_keys(cache_salt)))
 
     # --- the request --------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ came and went, so the event subscriber and metrics scraper follow.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -125,7 +126,7 @@ class Pool:
     pods: tuple[Pod, ...] = field(default_factory=tuple)
     cache: PoolCache = field(default_factory=PoolCache)
 
-    @property
+    @functools.cached_property
     def disaggregated(self) -> bool:
         roles = {p.role for p in self.pods}
         return "prefill" in roles and "decode" in roles

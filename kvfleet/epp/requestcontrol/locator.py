@@ -37,6 +37,8 @@ class Locator:
         self.datastore = datastore
         self.metrics = metrics
         self.tracker = tracker
+        #: each pool's shard groups, by the pool object's identity (a pool that changes is a new object)
+        self._groups: dict[int, tuple[Pool, list[Pool]]] = {}
 
     def serving_pools(self, model: str) -> list[Pool]:
         """The pools serving ``model`` (a pool without models serves every model)."""
@@ -69,18 +71,32 @@ class Locator:
                 return pool
         raise NoEndpointError(f"no ready endpoint for model {model!r}")
 
-    def shards(self, model: str, shard: int, pool: Pool, allowed: set[str] | None) -> list[Group]:
-        """Level 1 inside the invoked pool: the prefix shard (pod subset) the shard key picks, spilling
-        past saturated shards, or, with ``prefix_shard_pools: false``, every shard with a ready pod (one
-        flat scheduling cycle: what a plain load balancer does, the baselines)."""
+    def _shard_groups(self, pool: Pool) -> list[Pool]:
+        """``pool``'s prefix shards as pools of their pods, in shard order."""
+        got = self._groups.get(id(pool))
+        if got is not None and got[0] is pool:
+            return got[1]
         by_shard: dict[str, list[Pod]] = {}
         for p in pool.pods:
             by_shard.setdefault(p.shard, []).append(p)
         groups = [Pool(name=f"{pool.name}/{k}" if k else pool.name, models=pool.models, pods=tuple(v))
                   for k, v in sorted(by_shard.items())]
+        if len(self._groups) >= 256:  # pools replaced many times over: start again
+            self._groups.clear()
+        self._groups[id(pool)] = (pool, groups)
+        return groups
+
+    def shards(self, model: str, shard: int, pool: Pool, allowed: set[str] | None) -> list[Group]:
+        """Level 1 inside the invoked pool: the prefix shard (pod subset) the shard key picks, spilling
+        past saturated shards, or, with ``prefix_shard_pools: false``, every shard with a ready pod (one
+        flat scheduling cycle: what a plain load balancer does, the baselines)."""
+        groups = self._shard_groups(pool)
         ready: list[Group] = []
-        for g in rendezvous_rank(shard, groups) if self.settings.prefix_shard_pools else groups:
-            pods = [p for p in g.pods if self.up(p) and (allowed is None or p.endpoint in allowed)]
+        down = self.metrics.down
+        ranked = self.settings.prefix_shard_pools and len(groups) > 1
+        for g in rendezvous_rank(shard, groups) if ranked else groups:
+            pods = [p for p in g.pods
+                    if p.ready and not down(p.name) and (allowed is None or p.endpoint in allowed)]
             if pods:
                 ready.append((g, pods))
         if not ready:

@@ -170,14 +170,24 @@ class PrefixAffinityScorer:
 
     def __init__(self, params: Mapping[str, float]) -> None:
         self.affinity_s = float(params.get("affinity_s", 0.02))
+        #: (shard, candidate names) → the position ranking first (a prefix family's requests repeat a shard)
+        self._top: dict[tuple[int, tuple[str, ...]], int] = {}
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         if not cands:
             return []
-        seed = req.shard & 0xFFFFFFFFFFFFFFFF
-        ranks = [xxhash.xxh3_64_intdigest(c.pod.name.encode(), seed=seed) for c in cands]
-        top = max(range(len(cands)), key=ranks.__getitem__)
-        return [self.affinity_s if i == top else 0.0 for i in range(len(cands))]
+        names = tuple(c.pod.name for c in cands)
+        top = self._top.get((req.shard, names))
+        if top is None:
+            seed = req.shard & 0xFFFFFFFFFFFFFFFF
+            ranks = [xxhash.xxh3_64_intdigest(n.encode(), seed=seed) for n in names]
+            top = max(range(len(cands)), key=ranks.__getitem__)
+            if len(self._top) >= 4096:
+                self._top.clear()
+            self._top[req.shard, names] = top
+        out = [0.0] * len(cands)
+        out[top] = self.affinity_s
+        return out
 
 
 @register("kv-cache-utilization-scorer", "scorer")

@@ -162,6 +162,7 @@ class Engines:
     def __init__(self, stack: ProcessStack, args: argparse.Namespace) -> None:
         self.stack, self.args = stack, args
         self.pods: list[PodSpec] = plan_pods(args.pods, 1, 0)
+        self.engine_children: list[Child] = []
 
     def start_engines(self) -> None:
         for p in self.pods:
@@ -171,6 +172,7 @@ class Engines:
             child = self.stack.spawn_kvfleet(p.name, ["engine", "--config", str(path), "--log-level",
                                                       "WARNING"], engine_env(self.stack.transfer_secret))
             self.stack.wait_http(child, f"http://127.0.0.1:{p.port}/health", timeout_s=60)
+            self.engine_children.append(child)
 
     def reset(self) -> None:
         for p in self.pods:

@@ -17,6 +17,9 @@ to the first streamed chunk) of each, and ``live_replicas3_hit_vs_1``, ``live_re
 The control (``--no-control`` skips it): three replicas running as above but Envoy sending every stream to
 one of them, ``live_replicas3_serving1_p*_vs_1``: what two more EPP processes (their KV-event ingestion,
 scrapes and gossip) cost the TTFT on these shared cores whoever routes; the rest of the gap is routing.
+Where the CPU goes, per phase: CPU ms per request of the serving EPPs, Envoy and the engines
+(``{workload}_epp_cpu_ms_per_request_1`` / ``_3``: the routing's own cost, all replicas summed), and in the
+control each idle replica's share of a core (``{workload}_idle_epp_core_share``).
 Rounds alternate 1 then 3, then 3 then 1 (``--reps``). Last line: one JSON object.
 """
 
@@ -32,7 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench._live import MODEL, TOKENIZER, Engines, Result, drive, pct, scripts, system_prompts
+from bench._live import MODEL, TOKENIZER, Engines, Result, cpu_s, drive, pct, scripts, system_prompts
 from kvfleet.demo.envoy import envoy_binary
 from kvfleet.demo.stack import Child, ProcessStack, free_port, pods_file, write_yaml
 from kvfleet.epp.envoy import write_bootstrap
@@ -41,6 +44,10 @@ Work = list[list[list[str]]]
 
 
 class Bench(Engines):
+    #: the running gateway's EPP processes (Envoy's ext_proc cluster first) and Envoy
+    epps: list[Child]
+    envoy: Child
+
     @contextmanager
     def gateway(self, replicas: int, serving: int = 0) -> Iterator[str]:
         """Envoy in front of ``replicas`` EPP processes (gossiping when more than one); with ``serving``,
@@ -69,20 +76,36 @@ class Bench(Engines):
             children.append(envoy)
             self.stack.wait_http(envoy, f"http://127.0.0.1:{admin}/ready", timeout_s=60)
             time.sleep(1.0)  # every replica connected to every engine's KV events, gossip peers found
+            self.epps, self.envoy = children[:-1], envoy
             yield f"http://127.0.0.1:{listen}/v1/chat/completions"
         finally:
             self.stop(*reversed(children))
 
     def phase(self, replicas: int, name: str, work: Work, warm: Work, serving: int = 0) -> Result:
+        """One workload through ``replicas`` EPPs; the result's ``cpu``: CPU seconds over the measured drive
+        of the EPPs Envoy sends streams to (``epp_serving``), of those it does not (``epp_idle``, the
+        control), of Envoy and of the engines, and its wall seconds."""
         with self.gateway(replicas, serving) as url:
             asyncio.run(drive(url, warm))
             self.reset()
             time.sleep(0.5)
+            n = serving or replicas
+            procs = {"epp_serving": self.epps[:n], "epp_idle": self.epps[n:], "envoy": [self.envoy],
+                     "engines": self.engine_children}
+            c0 = {k: sum(cpu_s(c.proc.pid) for c in v) for k, v in procs.items()}
+            t0 = time.monotonic()
             res = asyncio.run(drive(url, work))
+            res.cpu = {k: sum(cpu_s(c.proc.pid) for c in v) - c0[k] for k, v in procs.items()}
+            res.cpu["wall"] = time.monotonic() - t0
         label = f"{replicas} EPP" + (f" ({serving} serving)" if serving else "")
+        per = 1e3 / max(1, res.requests)
+        idle = (f", each idle EPP {res.cpu['epp_idle'] / (replicas - serving) / res.cpu['wall'] * 100:.0f} % "
+                "of a core" if serving else "")
         print(f"{name:9s} {label}: {res.requests} requests ({res.failed} failed); TTFT p50 "
               f"{pct(res.ttft, 50) * 1e3:.0f} ms, p90 {pct(res.ttft, 90) * 1e3:.0f} ms, p99 "
-              f"{pct(res.ttft, 99) * 1e3:.0f} ms; hit {res.hit:.3f}",
+              f"{pct(res.ttft, 99) * 1e3:.0f} ms; hit {res.hit:.3f}; CPU ms per request: serving EPPs "
+              f"{res.cpu['epp_serving'] * per:.1f}, Envoy {res.cpu['envoy'] * per:.1f}, engines "
+              f"{res.cpu['engines'] * per:.1f}{idle}",
               flush=True)
         return res
 
@@ -132,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             out[f"{name}_ttft_p{q}_ms_3"] = round(pct(three.ttft, q) * 1e3, 1)
         out[f"{name}_hit_1"], out[f"{name}_hit_3"] = round(hit1, 4), round(hit3, 4)
         out[f"{name}_requests"] = one.requests // reps
+        for tag in ("1", "3"):  # every serving EPP's CPU per request: what the routing costs
+            runs = results[(name, int(tag))]
+            cpu = sum(r.cpu["epp_serving"] for r in runs) / max(1, sum(r.requests for r in runs))
+            out[f"{name}_epp_cpu_ms_per_request_{tag}"] = round(cpu * 1e3, 2)
         print(f"{name}: 3 replicas / 1: hit {ratios['hit']:.3f}, TTFT p50 {ratios['p50']:.2f}, "
               f"p90 {ratios['p90']:.2f}, p99 {ratios['p99']:.2f}")
         if (name, 0) in results:
@@ -141,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
                 control[key] = max(control[key], v)
             print(f"{name}: control, 3 replicas with 1 serving / 1: hit {ctl.hit / max(1e-9, hit1):.3f}, "
                   f"TTFT p50 {cr['p50']:.2f}, p90 {cr['p90']:.2f}, p99 {cr['p99']:.2f}")
+            runs = results[(name, 0)]
+            idle = sum(r.cpu["epp_idle"] for r in runs) / (2 * sum(r.cpu["wall"] for r in runs))
+            out[f"{name}_idle_epp_core_share"] = round(idle, 3)
         worst["hit"] = min(worst["hit"], ratios["hit"])
         for key in ("p50", "p90", "p99"):
             worst[key] = max(worst[key], ratios[key])

@@ -18,8 +18,9 @@ socket and subscribes to its peers':
 A replica that sends nothing for :data:`SILENT_S` (it sends an empty message every :data:`HEARTBEAT_S`) is
 gone: its tickets are closed. A restarted replica has a new id, so its predecessor's tickets go the same way.
 
-Wire, one message per pick (with the ticket changes queued before it) or per batch of up to
-:data:`BATCH_TICKETS` ticket changes: ``[payload]`` or, with a secret, ``[payload, HMAC-SHA256(secret,
+Wire, one message per batch of what was queued when the gossip thread woke (picks and ticket changes, up
+to :data:`BATCH_BYTES` of payload and :data:`BATCH_TICKETS` ticket changes; a receiver applies a message's
+ticket changes, then its picks): ``[payload]`` or, with a secret, ``[payload, HMAC-SHA256(secret,
 payload)]``; ``payload`` is msgpack :class:`Message` ``[VERSION, replica id, [picks], [ticket changes]]``.
 The port is a boundary like any other. A whole message is dropped and counted
 (``kvfleet_epp_gossip_messages_total{direction="in",result}``) if larger than :data:`MAX_BYTES`,
@@ -64,9 +65,13 @@ VERSION = 2
 MAX_KEYS = 4096
 MAX_BYTES = 64 * 1024
 BATCH_TICKETS = 256
+#: a message's payload is kept under this (estimated: :func:`_wire_bytes`), half of :data:`MAX_BYTES`
+BATCH_BYTES = MAX_BYTES // 2
 REFRESH_S = 10.0
 HEARTBEAT_S = 1.0
 SILENT_S = 5.0
+#: after a wake-up, the gossip thread waits this long for more before it sends and applies what came
+COALESCE_S = 0.002
 MAX_TOKENS = 1e9
 _TAG = 32
 EVENTS: tuple[TicketEvent, ...] = get_args(TicketEvent)
@@ -96,6 +101,14 @@ class Message(msgspec.Struct, array_like=True, frozen=True):
     replica: str
     picks: list[Pick]
     tickets: list[TicketChange]
+
+
+def _wire_bytes(item: Pick | TicketChange) -> int:
+    """At most the msgpack bytes of ``item`` (9 per integer, names as ASCII: :data:`BATCH_BYTES` leaves the
+    margin)."""
+    if isinstance(item, Pick):
+        return 24 + len(item.pod) + 9 * len(item.keys)
+    return 42 + sum(5 + len(p) for p in item.pods)
 
 
 def resolve(peers: Sequence[str]) -> set[str]:
@@ -234,6 +247,11 @@ class ReplicaGossip:
                     self._forget_silent(now)
                     next_beat = now + HEARTBEAT_S
                 ready = dict(poller.poll(int(HEARTBEAT_S * 1000)))
+                # let what follows the first message or pick arrive before handling any: one wake-up per
+                # window instead of one per message (a wake-up cost a replica more than applying its peer's
+                # pick and tickets: ≈ 0.15 against 0.07 ms per request routed elsewhere)
+                if ready:
+                    time.sleep(COALESCE_S)
                 if self._wake_r in ready:
                     try:
                         while os.read(self._wake_r, 4096):
@@ -277,22 +295,28 @@ class ReplicaGossip:
                          replica, SILENT_S, n)
 
     def _drain(self, pub: zmq.Socket[bytes]) -> None:
+        """Send what is queued, as few messages as fit: a receiving replica pays a wake-up, a decode and a
+        check per message (one message per pick cost an idle replica ≈ 2 wake-ups per request routed by its
+        peers)."""
+        picks: list[Pick] = []
         tickets: list[TicketChange] = []
+        size = 0
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
+            cost = _wire_bytes(item)
+            if (picks or tickets) and (size + cost > BATCH_BYTES or len(tickets) >= BATCH_TICKETS):
+                self._send(pub, picks, tickets)
+                picks, tickets, size = [], [], 0
             if isinstance(item, Pick):
-                self._send(pub, [item], tickets)
-                tickets = []
+                picks.append(item)
             else:
                 tickets.append(item)
-                if len(tickets) >= BATCH_TICKETS:
-                    self._send(pub, [], tickets)
-                    tickets = []
-        if tickets:
-            self._send(pub, [], tickets)
+            size += cost
+        if picks or tickets:
+            self._send(pub, picks, tickets)
 
     def _send(self, pub: zmq.Socket[bytes], picks: list[Pick], tickets: list[TicketChange]) -> None:
         payload = self._encoder.encode(Message(VERSION, self.replica, picks, tickets))

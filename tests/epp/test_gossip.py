@@ -236,6 +236,35 @@ class TestBoundary:
         assert g.picks_out["dropped"] == 1 and g.tickets_out["dropped"] == 1
 
 
+    def test_queued_changes_go_out_in_few_messages_that_each_fit(self) -> None:
+        """What is queued when the gossip thread wakes leaves as few messages as fit under the size bound (a
+        receiver pays per message); a pick of the most keys allowed still fits alone; order is kept."""
+        g = ReplicaGossip(BlockIndex(), host="127.0.0.1", port=0, peers=(), ttl_s=5.0,
+                          known_pod=lambda p: True, replica="me")
+        tracker = InflightTracker()
+        tracker.on_ticket = g.publish_ticket
+        for i in range(40):
+            g.publish(f"pod-{i % 3}", list(range(i, i + 77)), 1000)
+            tracker.open((f"pod-{i % 3}",), i, 10.0).close()
+        g.publish("pod-0", list(range(MAX_KEYS)), MAX_KEYS)
+
+        class Pub:
+            def __init__(self) -> None:
+                self.sent: list[list[bytes]] = []
+
+            def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+                self.sent.append(frames)
+
+        pub = Pub()
+        g._drain(pub)  # type: ignore[arg-type]
+        msgs = [msgspec.msgpack.decode(f[0], type=gossip_mod.Message) for f in pub.sent]
+        assert 2 <= len(msgs) <= 3 and all(len(f[0]) <= MAX_BYTES for f in pub.sent)
+        picks = [p for m in msgs for p in m.picks]
+        assert [p.keys[0] for p in picks] == [*range(40), 0] and len(picks[-1].keys) == MAX_KEYS
+        events = [(t.event, t.tid) for m in msgs for t in m.tickets]
+        assert len(events) == 120 and events == sorted(events, key=lambda e: e[1])
+        assert g.picks_out["sent"] == 41 and g.tickets_out["sent"] == 120
+
 def test_peer_names_resolve_to_every_address() -> None:
     assert resolve(["127.0.0.1:7100", "localhost:7101", "no-such-host.invalid:7102", "[::1]:7103"]) >= {
         "tcp://127.0.0.1:7100", "tcp://127.0.0.1:7101"}

@@ -3,7 +3,11 @@
 Names read (vLLM's): ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
 ``vllm:kv_cache_usage_perc`` (0..1; older vLLM: ``vllm:gpu_cache_usage_perc``),
 ``vllm:cache_config_info`` (label ``block_size``, ``num_gpu_blocks``). Series
-with several label sets are summed (gauges) or the max taken (usage).
+with several label sets are summed (gauges) or the max taken (usage). Only those
+families' lines reach the exposition parser: a vLLM endpoint publishes hundreds
+of histogram lines the picker never reads, and parsing them all cost ≈ 1.7 ms
+per scrape of a 125-line page (every pod, every 0.5 s, in every replica); a
+malformed line of another family no longer spoils the scrape.
 
 Staleness: :meth:`MetricsStore.get` returns ``None`` for a pod whose last good
 scrape is older than ``staleness_s``; the scorers then fall back to the
@@ -22,6 +26,7 @@ static pods file); on Kubernetes the pod's Ready condition applies as well.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import urllib.request
@@ -52,12 +57,21 @@ def gpu_capacity(pm: PodMetrics | None, block_size: int) -> int | None:
     return pm.num_gpu_blocks * pm.block_size // block_size
 
 
+#: the families read; each of their lines is kept: samples, ``# HELP``, ``# TYPE`` (a name ends at ``{``,
+#: space or tab)
+READ = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc", "vllm:cache_config_info")
+_READ_LINES = re.compile(r"^(?:# (?:HELP|TYPE)[ \t]+)?(?:" + "|".join(map(re.escape, READ)) + r")[ \t{].*$",
+                         re.MULTILINE)
+
+
 def parse_metrics(text: str, now: float) -> PodMetrics:
     waiting = running = 0.0
     usage = 0.0
     block_size: int | None = None
     blocks: int | None = None
-    for fam in text_string_to_metric_families(text):
+    wanted = "\n".join(_READ_LINES.findall(text))
+    for fam in text_string_to_metric_families(wanted + "\n" if wanted else ""):
         for s in fam.samples:
             if s.name == "vllm:num_requests_waiting":
                 waiting += s.value

@@ -107,6 +107,27 @@ class TestPodMetrics:
         m = parse_metrics(self.TEXT, now=1.0)
         assert (m.waiting, m.running, m.kv_usage, m.block_size, m.num_gpu_blocks) == (3, 5, 0.42, 16, 2048)
 
+    def test_only_the_families_read_are_parsed(self) -> None:
+        """Around the families read: a histogram, names that start like theirs, a malformed line of another
+        family, HELP text, CRLF. The gauges read the same as alone; the names that merely start alike are
+        not summed in; the malformed line does not spoil the scrape. A malformed line of a family read
+        still does."""
+        noise = (
+            "# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.\n"
+            "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+            + "".join(f'vllm:e2e_request_latency_seconds_bucket{{le="{b}",model_name="m"}} {i}\n'
+                      for i, b in enumerate(("0.3", "0.5", "+Inf")))
+            + "vllm:num_requests_waiting_by_reason{reason=\"capacity\"} 40\r\n"
+            "vllm:num_requests_running_total 9\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting (gauge).\n"
+            "some_other_family{broken 1 2 3\n"
+        )
+        m = parse_metrics(noise + self.TEXT + noise, now=1.0)
+        assert (m.waiting, m.running, m.kv_usage, m.block_size, m.num_gpu_blocks) == (3, 5, 0.42, 16, 2048)
+        assert parse_metrics(noise, now=1.0) == PodMetrics(scraped_at=1.0)
+        with pytest.raises(ValueError):
+            parse_metrics(self.TEXT + 'vllm:num_requests_running{model_name="m" 5\n', now=1.0)
+
     def test_stale_metrics_are_not_used(self) -> None:
         """Old data neither pins a pod as idle nor as saturated: past the threshold it reads as unknown."""
         now = [10.0]

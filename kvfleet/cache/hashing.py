@@ -7,10 +7,9 @@ hashes mean equal prefixes. Two algorithms, chosen by name:
 ``xxh3_64`` (default)
     64-bit, fast, computed over a whole prompt at once. Each block's content
     digest is ``c_i = xxh3_64(tokens_i as little-endian uint32 [‖ cbor(extra_i)])``
-    (one compiled call for all blocks: :mod:`kvfleet.cache.digest`); the chain is a polynomial
-    state ``s_i = P·s_{i-1} + c_i (mod 2^64)``, evaluated for all blocks with one
-    vectorised prefix sum (``s_i = P^i·(P·s_root + Σ_j c_j·P^-j)``), and the
-    published hash is ``h_i = fmix64(s_i)``, MurmurHash3's bijective finaliser.
+    and the chain, a polynomial state ``s_i = P·s_{i-1} + c_i (mod 2^64)`` whose
+    published hash is ``h_i = fmix64(s_i)``, MurmurHash3's bijective finaliser,
+    are one compiled pass over the prompt (:mod:`kvfleet.cache.digest`).
     Because ``fmix64`` is invertible, ``h_i`` is a function of ``h_{i-1}`` and
     the block alone, so a chain resumes from any parent hash.
 
@@ -39,18 +38,15 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from kvfleet.cache.digest import digest_rows
+from kvfleet.cache.digest import chain, digest_chain, digest_rows
 from kvfleet.cache.errors import UnknownAlgorithmError
 
 #: A block hash: a 64-bit unsigned int (``xxh3_64``) or 32 bytes (``sha256_cbor``).
 BlockHash = int | bytes
 
 _MASK = (1 << 64) - 1
-_P = 0x9E3779B97F4A7C15  # odd, so invertible mod 2^64
-_P_INV = pow(_P, -1, 1 << 64)
 _C1, _C2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
 _C1_INV, _C2_INV = pow(_C1, -1, 1 << 64), pow(_C2, -1, 1 << 64)
-_U33 = np.uint64(33)
 
 
 def fmix64(x: int) -> int:
@@ -76,35 +72,6 @@ def fmix64_inverse(h: int) -> int:
     x = (x * _C1_INV) & _MASK
     return _unxorshift33(x)
 
-
-def _fmix64_vec(s: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    s = s ^ (s >> _U33)
-    s *= np.uint64(_C1)
-    s ^= s >> _U33
-    s *= np.uint64(_C2)
-    s ^= s >> _U33
-    return s
-
-
-class _Powers:
-    """Cached tables of P^i and P^-i mod 2^64 (grown on demand)."""
-
-    def __init__(self) -> None:
-        self.pos = np.ones(1, dtype=np.uint64)
-        self.neg = np.ones(1, dtype=np.uint64)
-
-    def get(self, n: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-        if n > len(self.pos):
-            size = max(n, 2 * len(self.pos), 1024)
-            with np.errstate(over="ignore"):
-                self.pos = np.concatenate(
-                    ([np.uint64(1)], np.cumprod(np.full(size - 1, _P, dtype=np.uint64))))
-                self.neg = np.concatenate(
-                    ([np.uint64(1)], np.cumprod(np.full(size - 1, _P_INV, dtype=np.uint64))))
-        return self.pos[:n], self.neg[:n]
-
-
-_POWERS = _Powers()
 
 ExtraKeys = Sequence[Any | None] | None
 """Per-block extra keys (e.g. the cache salt on block 0, LoRA name): ``extra[i]`` for block ``i``."""
@@ -151,19 +118,16 @@ class Xxh3Chain:
         if not isinstance(parent, int):
             raise TypeError("xxh3_64 chains continue from an int parent hash")
         words = np.ascontiguousarray(tokens[: n * block_size], dtype="<u4")
-        digests = digest_rows(words.view(np.uint8).reshape(n, 4 * block_size))
-        if extra_keys:  # the blocks with extra keys (a cache salt on block 0, LoRA...): their digest again
-            for i, extra in enumerate(extra_keys[:n]):
-                if extra is not None:
-                    block = words[i * block_size : (i + 1) * block_size].tobytes()
-                    digests[i] = xxhash.xxh3_64_intdigest(block + cbor2.dumps(extra, canonical=True))
-        pos, neg = _POWERS.get(n)
-        s0 = (fmix64_inverse(parent) * _P) & _MASK
-        with np.errstate(over="ignore"):
-            acc = np.cumsum(digests * neg, dtype=np.uint64)
-            acc += np.uint64(s0)
-            state = acc * pos
-        return _fmix64_vec(state)
+        rows = words.view(np.uint8).reshape(n, 4 * block_size)
+        state = fmix64_inverse(parent)
+        if not extra_keys or all(e is None for e in extra_keys[:n]):
+            return digest_chain(rows, state)
+        digests = digest_rows(rows)
+        for i, extra in enumerate(extra_keys[:n]):  # a cache salt on block 0, LoRA...: their digest again
+            if extra is not None:
+                block = words[i * block_size : (i + 1) * block_size].tobytes()
+                digests[i] = xxhash.xxh3_64_intdigest(block + cbor2.dumps(extra, canonical=True))
+        return chain(digests, state)
 
 
 class Sha256CborChain:

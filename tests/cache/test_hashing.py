@@ -123,6 +123,33 @@ def test_compiled_block_digests_equal_the_xxhash_package(row: int) -> None:
         digest_rows(rows[:, ::2])
 
 
+@pytest.mark.parametrize("extra", [False, True])
+def test_compiled_chain_is_the_documented_recurrence(extra: bool) -> None:
+    """The compiled chain (one pass: digest, ``s_i = P·s_{i-1} + c_i mod 2^64``, ``fmix64``) equals the module
+    doc's recurrence computed here with Python integers, from a root and from an arbitrary parent, with and
+    without extra keys (which take the digest-then-chain path)."""
+    import cbor2
+    import xxhash
+
+    from kvfleet.cache.hashing import Xxh3Chain, fmix64, fmix64_inverse
+
+    rng = np.random.default_rng(7)
+    for block_size in (1, 16, 64):
+        tokens = rng.integers(0, 2**32, 37 * block_size, dtype=np.uint32)
+        root = Xxh3Chain().root("vllm-none-hash")
+        assert isinstance(root, int)
+        for parent in (root, int(rng.integers(0, 2**63)) * 2 + 1):
+            keys = [("salt",) if i in (0, 5) else None for i in range(37)] if extra else None
+            state, want = fmix64_inverse(parent), []
+            for i in range(37):
+                block = tokens[i * block_size:(i + 1) * block_size].astype("<u4").tobytes()
+                if keys is not None and keys[i] is not None:
+                    block += cbor2.dumps(keys[i], canonical=True)
+                state = (state * 0x9E3779B97F4A7C15 + xxhash.xxh3_64_intdigest(block)) % 2**64
+                want.append(fmix64(state))
+            assert Xxh3Chain().chain(tokens, block_size, parent, keys).tolist() == want
+
+
 def test_extra_keys_follow_the_documented_digest() -> None:
     """A block with extra keys digests its tokens ‖ cbor(extra); the blocks without keep the compiled
     digest."""

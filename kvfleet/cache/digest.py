@@ -23,6 +23,11 @@ lib.kv_digest_chain.argtypes = [_P, _I64, _I64, _U64, _P]
 lib.kv_digest_chain.restype = None
 
 
+def _rows(rows: npt.NDArray[np.uint8]) -> None:
+    if rows.ndim != 2 or rows.dtype != np.uint8 or not rows.flags.c_contiguous:
+        raise ValueError("the rows must be a C-contiguous 2-D uint8 array")
+
+
 def digest_rows(rows: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint64]:
     """``xxh3_64`` (seed 0) of each row of a C-contiguous 2-D ``uint8`` array."""
     _rows(rows)
@@ -30,11 +35,6 @@ def digest_rows(rows: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint64]:
     if rows.shape[0]:
         lib.kv_digest_rows(rows.ctypes.data, rows.shape[0], rows.shape[1], out.ctypes.data)
     return out
-
-
-def _rows(rows: npt.NDArray[np.uint8]) -> None:
-    if rows.ndim != 2 or rows.dtype != np.uint8 or not rows.flags.c_contiguous:
-        raise ValueError("the rows must be a C-contiguous 2-D uint8 array")
 
 
 def chain(digests: npt.NDArray[np.uint64], state: int) -> npt.NDArray[np.uint64]:

@@ -158,7 +158,7 @@ class _StateCollector(Collector):
             # the pods the picker would pick, as a dead engine stops counting at once, not when its Pod does
             up = sum(1 for p in pool.pods if p.ready and not self.store.down(p.name))
             ready.add_metric([pool.name], up)
-            fresh = [m for m in (self.store.get(p.name) for p in pool.pods) if m is not None]
+            fresh = [m for m in self.store.get_many([p.name for p in pool.pods]) if m is not None]
             queue.add_metric([pool.name], sum(m.waiting for m in fresh) / len(fresh) if fresh else 0.0)
             kv.add_metric([pool.name], sum(m.kv_usage for m in fresh) / len(fresh) if fresh else 0.0)
             for p in pool.pods:

@@ -122,10 +122,7 @@ class MetricsStore:
         return self._refused.get(pod, 0) >= self.down_after
 
     def get(self, pod: str) -> PodMetrics | None:
-        m = self._data.get(pod)
-        if m is None or self.clock() - m.scraped_at > self.staleness_s:
-            return None
-        return m
+        return self.get_many((pod,))[0]
 
     def get_many(self, pods: Sequence[str]) -> list[PodMetrics | None]:
         """:meth:`get` of each of ``pods``, with one clock read."""

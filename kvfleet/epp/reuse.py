@@ -36,7 +36,6 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvfleet.cache.hashing import BlockKeys
 from kvfleet.epp.probe import lib, ptr
 from kvfleet.epp.speculative import grid, spec_positions
 from kvfleet.epp.table import as_u64
@@ -150,7 +149,7 @@ class ReuseTracker:
         if not todo:
             return out
         pos = spec_positions(len(keys))
-        kat = keys.u64[pos] if isinstance(keys, BlockKeys) else as_u64([keys[p] for p in pos])
+        kat = as_u64(keys)[pos]
         parr = np.asarray(pos, dtype=np.int64)
         res = np.empty(len(todo), dtype=np.int64)
         with self._lock:  # a forgotten pod (0) keeps its hit

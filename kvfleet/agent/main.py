@@ -162,14 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PortInUseError, OSError) as exc:
         print(f"kvfleet agent: cannot start: {exc}", file=sys.stderr)
         return 1
-    try:
-        # Every series is registered by now, so the first scrape already sees them all.
-        start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
-        agent.start()
-    except OSError as exc:
-        print(f"kvfleet agent: cannot start: {exc}", file=sys.stderr)
-        agent.stop()
-        return 1
+    # The handlers go in before anything is served: a SIGTERM that arrives as soon as /metrics
+    # answers (a kubelet stopping a pod that just became ready) still stops the agent cleanly.
     done = threading.Event()
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
@@ -178,6 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    try:
+        # Every series is registered by now, so the first scrape already sees them all.
+        start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
+        agent.start()
+    except OSError as exc:
+        print(f"kvfleet agent: cannot start: {exc}", file=sys.stderr)
+        agent.stop()
+        return 1
     done.wait()
     agent.stop()
     return 0

@@ -12,8 +12,6 @@ from bench.routing import Knobs, Result, SimConfig, make_policy, simulate
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.reuse import ReuseTracker
-from kvfleet.epp.scheduling import plugins
-from kvfleet.epp.scheduling.framework import Candidate
 from kvfleet.epp.scheduling.plugins import EvictionCostScorer, QueueScorer, RecomputeLoadScorer
 
 
@@ -71,15 +69,14 @@ def test_queue_counts_the_work_already_done(monkeypatch: pytest.MonkeyPatch) -> 
     """The queue scorer subtracts the seconds a pod has already worked on its pending requests: without
     it, on tenants' shared system prompts at ρ* 0.8, p90 is more than 1.15 × and the hit lower (a pod deep
     into a long prefill looks as loaded as when it took it, and requests leave the prompt's holders), and
-    documents' mean more than 1.1 × (1.14 ×; 1.3 × before the hot-spot damping spared the readers of a
-    document still being computed)."""
+    documents' mean more than 1.3 ×."""
     tenants = case("tenants", "ρ*", 0.8, 1000, 1, n=1200)
     base, base_docs = run(tenants), run(DOCUMENTS)
     monkeypatch.setattr(InflightTracker, "_elapsed", lambda self, pod, now: 0.0)
     blind, blind_docs = run(tenants), run(DOCUMENTS)
     assert blind.ttft["p90"] > 1.15 * base.ttft["p90"]
     assert blind.hit_rate < base.hit_rate
-    assert blind_docs.ttft["mean"] > 1.1 * base_docs.ttft["mean"]
+    assert blind_docs.ttft["mean"] > 1.3 * base_docs.ttft["mean"]
 
 
 def test_queue_counts_the_expected_wait(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,41 +124,6 @@ def test_a_held_prefix_counts_only_if_it_survives_the_queue(monkeypatch: pytest.
     assert sessions.ttft["mean"] > 1.3 * base_sessions.ttft["mean"]
 
 
-def test_hot_spots_damp_only_followers_a_copy_relieves(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The hot-spot damping counts a prefix's waiting requests (``plugins.followers``) except while their
-    pod is still computing the prefix for followers slower than it. Each half pinned:
-
-    - counted always (the damping as it was), a new long document's readers recompute it on idle pods
-      rather than wait for its first prefill: documents at ρ 0.5 (seed 1, 12 pods) reach p99 more than
-      1.1 × the default's (it was 1.16 × the best peer's);
-    - not counted while the prefix is being computed, whatever the followers' rate, a storm piles onto
-      the holder: p99 more than 1.15 × and p90 more than 1.1 × (storm at ρ 0.8, 250-block caches);
-    - not counted for slow followers even once the prefix is cached, agent trees' sibling branches pile
-      onto their holders: p90 more than 1.4 × (agents at ρ* 0.5, 250-block caches, seed 1)."""
-    documents = case("documents", "ρ", 0.5, 1000, 1, n=2000, pods=12)
-    storm = case("storm", "ρ", 0.8, 250, 1, n=1200)
-    agents = case("agents", "ρ*", 0.5, 250, 1)
-    base = {c: run(c) for c in (documents, storm, agents)}
-
-    def always(c: Candidate, per_token: float) -> float:
-        return float(c.same_prefix)
-
-    def never_while_computing(c: Candidate, per_token: float) -> float:
-        return 0.0 if c.spec_blocks >= c.hit_blocks else float(c.same_prefix)
-
-    def only_fast(c: Candidate, per_token: float) -> float:
-        return float(c.same_prefix) if c.prefix_rate * per_token >= 1.0 else 0.0
-
-    monkeypatch.setattr(plugins, "followers", always)
-    assert run(documents).ttft["p99"] > 1.1 * base[documents].ttft["p99"]
-    monkeypatch.setattr(plugins, "followers", never_while_computing)
-    piled = run(storm)
-    assert piled.ttft["p99"] > 1.15 * base[storm].ttft["p99"]
-    assert piled.ttft["p90"] > 1.1 * base[storm].ttft["p90"]
-    monkeypatch.setattr(plugins, "followers", only_fast)
-    assert run(agents).ttft["p90"] > 1.4 * base[agents].ttft["p90"]
-
-
 def test_family_summary_names_the_worst_case() -> None:
     """``--family``'s guard: per quantile the worst kvfleet ÷ best-peer ratio over the cases, and where."""
     cs = [case("storm", "ρ", 0.5, 250, 0, n=300, pods=4), case("sessions", "ρ", 0.5, 250, 0, n=300, pods=4)]
@@ -178,14 +140,14 @@ def test_family_summary_names_the_worst_case() -> None:
 def test_a_recompute_on_a_busy_pod_pays_for_the_delay_it_causes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The recompute-load scorer charges a candidate that lacks a prefix another holds with the delay its
     recompute puts on the pod's later requests (``u / (1 − u)`` of the recompute's seconds): without it,
-    sessions near saturation on 8 pods trade hits for queues on pods just as busy (p90 more than 1.3 ×,
-    mean more than 1.2 ×, hit lower)."""
+    sessions near saturation on 8 pods trade hits for queues on pods just as busy (p90 and mean more than
+    1.3 ×, hit lower)."""
     sessions = case("sessions", "ρ*", 0.8, 1000, 0, n=1200)
     base = run(sessions)
     monkeypatch.setattr(RecomputeLoadScorer, "score", lambda self, req, cands: [0.0] * len(cands))
     blind = run(sessions)
     assert blind.ttft["p90"] > 1.3 * base.ttft["p90"]
-    assert blind.ttft["mean"] > 1.2 * base.ttft["mean"]
+    assert blind.ttft["mean"] > 1.3 * base.ttft["mean"]
     assert blind.hit_rate < base.hit_rate
 
 

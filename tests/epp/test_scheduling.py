@@ -71,10 +71,9 @@ class TestScorers:
         return Candidate(pod=Pod(name=name, address="a", port=1), **kw)
 
     def test_formula(self) -> None:
-        """hit_s·gain/(1+β·followers) − (pending·t + n_pending·overhead) − w_kv·kv, each term checked;
+        """hit_s·gain/(1+β·same_prefix) − (pending·t + n_pending·overhead) − w_kv·kv, each term checked;
         gain = 1 + g·ρ (ρ from the candidates' mean queue) where no request of the prefix is still queued,
-        else 1; followers = same_prefix, except 0 while the pod is still computing the prefix (its hit all
-        speculative) for followers slower than it serves them (prefix_rate · prefill_s_per_token < 1)."""
+        else 1."""
         prof = Profile([
             PluginSpec(type="prefix-cache-scorer", params={"load_gain": 2.0}),
             PluginSpec(type="queue-scorer", params={"overhead_s": 0.0}),
@@ -82,27 +81,20 @@ class TestScorers:
             PluginSpec(type="max-score-picker", params={"fallbacks": 5}),
         ])
         req = SchedulingRequest(num_tokens=1600, block_size=16, prefill_s_per_token=1e-4, hotspot_beta=0.5)
-        hot = self.cand("hot", hit_blocks=50, hit_weighted=50.0, same_prefix=2, prefix_rate=1e4)
-        # the same queued requests of its prefix, coming at half the rate the pod serves them, while the
-        # pod still computes the prefix: not damped; once it is cached: damped
-        slow = self.cand("slow", hit_blocks=5, hit_weighted=5.0, spec_blocks=5, same_prefix=2,
-                         prefix_rate=5e3)
-        cached = self.cand("cached", hit_blocks=4, hit_weighted=4.0, same_prefix=2, prefix_rate=5e3)
+        hot = self.cand("hot", hit_blocks=50, hit_weighted=50.0, same_prefix=2)
         busy = self.cand("busy", hit_blocks=100, hit_weighted=100.0, pending_tokens=4800)
         hit = self.cand("hit", hit_blocks=20, hit_weighted=20.0)
         kv = self.cand("kv", metrics=PodMetrics(kv_usage=1.0, scraped_at=0))
-        ranked = prof.run(req, [hot, slow, cached, busy, hit, kv])
+        ranked = prof.run(req, [hot, busy, hit, kv])
         scores = dict(zip((c.name for c in ranked.pods), ranked.scores, strict=True))
-        q_mean = 4800 / 6 * 1e-4
+        q_mean = 4800 / 4 * 1e-4
         gain = 1 + 2.0 * q_mean / (q_mean + 0.16)
         # a burst of its prefix queued there: no gain
         assert scores["hot"] == pytest.approx(50 * 16 * 1e-4 / 2.0)
-        assert scores["slow"] == pytest.approx(5 * 16 * 1e-4)
-        assert scores["cached"] == pytest.approx(4 * 16 * 1e-4 / 2.0)
         assert scores["busy"] == pytest.approx(100 * 16 * 1e-4 * gain - 0.48)
         assert scores["hit"] == pytest.approx(20 * 16 * 1e-4 * gain)
         assert scores["kv"] == pytest.approx(-0.05)
-        assert [c.name for c in ranked.pods] == ["hit", "hot", "slow", "cached", "kv", "busy"]
+        assert [c.name for c in ranked.pods] == ["hit", "hot", "kv", "busy"]
 
     def test_idle_cluster_values_hits_at_their_latency(self) -> None:
         """With nothing queued (ρ = 0) the load gain does not apply: a hit is worth the prefill it saves."""
@@ -149,13 +141,8 @@ class TestScorers:
         assert scores == pytest.approx([0.0, 0.0, -6 * unit / 3, -8 * unit])  # 0.9 counts as 0.5: factor 1
         assert plugin.score(req, [self.cand("a", busy_share=0.9), self.cand("b", busy_share=0.4)]) == [  # type: ignore[union-attr]
             0.0, 0.0]
-        hot = [self.cand("holder", hit_weighted=8.0, same_prefix=2, prefix_rate=1e3),
-               self.cand("busy", busy_share=0.9)]
+        hot = [self.cand("holder", hit_weighted=8.0, same_prefix=2), self.cand("busy", busy_share=0.9)]
         assert plugin.score(req, hot) == pytest.approx([0.0, -8 * unit / 2])  # type: ignore[union-attr]
-        # still computing the prefix for requests that come at half the rate it serves them: no damping
-        slow = [self.cand("holder", hit_blocks=8, hit_weighted=8.0, spec_blocks=8, same_prefix=2,
-                          prefix_rate=500.0), self.cand("busy", busy_share=0.9)]
-        assert plugin.score(req, slow) == pytest.approx([0.0, -8 * unit])  # type: ignore[union-attr]
         _, wide = create("recompute-load-scorer", {"max_busy": 0.8})
         assert wide.score(req, cands)[3] == pytest.approx(-8 * unit * 4)  # type: ignore[union-attr]
 

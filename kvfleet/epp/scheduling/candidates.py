@@ -102,6 +102,5 @@ class CandidateBuilder:
         rows = zip(pods, pms, views, blocks, weighted, spec, picked, kept, gpu, strict=True)
         return [Candidate(p, k, (x if k == h else x * k / h) if h else 0.0, min(sp, k), v.inflight,
                           v.same_prefix, v.pending_tokens, v.pending_requests, v.pending_elapsed_s,
-                          v.expected_wait_s, g, pk, v.busy_share, pm, v.scrape_pending,
-                          v.prefix_arrivals, v.prefix_rate)
+                          v.expected_wait_s, g, pk, v.busy_share, pm, v.scrape_pending)
                 for p, pm, v, h, x, sp, pk, k, g in rows], hot

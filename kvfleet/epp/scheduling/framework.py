@@ -88,10 +88,6 @@ class Candidate:
     busy_share: float = 0.0
     metrics: PodMetrics | None = None
     scrape_pending: int | None = None
-    #: requests and predicted uncached tokens per second the hot key's requests brought to the pod since
-    #: the first of those still waiting there (:meth:`~kvfleet.epp.inflight.InflightTracker.prefix_rates`)
-    prefix_arrivals: float = 0.0
-    prefix_rate: float = 0.0
 
     @property
     def name(self) -> str:

@@ -54,51 +54,18 @@ def mean_queue_rho(req: SchedulingRequest, cands: Sequence[Candidate]) -> float:
     return q / (q + req.prefill_s) if q > 0 else 0.0
 
 
-#: seconds a request costs an engine beyond its prefill: at least one engine step (the queue scorer's
-#: ``overhead_s`` default and the followers' load)
-STEP_S = 0.01
-
-
-def followers(c: Candidate, prefill_s_per_token: float, step_s: float = STEP_S) -> float:
-    """The hot prefix's requests waiting on ``c`` that a copy of the prefix elsewhere would relieve:
-    ``same_prefix``, except while the pod is still computing the prefix (only the picker's speculative
-    entries vouch for its hit: ``spec_blocks ≥ hit_blocks``) for followers that come slower than it serves
-    them (``ρ_f = prefix_arrivals · step_s + prefix_rate · prefill_s_per_token < 1``: their requests and
-    uncached tokens per second, :meth:`~kvfleet.epp.inflight.InflightTracker.prefix_rates`): then 0.
-
-    A copy started now is ready after a whole prefill; the holder started the same prefill earlier and
-    finishes it first, then serves its followers as they come and its queue drains. Each follower then has
-    the seeds' choice to make on its own (the wait there against recomputing elsewhere), and a hit damped
-    below that wait sent it to recompute: the readers of a new long document queued behind its first
-    prefill (ρ_f ≈ 0.5) recomputed it on an idle pod, 2.68 s against a 2.2 s wait, and the workload
-    family's documents had TTFT p99 1.16 × the best peer's. Followers coming faster than the holder serves
-    them (ρ_f from 4 to 134 over 90 % of the family's storm decisions) grow its queue for as long as they
-    come, and a copy serves those that follow: undamped, the family's storms went to p99 1.23 × the best
-    peer's. Once the prefix is cached (its KV events arrived) the damping is as before: off there too for
-    slow followers, an agent tree's sibling branches piled onto its holder (TTFT p90 1.54 × on the
-    family's agents at ρ* 0.5 with 250-block caches on 8 pods; ``docs/epp.md``)."""
-    n = c.same_prefix
-    if not n:
-        return 0.0
-    computing = c.spec_blocks >= c.hit_blocks
-    if computing and c.prefix_arrivals * step_s + c.prefix_rate * prefill_s_per_token < 1.0:
-        return 0.0
-    return float(n)
-
-
 @register("prefix-cache-scorer", "scorer")
 class PrefixCacheScorer:
     """Prefill seconds the pod's cached prefix saves, damped on hot spots.
 
-    ``hit_s = hit_weighted · block_size · prefill_s_per_token · gain / (1 + β · followers)``
+    ``hit_s = hit_weighted · block_size · prefill_s_per_token · gain / (1 + β · same_prefix)``
     where ``hit_weighted = Σ over matched prefix blocks of weight(tier)`` and
     ``weight(tier) = max(0, 1 − load_s_per_token(tier) / prefill_s_per_token)``
-    (a CPU/SSD hit is worth what it saves after its load cost); ``followers`` the
+    (a CPU/SSD hit is worth what it saves after its load cost); ``same_prefix`` the
     picker's requests on the pod for the same longest-matched prefix that are still
     waiting for their first token (the router's hot key; seed 5.4: without it every
-    same-prefix request piles onto one pod), not counted while the pod is still computing
-    the prefix for followers slower than it (:func:`followers`), ``β`` = hotspot_beta
-    (param ``beta`` overrides it).
+    same-prefix request piles onto one pod), ``β`` = hotspot_beta (param ``beta``
+    overrides it).
 
     With the queue scorer this is the seeds' rule: a request goes to the pod holding
     its prefix while the wait there costs less than recomputing the prefix elsewhere.
@@ -120,9 +87,8 @@ class PrefixCacheScorer:
         beta = req.hotspot_beta if self.beta is None else float(self.beta)
         unit = req.block_size * req.prefill_s_per_token
         gain = 1.0 + self.load_gain * mean_queue_rho(req, cands) if self.load_gain else 1.0
-        per_token = req.prefill_s_per_token
-        return [c.hit_weighted * unit / (1.0 + beta * followers(c, per_token)) if c.same_prefix
-                else c.hit_weighted * unit * gain for c in cands]
+        return [c.hit_weighted * unit * (1.0 if c.same_prefix else gain) / (1.0 + beta * c.same_prefix)
+                for c in cands]
 
 
 @register("queue-scorer", "scorer")
@@ -164,7 +130,7 @@ class QueueScorer:
 
     def __init__(self, params: Mapping[str, float]) -> None:
         self.running_s = float(params.get("running_s", 0.01))
-        self.overhead_s = float(params.get("overhead_s", STEP_S))
+        self.overhead_s = float(params.get("overhead_s", 0.01))
         self.expected = float(params.get("expected_weight", 1.0))
         self.max_followups = max(0.0, float(params.get("max_followups", 4.0)))
 
@@ -305,11 +271,11 @@ class RoundRobinPicker:
 class RecomputeLoadScorer:
     """Minus the delay a recompute puts on the pod's later requests.
 
-    ``score = −(H − hit_weighted) · block_size · prefill_s_per_token · u / (1 − u) / (1 + β · Σ followers)``
+    ``score = −(H − hit_weighted) · block_size · prefill_s_per_token · u / (1 − u) / (1 + β · Σ same_prefix)``
     with ``H`` the largest ``hit_weighted`` among the candidates, ``u = min(max_busy, busy_share)`` the pod's
     recent utilisation (``Candidate.busy_share``; param ``max_busy``, default 0.5, so ``u / (1 − u) ≤ 1``)
-    and ``Σ followers`` the picker's requests of the same hot key still waiting for their first token on
-    all candidates, counted as the prefix scorer counts them (:func:`followers`; ``β`` = hotspot_beta).
+    and ``Σ same_prefix`` the picker's requests of the same hot key still waiting for their first token on
+    all candidates (``β`` = hotspot_beta).
 
     The prefix scorer prices a hit at the prefill it saves *this* request. Placed on a pod that lacks a prefix
     another candidate holds, the request also makes that pod compute the missing blocks, and on a busy pod
@@ -333,9 +299,8 @@ class RecomputeLoadScorer:
             return []
         top = max(c.hit_weighted for c in cands)
         # a hot prefix (requests of it still waiting for their first token) is worth a copy on another pod
-        per_token = req.prefill_s_per_token
-        unit = req.block_size * per_token / (1.0 + req.hotspot_beta * sum(followers(c, per_token)
-                                                                           for c in cands))
+        unit = req.block_size * req.prefill_s_per_token / (1.0 + req.hotspot_beta * sum(c.same_prefix
+                                                                                        for c in cands))
         out = []
         for c in cands:
             u = min(self.max_busy, c.busy_share)

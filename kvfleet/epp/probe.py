@@ -27,8 +27,18 @@ lib.kv_match.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _P, _I64, _P, _IN
 lib.kv_match.restype = None
 
 
+_CHAR = ctypes.c_char
+_address = ctypes.addressof
+
+
 def ptr(a: npt.NDArray[Any]) -> int:
-    return int(a.__array_interface__["data"][0])
+    """The address of ``a``'s first element (``a`` contiguous): through ctypes' buffer view, 0.45 µs
+    against 1.7 µs for ``__array_interface__``, which builds a dict per call (a decision passes a few
+    arrays); a read-only array (no writable buffer to view) takes the slower way."""
+    try:
+        return _address(_CHAR.from_buffer(a))
+    except (TypeError, ValueError):
+        return int(a.__array_interface__["data"][0])
 
 
 def find(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], mix: npt.NDArray[np.uint64],

@@ -36,7 +36,7 @@ def ptr(a: npt.NDArray[Any]) -> int:
     against 1.7 µs for ``__array_interface__``, which builds a dict per call (a decision passes a few
     arrays); a read-only array (no writable buffer to view) takes the slower way."""
     try:
-        return _address(_CHAR.from_buffer(a))
+        return _address(_CHAR.from_buffer(a))  # type: ignore[arg-type]  # ndarray is a buffer
     except (TypeError, ValueError):
         return int(a.__array_interface__["data"][0])
 

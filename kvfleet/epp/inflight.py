@@ -367,10 +367,11 @@ class InflightTracker:
         of a scrape that saw waiting requests, :meth:`pending_at` that instant (else None)."""
         out = []
         loads, prefix, pending, recent = self._loads, self._prefix, self._pending, self._recent
-        h, exp, elapsed, wait = self.history_s, math.exp, self._elapsed, self._wait
+        h, exp, elapsed, new = self.history_s, math.exp, self._elapsed, tuple.__new__
         with self._lock:
             now = self.clock()
-            # _pending_at, _decayed and _share inlined: this runs for every candidate of every decision
+            # _pending_at, _decayed, _wait and _share inlined, and each view made by tuple.__new__ (a
+            # NamedTuple's own constructor is a Python call): this runs for every candidate of every decision
             for pod, at in zip(pods, scraped_at, strict=True):
                 ld = loads.get(pod)
                 scraped = None
@@ -382,14 +383,24 @@ class InflightTracker:
                             break
                         scraped += opened <= at
                 if ld is None:
-                    out.append(PodView(0, 0.0, 0, prefix.get((pod, hot), 0), 0.0, 0.0, scraped, 0.0))
+                    out.append(new(PodView, (0, 0.0, 0, prefix.get((pod, hot), 0), 0.0, 0.0, scraped, 0.0)))
                     continue
                 requests = ld.pending_requests
-                keep = exp(-max(0.0, now - ld.mark) / h)
-                busy = ld.busy_s * keep + (h * (1.0 - keep) if requests else 0.0)
-                out.append(PodView(ld.inflight, ld.pending_tokens, requests, prefix.get((pod, hot), 0),
-                                   elapsed(pod, now) if requests else 0.0, wait(busy, ld.served * keep),
-                                   scraped, min(1.0, busy / h)))
+                age = now - ld.mark
+                keep = exp(-age / h) if age > 0.0 else 1.0
+                busy = ld.busy_s * keep
+                if requests:
+                    busy += h * (1.0 - keep)
+                served = ld.served * keep
+                share = busy / h
+                if served >= 1.0:
+                    u = share if share < 0.5 else 0.5
+                    wait = busy / served * u / (1.0 - u)
+                else:
+                    wait = 0.0
+                out.append(new(PodView, (ld.inflight, ld.pending_tokens, requests, prefix.get((pod, hot), 0),
+                                         elapsed(pod, now) if requests else 0.0, wait, scraped,
+                                         share if share < 1.0 else 1.0)))
         return out
 
     def same_prefix(self, pod: str, prefix: int) -> int:

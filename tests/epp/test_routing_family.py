@@ -4,13 +4,14 @@ mechanism removed, the case's TTFT gets clearly worse. Each case takes 1–3 s o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
 from bench import _family as family
 from bench.routing import Knobs, Result, SimConfig, make_policy, simulate
 from kvfleet.epp.index import BlockIndex
-from kvfleet.epp.inflight import InflightTracker
+from kvfleet.epp.inflight import InflightTracker, PodView
 from kvfleet.epp.reuse import ReuseTracker
 from kvfleet.epp.scheduling.plugins import EvictionCostScorer, QueueScorer, RecomputeLoadScorer
 
@@ -86,7 +87,12 @@ def test_queue_counts_the_expected_wait(monkeypatch: pytest.MonkeyPatch) -> None
     ρ 0.95 and at ρ 0.8)."""
     cases = [case("agents", "ρ", 0.95, 1000, 0), case("agents", "ρ", 0.8, 1000, 1)]
     base = [run(c) for c in cases]
-    monkeypatch.setattr(InflightTracker, "_wait", lambda self, busy, served: 0.0)
+    view = InflightTracker.view
+
+    def without_expected_wait(self: InflightTracker, *args: Any) -> list[PodView]:
+        return [v._replace(expected_wait_s=0.0) for v in view(self, *args)]
+
+    monkeypatch.setattr(InflightTracker, "view", without_expected_wait)
     for c, b in zip(cases, base, strict=True):
         blind = run(c)
         assert blind.ttft["p90"] > 1.3 * b.ttft["p90"], c.label

@@ -98,9 +98,10 @@ class CandidateBuilder:
         # which of the scraped waiting requests are ours: count them at the scrape's instant, not now
         views = self.tracker.view(names, hot, [pm.scraped_at if pm is not None and pm.waiting > 0 else None
                                                for pm in pms])
-        # positional, in Candidate's field order (keywords cost ≈ 0.45 µs more per candidate)
+        # positional, in Candidate's field order (keywords cost ≈ 0.45 µs more per candidate), each view
+        # unpacked in the loop's target (a NamedTuple's field read costs ≈ 55 ns, eight per candidate)
         rows = zip(pods, pms, views, blocks, weighted, spec, picked, kept, gpu, strict=True)
-        return [Candidate(p, k, (x if k == h else x * k / h) if h else 0.0, min(sp, k), v.inflight,
-                          v.same_prefix, v.pending_tokens, v.pending_requests, v.pending_elapsed_s,
-                          v.expected_wait_s, g, pk, v.busy_share, pm, v.scrape_pending)
-                for p, pm, v, h, x, sp, pk, k, g in rows], hot
+        return [Candidate(p, k, (x if k == h else x * k / h) if h else 0.0, sp if sp < k else k, inflight,
+                          same, ptokens, prequests, elapsed, expected, g, pk, busy, pm, scraped)
+                for p, pm, (inflight, ptokens, prequests, same, elapsed, expected, scraped, busy), h, x, sp,
+                pk, k, g in rows], hot

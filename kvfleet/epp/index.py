@@ -43,6 +43,7 @@ them or their TTL expires) are described in :mod:`kvfleet.epp.speculative`.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -83,12 +84,22 @@ class PodMatch:
     picked: int = 0
 
 
-def sampled_keys(keys: Sequence[int], positions: Sequence[int]) -> list[int]:
-    """``keys`` at ``positions`` (one array read for a :class:`~kvfleet.cache.hashing.BlockKeys`)."""
+@functools.lru_cache(maxsize=1024)
+def _position_index(n: int) -> npt.NDArray[np.intp]:
+    """:func:`spec_positions` of an ``n``-block prompt as an index array (numpy converts a list of 76
+    positions on every read: 4.7 against 1.8 µs for a 4k prompt's sample)."""
+    out = np.asarray(spec_positions(n), dtype=np.intp)
+    out.flags.writeable = False
+    return out
+
+
+def sampled_keys(keys: Sequence[int]) -> list[int]:
+    """``keys`` at :func:`spec_positions` of their length (one array read for a
+    :class:`~kvfleet.cache.hashing.BlockKeys`)."""
     if isinstance(keys, BlockKeys):
-        out: list[int] = keys.u64[positions].tolist()
+        out: list[int] = keys.u64[_position_index(len(keys))].tolist()
         return out
-    return [keys[i] for i in positions]
+    return [keys[i] for i in spec_positions(len(keys))]
 
 
 class BlockIndex:
@@ -255,7 +266,7 @@ class BlockIndex:
         every entry still held by this pick at once (a later pick of the same key takes the entry over).
         Beyond ``max_speculative`` entries, expired picks and then the oldest picks are dropped.
         """
-        sampled = sampled_keys(keys, spec_positions(len(keys)))
+        sampled = sampled_keys(keys)
         lease = self.add_speculative_sampled(pod, sampled, ttl_s, now, len(keys))
         if self.on_pick is not None:
             self.on_pick(pod, sampled, len(keys))
@@ -430,7 +441,7 @@ class BlockIndex:
             if i is None or held.expiry <= t:
                 continue
             if not rows:
-                rows = list(map(self._spec.get, sampled_keys(keys, positions)))
+                rows = list(map(self._spec.get, sampled_keys(keys)))
             # one pick stores a whole prefix, so "held at position i" is (nearly) monotone in i:
             # binary search for the last sampled position the pod holds
             lo, hi = 0, len(positions) - 1

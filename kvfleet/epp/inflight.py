@@ -341,37 +341,22 @@ class InflightTracker:
         that future (it is empty most of the time below saturation), so without this term every new
         context went to the few pods holding its shared system prompt, and the pods without it stayed
         idle."""
-        with self._lock:
-            now = self.clock()
-            return [self._expected(self._loads.get(pod), now) for pod in pods]
-
-    def _expected(self, load: _Load | None, now: float) -> float:
-        return self._wait(*self._decayed(load, now)) if load is not None else 0.0
-
-    def _wait(self, busy: float, served: float) -> float:
-        """The expected wait (:meth:`expected_waits`) of a pod with ``busy`` decayed busy seconds and
-        ``served`` decayed first tokens."""
-        u = min(0.5, busy / self.history_s)
-        return busy / served * u / (1.0 - u) if served >= 1.0 else 0.0
-
-    def _share(self, busy: float) -> float:
-        """The busy share of a pod with ``busy`` decayed busy seconds: the share of the last ``history_s``
-        (exponentially decayed) it spent with a request of the picker waiting for its first token, its
-        recent utilisation as the picker sees it (0 to 1)."""
-        return min(1.0, busy / self.history_s)
+        return [v.expected_wait_s for v in self.view(pods, 0, [None] * len(pods))]
 
     def view(self, pods: Sequence[str], hot: int, scraped_at: Sequence[float | None]) -> list[PodView]:
         """What a pick needs of each of ``pods``, under one lock and one clock read: :meth:`load`,
         :meth:`same_prefix` of ``hot``, :meth:`pending_elapsed` (0 with nothing pending), the expected wait
-        (:meth:`expected_waits`), the busy share (:meth:`_share`) and, where ``scraped_at`` gives the instant
-        of a scrape that saw waiting requests, :meth:`pending_at` that instant (else None)."""
+        (:meth:`expected_waits`), the busy share (the share of the last ``history_s``, exponentially decayed,
+        the pod spent with a request of the picker waiting for its first token: its recent utilisation as the
+        picker sees it, 0 to 1) and, where ``scraped_at`` gives the instant of a scrape that saw waiting
+        requests, :meth:`pending_at` that instant (else None). The one place these figures are computed."""
         out = []
         loads, prefix, pending, recent = self._loads, self._prefix, self._pending, self._recent
         h, exp, elapsed, new = self.history_s, math.exp, self._elapsed, tuple.__new__
         with self._lock:
             now = self.clock()
-            # _pending_at, _decayed, _wait and _share inlined, and each view made by tuple.__new__ (a
-            # NamedTuple's own constructor is a Python call): this runs for every candidate of every decision
+            # _pending_at and _decayed inlined, and each view made by tuple.__new__ (a NamedTuple's own
+            # constructor is a Python call): this runs for every candidate of every decision
             for pod, at in zip(pods, scraped_at, strict=True):
                 ld = loads.get(pod)
                 scraped = None

@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfleet.epp.probe import lib, ptr
-from kvfleet.epp.speculative import grid, spec_positions
+from kvfleet.epp.speculative import grid, spec_position_index, spec_positions
 from kvfleet.epp.table import as_u64
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -149,8 +149,8 @@ class ReuseTracker:
         if not todo:
             return out
         pos = spec_positions(len(keys))
-        kat = as_u64(keys)[pos]
-        parr = np.asarray(pos, dtype=np.int64)
+        parr = spec_position_index(len(keys))
+        kat = as_u64(keys)[parr]
         res = np.empty(len(todo), dtype=np.int64)
         with self._lock:  # a forgotten pod (0) keeps its hit
             cand = np.array([(addrs.get(pods[j], 0), hits[j], capacities[j], bisect.bisect_left(pos, hits[j]))

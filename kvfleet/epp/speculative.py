@@ -20,7 +20,11 @@ the ingestion thread)."""
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 #: Speculative entries are kept for every block below SPEC_DENSE, then every SPEC_STRIDE-th block up to
 #: SPEC_FAR blocks, then on a grid whose spacing grows with the position (``p → p + p // SPEC_RESOLUTION``:
@@ -54,6 +58,15 @@ def spec_positions(n: int) -> Sequence[int]:
         return range(n)
     out = _GRID[: bisect.bisect_left(_GRID, n)]
     return out if out[-1] == n - 1 else [*out, n - 1]
+
+
+@functools.lru_cache(maxsize=1024)
+def spec_position_index(n: int) -> npt.NDArray[np.int64]:
+    """:func:`spec_positions` of an ``n``-block prompt as an ``int64`` array, kept per ``n`` and shared: never
+    written (indexes and a ``const`` argument of the compiled reuse fit). Numpy converts a list of positions
+    on every read (4.7 against 1.8 µs for a 4k prompt's 76). Left writable: ``probe.ptr`` reads a writable
+    array's address in ≈ 0.5 µs and a read-only one's in ≈ 4.6."""
+    return np.asarray(spec_positions(n), dtype=np.int64)
 
 
 class Lease:

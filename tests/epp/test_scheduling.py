@@ -3,6 +3,7 @@ shedding."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -516,3 +517,54 @@ class TestScrapedWaiting:
         r.metrics.put("p0-1", PodMetrics(waiting=0.0, scraped_at=0.0))
         now[0] = 0.1
         assert r.route(InferenceRequest(model="m", prompt=fresh)).pod == "p0-1"
+
+
+class TestMaxScorePicker:
+    """The picker's contract: highest score (rounded to 9 decimals) first, then fewer in-flight requests, then
+    one random draw per candidate in candidate order; it builds keys only for the candidates near the k-th
+    best score, and must order exactly as keys built for all of them would."""
+
+    @staticmethod
+    def by_contract(scores: list[float], cands: list[Candidate], k: int, seed: int) -> list[str]:
+        rnd = random.Random(seed).random
+        keys = [(-round(s, 9), c.inflight, rnd()) for s, c in zip(scores, cands, strict=True)]
+        return [cands[i].name for i in sorted(range(len(cands)), key=keys.__getitem__)[:k]]
+
+    def test_orders_as_keys_for_every_candidate(self) -> None:
+        rng = random.Random(3)
+        for trial in range(400):
+            n = rng.choice([1, 3, 12, 64, 200])
+            base = rng.uniform(-5.0, 5.0)
+            # near-ties on both sides of the rounding step and of the 1e-8 margin
+            steps = [0.0, 3e-10, 4.9e-10, 5.1e-10, 1e-9, 9e-9, 1.1e-8, 1e-6, 0.5]
+            scores = [base - rng.choice(steps) * rng.randint(0, 3) for _ in range(n)]
+            cands = [Candidate(pod=Pod(name=f"p{i}", address="a", port=1), inflight=rng.randint(0, 2))
+                     for i in range(n)]
+            fallbacks = rng.randint(0, 4)
+            seed = rng.randrange(1 << 30)
+            _, picker = create("max-score-picker", {"fallbacks": fallbacks, "seed": seed})
+            got = [c.name for c in picker.pick(SchedulingRequest(), cands, scores)]  # type: ignore[union-attr]
+            assert got == self.by_contract(scores, cands, 1 + fallbacks, seed), (trial, scores)
+
+    def test_draws_one_number_per_candidate(self) -> None:
+        """The random stream advances by one draw per candidate, whatever subset gets keys: the next pick's
+        tie-breaks are those of the picker that keyed every candidate."""
+        cands = [Candidate(pod=Pod(name=f"p{i}", address="a", port=1)) for i in range(64)]
+        _, picker = create("max-score-picker", {"seed": 7})
+        picker.pick(SchedulingRequest(), cands, [float(i) for i in range(64)])  # type: ignore[union-attr]
+        tied = [picker.pick(SchedulingRequest(), cands, [0.0] * 64)[0].name  # type: ignore[union-attr]
+                for _ in range(3)]
+        rnd = random.Random(7).random
+        for _ in range(64):
+            rnd()
+        want = []
+        for _ in range(3):
+            draws = [rnd() for _ in range(64)]
+            want.append(f"p{min(range(64), key=draws.__getitem__)}")
+        assert tied == want
+
+    def test_scores_of_another_length_are_refused(self) -> None:
+        _, picker = create("max-score-picker", {})
+        with pytest.raises(ValueError):
+            picker.pick(SchedulingRequest(), [Candidate(pod=Pod(name="a", address="a", port=1))],  # type: ignore[union-attr]
+                        [1.0, 2.0])

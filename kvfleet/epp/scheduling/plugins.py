@@ -223,10 +223,20 @@ class MaxScorePicker:
 
     def pick(self, req: SchedulingRequest, cands: Sequence[Candidate],
              scores: Sequence[float]) -> list[Candidate]:
+        if len(scores) != len(cands):
+            raise ValueError(f"{len(scores)} scores for {len(cands)} candidates")
         rnd = self._rng.random  # one draw per candidate, in candidate order: ties break the same way always
-        keys = [(-round(s, 9), c.inflight, rnd()) for s, c in zip(scores, cands, strict=True)]
-        best = heapq.nsmallest(1 + self.fallbacks, range(len(cands)), key=keys.__getitem__)
-        return [cands[i] for i in best]
+        draws = [rnd() for _ in scores]
+        k = 1 + self.fallbacks
+        near: Sequence[int] = range(len(scores))
+        if len(scores) > 4 * k:
+            # keys only for the candidates that can rank among the first k: round(s, 9) is monotone and moves
+            # a score by at most 0.5e-9, so a score more than 1e-8 below the k-th highest ranks below it
+            floor = heapq.nlargest(k, scores)[-1] - 1e-8
+            if floor == floor:  # not NaN
+                near = [i for i, s in enumerate(scores) if s >= floor]
+        keys = {i: (-round(scores[i], 9), cands[i].inflight, draws[i]) for i in near}
+        return [cands[i] for i in heapq.nsmallest(k, near, key=keys.__getitem__)]
 
 
 @register("random-picker", "picker")

@@ -61,8 +61,10 @@ class Profile:
             if not alive:
                 return Ranked((), ())
         totals = [0.0] * len(alive)
-        for weight, scorer in self.scorers:
-            totals = [t + weight * s for t, s in zip(totals, scorer.score(req, alive), strict=True)]
+        for weight, scorer in self.scorers:  # weight 1 (the default) skips the product: t + 1.0·s == t + s
+            scores = scorer.score(req, alive)
+            totals = ([t + s for t, s in zip(totals, scores, strict=True)] if weight == 1.0
+                      else [t + weight * s for t, s in zip(totals, scores, strict=True)])
         order = self.picker.pick(req, alive, totals)
         if order:
             for hook in self.hooks:

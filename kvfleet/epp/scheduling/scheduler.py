@@ -98,8 +98,10 @@ class Scheduler:
         if not ranked.pods:
             return None
         best = ranked.pods[0]
-        home = {p.name: (g, ps) for g, ps in groups for p in ps}
-        group, pods = home[best.name]
+        # the pick's group (the last one naming it); one group is the common case: no search
+        name = best.name
+        group, pods = groups[0] if len(groups) == 1 else next(
+            (g, ps) for g, ps in reversed(groups) if any(p.name == name for p in ps))
         hit_tokens = min(req.num_tokens, best.hit_blocks * req.block_size)
         uncached = req.num_tokens - hit_tokens
         prefiller: Pod | None = None

@@ -15,6 +15,9 @@ per router: CPU seconds of its processes per 1,000 requests (``/proc/PID/stat`` 
 thread), TTFT p50/p90 (time to the first streamed chunk) and the hit rate (cached ÷ prompt tokens the
 engines report). ``cpu_per_request_vs_sglang_router`` is Envoy + EPP ÷ the router;
 ``epp_cpu_per_request_vs_sglang_router`` the EPP alone (the router also proxies the HTTP, as Envoy does).
+A third run, ``kvfleet-sampled``, sets ``epp.response_body_sample`` (``--response-body-sample``, default 1/8):
+the picker reads that share of the responses' bodies and asks Envoy not to send it the others
+(``*_sampled`` figures).
 ``--reps`` alternates the two (A B, then B A). Last line: one JSON object.
 """
 
@@ -75,12 +78,12 @@ class Bench(Engines):
             self.stop(child)
 
     @contextmanager
-    def kvfleet(self) -> Iterator[tuple[str, dict[str, Child]]]:
+    def kvfleet(self, response_body_sample: float = 1.0) -> Iterator[tuple[str, dict[str, Child]]]:
         grpc, health, metrics, listen, admin = (free_port() for _ in range(5))
         pods = write_yaml(self.stack.workdir / "pods.yaml", pods_file(self.pods, MODEL, tokenizer=TOKENIZER))
         cfg = write_yaml(self.stack.workdir / "epp.yaml", {"epp": {
             "host": "127.0.0.1", "grpc_port": grpc, "health_port": health, "metrics_port": metrics,
-            "pods_file": str(pods)}})
+            "pods_file": str(pods), "response_body_sample": response_body_sample}})
         argv = [sys.executable, "-m", "kvfleet", "epp", "--config", str(cfg), "--log-level", "WARNING"]
         if self.args.profile:  # py-spy samples every thread of the EPP (routing runs off the event loop)
             argv = [self.args.profile_tool, "record", "--format", "raw", "--rate", "200", "--nonblocking",
@@ -103,7 +106,9 @@ class Bench(Engines):
             self.stop(*([envoy] if envoy else []), epp)
 
     def phase(self, name: str, work: list[list[list[str]]], warm: list[list[list[str]]]) -> Result:
-        with (self.sglang_router() if name == "sglang-router" else self.kvfleet()) as (base, procs):
+        router = (self.sglang_router() if name == "sglang-router"
+                  else self.kvfleet(self.args.response_body_sample if name == "kvfleet-sampled" else 1.0))
+        with router as (base, procs):
             url = base + "/v1/chat/completions"
             asyncio.run(drive(url, warm))
             self.reset()
@@ -129,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-factor", type=float, default=0.1, help="simulated GPU time scale of the engines")
     ap.add_argument("--gpu-blocks", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--response-body-sample", type=float, default=0.125,
+                    help="epp.response_body_sample of the kvfleet-sampled run (default 1/8)")
     ap.add_argument("--profile", default="", help="write py-spy's collapsed stacks of the EPP to this file "
                     "(needs py-spy; its own sampling adds CPU to the EPP's figure)")
     args = ap.parse_args(argv)
@@ -139,12 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = system_prompts(6, 900, rng)
     work = scripts(args.clients, sessions, turns, prompts, args.seed)
     warm = scripts(2, 1, 2, system_prompts(2, 200, random.Random(args.seed + 1)), args.seed + 1)
-    results: dict[str, list[Result]] = {"sglang-router": [], "kvfleet": []}
+    results: dict[str, list[Result]] = {"sglang-router": [], "kvfleet": [], "kvfleet-sampled": []}
     with tempfile.TemporaryDirectory(prefix="kvfleet-router-cost-") as tmp, ProcessStack(Path(tmp)) as stack:
         b = Bench(stack, args)
         b.start_engines()
         for r in range(reps):
-            order = ("sglang-router", "kvfleet") if r % 2 == 0 else ("kvfleet", "sglang-router")
+            order = (("sglang-router", "kvfleet", "kvfleet-sampled") if r % 2 == 0
+                     else ("kvfleet-sampled", "kvfleet", "sglang-router"))
             for name in order:
                 results[name].append(b.phase(name, work, warm))
 
@@ -155,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     router, kv = Result.merged(results["sglang-router"]), Result.merged(results["kvfleet"])
     router_1k = per_1k("sglang-router", ("router",))
     epp_1k, envoy_1k = per_1k("kvfleet", ("epp",)), per_1k("kvfleet", ("envoy",))
+    sampled = Result.merged(results["kvfleet-sampled"])
+    s_epp_1k, s_envoy_1k = per_1k("kvfleet-sampled", ("epp",)), per_1k("kvfleet-sampled", ("envoy",))
     out = {
         "bench": "router_cost", "reps": reps, "requests_per_run": router.requests // reps,
         "pods": args.pods, "clients": args.clients, "tokenizer": TOKENIZER,
@@ -169,10 +179,19 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p90_ms_kvfleet": round(pct(kv.ttft, 90) * 1e3, 1),
         "hit_sglang_router": round(router.hit, 4),
         "hit_kvfleet": round(kv.hit, 4),
-        "failed": router.failed + kv.failed,
+        "response_body_sample": args.response_body_sample,
+        "cpu_s_per_1k_epp_sampled": round(s_epp_1k, 3), "cpu_s_per_1k_envoy_sampled": round(s_envoy_1k, 3),
+        "cpu_per_request_vs_sglang_router_sampled": round((s_epp_1k + s_envoy_1k) / router_1k, 3),
+        "ttft_p50_ms_kvfleet_sampled": round(pct(sampled.ttft, 50) * 1e3, 1),
+        "ttft_p90_ms_kvfleet_sampled": round(pct(sampled.ttft, 90) * 1e3, 1),
+        "hit_kvfleet_sampled": round(sampled.hit, 4),
+        "failed": router.failed + kv.failed + sampled.failed,
     }
     print(f"CPU per 1,000 requests: sglang-router {router_1k:.2f} s; Envoy + EPP {epp_1k + envoy_1k:.2f} s "
-          f"(EPP {epp_1k:.2f}, Envoy {envoy_1k:.2f}): {out['cpu_per_request_vs_sglang_router']} ×")
+          f"(EPP {epp_1k:.2f}, Envoy {envoy_1k:.2f}): {out['cpu_per_request_vs_sglang_router']} ×; with "
+          f"{args.response_body_sample:g} of the response bodies read: {s_epp_1k + s_envoy_1k:.2f} s "
+          f"(EPP {s_epp_1k:.2f}, Envoy {s_envoy_1k:.2f}): "
+          f"{out['cpu_per_request_vs_sglang_router_sampled']} ×")
     print(json.dumps(out))
     return 0 if out["failed"] == 0 else 1
 

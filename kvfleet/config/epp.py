@@ -73,6 +73,13 @@ class EppSettings:
     itself (one thread hop less: ≈ 0.1 ms of CPU per decision); a longer one (its tokenizing and hashing can
     take milliseconds, which would hold up the other streams' messages) on the routing thread; picks stay
     serialized either way (0: every request on the routing thread).
+    ``response_body_sample``: the share of inference responses whose body the picker reads (the usage's
+    cached tokens: the key check, ``kvfleet_epp_engine_cached_tokens_total``, the misprediction counters, the
+    decision log); for the others its answer to the response headers asks Envoy (``allow_mode_override``,
+    which ``kvfleet gateway-config`` sets) not to send the body: each streamed chunk is otherwise a round trip
+    through the picker. The first token and the stream's end still reach it (the response headers; the
+    ext_proc stream's close). Envoy honours that only where the response body mode is ``STREAMED`` (the
+    ``BUFFERED`` body mode's); with ``FULL_DUPLEX_STREAMED`` every body is read. 1: every response (default).
     ``speculative_ttl_s``: how long a pick counts as cached on its pod before KV
     events confirm it; with ``events_enabled: false`` the index is built from
     picks only (approximate mode) and ``approximate_ttl_s`` applies.
@@ -105,6 +112,7 @@ class EppSettings:
     tls_key_file: str = ""
     max_body_bytes: int = 8 * 1024 * 1024
     inline_route_bytes: int = 16 * 1024
+    response_body_sample: float = 1.0
     front: str = "auto"
     events_enabled: bool = True
     speculative_ttl_s: float = 10.0
@@ -136,6 +144,8 @@ class EppSettings:
             raise ValueError(f"front must be 'auto', 'native' or 'grpcio', got {self.front!r}")
         if self.inline_route_bytes < 0:
             raise ValueError("inline_route_bytes must be >= 0")
+        if not 0.0 <= self.response_body_sample <= 1.0:
+            raise ValueError(f"response_body_sample must be within [0, 1], got {self.response_body_sample}")
         if self.max_speculative_entries <= 0:
             raise ValueError("max_speculative_entries must be > 0")
         if not 0 <= self.reuse_sketch_entries <= 1 << 24:

@@ -79,7 +79,7 @@ class Epp:
                                   lambda: sum(len(a) for a in list(self.appliers.values())),
                                   self.router.director.followup_shares)
         self.servicer = ExtProcServicer(self.router, self.metrics, s.max_body_bytes, body_mode,
-                                       s.inline_route_bytes)
+                                       s.inline_route_bytes, s.response_body_sample)
         self.appliers: dict[str, PodEventApplier] = {}
         self._pod_names: frozenset[str] = frozenset()
         self.gossip: ReplicaGossip | None = None

@@ -14,7 +14,9 @@ init container calls ``kvfleet gateway-config``, :func:`main`). What it does:
 * the ext_proc filter sends headers and body to the picker (``body_mode``:
   ``FULL_DUPLEX_STREAMED``, GIE's reference, or ``BUFFERED``) and the response
   phase too (first token, cached tokens, misprediction), asking Envoy for the
-  attribute ``upstream.address`` so the picker learns which endpoint served;
+  attribute ``upstream.address`` so the picker learns which endpoint served; ``allow_mode_override`` lets
+  the picker skip a response's body (``epp.response_body_sample``: honoured by Envoy in ``BUFFERED``, ignored
+  in ``FULL_DUPLEX_STREAMED``);
 * the route to the pods cluster matches on the picker's dynamic metadata
   (``envoy.lb`` → ``x-gateway-destination-endpoint``), which no client can set;
   the ``ORIGINAL_DST`` cluster takes its address from the picker's header
@@ -220,6 +222,8 @@ def ext_proc_filter(cluster: str, *, name: str = "envoy.filters.http.ext_proc",
                 },
             },
             "failure_mode_allow": failure_mode_allow,
+            # the picker may skip a response's body (epp.response_body_sample; body mode BUFFERED)
+            "allow_mode_override": True,
             "message_timeout": f"{message_timeout_s}s",
             "processing_mode": mode,
             "response_attributes": [UPSTREAM_ATTRIBUTE],

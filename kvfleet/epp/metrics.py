@@ -222,6 +222,11 @@ class EppMetrics:
                                      registry=r)
         self.predicted_hit = Counter("kvfleet_epp_predicted_hit_tokens", "Prompt tokens predicted cached",
                                      registry=r)
+        self.response_bodies_skipped = Counter(
+            "kvfleet_epp_response_bodies_skipped",
+            "Inference responses whose body the picker asked Envoy not to send (epp.response_body_sample)",
+            registry=r,
+        )
         self.engine_cached = Counter(
             "kvfleet_epp_engine_cached_tokens",
             "Cached tokens reported by engines (usage.prompt_tokens_details)", registry=r

@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
@@ -297,11 +298,25 @@ def empty_request_headers_response() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 
 
-def empty_response_headers_response(remove: Sequence[str] = ()) -> pb.ProcessingResponse:
+#: the rest of a response without its body and trailers (``ProcessingResponse.mode_override``; the header
+#: modes no longer matter once the response headers are answered)
+_SKIP_RESPONSE_BODY = processing_mode_pb2.ProcessingMode(
+    response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+    response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP)
+
+
+def empty_response_headers_response(remove: Sequence[str] = (),
+                                    skip_body: bool = False) -> pb.ProcessingResponse:
+    """The answer to the response headers: ``remove`` those headers; ``skip_body``: ask Envoy not to send the
+    response's body and trailers (``mode_override``, honoured with the filter's ``allow_mode_override``)."""
     if not remove:
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=list(remove)))
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
+        out = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    else:
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=list(remove)))
+        out = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
+    if skip_body:
+        out.mode_override.CopyFrom(_SKIP_RESPONSE_BODY)
+    return out
 
 
 def streamed_body_responses(body: bytes, *, request: bool = True) -> list[pb.ProcessingResponse]:

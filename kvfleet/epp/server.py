@@ -116,12 +116,19 @@ class Stream:
         self.request_id = ""
         #: the predicted cached tokens the metrics and the decision log count (module doc)
         self.predicted = 0
+        #: whether the response's body is read (``EppSettings.response_body_sample``)
+        self.read_response = True
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, router: Router, metrics: EppMetrics, max_body_bytes: int,
-                 default_mode: str = "FULL_DUPLEX_STREAMED", inline_route_bytes: int = 16 * 1024) -> None:
+                 default_mode: str = "FULL_DUPLEX_STREAMED", inline_route_bytes: int = 16 * 1024,
+                 response_body_sample: float = 1.0) -> None:
         self.created = int(time.time())
+        #: the share of responses whose body is read, and the running remainder that spreads them evenly
+        #: (error diffusion: every 1/sample-th response, deterministic)
+        self.response_body_sample = response_body_sample
+        self._sample_credit = 0.0
         self.decision_log = os.environ.get(DECISION_LOG_ENV, "")
         self.keycheck = KeyCheck(
             on_change=lambda pool, bad: metrics.key_mismatch.labels(pool).set(1.0 if bad else 0.0))
@@ -261,7 +268,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                             "pick" if served == st.decision.endpoints[0] else "fallback").inc()
                     if st.decision.ticket is not None:
                         st.decision.ticket.first_byte()
-                return [protocol.empty_response_headers_response()]
+                if st.read_response or st.response_mode == _Mode.FULL_DUPLEX_STREAMED:
+                    return [protocol.empty_response_headers_response()]
+                # Envoy ignores the override in FULL_DUPLEX_STREAMED (sent nothing there); the stream's close
+                # still ends the ticket (close_stream)
+                self.metrics.response_bodies_skipped.inc()
+                return [protocol.empty_response_headers_response(skip_body=True)]
             if kind == "response_body":
                 return self._response_body(st, msg.response_body)
             if kind == "response_trailers":
@@ -336,6 +348,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         st.decision = d
         st.predicted = (d.predicted_hit_tokens if ctx.predicted_hit_tokens is None
                         else ctx.predicted_hit_tokens)
+        st.read_response = self._sampled()
         self.metrics.pick_seconds.observe(time.perf_counter() - t0)
         self.metrics.prompt_tokens.inc(d.num_tokens)
         self.metrics.predicted_hit.inc(st.predicted)
@@ -345,6 +358,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if st.request_mode == _Mode.FULL_DUPLEX_STREAMED:
             return [protocol.pick_headers_response(headers), *protocol.streamed_body_responses(body)]
         return [protocol.pick_headers_response(headers, as_body=True)]
+
+    def _sampled(self) -> bool:
+        """Whether this inference response's body is read (``response_body_sample`` of them, evenly spread;
+        called under the routing lock)."""
+        if self.response_body_sample >= 1.0:
+            return True
+        self._sample_credit += self.response_body_sample
+        if self._sample_credit >= 1.0:
+            self._sample_credit -= 1.0
+            return True
+        return False
 
     def _scope(self, st: Stream) -> list[str] | None:
         """The endpoints this request may go to: the subset hint's, within the InferencePool the route invoked

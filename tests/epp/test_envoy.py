@@ -300,3 +300,40 @@ def test_misprediction_counts_what_the_decision_log_shows(
     assert _value(text, 'kvfleet_epp_misprediction_tokens_total{direction="over"}') == over
     assert _value(text, 'kvfleet_epp_misprediction_tokens_total{direction="under"}') == under
     assert _value(text, "kvfleet_epp_engine_cached_tokens_total") == sum(r["reported"] for r in rows)
+
+
+def _envoy_stat(env: EnvoyProcess, name: str) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{env.admin_port}/stats?filter={name}", timeout=2) as r:
+        for line in r.read().decode().splitlines():
+            key, _, value = line.partition(": ")
+            if key.endswith(name):
+                return int(value)
+    raise AssertionError(f"no Envoy stat {name}")
+
+
+@pytest.mark.parametrize("body_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def test_response_body_sample(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF, body_mode: str,
+                              tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``response_body_sample: 0.5``: under BUFFERED, half the responses' bodies are never sent to the picker
+    (Envoy honours its ``mode_override``: one ext_proc message less per skipped response), the clients get
+    every body whole, the read half feeds the cached-token metrics, and every ticket still closes at the
+    stream's end; FULL_DUPLEX_STREAMED (where Envoy ignores the override) reads every body."""
+    log = tmp_path / "decisions.jsonl"  # one line per response whose body the picker read
+    monkeypatch.setenv("KVFLEET_EPP_DECISION_LOG", str(log))
+    epp = epp_factory(response_body_sample=0.5)
+    env = envoy_factory(epp_port=epp.grpc_port, body_mode=body_mode)
+    before = _envoy_stat(env, "ext_proc.stream_msgs_sent")
+    for i in range(4):
+        status, _, body = post(url(env), {"model": "m", "prompt": PROMPT + str(i)})
+        assert status == 200
+        assert json.loads(body)["usage"]["prompt_tokens"] > 0
+    sent = _envoy_stat(env, "ext_proc.stream_msgs_sent") - before
+    skipped = epp.metrics.response_bodies_skipped._value.get()
+    wait_for(lambda: all(epp.tracker.load(p.name)[0] == 0 for p in fleet.pods), what="tickets closed")
+    read = len(log.read_text().splitlines())
+    if body_mode == "BUFFERED":
+        assert (skipped, read) == (2, 2)
+        assert sent == 4 * 4 - 2  # request headers, request body, response headers, response body (read half)
+    else:
+        assert (skipped, read) == (0, 4)
+        assert sent >= 4 * 4

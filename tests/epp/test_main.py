@@ -49,6 +49,7 @@ GOLDEN_METRICS = sorted([
     "kvfleet_epp_pod_pending_tokens",
     "kvfleet_epp_pool_followup_share",
     "kvfleet_epp_pool_key_mismatch",
+    "kvfleet_epp_response_bodies_skipped",
     "kvfleet_epp_predicted_hit_tokens",
     "kvfleet_epp_prompt_tokens",
     "kvfleet_epp_reuse_forgotten_sends",

@@ -7,10 +7,13 @@ import json
 
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from google.protobuf import struct_pb2
 
 from kvfleet.cache.tokens import ByteTokenizer, ChatFormatError, render_chat
+from kvfleet.config import load
 from kvfleet.epp import protocol
+from kvfleet.epp.datastore import StaticDatastore
 from kvfleet.epp.errors import (
     BadRequestError,
     BodyTooLargeError,
@@ -18,6 +21,12 @@ from kvfleet.epp.errors import (
     SheddingError,
     UnknownModelError,
 )
+from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.metrics import EppMetrics
+from kvfleet.epp.podmetrics import MetricsStore
+from kvfleet.epp.router import Router
+from kvfleet.epp.server import ExtProcServicer
+from kvfleet.epp.tokenize import load_tokenizer
 
 
 def body(obj: object) -> bytes:
@@ -161,3 +170,39 @@ class TestTokens:
     def test_chat_errors(self, messages: object) -> None:
         with pytest.raises(ChatFormatError):
             render_chat(messages)
+
+
+class TestResponseBodySample:
+    """``epp.response_body_sample``: which responses' bodies the picker reads, and how it asks Envoy to skip
+    the others (the real Envoy's side: ``tests/epp/test_envoy.py::test_response_body_sample``)."""
+
+    @staticmethod
+    def servicer(sample: float) -> ExtProcServicer:
+        s = load()
+        router = Router(s.epp, s.cache, StaticDatastore(data={"pools": []}), BlockIndex(), MetricsStore(),
+                        load_tokenizer("bytes"))
+        return ExtProcServicer(router, EppMetrics(), 1 << 20, response_body_sample=sample)
+
+    @pytest.mark.parametrize(("sample", "pattern"), [
+        (1.0, [True] * 8), (0.0, [False] * 8), (0.25, [False, False, False, True] * 2),
+        (0.5, [False, True] * 4),
+    ])
+    def test_spread_evenly(self, sample: float, pattern: list[bool]) -> None:
+        sv = self.servicer(sample)
+        assert [sv._sampled() for _ in range(8)] == pattern
+
+    def test_a_third_reads_a_third(self) -> None:
+        sv = self.servicer(1 / 3)
+        assert sum(sv._sampled() for _ in range(3000)) == 1000
+
+    def test_skip_asks_for_no_body_and_no_trailers(self) -> None:
+        plain = protocol.empty_response_headers_response()
+        assert not plain.HasField("mode_override")
+        out = protocol.empty_response_headers_response(remove=["x-a"], skip_body=True)
+        assert out.mode_override.response_body_mode == pm.ProcessingMode.NONE
+        assert out.mode_override.response_trailer_mode == pm.ProcessingMode.SKIP
+        assert list(out.response_headers.response.header_mutation.remove_headers) == ["x-a"]
+
+    def test_out_of_range_is_refused(self) -> None:
+        with pytest.raises(ValueError, match="response_body_sample"):
+            load(overrides={"epp": {"response_body_sample": 1.5}})

@@ -125,8 +125,8 @@ def test_restart_of_a_single_replica_under_fail_open_loses_nothing(
     """One replica, FailOpen with the pool as fallback: kill -9 and restart it 1 s later under steady load.
     BUFFERED (the chart's default): every request is answered 200 (by the pick, or by a pool member while the
     picker is away). FULL_DUPLEX_STREAMED: Envoy cannot fail open a stream that broke while the body was
-    being streamed, so the requests whose streams were on the picker as it died (at most one per client,
-    started before Envoy could see it gone) may fail; none other does."""
+    being streamed, so the requests whose streams were on the picker as it died, and a client's next request
+    when it starts before Envoy can see the picker gone (≤ 0.1 s), may fail; none other does."""
     pods = tmp_path / "pods.yaml"
     pods.write_text(yaml.safe_dump(fleet.pools_config()))
     replica = Replica(tmp_path, 0, pods)
@@ -170,9 +170,9 @@ def test_restart_of_a_single_replica_under_fail_open_loses_nothing(
         if body_mode == "BUFFERED":
             assert failed == []
         else:
-            # what was in flight on the picker as it died: started before Envoy could see it gone (≤ 0.1 s)
-            assert len(failed) <= 4 and all(t0 < killed_at + 0.1 and t1 > killed_at
-                                            for t0, t1 in failed), failed
+            # what was on the picker as it died, or started before Envoy could see it gone (≤ 0.1 s): a client
+            # whose request failed at the kill may start its next one, and lose it too, within that window
+            assert all(t0 < killed_at + 0.1 and t1 > killed_at for t0, t1 in failed), failed
     finally:
         replica.stop()
 

@@ -18,7 +18,7 @@ engines report). ``cpu_per_request_vs_sglang_router`` is Envoy + EPP ÷ the rout
 A third run, ``kvfleet-sampled``, sets ``epp.response_body_sample`` (``--response-body-sample``, default 1/8):
 the picker reads that share of the responses' bodies and asks Envoy not to send it the others
 (``*_sampled`` figures).
-``--reps`` alternates the two (A B, then B A). Last line: one JSON object.
+``--reps`` alternates the three runs (A B C, then C B A). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.router_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer sessions (about 2 minutes)")
     ap.add_argument("--reps", type=int, default=0,
-                    help="alternated rounds of both routers (default: 1 quick, else 2)")
+                    help="alternated rounds of the three runs (default: 1 quick, else 2)")
     ap.add_argument("--pods", type=int, default=4)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--time-factor", type=float, default=0.1, help="simulated GPU time scale of the engines")

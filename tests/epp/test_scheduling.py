@@ -17,7 +17,16 @@ from kvfleet.epp.metrics import EppMetrics
 from kvfleet.epp.podmetrics import MetricsStore, PodMetrics
 from kvfleet.epp.protocol import InferenceRequest
 from kvfleet.epp.router import Router
-from kvfleet.epp.scheduling import REGISTRY, Candidate, Profile, SchedulingRequest, create, rendezvous_rank
+from kvfleet.epp.scheduling import (
+    REGISTRY,
+    Candidate,
+    Candidates,
+    Profile,
+    SchedulingRequest,
+    create,
+    rendezvous_rank,
+)
+from kvfleet.epp.scheduling.framework import column
 from kvfleet.epp.tokenize import load_tokenizer
 
 
@@ -568,3 +577,56 @@ class TestMaxScorePicker:
         with pytest.raises(ValueError):
             picker.pick(SchedulingRequest(), [Candidate(pod=Pod(name="a", address="a", port=1))],  # type: ignore[union-attr]
                         [1.0, 2.0])
+
+
+class TestCandidates:
+    """A cycle's candidates as columns: the plugins read the columns, a :class:`Candidate` is built only when
+    read, and a profile orders and scores a :class:`Candidates` exactly as the list of its objects."""
+
+    @staticmethod
+    def mixed(n: int, seed: int) -> list[Candidate]:
+        rng = random.Random(seed)
+        out = []
+        for i in range(n):
+            pm = (None if rng.random() < 0.3 else
+                  PodMetrics(waiting=float(rng.randint(0, 6)), kv_usage=rng.random(), block_size=16,
+                             num_gpu_blocks=rng.choice([None, 40, 400])))
+            hit = rng.choice([0, 0, 3, 8, 20])
+            out.append(Candidate(
+                pod=Pod(name=f"p{i}", address="a", port=1, ready=rng.random() > 0.1), hit_blocks=hit,
+                hit_weighted=hit * rng.choice([1.0, 0.7]), spec_blocks=rng.randint(0, hit),
+                inflight=rng.randint(0, 5), same_prefix=rng.randint(0, 2),
+                pending_tokens=rng.uniform(0, 3000), pending_requests=rng.randint(0, 3),
+                pending_elapsed_s=rng.uniform(0, 0.2),
+                expected_wait_s=rng.uniform(0, 0.1), held_blocks=rng.randint(0, 500), picked_blocks=hit,
+                busy_share=rng.choice([0.0, 0.3, 0.9]), metrics=pm,
+                scrape_pending=None if pm is None else rng.randint(0, 3)))
+        return out
+
+    def test_items_are_built_when_read_and_kept(self) -> None:
+        objs = self.mixed(8, 1)
+        cols = Candidates.of(objs)
+        assert Candidates.of(cols) is cols and len(cols) == 8
+        fresh = Candidates(cols.columns)  # same columns, no objects yet
+        assert fresh[3] == objs[3] and fresh[3] is fresh[3] and fresh[-1] == objs[-1]
+        assert list(fresh) == objs and fresh[2:4] == objs[2:4]
+        assert fresh.position(fresh[5]) == 5
+        with pytest.raises(ValueError):
+            fresh.position(objs[5])  # equal, but not read from there
+        assert column(fresh, "inflight") == [c.inflight for c in objs] == column(objs, "inflight")
+        taken = fresh.take([5, 1])
+        assert taken[0] is fresh[5] and taken[1] == objs[1] and taken.names == ["p5", "p1"]
+        with pytest.raises(ValueError):
+            Candidates(cols.columns[:-1])
+
+    def test_a_profile_orders_columns_as_the_objects(self) -> None:
+        specs = [*load().epp.plugins, PluginSpec(type="saturation-filter", params={"max_waiting": 4}),
+                 PluginSpec(type="least-inflight-scorer", weight=0.3)]
+        for seed in range(60):
+            objs = self.mixed(random.Random(seed).choice([1, 5, 64]), seed)
+            req = SchedulingRequest(num_tokens=400, hotspot_beta=0.1, shard=seed, followup_share=0.3)
+            by_objects = Profile(specs).run(req, objs)
+            by_columns = Profile(specs).run(req, Candidates(Candidates.of(objs).columns))
+            assert [c.name for c in by_columns.pods] == [c.name for c in by_objects.pods], seed
+            assert by_columns.scores == by_objects.scores, seed
+            assert by_columns.pods == by_objects.pods

@@ -45,7 +45,8 @@ from kvfleet.epp.protocol import InferenceRequest
 from kvfleet.epp.requestcontrol.locator import Locator
 from kvfleet.epp.scheduling import Candidate, SchedulingRequest
 from kvfleet.epp.scheduling.candidates import CandidateBuilder
-from kvfleet.epp.scheduling.plugins import waiting_of
+from kvfleet.epp.scheduling.framework import column
+from kvfleet.epp.scheduling.plugins import waiting
 from kvfleet.epp.scheduling.scheduler import Scheduler, SchedulingResult, serving_pods
 from kvfleet.epp.speculative import Lease
 from kvfleet.epp.tokenize import PoolTokenizers, Tokens
@@ -68,7 +69,7 @@ class Decision:
     predicted_hit_tokens: int = 0
     scores: tuple[float, ...] = ()
     #: the serving candidates at the pick (read-only snapshots), the source of :attr:`hits`
-    candidates: tuple[Candidate, ...] = field(default=(), compare=False, repr=False)
+    candidates: Sequence[Candidate] = field(default=(), compare=False, repr=False)
     ticket: Ticket | None = field(default=None, compare=False)
     #: the prefix shard (pod subset of ``pool``) level 1 chose; "" when the pool has one
     shard: str = ""
@@ -96,9 +97,10 @@ class Decision:
 def evidence(cands: Sequence[Candidate]) -> tuple[tuple[str, int, int, float, int], ...]:
     """:attr:`Decision.hits` of the serving candidates."""
     return tuple(
-        (c.name, c.hit_blocks, c.spec_blocks, -1.0 if c.metrics is None else c.metrics.waiting,
-         c.pending_requests)
-        for c in cands
+        (p.name, hit, spec, -1.0 if pm is None else pm.waiting, pending)
+        for p, hit, spec, pm, pending in zip(column(cands, "pod"), column(cands, "hit_blocks"),
+                                             column(cands, "spec_blocks"), column(cands, "metrics"),
+                                             column(cands, "pending_requests"), strict=True)
     )
 
 
@@ -258,7 +260,7 @@ class Director:
             num_tokens=num_tokens,
             predicted_hit_tokens=result.hit_tokens,
             scores=result.ranked.scores,
-            candidates=tuple(cands),
+            candidates=cands,
             ticket=ticket,
             shard=best.pod.shard,
             block_size=block_size,
@@ -274,13 +276,13 @@ class Director:
         covers ÷ its blocks) into the pool's ``followup_share``."""
         if not keys:
             return
-        picked = min(1.0, max((c.picked_blocks for c in cands), default=0) / len(keys))
+        picked = min(1.0, max(column(cands, "picked_blocks"), default=0) / len(keys))
         prev = self._followup.get(pool)
         self._followup[pool] = picked if prev is None else prev + FOLLOWUP_ALPHA * (picked - prev)
 
     def _admit(self, pool: Pool, cands: Sequence[Candidate]) -> None:
         """Shedding: refuse the request when every candidate waits ≥ ``shed_queue`` (0: never)."""
-        if self.settings.shed_queue > 0 and all(waiting_of(c) >= self.settings.shed_queue for c in cands):
+        if self.settings.shed_queue > 0 and bool((waiting(cands) >= self.settings.shed_queue).all()):
             raise SheddingError(f"every pod of pool {pool.name!r} is above the shedding threshold")
 
     # --- PreRequest: the pick's speculative entries and ticket ---------------------------------

@@ -24,6 +24,7 @@ from kvfleet.epp.scheduling.candidates import CandidateBuilder
 from kvfleet.epp.scheduling.framework import (
     REGISTRY,
     Candidate,
+    Candidates,
     RequestContext,
     SchedulingRequest,
     create,
@@ -36,7 +37,7 @@ from kvfleet.epp.scheduling.profile import Profile, Ranked
 from kvfleet.epp.scheduling.scheduler import Scheduler, SchedulingResult
 
 __all__ = [
-    "REGISTRY", "Candidate", "CandidateBuilder", "Profile", "Ranked", "RequestContext", "Scheduler",
-    "SchedulingRequest", "SchedulingResult", "create", "current_request", "register", "rendezvous_rank",
-    "routing_request",
+    "REGISTRY", "Candidate", "CandidateBuilder", "Candidates", "Profile", "Ranked", "RequestContext",
+    "Scheduler", "SchedulingRequest", "SchedulingResult", "create", "current_request", "register",
+    "rendezvous_rank", "routing_request",
 ]

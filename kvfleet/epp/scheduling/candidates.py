@@ -28,7 +28,7 @@ from kvfleet.epp.datastore import Pod
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.podmetrics import MetricsStore, gpu_capacity
-from kvfleet.epp.scheduling.framework import Candidate
+from kvfleet.epp.scheduling.framework import Candidates
 
 #: ``(keys, longest held prefix in blocks, shard key) → hot key``
 HotKey = Callable[[Sequence[int], int, int], int]
@@ -78,10 +78,11 @@ class CandidateBuilder:
     def build(
         self, pods: Sequence[Pod], keys: Sequence[int], shard: int, hot: int | None = None,
         block_size: int = 16,
-    ) -> tuple[list[Candidate], int]:
-        """One candidate per pod, and the hot key their ``same_prefix`` counts (``hot``, else
-        ``hot_key`` of the longest match among ``pods``). ``block_size``: the tokens of one of ``keys``'
-        blocks (a pod's cache size is published in its engine's blocks)."""
+    ) -> tuple[Candidates, int]:
+        """One candidate per pod (as columns: :class:`~kvfleet.epp.scheduling.framework.Candidates`), and
+        the hot key their ``same_prefix`` counts (``hot``, else ``hot_key`` of the longest match among
+        ``pods``). ``block_size``: the tokens of one of ``keys``' blocks (a pod's cache size is published in
+        its engine's blocks)."""
         names = [p.name for p in pods]
         idx = self.index
         blocks, weighted, spec, picked = idx.match_lists(keys, names, self.weights)
@@ -92,16 +93,19 @@ class CandidateBuilder:
         # lower tiers (the index holds blocks of it off the GPU) demotes what its GPU pushes out, and a
         # demoted block still hits: the sketch's GPU bound does not apply there (capacity 0: not cut)
         held, gpu = idx.pod_key_counts(names)  # gpu: also each candidate's held_blocks
-        caps = [0 if a > g else gpu_capacity(pm, block_size) or 0
-                for a, g, pm in zip(held, gpu, pms, strict=True)]
+        capacity = [gpu_capacity(pm, block_size) for pm in pms]
+        caps = [0 if a > g else c or 0 for a, g, c in zip(held, gpu, capacity, strict=True)]
         kept = idx.reuse.fit(names, blocks, caps, keys)
         # which of the scraped waiting requests are ours: count them at the scrape's instant, not now
         views = self.tracker.view(names, hot, [pm.scraped_at if pm is not None and pm.waiting > 0 else None
                                                for pm in pms])
-        # positional, in Candidate's field order (keywords cost ≈ 0.45 µs more per candidate), each view
-        # unpacked in the loop's target (a NamedTuple's field read costs ≈ 55 ns, eight per candidate)
-        rows = zip(pods, pms, views, blocks, weighted, spec, picked, kept, gpu, strict=True)
-        return [Candidate(p, k, (x if k == h else x * k / h) if h else 0.0, sp if sp < k else k, inflight,
-                          same, ptokens, prequests, elapsed, expected, g, pk, busy, pm, scraped)
-                for p, pm, (inflight, ptokens, prequests, same, elapsed, expected, scraped, busy), h, x, sp,
-                pk, k, g in rows], hot
+        if views:
+            inflight, ptokens, prequests, same, elapsed, expected, scraped, busy = zip(*views, strict=True)
+        else:
+            inflight = ptokens = prequests = same = elapsed = expected = scraped = busy = ()
+        # the hit cut to what is kept, its tier-weighted value cut in proportion, the speculative part with it
+        hit_weighted = [(x if k == h else x * k / h) if h else 0.0
+                        for h, x, k in zip(blocks, weighted, kept, strict=True)]
+        spec_kept = [sp if sp < k else k for sp, k in zip(spec, kept, strict=True)]
+        return Candidates((pods, kept, hit_weighted, spec_kept, inflight, same, ptokens, prequests, elapsed,
+                           expected, gpu, picked, busy, pms, scraped), names, (block_size, capacity)), hot

@@ -56,6 +56,7 @@ from kvfleet.epp.scheduling.framework import (
     Candidate,
     RequestContext,
     SchedulingRequest,
+    column,
     current_request,
     register,
 )
@@ -179,9 +180,9 @@ class GiePrefixCacheScorer:
 
     def block_size(self, cands: Sequence[Candidate]) -> int:
         """GIE's ``GetBlockSize``: the first candidate's scraped block size under autoTune, else the param."""
-        if (self.auto_tune and cands and cands[0].metrics is not None
-                and (cands[0].metrics.block_size or 0) > 0):
-            return int(cands[0].metrics.block_size or 0)
+        first = column(cands, "metrics")[0] if self.auto_tune and cands else None
+        if first is not None and (first.block_size or 0) > 0:
+            return int(first.block_size or 0)
         return self.block_size_tokens
 
     def state(self, ctx: RequestContext, cands: Sequence[Candidate]) -> _PrefixState:
@@ -202,7 +203,7 @@ class GiePrefixCacheScorer:
         st = self.state(ctx, cands)
         if not st.hashes:
             return [0.0] * len(cands)
-        return [st.matches.get(c.name, 0) / len(st.hashes) for c in cands]
+        return [st.matches.get(p.name, 0) / len(st.hashes) for p in column(cands, "pod")]
 
     def pre_request(self, req: SchedulingRequest, pick: Candidate) -> None:
         """Record the prompt's hashes on ``pick``; its predicted cached tokens are its matched blocks'
@@ -225,7 +226,7 @@ class GieQueueScorer:
         pass
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
-        waiting = [c.metrics.waiting if c.metrics is not None else 0.0 for c in cands]
+        waiting = [pm.waiting if pm is not None else 0.0 for pm in column(cands, "metrics")]
         if not waiting:
             return []
         lo, hi = min(waiting), max(waiting)
@@ -240,7 +241,7 @@ class GieKVCacheUtilizationScorer:
         pass
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
-        return [1.0 - (c.metrics.kv_usage if c.metrics is not None else 0.0) for c in cands]
+        return [1.0 - (pm.kv_usage if pm is not None else 0.0) for pm in column(cands, "metrics")]
 
 
 @register("gie-max-score-picker", "picker")

@@ -3,6 +3,9 @@
 Scorers are in **seconds** (of prefill saved or of queueing suffered) so that
 the profile's weighted sum is the cost model's TTFT estimate with its sign
 flipped: with weights 1, ``score = hit_s − queue_s − w_kv·kv``.
+
+The plugins read the candidates' columns (:func:`~kvfleet.epp.scheduling.framework.column`), not one
+object per candidate: a cycle builds the :class:`Candidate` objects of the picker's order only.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import heapq
 import random
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
-from kvfleet.epp.podmetrics import gpu_capacity
-from kvfleet.epp.scheduling.framework import Candidate, SchedulingRequest, register
+from kvfleet.epp.scheduling.framework import Candidate, Candidates, SchedulingRequest, column, register
 
 
 @register("ready-filter", "filter")
@@ -24,8 +28,11 @@ class ReadyFilter:
     def __init__(self, params: Mapping[str, float]) -> None:
         pass
 
-    def filter(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[Candidate]:
-        return [c for c in cands if c.pod.ready]
+    def filter(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
+        ready = [p.ready for p in column(cands, "pod")]
+        if all(ready):
+            return cands
+        return Candidates.of(cands).take([i for i, r in enumerate(ready) if r])
 
 
 @register("saturation-filter", "filter")
@@ -36,13 +43,19 @@ class SaturationFilter:
     def __init__(self, params: Mapping[str, float]) -> None:
         self.max_waiting = float(params.get("max_waiting", 32))
 
-    def filter(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[Candidate]:
-        kept = [c for c in cands if waiting_of(c) < self.max_waiting]
-        return kept or list(cands)
+    def filter(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
+        below = waiting(cands) < self.max_waiting
+        if below.all() or not below.any():
+            return cands
+        return Candidates.of(cands).take(np.flatnonzero(below).tolist())
 
 
-def waiting_of(c: Candidate) -> float:
-    return max(c.metrics.waiting, c.pending_requests) if c.metrics is not None else float(c.pending_requests)
+def waiting(cands: Sequence[Candidate]) -> npt.NDArray[np.float64]:
+    """The requests waiting on each candidate's pod: ``max(waiting, pending_requests)`` with fresh metrics
+    (the engine's count, at least the picker's pending), else ``pending_requests``."""
+    pending = column(cands, "pending_requests")
+    return np.array([max(pm.waiting, n) if pm is not None else float(n)
+                     for pm, n in zip(column(cands, "metrics"), pending, strict=True)], dtype=np.float64)
 
 
 def mean_queue_rho(req: SchedulingRequest, cands: Sequence[Candidate]) -> float:
@@ -50,7 +63,7 @@ def mean_queue_rho(req: SchedulingRequest, cands: Sequence[Candidate]) -> float:
     idle)."""
     if not cands:
         return 0.0
-    q = sum(c.pending_tokens for c in cands) / len(cands) * req.prefill_s_per_token
+    q = sum(column(cands, "pending_tokens")) / len(cands) * req.prefill_s_per_token
     return q / (q + req.prefill_s) if q > 0 else 0.0
 
 
@@ -87,8 +100,8 @@ class PrefixCacheScorer:
         beta = req.hotspot_beta if self.beta is None else float(self.beta)
         unit = req.block_size * req.prefill_s_per_token
         gain = 1.0 + self.load_gain * mean_queue_rho(req, cands) if self.load_gain else 1.0
-        return [c.hit_weighted * unit * (1.0 if c.same_prefix else gain) / (1.0 + beta * c.same_prefix)
-                for c in cands]
+        return [x * unit * (1.0 if same else gain) / (1.0 + beta * same)
+                for x, same in zip(column(cands, "hit_weighted"), column(cands, "same_prefix"), strict=True)]
 
 
 @register("queue-scorer", "scorer")
@@ -144,14 +157,17 @@ class QueueScorer:
         expected = self.expected * (1.0 + self.followups(req))
         per_token, overhead, running = req.prefill_s_per_token, self.overhead_s, self.running_s
         prefill = req.prefill_s
-        for c in cands:  # max(0, x) written out: this runs for every candidate of every decision
-            n = c.pending_requests
-            q = c.pending_tokens * per_token + n * overhead - c.pending_elapsed_s
-            q = (q if q > 0.0 else 0.0) + expected * c.expected_wait_s
-            if c.inflight > n:
-                q += (c.inflight - n) * running
-            if c.metrics is not None:
-                foreign = c.metrics.waiting - (n if c.scrape_pending is None else c.scrape_pending)
+        for n, tokens, elapsed, wait, inflight, pm, scraped in zip(
+                column(cands, "pending_requests"), column(cands, "pending_tokens"),
+                column(cands, "pending_elapsed_s"), column(cands, "expected_wait_s"),
+                column(cands, "inflight"), column(cands, "metrics"), column(cands, "scrape_pending"),
+                strict=True):
+            q = tokens * per_token + n * overhead - elapsed  # max(0, x) written out: runs for every candidate
+            q = (q if q > 0.0 else 0.0) + expected * wait
+            if inflight > n:
+                q += (inflight - n) * running
+            if pm is not None:
+                foreign = pm.waiting - (n if scraped is None else scraped)
                 if foreign > 0.0:
                     q += foreign * prefill
             out.append(-q)
@@ -176,7 +192,7 @@ class PrefixAffinityScorer:
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         if not cands:
             return []
-        names = tuple(c.pod.name for c in cands)
+        names = tuple(cands.names if isinstance(cands, Candidates) else [c.pod.name for c in cands])
         top = self._top.get((req.shard, names))
         if top is None:
             seed = req.shard & 0xFFFFFFFFFFFFFFFF
@@ -198,7 +214,7 @@ class KVUtilizationScorer:
         pass
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
-        return [-(c.metrics.kv_usage if c.metrics is not None else 0.0) for c in cands]
+        return [-(pm.kv_usage if pm is not None else 0.0) for pm in column(cands, "metrics")]
 
 
 @register("least-inflight-scorer", "scorer")
@@ -209,7 +225,7 @@ class LeastInflightScorer:
         pass
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
-        return [-float(c.inflight) for c in cands]
+        return [-float(n) for n in column(cands, "inflight")]
 
 
 @register("max-score-picker", "picker")
@@ -235,7 +251,8 @@ class MaxScorePicker:
             floor = heapq.nlargest(k, scores)[-1] - 1e-8
             if floor == floor:  # not NaN
                 near = [i for i, s in enumerate(scores) if s >= floor]
-        keys = {i: (-round(scores[i], 9), cands[i].inflight, draws[i]) for i in near}
+        inflight = column(cands, "inflight")
+        keys = {i: (-round(scores[i], 9), inflight[i], draws[i]) for i in near}
         return [cands[i] for i in heapq.nsmallest(k, near, key=keys.__getitem__)]
 
 
@@ -307,16 +324,18 @@ class RecomputeLoadScorer:
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         if not cands:
             return []
-        top = max(c.hit_weighted for c in cands)
+        hits = column(cands, "hit_weighted")
+        top = max(hits)
         # a hot prefix (requests of it still waiting for their first token) is worth a copy on another pod
-        unit = req.block_size * req.prefill_s_per_token / (1.0 + req.hotspot_beta * sum(c.same_prefix
-                                                                                        for c in cands))
+        unit = req.block_size * req.prefill_s_per_token / (1.0 + req.hotspot_beta
+                                                           * sum(column(cands, "same_prefix")))
+        mb = self.max_busy
         out = []
-        for c in cands:
-            u = min(self.max_busy, c.busy_share)
-            out.append(-(top - c.hit_weighted) * unit * u / (1.0 - u) if u > 0.0 else 0.0)
+        for x, u in zip(hits, column(cands, "busy_share"), strict=True):
+            if u > mb:
+                u = mb
+            out.append(-(top - x) * unit * u / (1.0 - u) if u > 0.0 else 0.0)
         return out
-
 
 @register("eviction-cost-scorer", "scorer")
 class EvictionCostScorer:
@@ -344,11 +363,13 @@ class EvictionCostScorer:
         unit = req.block_size * req.prefill_s_per_token
         blocks = -(-req.num_tokens // req.block_size)
         out = []
-        for c in cands:
-            capacity = gpu_capacity(c.metrics, req.block_size)
+        capacities = Candidates.of(cands).capacity(req.block_size)
+        for capacity, hit, held in zip(capacities, column(cands, "hit_blocks"), column(cands, "held_blocks"),
+                                       strict=True):
             if capacity is None:
                 out.append(0.0)
                 continue
-            evict = max(0, blocks - c.hit_blocks - max(0, capacity - c.held_blocks))
-            out.append(-evict * unit)
+            free = capacity - held
+            evict = blocks - hit - (free if free > 0 else 0)
+            out.append(-evict * unit if evict > 0 else 0.0)
         return out

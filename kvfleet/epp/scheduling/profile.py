@@ -12,6 +12,7 @@ from kvfleet.epp.scheduling import gie as _gie  # noqa: F401  (registers the GIE
 from kvfleet.epp.scheduling import plugins as _builtin  # noqa: F401  (registers the built-ins)
 from kvfleet.epp.scheduling.framework import (
     Candidate,
+    Candidates,
     Filter,
     Picker,
     PreRequest,
@@ -55,19 +56,23 @@ class Profile:
         self.picker: Picker = picker
 
     def run(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> Ranked:
-        alive = list(cands)
+        """Filter, score (summed in the profile's order) and pick; the pick's ``pre_request`` hooks run before
+        it returns."""
+        alive = Candidates.of(cands)
         for f in self.filters:
-            alive = f.filter(req, alive)
-            if not alive:
+            alive = Candidates.of(f.filter(req, alive))
+            if not len(alive):
                 return Ranked((), ())
-        totals = [0.0] * len(alive)
+        n = len(alive)
+        totals = [0.0] * n
         for weight, scorer in self.scorers:  # weight 1 (the default) skips the product: t + 1.0·s == t + s
             scores = scorer.score(req, alive)
+            if len(scores) != n:
+                raise ValueError(f"scorer {type(scorer).__name__}: {len(scores)} scores for {n} candidates")
             totals = ([t + s for t, s in zip(totals, scores, strict=True)] if weight == 1.0
                       else [t + weight * s for t, s in zip(totals, scores, strict=True)])
         order = self.picker.pick(req, alive, totals)
         if order:
             for hook in self.hooks:
                 hook.pre_request(req, order[0])
-        pos = {id(c): i for i, c in enumerate(alive)}
-        return Ranked(tuple(order), tuple(totals[pos[id(c)]] for c in order))
+        return Ranked(tuple(order), tuple(totals[alive.position(c)] for c in order))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add, mul
 
 from kvfleet.config.epp import PluginSpec
 from kvfleet.epp.errors import UnknownPluginError
@@ -69,8 +71,8 @@ class Profile:
             scores = scorer.score(req, alive)
             if len(scores) != n:
                 raise ValueError(f"scorer {type(scorer).__name__}: {len(scores)} scores for {n} candidates")
-            totals = ([t + s for t, s in zip(totals, scores, strict=True)] if weight == 1.0
-                      else [t + weight * s for t, s in zip(totals, scores, strict=True)])
+            # map over operator's functions: the loop in C (t + s, as a comprehension would add them)
+            totals = list(map(add, totals, scores if weight == 1.0 else map(mul, repeat(weight), scores)))
         order = self.picker.pick(req, alive, totals)
         if order:
             for hook in self.hooks:

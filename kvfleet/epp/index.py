@@ -433,13 +433,8 @@ class BlockIndex:
             if not rows:
                 rows = list(map(self._spec.get, sampled_keys(keys)))
             # one pick stores a whole prefix, so "held at position i" is (nearly) monotone in i:
-            # binary search for the last sampled position the pod holds; a pod holding the last position (a
-            # repeated prompt) holds the whole prefix (keys are chained), whatever holes lie before it
+            # binary search for the last sampled position the pod holds
             lo, hi = 0, len(positions) - 1
-            last = rows[hi]
-            lease = None if last is None else last.get(pod)
-            if lease is not None and lease.expiry > t:
-                lo = hi
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 spec = rows[mid]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import numpy as np
-
 from kvfleet.cache.events import AllBlocksCleared, KVEventBatch, decode_batch, removed, stored
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
@@ -108,23 +106,6 @@ class TestMatch:
                 and 1000 - 16 <= credited <= 1000)
         # one grid
         assert spec_positions(3000)[: len(spec_positions(2000)) - 1] == list(spec_positions(2000))[:-1]
-
-    def test_a_pick_holding_the_last_position_is_credited_in_full(self) -> None:
-        """Keys are chained: a live pick of a prompt's last sampled key vouches for the whole prompt, whatever
-        holes its other entries have (an eviction dropped a served pick's entries at some positions); a pick
-        without the last key is credited up to a position the search finds it holding."""
-        idx = BlockIndex()
-        keys = list(range(50_000, 50_000 + 2000))
-        lease = idx.add_speculative("a", keys, ttl_s=10, now=0.0)
-        idx.extend(lease, 10, now=0.0)  # served: an eviction of its blocks drops its entries
-        positions = list(spec_positions(len(keys)))
-        middle = positions[len(positions) // 2]  # the search's first probe
-        assert idx.drop_served_speculative("a", np.array([keys[middle]], dtype=np.uint64)) == 1
-        assert idx.match(keys, ["a"], now=1.0)["a"].speculative == 2000
-        shorter = keys[: positions[-2] + 1]  # its last sampled key is held; a hole on the way
-        assert idx.match(shorter, ["a"], now=1.0)["a"].speculative == len(shorter)
-        idx.drop_served_speculative("a", np.array(keys[-1:], dtype=np.uint64))
-        assert idx.match(keys, ["a"], now=1.0)["a"].speculative < middle + 1
 
     def test_tier_weights_by_search(self) -> None:
         """Without the walk, L_r (the prefix held in tiers ≤ r) is searched per tier:

@@ -51,6 +51,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import repeat
 from typing import cast
 
 import numpy as np
@@ -191,6 +192,8 @@ class PodEventApplier:
             return False
         if ev.parent_block_hash is not None and chain(ev.parent_block_hash) is None:
             return False
+        if self.hasher.algo != "sha256_cbor":  # any int chains (:meth:`_chain_value`): the check in C
+            return all(map(isinstance, ev.block_hashes, repeat(int)))
         return all(chain(h) is not None for h in ev.block_hashes)
 
     def _store_run(self, stores: list[BlockStored]) -> int:

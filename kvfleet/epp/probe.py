@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -41,33 +41,49 @@ def ptr(a: npt.NDArray[Any]) -> int:
         return int(a.__array_interface__["data"][0])
 
 
-def find(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], mix: npt.NDArray[np.uint64],
-         shift: int, keys: npt.NDArray[np.uint64], slots: npt.NDArray[np.uint16]) -> npt.NDArray[np.int64]:
-    """Table position of each (key, slot) of a table (``tkeys``, ``tpods``; ``mix``: a word per slot), −1
-    where absent."""
+class Table(NamedTuple):
+    """A table as the compiled code takes it: the addresses of its key, pod slot and tier mask arrays and of
+    ``mix`` (a word per slot), read once (:func:`table`; its owner keeps the arrays alive and never
+    reallocates them), its position mask (length − 1) and home-position shift."""
+
+    keys: int
+    pods: int
+    mask: int
+    mix: int
+    wrap: int
+    shift: int
+
+
+def table(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], tmask: npt.NDArray[np.uint8],
+          mix: npt.NDArray[np.uint64], shift: int) -> Table:
+    """:class:`Table` of these arrays (contiguous, writable, of equal length)."""
+    if not (len(tkeys) == len(tpods) == len(tmask)) or not all(
+            a.flags.c_contiguous and a.flags.writeable for a in (tkeys, tpods, tmask, mix)):
+        raise ValueError("a table's arrays must be contiguous, writable and of equal length")
+    return Table(ptr(tkeys), ptr(tpods), ptr(tmask), ptr(mix), len(tkeys) - 1, int(shift))
+
+
+def find(t: Table, keys: npt.NDArray[np.uint64], slots: npt.NDArray[np.uint16]) -> npt.NDArray[np.int64]:
+    """Table position of each (key, slot) of table ``t``, −1 where absent."""
     keys = np.ascontiguousarray(keys, dtype=np.uint64)
     slots = np.ascontiguousarray(slots, dtype=np.uint16)
     out = np.empty(len(keys), dtype=np.int64)
-    lib.kv_find(ptr(tkeys), ptr(tpods), ptr(mix), len(tkeys) - 1, shift, ptr(keys), ptr(slots),
-                 len(keys), ptr(out))
+    lib.kv_find(t.keys, t.pods, t.mix, t.wrap, t.shift, ptr(keys), ptr(slots), len(keys), ptr(out))
     return out
 
 
-def insert(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], tmask: npt.NDArray[np.uint8],
-           mix: npt.NDArray[np.uint64], shift: int, keys: npt.NDArray[np.uint64],
-           slots: npt.NDArray[np.uint16], masks: npt.NDArray[np.uint8]) -> int:
-    """Insert (key, slot) pairs known to be absent and distinct, with their tier masks, into a table whose
-    load stays below 1; returns how many deleted positions were reused."""
+def insert(t: Table, keys: npt.NDArray[np.uint64], slots: npt.NDArray[np.uint16],
+           masks: npt.NDArray[np.uint8]) -> int:
+    """Insert (key, slot) pairs known to be absent and distinct, with their tier masks, into table ``t``,
+    whose load stays below 1; returns how many deleted positions were reused."""
     keys = np.ascontiguousarray(keys, dtype=np.uint64)
     slots = np.ascontiguousarray(slots, dtype=np.uint16)
     masks = np.ascontiguousarray(masks, dtype=np.uint8)
-    return int(lib.kv_insert(ptr(tkeys), ptr(tpods), ptr(tmask), ptr(mix), len(tkeys) - 1, shift,
-                              ptr(keys), ptr(slots), ptr(masks), len(keys)))
+    return int(lib.kv_insert(t.keys, t.pods, t.mask, t.mix, t.wrap, t.shift, ptr(keys), ptr(slots),
+                              ptr(masks), len(keys)))
 
 
-def match(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], tmask: npt.NDArray[np.uint8],
-          mix: npt.NDArray[np.uint64], shift: int, keys: npt.NDArray[np.uint64],
-          slots: npt.NDArray[np.uint16],
+def match(t: Table, keys: npt.NDArray[np.uint64], slots: npt.NDArray[np.uint16],
           weights: Sequence[float], walk_budget: int,
           ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
     """Per pod slot, the longest prefix of ``keys`` held (blocks) and its tier-weighted value (the rules:
@@ -79,7 +95,6 @@ def match(tkeys: npt.NDArray[np.uint64], tpods: npt.NDArray[np.uint16], tmask: n
     length = np.empty(c, dtype=np.int64)
     weighted = np.empty(c, dtype=np.float64)
     scratch = np.empty(3 * c, dtype=np.int64)
-    lib.kv_match(ptr(tkeys), ptr(tpods), ptr(tmask), ptr(mix), len(tkeys) - 1, shift, ptr(keys),
-                  len(keys), ptr(slots), c, ptr(w), len(w), walk_budget, ptr(length),
-                  ptr(weighted), ptr(scratch))
+    lib.kv_match(t.keys, t.pods, t.mask, t.mix, t.wrap, t.shift, ptr(keys), len(keys), ptr(slots), c, ptr(w),
+                  len(w), walk_budget, ptr(length), ptr(weighted), ptr(scratch))
     return length, weighted

@@ -59,7 +59,7 @@ def as_u64(keys: Iterable[int]) -> npt.NDArray[np.uint64]:
 class PodKeyTable:
     """One open-addressing table; replaced whole (never resized in place) so readers need no lock."""
 
-    __slots__ = ("capacity", "deleted", "keys", "live", "mask", "pods", "shift", "wrap")
+    __slots__ = ("capacity", "deleted", "keys", "live", "mask", "pods", "ref", "shift", "wrap")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -68,6 +68,8 @@ class PodKeyTable:
         self.keys = np.zeros(capacity, dtype=U64)
         self.pods = np.full(capacity, EMPTY, dtype=np.uint16)
         self.mask = np.zeros(capacity, dtype=np.uint8)
+        #: the arrays as the compiled probes take them (addresses read once: these arrays are never replaced)
+        self.ref = probe.table(self.keys, self.pods, self.mask, _SLOT_MIX, int(self.shift))
         self.live = 0
         self.deleted = 0
 
@@ -78,14 +80,13 @@ class PodKeyTable:
     def find(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
         """Table position of each (key, slot), −1 where absent (linear probing from the pair's home position
         up to the first empty slot; compiled: :mod:`kvfleet.epp.probe`)."""
-        return probe.find(self.keys, self.pods, _SLOT_MIX, int(self.shift), keys, slots)
+        return probe.find(self.ref, keys, slots)
 
     def match(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[np.uint16], weights: Sequence[float],
               walk_budget: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
         """Per pod slot, the longest prefix of the chained ``keys`` held and its tier-weighted value (the
         rules: :mod:`kvfleet.epp.index`; compiled: :mod:`kvfleet.epp.probe`)."""
-        return probe.match(self.keys, self.pods, self.mask, _SLOT_MIX, int(self.shift), keys, slots, weights,
-                           walk_budget)
+        return probe.match(self.ref, keys, slots, weights, walk_budget)
 
     def insert(self, keys: npt.NDArray[np.uint64], slots: npt.NDArray[Any],
                masks: npt.NDArray[np.uint8]) -> None:
@@ -94,8 +95,7 @@ class PodKeyTable:
         probe)."""
         if len(keys) == 0:
             return
-        self.deleted -= probe.insert(self.keys, self.pods, self.mask, _SLOT_MIX, int(self.shift), keys, slots,
-                                     masks)
+        self.deleted -= probe.insert(self.ref, keys, slots, masks)
         self.live += len(keys)
 
     def entries(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint16], npt.NDArray[np.uint8]]:

@@ -15,11 +15,14 @@ from __future__ import annotations
 import random
 import threading
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvfleet.cache.tiers import Tier
+from kvfleet.epp import probe
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.table import DELETED, EMPTY
 
@@ -163,3 +166,21 @@ def test_concurrent_writers_and_readers() -> None:
         m = idx.match(keys, [pod], [1.0, 0.5, 0.0, 0.0])[pod]
         assert (m.blocks, m.weighted) == (400, 400.0)  # the CPU copies of blocks 0..99 are also in GPU
         assert idx.pod_tiers(pod, keys[0]) == {Tier.GPU, Tier.CPU} and idx.num_pod_keys(pod) == 400
+
+
+def test_the_compiled_probes_take_only_arrays_they_can_address() -> None:
+    """A table's addresses are read once: the arrays must be contiguous, writable and of one length, or
+    :func:`kvfleet.epp.probe.table` refuses them (a copy's address would go stale)."""
+    keys, pods = np.zeros(16, dtype=np.uint64), np.full(16, EMPTY, dtype=np.uint16)
+    mask = np.zeros(16, dtype=np.uint8)
+    mix = np.zeros(1 << 16, dtype=np.uint64)
+    t = probe.table(keys, pods, mask, mix, 60)
+    assert (t.wrap, t.shift) == (15, 60)
+    with pytest.raises(ValueError):
+        probe.table(np.zeros(32, dtype=np.uint64)[::2], pods, mask, mix, 60)
+    with pytest.raises(ValueError):
+        probe.table(keys, pods[:8], mask, mix, 60)
+    frozen = keys.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError):
+        probe.table(frozen, pods, mask, mix, 60)

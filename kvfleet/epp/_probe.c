@@ -3,9 +3,9 @@
  * home position of a pair (home() below) is computed here only.
  *
  * Plain C with no Python API: loaded with ctypes (kvfleet/epp/probe.py), so building it needs a C compiler
- * and nothing else (no Python headers). kv_insert is the one writer (called under the index's write lock);
- * it publishes an entry by writing its pod slot last (release store), and readers load a slot before its
- * key (acquire load), so readers need no lock. The caller holds references to every array for the duration
+ * and nothing else (no Python headers). kv_insert and kv_add are the writers (called under the index's write
+ * lock); each publishes an entry by writing its pod slot last (release store), and readers load a slot
+ * before its key (acquire load), so readers need no lock. The caller holds references to every array for the duration
  * of a call and releases the GIL (ctypes does).
  *
  * kv_match follows the decision rules documented in index.py exactly:
@@ -82,6 +82,49 @@ int64_t kv_insert(uint64_t *tkeys, uint16_t *tpods, uint8_t *tmask, const uint64
         __atomic_store_n(&tpods[at], slots[i], __ATOMIC_RELEASE); /* last: publishes the entry */
     }
     return reused;
+}
+
+/* How many of keys[0..n) pod slot `slot` does not hold (a repeated key counts each time): an upper bound of
+ * what kv_add inserts, for the caller's load check. */
+int64_t kv_count_absent(const uint64_t *tkeys, const uint16_t *tpods, const uint64_t *mix, int64_t wrap,
+                        int shift, const uint64_t *keys, int64_t n, int slot) {
+    table_t t = {tkeys, tpods, 0, mix, wrap, (unsigned)shift};
+    int64_t absent = 0;
+    for (int64_t i = 0; i < n; i++) absent += find1(&t, keys[i], (uint16_t)slot) < 0;
+    return absent;
+}
+
+/* Pod slot `slot` holds keys[0..n) in the tier of mask bit `bit`: an entry it holds gains the bit, an absent
+ * key is inserted with it (as kv_insert does: the first free position from its home, the slot written
+ * last), so a repeated key finds the entry its first occurrence made. The caller keeps the load below 1
+ * (kv_count_absent more entries fit). out[0]: entries inserted; out[1]: entries held that gained the bit;
+ * out[2]: deleted positions reused. */
+void kv_add(uint64_t *tkeys, uint16_t *tpods, uint8_t *tmask, const uint64_t *mix, int64_t wrap, int shift,
+            const uint64_t *keys, int64_t n, int slot, int bit, int64_t *out) {
+    table_t t = {tkeys, tpods, tmask, mix, wrap, (unsigned)shift};
+    uint16_t s = (uint16_t)slot;
+    uint8_t b = (uint8_t)bit;
+    int64_t inserted = 0, gained = 0, reused = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t at = find1(&t, keys[i], s);
+        if (at >= 0) {
+            if (!(tmask[at] & b)) {
+                tmask[at] |= b;
+                gained++;
+            }
+            continue;
+        }
+        at = home(&t, keys[i], s);
+        while (tpods[at] < DELETED) at = (at + 1) & wrap;
+        reused += tpods[at] == DELETED;
+        tkeys[at] = keys[i];
+        tmask[at] = b;
+        __atomic_store_n(&tpods[at], s, __ATOMIC_RELEASE); /* last: publishes the entry */
+        inserted++;
+    }
+    out[0] = inserted;
+    out[1] = gained;
+    out[2] = reused;
 }
 
 /* Table position of each (key, slot), -1 where absent. */

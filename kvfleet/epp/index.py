@@ -165,29 +165,19 @@ class BlockIndex:
 
     # --- write path -------------------------------------------------------------------
     def add(self, pod: str, keys: Iterable[int], tier: Tier = Tier.GPU) -> None:
-        k = np.unique(as_u64(keys))
+        """``pod`` holds ``keys`` in ``tier`` (as well as wherever it held them): one compiled pass over the
+        keys after the load check (the table is rebuilt first when the keys it lacks would not fit)."""
+        k = as_u64(keys)
         if not len(k):
             return
-        bit = np.uint8(1 << tier.rank)
         with self._lock:
             slot = self._acquire(pod)
-            slots = np.full(len(k), slot, dtype=np.uint16)
-            t = self._table
-            pos = t.find(k, slots)
-            held = pos >= 0
-            if held.any():
-                at = pos[held]
-                if tier is Tier.GPU:
-                    self._gpu[slot] += int(np.count_nonzero((t.mask[at] & bit) == 0))
-                t.mask[at] |= bit
-            new = ~held
-            n = int(np.count_nonzero(new))
-            if n:
-                t = self._reserve(n)
-                t.insert(k[new], slots[new], np.full(n, bit, dtype=np.uint8))
-                self._count[slot] += n
-                if tier is Tier.GPU:
-                    self._gpu[slot] += n
+            absent = self._table.count_absent(k, slot)
+            t = self._reserve(absent) if absent else self._table
+            inserted, gained = t.add(k, slot, 1 << tier.rank)
+            self._count[slot] += inserted
+            if tier is Tier.GPU:
+                self._gpu[slot] += inserted + gained
 
     def remove(self, pod: str, keys: Iterable[int], tier: Tier | None = Tier.GPU) -> None:
         """Drop ``keys`` of ``pod`` from ``tier`` (``None``: from every tier). Removed from the GPU (or every

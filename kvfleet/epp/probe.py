@@ -23,6 +23,10 @@ lib.kv_find.argtypes = [_P, _P, _P, _I64, _INT, _P, _P, _I64, _P]
 lib.kv_find.restype = None
 lib.kv_insert.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _P, _P, _I64]
 lib.kv_insert.restype = _I64
+lib.kv_count_absent.argtypes = [_P, _P, _P, _I64, _INT, _P, _I64, _INT]
+lib.kv_count_absent.restype = _I64
+lib.kv_add.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _INT, _INT, _P]
+lib.kv_add.restype = None
 lib.kv_match.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _P, _I64, _P, _INT, _I64, _P, _P, _P]
 lib.kv_match.restype = None
 
@@ -81,6 +85,23 @@ def insert(t: Table, keys: npt.NDArray[np.uint64], slots: npt.NDArray[np.uint16]
     masks = np.ascontiguousarray(masks, dtype=np.uint8)
     return int(lib.kv_insert(t.keys, t.pods, t.mask, t.mix, t.wrap, t.shift, ptr(keys), ptr(slots),
                               ptr(masks), len(keys)))
+
+
+def count_absent(t: Table, keys: npt.NDArray[np.uint64], slot: int) -> int:
+    """How many of ``keys`` pod ``slot`` does not hold in table ``t`` (a repeated key counts each time)."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    return int(lib.kv_count_absent(t.keys, t.pods, t.mix, t.wrap, t.shift, ptr(keys), len(keys), slot))
+
+
+def add(t: Table, keys: npt.NDArray[np.uint64], slot: int, bit: int) -> tuple[int, int, int]:
+    """Pod ``slot`` holds ``keys`` in the tier of mask ``bit``: held entries gain the bit, absent keys are
+    inserted with it (room for :func:`count_absent` more entries is the caller's). Returns (entries inserted,
+    held entries that gained the bit, deleted positions reused)."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    out = np.empty(3, dtype=np.int64)
+    lib.kv_add(t.keys, t.pods, t.mask, t.mix, t.wrap, t.shift, ptr(keys), len(keys), slot, bit, ptr(out))
+    inserted, gained, reused = out.tolist()
+    return inserted, gained, reused
 
 
 def match(t: Table, keys: npt.NDArray[np.uint64], slots: npt.NDArray[np.uint16],

@@ -98,6 +98,21 @@ class PodKeyTable:
         self.deleted -= probe.insert(self.ref, keys, slots, masks)
         self.live += len(keys)
 
+    def count_absent(self, keys: npt.NDArray[np.uint64], slot: int) -> int:
+        """How many of ``keys`` pod ``slot`` does not hold (a repeated key counts each time)."""
+        return probe.count_absent(self.ref, keys, slot)
+
+    def add(self, keys: npt.NDArray[np.uint64], slot: int, bit: int) -> tuple[int, int]:
+        """Pod ``slot`` holds ``keys`` in the tier of mask ``bit``: held entries gain the bit, absent keys (at
+        most :meth:`count_absent`; the caller keeps the load below 1) are inserted with it. Returns (entries
+        inserted, held entries that gained the bit)."""
+        if len(keys) == 0:
+            return 0, 0
+        inserted, gained, reused = probe.add(self.ref, keys, slot, bit)
+        self.live += inserted
+        self.deleted -= reused
+        return inserted, gained
+
     def entries(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint16], npt.NDArray[np.uint8]]:
         used = np.flatnonzero(self.pods < DELETED)
         return self.keys[used], self.pods[used], self.mask[used]

@@ -3,7 +3,7 @@
  * home position of a pair (home() below) is computed here only.
  *
  * Plain C with no Python API: loaded with ctypes (kvfleet/epp/probe.py), so building it needs a C compiler
- * and nothing else (no Python headers). kv_insert and kv_add are the writers (called under the index's write
+ * and nothing else (no Python headers). kv_insert, kv_add and kv_remove are the writers (called under the index's write
  * lock); each publishes an entry by writing its pod slot last (release store), and readers load a slot
  * before its key (acquire load), so readers need no lock. The caller holds references to every array for the duration
  * of a call and releases the GIL (ctypes does).
@@ -125,6 +125,30 @@ void kv_add(uint64_t *tkeys, uint16_t *tpods, uint8_t *tmask, const uint64_t *mi
     out[0] = inserted;
     out[1] = gained;
     out[2] = reused;
+}
+
+/* Pod slot `slot` keeps only the tier bits of `keep` for keys[0..n): each entry it holds loses its other
+ * bits, and one left with none is deleted (its slot marked DELETED; its key stays for readers that loaded
+ * the slot before). A repeated key finds its entry already changed. out[0]: entries deleted; out[1]: entries
+ * that lost mask bit `gpu_bit`. */
+void kv_remove(uint64_t *tkeys, uint16_t *tpods, uint8_t *tmask, const uint64_t *mix, int64_t wrap,
+               int shift, const uint64_t *keys, int64_t n, int slot, int keep, int gpu_bit, int64_t *out) {
+    table_t t = {tkeys, tpods, tmask, mix, wrap, (unsigned)shift};
+    uint16_t s = (uint16_t)slot;
+    int64_t gone = 0, lost = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t at = find1(&t, keys[i], s);
+        if (at < 0) continue;
+        uint8_t before = tmask[at], m = before & (uint8_t)keep;
+        lost += (before & ~m & gpu_bit) != 0;
+        tmask[at] = m;
+        if (!m) {
+            __atomic_store_n(&tpods[at], (uint16_t)DELETED, __ATOMIC_RELEASE);
+            gone++;
+        }
+    }
+    out[0] = gone;
+    out[1] = lost;
 }
 
 /* Table position of each (key, slot), -1 where absent. */

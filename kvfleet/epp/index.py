@@ -183,28 +183,17 @@ class BlockIndex:
         """Drop ``keys`` of ``pod`` from ``tier`` (``None``: from every tier). Removed from the GPU (or every
         tier), a key also loses ``pod``'s speculative entries of *served* picks (see
         :meth:`drop_served_speculative`)."""
-        k = np.unique(as_u64(keys))
+        k = as_u64(keys)
         if self._spec and (tier is None or tier is Tier.GPU):
             self.drop_served_speculative(pod, k)
         with self._lock:
             slot = self._slot.get(pod)
             if slot is None:
                 return
-            t = self._table
-            pos = t.find(k, np.full(len(k), slot, dtype=np.uint16))
-            pos = pos[pos >= 0]
-            if not len(pos):
-                return
-            keep = np.uint8(0 if tier is None else 0xFF ^ (1 << tier.rank))
-            before = t.mask[pos]
-            m = before & keep
-            self._gpu[slot] -= int(np.count_nonzero(before & ~m & _GPU_BIT))
-            t.mask[pos] = m
-            gone = pos[m == 0]
-            t.pods[gone] = DELETED
-            t.live -= len(gone)
-            t.deleted += len(gone)
-            self._count[slot] -= len(gone)
+            gone, lost = self._table.remove(k, slot, 0 if tier is None else 0xFF ^ (1 << tier.rank),
+                                            int(_GPU_BIT))
+            self._gpu[slot] -= lost
+            self._count[slot] -= gone
 
     def clear_pod(self, pod: str, picks: bool = True) -> None:
         """Forget everything ``pod`` holds (AllBlocksCleared, resync, pod gone); its slot is freed. With

@@ -27,6 +27,8 @@ lib.kv_count_absent.argtypes = [_P, _P, _P, _I64, _INT, _P, _I64, _INT]
 lib.kv_count_absent.restype = _I64
 lib.kv_add.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _INT, _INT, _P]
 lib.kv_add.restype = None
+lib.kv_remove.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _INT, _INT, _INT, _P]
+lib.kv_remove.restype = None
 lib.kv_match.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _P, _I64, _P, _INT, _I64, _P, _P, _P]
 lib.kv_match.restype = None
 
@@ -102,6 +104,17 @@ def add(t: Table, keys: npt.NDArray[np.uint64], slot: int, bit: int) -> tuple[in
     lib.kv_add(t.keys, t.pods, t.mask, t.mix, t.wrap, t.shift, ptr(keys), len(keys), slot, bit, ptr(out))
     inserted, gained, reused = out.tolist()
     return inserted, gained, reused
+
+
+def remove(t: Table, keys: npt.NDArray[np.uint64], slot: int, keep: int, gpu_bit: int) -> tuple[int, int]:
+    """Pod ``slot`` keeps only the tier bits of ``keep`` for ``keys``; entries left with none are deleted.
+    Returns (entries deleted, entries that lost ``gpu_bit``)."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    out = np.empty(2, dtype=np.int64)
+    lib.kv_remove(t.keys, t.pods, t.mask, t.mix, t.wrap, t.shift, ptr(keys), len(keys), slot, keep, gpu_bit,
+                  ptr(out))
+    gone, lost = out.tolist()
+    return gone, lost
 
 
 def match(t: Table, keys: npt.NDArray[np.uint64], slots: npt.NDArray[np.uint16],

@@ -113,6 +113,16 @@ class PodKeyTable:
         self.deleted -= reused
         return inserted, gained
 
+    def remove(self, keys: npt.NDArray[np.uint64], slot: int, keep: int, gpu_bit: int) -> tuple[int, int]:
+        """Pod ``slot`` keeps only the tier bits of ``keep`` for ``keys``; entries left with none are deleted.
+        Returns (entries deleted, entries that lost ``gpu_bit``)."""
+        if len(keys) == 0:
+            return 0, 0
+        gone, lost = probe.remove(self.ref, keys, slot, keep, gpu_bit)
+        self.live -= gone
+        self.deleted += gone
+        return gone, lost
+
     def entries(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint16], npt.NDArray[np.uint8]]:
         used = np.flatnonzero(self.pods < DELETED)
         return self.keys[used], self.pods[used], self.mask[used]

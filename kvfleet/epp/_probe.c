@@ -3,10 +3,10 @@
  * home position of a pair (home() below) is computed here only.
  *
  * Plain C with no Python API: loaded with ctypes (kvfleet/epp/probe.py), so building it needs a C compiler
- * and nothing else (no Python headers). kv_insert, kv_add and kv_remove are the writers (called under the index's write
- * lock); each publishes an entry by writing its pod slot last (release store), and readers load a slot
- * before its key (acquire load), so readers need no lock. The caller holds references to every array for the duration
- * of a call and releases the GIL (ctypes does).
+ * and nothing else (no Python headers). kv_insert, kv_add and kv_remove are the writers (called under the
+ * index's write lock); each publishes an entry by writing its pod slot last (release store), and readers
+ * load a slot before its key (acquire load), so readers need no lock. The caller holds references to every
+ * array for the duration of a call and releases the GIL (ctypes does).
  *
  * kv_match follows the decision rules documented in index.py exactly:
  *   - small prompts (blocks x pods <= the walk budget): every (position, pod) probed, each prefix cut at
@@ -66,21 +66,26 @@ static inline void prefetch1(const table_t *t, uint64_t key, uint16_t slot) {
 
 static inline int best_rank(int m) { return m ? __builtin_ctz((unsigned)m) : -1; }
 
-/* Insert (key, slot) pairs known to be absent and distinct, each in the first free position (never used, or
- * deleted) from its home; the caller keeps the load below 1. Returns how many deleted positions were
- * reused. */
+/* Insert one (key, slot) pair known to be absent, with tier mask m, in the first free position (never used,
+ * or deleted) from its home; the caller keeps the load below 1. Returns 1 if it reused a deleted position. */
+static inline int insert1(uint64_t *tkeys, uint16_t *tpods, uint8_t *tmask, const table_t *t, uint64_t key,
+                          uint16_t slot, uint8_t m) {
+    int64_t at = home(t, key, slot);
+    while (tpods[at] < DELETED) at = (at + 1) & t->wrap;
+    int reused = tpods[at] == DELETED;
+    tkeys[at] = key;
+    tmask[at] = m;
+    __atomic_store_n(&tpods[at], slot, __ATOMIC_RELEASE); /* last: publishes the entry */
+    return reused;
+}
+
+/* Insert (key, slot) pairs known to be absent and distinct (insert1 each). Returns how many deleted
+ * positions were reused. */
 int64_t kv_insert(uint64_t *tkeys, uint16_t *tpods, uint8_t *tmask, const uint64_t *mix, int64_t wrap,
                   int shift, const uint64_t *keys, const uint16_t *slots, const uint8_t *masks, int64_t n) {
     table_t t = {tkeys, tpods, tmask, mix, wrap, (unsigned)shift};
     int64_t reused = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t at = home(&t, keys[i], slots[i]);
-        while (tpods[at] < DELETED) at = (at + 1) & wrap;
-        reused += tpods[at] == DELETED;
-        tkeys[at] = keys[i];
-        tmask[at] = masks[i];
-        __atomic_store_n(&tpods[at], slots[i], __ATOMIC_RELEASE); /* last: publishes the entry */
-    }
+    for (int64_t i = 0; i < n; i++) reused += insert1(tkeys, tpods, tmask, &t, keys[i], slots[i], masks[i]);
     return reused;
 }
 
@@ -95,10 +100,9 @@ int64_t kv_count_absent(const uint64_t *tkeys, const uint16_t *tpods, const uint
 }
 
 /* Pod slot `slot` holds keys[0..n) in the tier of mask bit `bit`: an entry it holds gains the bit, an absent
- * key is inserted with it (as kv_insert does: the first free position from its home, the slot written
- * last), so a repeated key finds the entry its first occurrence made. The caller keeps the load below 1
- * (kv_count_absent more entries fit). out[0]: entries inserted; out[1]: entries held that gained the bit;
- * out[2]: deleted positions reused. */
+ * key is inserted with it (insert1), so a repeated key finds the entry its first occurrence made. The caller
+ * keeps the load below 1 (kv_count_absent more entries fit). out[0]: entries inserted; out[1]: entries held
+ * that gained the bit; out[2]: deleted positions reused. */
 void kv_add(uint64_t *tkeys, uint16_t *tpods, uint8_t *tmask, const uint64_t *mix, int64_t wrap, int shift,
             const uint64_t *keys, int64_t n, int slot, int bit, int64_t *out) {
     table_t t = {tkeys, tpods, tmask, mix, wrap, (unsigned)shift};
@@ -114,12 +118,7 @@ void kv_add(uint64_t *tkeys, uint16_t *tpods, uint8_t *tmask, const uint64_t *mi
             }
             continue;
         }
-        at = home(&t, keys[i], s);
-        while (tpods[at] < DELETED) at = (at + 1) & wrap;
-        reused += tpods[at] == DELETED;
-        tkeys[at] = keys[i];
-        tmask[at] = b;
-        __atomic_store_n(&tpods[at], s, __ATOMIC_RELEASE); /* last: publishes the entry */
+        reused += insert1(tkeys, tpods, tmask, &t, keys[i], s, b);
         inserted++;
     }
     out[0] = inserted;

@@ -337,6 +337,7 @@ class RecomputeLoadScorer:
             out.append(-(top - x) * unit * u / (1.0 - u) if u > 0.0 else 0.0)
         return out
 
+
 @register("eviction-cost-scorer", "scorer")
 class EvictionCostScorer:
     """Minus the prefill seconds of the cached blocks the pick would evict from a full cache.

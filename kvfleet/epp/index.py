@@ -55,7 +55,7 @@ import numpy.typing as npt
 from kvfleet.cache.hashing import BlockKeys
 from kvfleet.cache.tiers import Tier
 from kvfleet.epp.reuse import ReuseTracker
-from kvfleet.epp.speculative import Lease, spec_position_index, spec_positions
+from kvfleet.epp.speculative import NO_POD, Lease, SpecStore, spec_position_index, spec_positions
 from kvfleet.epp.table import (
     DELETED,
     MAX_LOAD,
@@ -83,13 +83,12 @@ class PodMatch:
     picked: int = 0
 
 
-def sampled_keys(keys: Sequence[int]) -> list[int]:
-    """``keys`` at :func:`spec_positions` of their length (one array read for a
+def sampled_keys(keys: Sequence[int]) -> npt.NDArray[np.uint64]:
+    """``keys`` at :func:`spec_positions` of their length, as uint64 (one array read for a
     :class:`~kvfleet.cache.hashing.BlockKeys`)."""
     if isinstance(keys, BlockKeys):
-        out: list[int] = keys.u64[spec_position_index(len(keys))].tolist()
-        return out
-    return [keys[i] for i in spec_positions(len(keys))]
+        return keys.u64[spec_position_index(len(keys))]
+    return as_u64([keys[i] for i in spec_positions(len(keys))])
 
 
 class BlockIndex:
@@ -120,10 +119,14 @@ class BlockIndex:
         self._count: list[int] = []  # entries per slot
         self._gpu: list[int] = []  # of those, entries on the GPU tier
         self._lock = threading.Lock()  # writers of the table
-        self._spec: dict[int, dict[str, Lease]] = {}
+        #: speculative entries, compiled (:class:`SpecStore`), with their own pod slots: a pod's entries may
+        #: outlive its exact slot (:meth:`clear_pod` with ``picks=False``)
+        self._spec_lock = threading.Lock()  # every call on the store, reads included
+        self._specs = SpecStore(self._spec_lock)
+        self._spec_slot: dict[str, int] = {}
+        self._spec_free: deque[int] = deque()
         self._spec_n = 0
-        self._spec_picks: deque[tuple[Lease, str, list[int]]] = deque()
-        self._spec_lock = threading.Lock()
+        self._spec_picks: deque[tuple[Lease, str, npt.NDArray[np.uint64]]] = deque()
         #: speculative entries dropped by the ``max_speculative`` bound (expired ones do not count)
         self.speculative_dropped = 0
         #: called with (pod, sampled keys, prompt blocks) after each of this picker's own picks
@@ -184,7 +187,7 @@ class BlockIndex:
         tier), a key also loses ``pod``'s speculative entries of *served* picks (see
         :meth:`drop_served_speculative`)."""
         k = as_u64(keys)
-        if self._spec and (tier is None or tier is Tier.GPU):
+        if self._spec_n and (tier is None or tier is Tier.GPU):
             self.drop_served_speculative(pod, k)
         with self._lock:
             slot = self._slot.get(pod)
@@ -216,11 +219,10 @@ class BlockIndex:
             return
         self.reuse.forget(pod)
         with self._spec_lock:
-            for k in [k for k, s in self._spec.items() if pod in s]:
-                self._spec[k].pop(pod).owned -= 1
-                self._spec_n -= 1
-                if not self._spec[k]:
-                    del self._spec[k]
+            slot = self._spec_slot.pop(pod, None)
+            if slot is not None:
+                self._spec_n -= self._specs.drop_pod(slot)
+                self._spec_free.append(slot)
             self._spec_picks = deque(p for p in self._spec_picks if p[1] != pod)
 
     def add_speculative(self, pod: str, keys: Sequence[int], ttl_s: float, now: float | None = None) -> Lease:
@@ -236,9 +238,9 @@ class BlockIndex:
         Beyond ``max_speculative`` entries, expired picks and then the oldest picks are dropped.
         """
         sampled = sampled_keys(keys)
-        lease = self.add_speculative_sampled(pod, sampled, ttl_s, now, len(keys))
+        lease = self._add_sampled(pod, sampled, ttl_s, now, len(keys))
         if self.on_pick is not None:
-            self.on_pick(pod, sampled, len(keys))
+            self.on_pick(pod, sampled.tolist(), len(keys))
         return lease
 
     def add_speculative_sampled(self, pod: str, sampled: Sequence[int], ttl_s: float,
@@ -246,27 +248,30 @@ class BlockIndex:
         """:meth:`add_speculative` of a pick already sampled (the keys of a prompt at :func:`spec_positions`
         of its length: positions are absolute, so the sample alone is the pick): how another replica's pick is
         recorded. ``blocks``: the prompt's length, when known (the reuse sketch's weight of the last key)."""
+        return self._add_sampled(pod, as_u64(sampled), ttl_s, now, blocks)
+
+    def _spec_slot_of(self, pod: str) -> int:
+        s = self._spec_slot.get(pod)
+        if s is None:
+            if self._spec_free:
+                s = self._spec_free.popleft()
+            else:
+                s = len(self._spec_slot)
+                if s >= MAX_PODS:
+                    raise RuntimeError(f"the block index holds at most {MAX_PODS} pods")
+            self._spec_slot[pod] = s
+        return s
+
+    def _add_sampled(self, pod: str, sampled: npt.NDArray[np.uint64], ttl_s: float, now: float | None,
+                     blocks: int) -> Lease:
         t = self.clock() if now is None else now
-        lease = Lease(t + ttl_s)
-        spec = self._spec
-        sampled = list(sampled)
         with self._spec_lock:
-            for k in sampled:
-                held = spec.get(k)
-                if held is None:
-                    spec[k] = held = {}
-                prev = held.get(pod)
-                if prev is lease:
-                    continue
-                if prev is None:
-                    self._spec_n += 1
-                else:
-                    prev.owned -= 1  # taken over
-                held[pod] = lease
-                lease.owned += 1
+            lease = self._specs.lease(t + ttl_s)
+            self._spec_n += self._specs.add(sampled, self._spec_slot_of(pod), lease)
             self._spec_picks.append((lease, pod, sampled))
             if len(self._spec_picks) > 2 * self._spec_n + 1024:  # picks whose entries were all taken over
-                self._spec_picks = deque(p for p in self._spec_picks if p[0].owned > 0)
+                owned = self._specs.owned
+                self._spec_picks = deque(p for p in self._spec_picks if owned(p[0].handle) > 0)
             if self._spec_n > self.max_speculative:
                 self._expire(t)
                 while self._spec_n > self.max_speculative and len(self._spec_picks) > 1:
@@ -274,25 +279,17 @@ class BlockIndex:
         self.reuse.touch(pod, sampled, blocks)
         return lease
 
-    def _drop(self, lease: Lease, pod: str, keys: list[int]) -> int:
+    def _drop(self, lease: Lease, pod: str, keys: npt.NDArray[np.uint64]) -> int:
         """Remove the entries one pick still holds (a later pick may have taken some over)."""
-        n = 0
-        for k in keys:
-            held = self._spec.get(k)
-            if held is not None and held.get(pod) is lease:
-                del held[pod]
-                lease.owned -= 1
-                n += 1
-                if not held:
-                    del self._spec[k]
+        slot = self._spec_slot.get(pod)
+        n = 0 if slot is None else self._specs.drop(keys, slot, lease)
         self._spec_n -= n
         return n
 
     def extend(self, lease: Lease, ttl_s: float, now: float | None = None) -> None:
         """Set a pick's speculative entries to expire ``ttl_s`` from now; called at the pick's first token,
         it marks the lease ``served``."""
-        lease.expiry = (self.clock() if now is None else now) + ttl_s
-        lease.served = True
+        lease.serve((self.clock() if now is None else now) + ttl_s)
 
     def drop_served_speculative(self, pod: str, keys: npt.NDArray[np.uint64]) -> int:
         """The pod evicted ``keys``: drop its speculative entries for them whose pick was already served.
@@ -304,19 +301,9 @@ class BlockIndex:
         prefixes vanished; keeping the served ones until their TTL over-predicted hits on pods whose
         caches churn, and a pod credited with blocks it evicted looked less loaded than it was.)
         Returns how many entries went."""
-        n = 0
         with self._spec_lock:
-            for u in keys.tolist():
-                for key in (u, u - (1 << 64)) if u >= 1 << 63 else (u,):
-                    held = self._spec.get(key)
-                    lease = None if held is None else held.get(pod)
-                    if held is None or lease is None or not lease.served:
-                        continue
-                    del held[pod]
-                    lease.owned -= 1
-                    n += 1
-                    if not held:
-                        del self._spec[key]
+            slot = self._spec_slot.get(pod)
+            n = 0 if slot is None else self._specs.drop_served(as_u64(keys), slot)
             self._spec_n -= n
         return n
 
@@ -329,13 +316,13 @@ class BlockIndex:
         """Drop the entries of expired picks: O(picks), not O(entries) (every entry belongs to a listed
         pick)."""
         n = 0
-        keep: deque[tuple[Lease, str, list[int]]] = deque()
+        keep: deque[tuple[Lease, str, npt.NDArray[np.uint64]]] = deque()
+        owned = self._specs.owned
         for pick in self._spec_picks:
             lease = pick[0]
             if lease.expiry <= t:
-                if lease.owned > 0:
-                    n += self._drop(*pick)
-            elif lease.owned > 0:
+                n += self._drop(*pick)  # nothing for a lease already freed
+            elif owned(lease.handle) > 0:
                 keep.append(pick)
         self._spec_picks = keep
         return n
@@ -370,7 +357,7 @@ class BlockIndex:
         n = len(names)
         blocks, weighted, spec, picked = [0] * n, [0.0] * n, [0] * n, [0] * n
         self._exact(keys, names, w, blocks, weighted)
-        if self._spec:
+        if self._spec_n:
             for i, k in self._speculative(keys, names, t):
                 exact = blocks[i]
                 if k > exact:
@@ -398,32 +385,16 @@ class BlockIndex:
 
     def _speculative(self, keys: Sequence[int], names: Sequence[str], t: float) -> list[tuple[int, int]]:
         """(position in ``names``, speculative prefix length) of the pods with a live pick of ``keys``."""
-        out: list[tuple[int, int]] = []
-        positions = spec_positions(len(keys))
-        first = self._spec.get(keys[positions[0]]) if len(positions) else None
-        if first is None:
-            return out
-        wanted = {p: i for i, p in enumerate(names)}
-        rows: list[dict[str, Lease] | None] = []  # the entries at each sampled position, read once
-        for pod, held in first.items():  # the few pods holding the first position, not every candidate
-            i = wanted.get(pod)
-            if i is None or held.expiry <= t:
-                continue
-            if not rows:
-                rows = list(map(self._spec.get, sampled_keys(keys)))
-            # one pick stores a whole prefix, so "held at position i" is (nearly) monotone in i:
-            # binary search for the last sampled position the pod holds
-            lo, hi = 0, len(positions) - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                spec = rows[mid]
-                lease = None if spec is None else spec.get(pod)
-                if lease is not None and lease.expiry > t:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            out.append((i, positions[lo] + 1))
-        return out
+        if not len(keys):
+            return []
+        slot = self._spec_slot
+        pods = np.fromiter([slot.get(p, NO_POD) for p in names], dtype=np.uint16, count=len(names))
+        sampled = sampled_keys(keys)
+        with self._spec_lock:
+            hits, got = self._specs.match(sampled, spec_position_index(len(keys)), pods, t)
+        if not hits:
+            return []
+        return [(i, k) for i, k in enumerate(got.tolist()) if k]
 
     def pod_tiers(self, pod: str, key: int) -> set[Tier]:
         mask = int(self.masks(pod, [key])[0])
@@ -474,6 +445,13 @@ class BlockIndex:
     @property
     def num_speculative(self) -> int:
         return self._spec_n
+
+    def speculative_entries(self) -> set[tuple[int, str]]:
+        """Every speculative entry as (key, pod), expired ones not yet dropped included (tests; a scan)."""
+        with self._spec_lock:
+            keys, slots = self._specs.entries()
+            names = {s: p for p, s in self._spec_slot.items()}
+        return {(k, names[s]) for k, s in zip(keys.tolist(), slots.tolist(), strict=True)}
 
     def pods(self) -> list[str]:
         with self._lock:

@@ -101,10 +101,10 @@ class ReuseTracker:
                 self._plans[m, blocks] = plan
         return plan
 
-    def touch(self, pod: str, sampled: Sequence[int], blocks: int = 0) -> None:
+    def touch(self, pod: str, sampled: Sequence[int] | npt.NDArray[np.uint64], blocks: int = 0) -> None:
         """``pod`` was sent a pick of a ``blocks``-block prompt (0: unknown) whose keys at
         :func:`spec_positions` are ``sampled``."""
-        if not self.entries or not sampled:
+        if not self.entries or not len(sampled):
             return
         _, waddr = self._plan(len(sampled), blocks)  # the plan keeps its array alive
         keys = as_u64(sampled)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import random
+import threading
 from pathlib import Path
 
 from kvfleet.cache.events import AllBlocksCleared, KVEventBatch, decode_batch, removed, stored
@@ -167,10 +169,91 @@ class TestMatch:
         for t in (10.0, 30.0, 60.0, 100.0):
             expected = {e for e, lease in model.items() if lease.expiry > t}
             dropped = idx.expire(now=t)
-            got = {(k, p) for k, held in idx._spec.items() for p in held}
+            got = idx.speculative_entries()
             assert got == expected and idx.num_speculative == len(expected)
             assert dropped == len(model) - len(expected)
             model = {e: lease for e, lease in model.items() if e in expected}
+
+    def test_a_freed_lease_reaches_nothing(self) -> None:
+        """A pick whose entries were all taken over is freed in the store and its id given to a later pick;
+        the first pick's handle then neither extends nor expires the later pick, and reports no entries."""
+        idx = BlockIndex()
+        old = idx.add_speculative("a", [1, 2, 3], ttl_s=10, now=0.0)
+        idx.add_speculative("a", [1, 2, 3], ttl_s=10, now=0.0)  # takes every entry over
+        later = idx.add_speculative("a", [7, 8], ttl_s=5, now=0.0)  # the freed id, next generation
+        assert old.owned == 0 and later.owned == 2
+        idx.extend(old, 1000.0, now=0.0)
+        old.expiry = 0.0
+        assert idx.match([7, 8], ["a"], now=1.0)["a"].blocks == 2
+        assert idx.match([7, 8], ["a"], now=6.0) == {}  # its own TTL, not the stale handle's
+        assert old.expiry == 0.0 and old.served  # the handle keeps what it was told
+
+    def test_served_picks_drop_on_removal_in_either_key_form(self) -> None:
+        """A removal drops the entries of served picks only, whether the keys came as signed int64 or as
+        their uint64 form."""
+        idx = BlockIndex()
+        keys = [-5, -6, 7]
+        served = idx.add_speculative("a", keys, ttl_s=10, now=0.0)
+        idx.add_speculative("b", keys, ttl_s=10, now=0.0)
+        idx.extend(served, 10.0, now=0.0)
+        idx.remove("a", [k & ((1 << 64) - 1) for k in keys])
+        idx.remove("b", keys)
+        assert idx.speculative_entries() == {(k & ((1 << 64) - 1), "b") for k in keys}
+        assert idx.num_speculative == 3
+
+    def test_speculative_entries_are_not_python_objects(self) -> None:
+        """100,000 entries over 2,000 picks: the garbage collector tracks a few objects per pick (the lease,
+        the pick's record), none per entry, and the store holds under 40 bytes per entry."""
+        idx = BlockIndex(max_speculative=10**6)
+        gc.collect()
+        before = len(gc.get_objects())
+        for i in range(2000):
+            idx.add_speculative(f"p{i % 16}", list(range(i * 50, i * 50 + 50)), ttl_s=10, now=0.0)
+        assert idx.num_speculative == 100_000
+        gc.collect()
+        assert len(gc.get_objects()) - before < 4 * 2000
+        assert idx._specs.stats()[1] < 40 * 100_000
+        assert idx.expire(now=20.0) == 100_000
+        idx.add_speculative("p0", [1], ttl_s=10, now=20.0)
+        assert idx.speculative_entries() == {(1, "p0")}
+
+    def test_threads_share_the_store(self) -> None:
+        """Picks, their first tokens and fallbacks (the router's thread), peers' picks (the gossip thread),
+        removals and pod resets (the ingestion thread) and lookups at once: the count stays the entries'."""
+        idx = BlockIndex(max_speculative=5_000)
+        errors: list[BaseException] = []
+
+        def run(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                for i in range(1500):
+                    pod, start = f"p{rng.randrange(6)}", rng.randrange(200)
+                    keys = list(range(start, start + rng.randrange(1, 120)))
+                    op = rng.random()
+                    if op < 0.4:
+                        lease = idx.add_speculative(pod, keys, ttl_s=rng.uniform(0.001, 5))
+                        if rng.random() < 0.5:
+                            idx.extend(lease, rng.uniform(0.001, 5))
+                        if rng.random() < 0.1:
+                            lease.expiry = 0.0
+                    elif op < 0.6:
+                        idx.add_speculative_sampled(pod, keys, ttl_s=1.0)
+                    elif op < 0.8:
+                        idx.remove(pod, keys)
+                    elif op < 0.98:
+                        idx.match(keys, [f"p{j}" for j in range(6)])
+                    else:
+                        idx.clear_pod(pod)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(seed,)) for seed in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert idx.num_speculative == len(idx.speculative_entries()) <= 5_000 + 120
 
     def test_clear_pod(self) -> None:
         idx = BlockIndex()

@@ -43,6 +43,7 @@ them or their TTL expires) are described in :mod:`kvfleet.epp.speculative`.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -67,6 +68,9 @@ from kvfleet.epp.table import (
     capacity_for,
 )
 
+#: at the speculative bound, expired picks are looked for (a scan of every pick) at most this often; in
+#: between, the oldest picks make room
+EXPIRE_EVERY_S = 1.0
 #: the GPU tier's bit in a tier mask
 _GPU_BIT = np.uint8(1 << Tier.GPU.rank)
 
@@ -127,6 +131,9 @@ class BlockIndex:
         self._spec_free: deque[int] = deque()
         self._spec_n = 0
         self._spec_picks: deque[tuple[Lease, str, npt.NDArray[np.uint64]]] = deque()
+        self._expire_after = -math.inf
+        #: scans of the picks for expired ones (:meth:`expire`, and at the bound)
+        self.expire_scans = 0
         #: speculative entries dropped by the ``max_speculative`` bound (expired ones do not count)
         self.speculative_dropped = 0
         #: called with (pod, sampled keys, prompt blocks) after each of this picker's own picks
@@ -266,14 +273,16 @@ class BlockIndex:
                      blocks: int) -> Lease:
         t = self.clock() if now is None else now
         with self._spec_lock:
-            lease = self._specs.lease(t + ttl_s)
+            lease = self._specs.lease(t + ttl_s)  # lowers the store's next_expiry
             self._spec_n += self._specs.add(sampled, self._spec_slot_of(pod), lease)
             self._spec_picks.append((lease, pod, sampled))
             if len(self._spec_picks) > 2 * self._spec_n + 1024:  # picks whose entries were all taken over
                 owned = self._specs.owned
                 self._spec_picks = deque(p for p in self._spec_picks if owned(p[0].handle) > 0)
             if self._spec_n > self.max_speculative:
-                self._expire(t)
+                if t >= self._expire_after:  # a scan of every pick: at most once per EXPIRE_EVERY_S here
+                    self._expire(t)
+                    self._expire_after = t + EXPIRE_EVERY_S
                 while self._spec_n > self.max_speculative and len(self._spec_picks) > 1:
                     self.speculative_dropped += self._drop(*self._spec_picks.popleft())
         self.reuse.touch(pod, sampled, blocks)
@@ -314,17 +323,24 @@ class BlockIndex:
 
     def _expire(self, t: float) -> int:
         """Drop the entries of expired picks: O(picks), not O(entries) (every entry belongs to a listed
-        pick)."""
+        pick), and nothing at all before the earliest expiry of a listed pick (``next_expiry``)."""
+        store = self._specs
+        if t < store.next_expiry:
+            return 0
+        self.expire_scans += 1
         n = 0
         keep: deque[tuple[Lease, str, npt.NDArray[np.uint64]]] = deque()
-        owned = self._specs.owned
+        soonest = math.inf
         for pick in self._spec_picks:
-            lease = pick[0]
-            if lease.expiry <= t:
+            expiry = pick[0].expiry
+            if expiry <= t:
                 n += self._drop(*pick)  # nothing for a lease already freed
-            elif owned(lease.handle) > 0:
+            else:
                 keep.append(pick)
+                if expiry < soonest:
+                    soonest = expiry
         self._spec_picks = keep
+        store.next_expiry = soonest
         return n
 
     # --- read path --------------------------------------------------------------------

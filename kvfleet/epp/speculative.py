@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import functools
+import math
 import threading
 from collections.abc import Sequence
 
@@ -154,6 +155,9 @@ class SpecStore:
 
     def __init__(self, lock: threading.Lock) -> None:
         self.lock = lock
+        #: no lease expires before this (at most the earliest expiry given to one since the owner's last scan
+        #: of its picks, which sets it): a scan before it would find nothing
+        self.next_expiry = math.inf
         self._s = lib.spec_new()
         if not self._s:
             raise MemoryError("speculative entries: no memory for the table")
@@ -168,9 +172,13 @@ class SpecStore:
         h = int(lib.spec_lease_new(self._s, expiry))
         if h < 0:
             raise MemoryError("speculative entries: no memory for another lease")
+        if expiry < self.next_expiry:
+            self.next_expiry = expiry
         return Lease(self, h, expiry)
 
     def set_lease(self, handle: int, expiry: float, served: int) -> None:
+        if expiry < self.next_expiry:
+            self.next_expiry = expiry
         lib.spec_lease_set(self._s, handle, expiry, served)
 
     def owned(self, handle: int) -> int:

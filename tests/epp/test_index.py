@@ -140,6 +140,20 @@ class TestMatch:
         assert (idx.match(new, ["b"], now=5.0)["b"].blocks == 64
                 and idx.match(old[:30], ["c", "d"], now=5.0).keys() == {"d"})
 
+    def test_the_bound_does_not_scan_every_pick_per_pick(self) -> None:
+        """At the bound, a pick makes room by dropping the oldest picks; the picks are scanned for expired
+        ones only once one can have expired, and at most once per ``EXPIRE_EVERY_S`` (a scan per pick cost
+        1.6 ms a pick with 13,000 picks listed)."""
+        idx = BlockIndex(max_speculative=1_000)
+        for i in range(2_000):  # nothing can expire: no scan
+            idx.add_speculative("a", list(range(i * 10, i * 10 + 10)), ttl_s=1e6, now=float(i) / 1000)
+        assert idx.num_speculative == 1_000 and idx.expire_scans == 0
+        lease = idx.add_speculative("b", [1, 2, 3], ttl_s=1e6, now=2.0)
+        lease.expiry = 2.5  # an earlier expiry now counts
+        for i in range(2_000):  # from 2.0 to 4.0 a pick expires every millisecond: two scans (2.1, 3.1)
+            idx.add_speculative("c", list(range(i * 10, i * 10 + 10)), ttl_s=0.001, now=2.0 + i / 1000)
+        assert idx.expire_scans == 2 and not {e for e in idx.speculative_entries() if e[1] == "b"}
+
     def test_repeated_picks_do_not_pile_up(self) -> None:
         """A prompt picked again and again re-uses its entries; the picks taken over are forgotten, so the
         bookkeeping stays bounded by the entries, not by the number of picks."""
@@ -226,7 +240,7 @@ class TestMatch:
         def run(seed: int) -> None:
             rng = random.Random(seed)
             try:
-                for i in range(1500):
+                for _ in range(1500):
                     pod, start = f"p{rng.randrange(6)}", rng.randrange(200)
                     keys = list(range(start, start + rng.randrange(1, 120)))
                     op = rng.random()

@@ -84,7 +84,7 @@ class EppSettings:
     events confirm it; with ``events_enabled: false`` the index is built from
     picks only (approximate mode) and ``approximate_ttl_s`` applies.
     ``max_speculative_entries``: bound on the index's speculative (pick) entries
-    (≈ 200 bytes each; a 220 KB prompt's pick is ≈ 300): beyond it, expired picks
+    (20–37 bytes each, compiled; a 220 KB prompt's pick is ≈ 370): beyond it, expired picks
     and then the oldest are dropped and counted (``kvfleet_epp_speculative_dropped_total``).
     ``reuse_sketch_entries``: per pod, the picks' sampled keys remembered to tell whether a held prefix will
     still be cached when a request runs (kvfleet/epp/reuse.py; 112 bytes each, about as many as the

@@ -8,6 +8,7 @@ flags override its ports and pods file. Runs until SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -41,6 +42,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def freeze_startup_heap() -> int:
+    """Take every object alive now (the modules, the settings, the chat templates, the assembled picker) out
+    of the garbage collector's sight: they live as long as the process, and each full collection walked all
+    of them (an EPP serving ``bench.epp``: 48–58 k objects, 17–26 ms a pause of the picker). Returns how many
+    are frozen; what is allocated later is collected as before."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=args.log_level.upper(),
@@ -69,8 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvfleet epp: {exc}", file=sys.stderr)
         epp.stop()
         return 2
+    frozen = freeze_startup_heap()
     print(f"kvfleet epp: ext_proc :{epp.grpc_port} health :{epp.health_port} metrics :{epp.metrics_port}",
           flush=True)
+    logging.getLogger("kvfleet.epp").debug("%d objects of the startup heap frozen", frozen)
     try:
         done.wait()
     finally:

@@ -404,9 +404,9 @@ class BlockIndex:
         if not len(keys):
             return []
         slot = self._spec_slot
-        pods = np.fromiter([slot.get(p, NO_POD) for p in names], dtype=np.uint16, count=len(names))
         sampled = sampled_keys(keys)
-        with self._spec_lock:
+        with self._spec_lock:  # slots read under it: none is freed and given to another pod before the lookup
+            pods = np.fromiter([slot.get(p, NO_POD) for p in names], dtype=np.uint16, count=len(names))
             hits, got = self._specs.match(sampled, spec_position_index(len(keys)), pods, t)
         if not hits:
             return []

@@ -250,7 +250,7 @@ class BlockIndex:
             self.on_pick(pod, sampled.tolist(), len(keys))
         return lease
 
-    def add_speculative_sampled(self, pod: str, sampled: Sequence[int], ttl_s: float,
+    def add_speculative_sampled(self, pod: str, sampled: Sequence[int] | npt.NDArray[np.uint64], ttl_s: float,
                                 now: float | None = None, blocks: int = 0) -> Lease:
         """:meth:`add_speculative` of a pick already sampled (the keys of a prompt at :func:`spec_positions`
         of its length: positions are absolute, so the sample alone is the pick): how another replica's pick is

@@ -107,7 +107,7 @@ class ReuseTracker:
         if not self.entries or not len(sampled):
             return
         _, waddr = self._plan(len(sampled), blocks)  # the plan keeps its array alive
-        keys = as_u64(sampled)
+        keys = np.ascontiguousarray(as_u64(sampled))  # the compiled touch reads one buffer
         with self._lock:
             addr = self._addrs.get(pod)
             if addr is None:
@@ -118,7 +118,7 @@ class ReuseTracker:
 
     def distance(self, pod: str, keys: Sequence[int]) -> list[int]:
         """Blocks sent to ``pod`` since each key was last sent to it (−1: unknown)."""
-        k = as_u64(keys)
+        k = np.ascontiguousarray(as_u64(keys))
         out = np.full(len(k), -1, dtype=np.int64)
         with self._lock:
             buf = self._pods.get(pod)

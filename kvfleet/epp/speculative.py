@@ -79,6 +79,8 @@ def spec_position_index(n: int) -> npt.NDArray[np.int64]:
     return np.asarray(spec_positions(n), dtype=np.int64)
 
 
+# --- the compiled store ------------------------------------------------------------------------------
+
 _P, _I64, _U16, _D, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint16, ctypes.c_double, ctypes.c_int
 lib.spec_new.argtypes = []
 lib.spec_new.restype = _P
@@ -107,6 +109,12 @@ lib.spec_stats.restype = None
 
 #: a pod slot that names no pod (:meth:`SpecStore.match` skips it)
 NO_POD = 0xFFFF
+
+
+def _contiguous(keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """``keys`` as the compiled store reads them: one contiguous uint64 buffer (copied only if they are
+    not)."""
+    return np.ascontiguousarray(keys, dtype=np.uint64)
 
 
 class Lease:
@@ -187,6 +195,7 @@ class SpecStore:
     def add(self, keys: npt.NDArray[np.uint64], pod: int, lease: Lease) -> int:
         """``pod`` holds ``keys`` under ``lease`` (new from :meth:`lease`; entries of earlier picks are taken
         over): returns the entries created."""
+        keys = _contiguous(keys)
         n = int(lib.spec_add(self._s, ptr(keys), len(keys), pod, lease.handle))
         if n < 0:
             raise MemoryError("speculative entries: no memory to grow the table")
@@ -194,10 +203,12 @@ class SpecStore:
 
     def drop(self, keys: npt.NDArray[np.uint64], pod: int, lease: Lease) -> int:
         """Drop ``pod``'s entries of ``keys`` that ``lease`` still owns; returns how many."""
+        keys = _contiguous(keys)
         return int(lib.spec_drop(self._s, ptr(keys), len(keys), pod, lease.handle))
 
     def drop_served(self, keys: npt.NDArray[np.uint64], pod: int) -> int:
         """Drop ``pod``'s entries of ``keys`` whose pick was served; returns how many."""
+        keys = _contiguous(keys)
         return int(lib.spec_drop_served(self._s, ptr(keys), len(keys), pod))
 
     def drop_pod(self, pod: int) -> int:
@@ -207,6 +218,10 @@ class SpecStore:
               pods: npt.NDArray[np.uint16], t: float) -> tuple[int, npt.NDArray[np.int64]]:
         """Per pod slot of ``pods`` (:data:`NO_POD`: none), the prefix (blocks) a live pick covers of a prompt
         whose keys at ``positions`` are ``sampled`` (0: none), and how many pods have one."""
+        sampled, pods = _contiguous(sampled), np.ascontiguousarray(pods, dtype=np.uint16)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        if len(positions) != len(sampled):
+            raise ValueError(f"{len(sampled)} sampled keys for {len(positions)} positions")
         out = np.empty(len(pods), dtype=np.int64)
         hits = int(lib.spec_match(self._s, ptr(sampled), ptr(positions), len(sampled), ptr(pods), len(pods),
                                   t, ptr(out)))

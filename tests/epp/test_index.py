@@ -7,6 +7,8 @@ import random
 import threading
 from pathlib import Path
 
+import numpy as np
+
 from kvfleet.cache.events import AllBlocksCleared, KVEventBatch, decode_batch, removed, stored
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
@@ -214,6 +216,17 @@ class TestMatch:
         idx.remove("b", keys)
         assert idx.speculative_entries() == {(k & ((1 << 64) - 1), "b") for k in keys}
         assert idx.num_speculative == 3
+
+    def test_a_strided_removal_drops_what_it_names(self) -> None:
+        """Keys handed over as a strided view reach the compiled store and the reuse sketch as the keys they
+        are."""
+        idx = BlockIndex()
+        idx.extend(idx.add_speculative("a", list(range(1, 11)), ttl_s=10, now=0.0), 10.0, now=0.0)
+        idx.remove("a", np.arange(1, 21, dtype=np.uint64)[::2])  # 1, 3, …, 19
+        assert idx.speculative_entries() == {(k, "a") for k in (2, 4, 6, 8, 10)}
+        idx.add_speculative_sampled("b", np.arange(100, 140, dtype=np.uint64)[::2], ttl_s=10, now=0.0)
+        assert {k for k, p in idx.speculative_entries() if p == "b"} == set(range(100, 140, 2))
+        assert idx.reuse.distance("b", [101])[0] == -1  # the reuse sketch was sent the same keys
 
     def test_speculative_entries_are_not_python_objects(self) -> None:
         """100,000 entries over 2,000 picks: the garbage collector tracks a few objects per pick (the lease,

@@ -110,8 +110,7 @@ static int reserve(spec_t *s, int64_t extra) {
     while ((double)(s->live + extra) > 0.5 * (double)cap) cap <<= 1;
     spec_t old = *s;
     if (alloc_table(s, cap)) {
-        s->keys = old.keys, s->pods = old.pods, s->lease = old.lease;
-        s->cap = old.cap, s->live = old.live, s->deleted = old.deleted;
+        *s = old;
         return -1;
     }
     for (int64_t i = 0; i < old.cap; i++) {
@@ -130,6 +129,12 @@ static inline void release(spec_t *s, uint32_t l) {
         s->gen[l]++;
         s->freed[s->nfreed++] = l;
     }
+}
+
+/* A lease owning no entry (a new one whose spec_add stored nothing) is freed like one that lost its last. */
+static inline void release_unowned(spec_t *s, uint32_t l) {
+    s->owned[l] = 1;
+    release(s, l);
 }
 
 static inline void delete_at(spec_t *s, int64_t at) {
@@ -196,8 +201,7 @@ void spec_lease_set(spec_t *s, int64_t handle, double expiry, int served) {
 int64_t spec_add(spec_t *s, const uint64_t *keys, int64_t n, uint16_t pod, int64_t handle) {
     uint32_t l = (uint32_t)(handle & 0xFFFFFFFFll);
     if (reserve(s, n)) {
-        s->owned[l] = 1;
-        release(s, l);
+        release_unowned(s, l);
         return -1;
     }
     int64_t created = 0;
@@ -217,10 +221,7 @@ int64_t spec_add(spec_t *s, const uint64_t *keys, int64_t n, uint16_t pod, int64
         s->lease[at] = l;
         s->owned[l]++;
     }
-    if (s->owned[l] == 0) {
-        s->owned[l] = 1;
-        release(s, l);
-    }
+    if (s->owned[l] == 0) release_unowned(s, l);
     return created;
 }
 
@@ -264,9 +265,9 @@ int64_t spec_drop_pod(spec_t *s, uint16_t pod) {
     return gone;
 }
 
-/* Per candidate pod (pods[j]; EMPTY: none), the prefix a live pick covers: sampled[0..m) are a prompt's keys at
- * its sample positions pos[0..m); a pod whose entry for sampled[0] is live (expiry > t) gets pos[lo] + 1 for
- * the last sampled position lo its live entries reach, by binary search (one pick stores a whole prefix,
+/* Per candidate pod (pods[j]; EMPTY: none), the prefix a live pick covers: sampled[0..m) are a prompt's keys
+ * at its sample positions pos[0..m); a pod whose entry for sampled[0] is live (expiry > t) gets pos[lo] + 1
+ * for the last sampled position lo its live entries reach, by binary search (one pick stores a whole prefix,
  * so "held at sampled position i" is nearly monotone in i); others get 0. Returns how many got one. */
 int64_t spec_match(const spec_t *s, const uint64_t *sampled, const int64_t *pos, int64_t m,
                    const uint16_t *pods, int64_t c, double t, int64_t *out) {

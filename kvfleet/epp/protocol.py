@@ -255,17 +255,31 @@ def cached_tokens_of(body: bytes) -> int | None:
 # --- ext_proc responses -------------------------------------------------------------------
 
 
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-    )
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=_OVERWRITE)
 
 
 def destination_metadata(endpoints: str) -> struct_pb2.Struct:
     meta = struct_pb2.Struct()
-    meta.get_or_create_struct(DEST_METADATA_NS)[DEST_HEADER] = endpoints
+    _set_destination(meta, endpoints)
     return meta
+
+
+def _set_destination(meta: struct_pb2.Struct, endpoints: str) -> None:
+    # through the maps, not Struct's Python helpers (get_or_create_struct): a third of the cost per pick
+    meta.fields[DEST_METADATA_NS].struct_value.fields[DEST_HEADER].string_value = endpoints
+
+
+def _set_header(options: Any, key: str, value: str) -> None:
+    """Appends a set-header option to ``options`` (a ``HeaderMutation.set_headers`` field)."""
+    o = options.add()
+    o.header.key = key
+    o.header.raw_value = value.encode()
+    o.append_action = _OVERWRITE
 
 
 def routing_headers(endpoints: Sequence[str], prefiller: str | None = None) -> list[tuple[str, str]]:
@@ -283,15 +297,18 @@ def pick_headers_response(
     ``as_body`` puts the mutation in a BodyResponse (BUFFERED mode answers the
     headers message first, empty, and routes with the body answer).
     """
-    set_headers = [_header(k, v) for k, v in headers]
+    # built in place (fields set on the one message) rather than from nested constructors, each of which
+    # copies its parts: a third of the CPU, and it runs on every pick
+    out = pb.ProcessingResponse()
+    common = out.request_body.response if as_body else out.request_headers.response
+    set_headers = common.header_mutation.set_headers
+    for k, v in headers:
+        _set_header(set_headers, k, v)
     if content_length is not None:
-        set_headers.append(_header("content-length", str(content_length)))
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers),
-                               clear_route_cache=True)
-    meta = destination_metadata(dict(headers)[DEST_HEADER])
-    if as_body:
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=meta)
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)
+        _set_header(set_headers, "content-length", str(content_length))
+    common.clear_route_cache = True
+    _set_destination(out.dynamic_metadata, dict(headers)[DEST_HEADER])
+    return out
 
 
 def empty_request_headers_response() -> pb.ProcessingResponse:
@@ -322,21 +339,18 @@ def empty_response_headers_response(remove: Sequence[str] = (),
 def streamed_body_responses(body: bytes, *, request: bool = True) -> list[pb.ProcessingResponse]:
     """FULL_DUPLEX_STREAMED: hand the (whole) body back to Envoy in chunks, last one ending the stream."""
     chunks = [body[i : i + BODY_CHUNK] for i in range(0, len(body), BODY_CHUNK)] or [b""]
-    out: list[pb.ProcessingResponse] = []
-    for i, chunk in enumerate(chunks):
-        mutation = pb.BodyMutation(
-            streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=i == len(chunks) - 1))
-        resp = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-        out.append(pb.ProcessingResponse(request_body=resp) if request
-                   else pb.ProcessingResponse(response_body=resp))
-    return out
+    last = len(chunks) - 1
+    return [passthrough_body_response(chunk, i == last, request=request) for i, chunk in enumerate(chunks)]
 
 
 def passthrough_body_response(chunk: bytes, end_of_stream: bool, *, request: bool) -> pb.ProcessingResponse:
-    mutation = pb.BodyMutation(
-        streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream))
-    resp = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-    return pb.ProcessingResponse(request_body=resp) if request else pb.ProcessingResponse(response_body=resp)
+    """``chunk`` handed back to Envoy unchanged (FULL_DUPLEX_STREAMED). Built in place: with nested constructors
+    each level copied the chunk again (five copies of a 220 KB prompt per pick)."""
+    out = pb.ProcessingResponse()
+    streamed = (out.request_body if request else out.response_body).response.body_mutation.streamed_response
+    streamed.body = chunk
+    streamed.end_of_stream = end_of_stream
+    return out
 
 
 def buffered_body_ack(*, request: bool) -> pb.ProcessingResponse:

@@ -113,14 +113,14 @@ def scripts(clients: int, sessions: int, turns: int, prompts: list[str], seed: i
             for c in range(clients)]
 
 
-async def run_client(url: str, script: list[list[str]], res: Result) -> None:
+async def run_client(url: str, script: list[list[str]], res: Result, max_tokens: int = 8) -> None:
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         for session in script:
             msgs: list[dict[str, str]] = [{"role": "system", "content": session[0]}]
             for question in session[1:]:
                 msgs.append({"role": "user", "content": question})
-                body = {"model": MODEL, "messages": msgs, "max_tokens": 8, "stream": True,
+                body = {"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "stream": True,
                         "stream_options": {"include_usage": True}}
                 t0, ttft, text, usage = time.monotonic(), None, "", None
                 try:
@@ -150,9 +150,10 @@ async def run_client(url: str, script: list[list[str]], res: Result) -> None:
                 msgs.append({"role": "assistant", "content": text})
 
 
-async def drive(url: str, work: list[list[list[str]]]) -> Result:
+async def drive(url: str, work: list[list[list[str]]], max_tokens: int = 8) -> Result:
+    """Every client's script at once; each answer streamed, ``max_tokens`` long at most."""
     res = Result()
-    await asyncio.gather(*(run_client(url, script, res) for script in work))
+    await asyncio.gather(*(run_client(url, script, res, max_tokens) for script in work))
     return res
 
 

@@ -17,7 +17,8 @@ engines report). ``cpu_per_request_vs_sglang_router`` is Envoy + EPP ÷ the rout
 ``epp_cpu_per_request_vs_sglang_router`` the EPP alone (the router also proxies the HTTP, as Envoy does).
 A third run, ``kvfleet-sampled``, sets ``epp.response_body_sample`` (``--response-body-sample``, default 1/8):
 the picker reads that share of the responses' bodies and asks Envoy not to send it the others
-(``*_sampled`` figures).
+(``*_sampled`` figures). Each answer is streamed, ``--max-tokens`` (default 8) long: every token is a
+response-body chunk that Envoy hands the picker and the router proxies.
 ``--reps`` alternates the three runs (A B C, then C B A). Last line: one JSON object.
 """
 
@@ -49,6 +50,7 @@ from bench._live import (
     scripts,
     system_prompts,
 )
+from kvfleet.config.epp import EppSettings
 from kvfleet.demo.envoy import envoy_binary
 from kvfleet.demo.stack import (
     Child,
@@ -83,7 +85,8 @@ class Bench(Engines):
         pods = write_yaml(self.stack.workdir / "pods.yaml", pods_file(self.pods, MODEL, tokenizer=TOKENIZER))
         cfg = write_yaml(self.stack.workdir / "epp.yaml", {"epp": {
             "host": "127.0.0.1", "grpc_port": grpc, "health_port": health, "metrics_port": metrics,
-            "pods_file": str(pods), "response_body_sample": response_body_sample}})
+            "pods_file": str(pods), "response_body_sample": response_body_sample,
+            "events_coalesce_s": self.args.events_coalesce_s}})
         argv = [sys.executable, "-m", "kvfleet", "epp", "--config", str(cfg), "--log-level", "WARNING"]
         if self.args.profile:  # py-spy samples every thread of the EPP (routing runs off the event loop)
             argv = [self.args.profile_tool, "record", "--format", "raw", "--rate", "200", "--nonblocking",
@@ -115,7 +118,7 @@ class Bench(Engines):
             time.sleep(0.5)
             pids = {k: measured_pid(c) for k, c in procs.items()}
             before = {k: cpu_s(pid) for k, pid in pids.items()}
-            res = asyncio.run(drive(url, work))
+            res = asyncio.run(drive(url, work, self.args.max_tokens))
             res.cpu = {k: cpu_s(pid) - before[k] for k, pid in pids.items()}
         print(f"{name:14s} {res.requests} requests ({res.failed} failed): CPU "
               + ", ".join(f"{k} {v:.2f} s" for k, v in res.cpu.items())
@@ -134,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-factor", type=float, default=0.1, help="simulated GPU time scale of the engines")
     ap.add_argument("--gpu-blocks", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=8,
+                    help="tokens per streamed answer (each a response-body chunk via Envoy and the picker)")
+    ap.add_argument("--events-coalesce-s", type=float, default=EppSettings().events_coalesce_s,
+                    help="epp.events_coalesce_s of both kvfleet runs (0: a KV-event batch per wake-up)")
     ap.add_argument("--response-body-sample", type=float, default=0.125,
                     help="epp.response_body_sample of the kvfleet-sampled run (default 1/8)")
     ap.add_argument("--profile", default="", help="write py-spy's collapsed stacks of the EPP to this file "
@@ -167,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     s_epp_1k, s_envoy_1k = per_1k("kvfleet-sampled", ("epp",)), per_1k("kvfleet-sampled", ("envoy",))
     out = {
         "bench": "router_cost", "reps": reps, "requests_per_run": router.requests // reps,
-        "pods": args.pods, "clients": args.clients, "tokenizer": TOKENIZER,
+        "pods": args.pods, "clients": args.clients, "tokenizer": TOKENIZER, "max_tokens": args.max_tokens,
+        "events_coalesce_s": args.events_coalesce_s,
         "cpu_s_per_1k_sglang_router": round(router_1k, 3),
         "cpu_s_per_1k_epp": round(epp_1k, 3), "cpu_s_per_1k_envoy": round(envoy_1k, 3),
         "cpu_s_per_1k_envoy_epp": round(epp_1k + envoy_1k, 3),

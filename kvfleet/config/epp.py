@@ -80,6 +80,10 @@ class EppSettings:
     through the picker. The first token and the stream's end still reach it (the response headers; the
     ext_proc stream's close). Envoy honours that only where the response body mode is ``STREAMED`` (the
     ``BUFFERED`` body mode's); with ``FULL_DUPLEX_STREAMED`` every body is read. 1: every response (default).
+    ``events_coalesce_s``: under sustained KV-event traffic the ingestion thread reads its sockets at most
+    once per this many seconds, applying the batches that arrived meanwhile together (one wake-up for
+    several: each costs more CPU than the batch it brings, and every replica receives every pod's batches);
+    the first batch after a quiet spell is read at once. 0: each batch as it comes.
     ``speculative_ttl_s``: how long a pick counts as cached on its pod before KV
     events confirm it; with ``events_enabled: false`` the index is built from
     picks only (approximate mode) and ``approximate_ttl_s`` applies.
@@ -115,6 +119,7 @@ class EppSettings:
     response_body_sample: float = 1.0
     front: str = "auto"
     events_enabled: bool = True
+    events_coalesce_s: float = 0.02
     speculative_ttl_s: float = 10.0
     approximate_ttl_s: float = 300.0
     max_speculative_entries: int = 1_000_000
@@ -146,6 +151,8 @@ class EppSettings:
             raise ValueError("inline_route_bytes must be >= 0")
         if not 0.0 <= self.response_body_sample <= 1.0:
             raise ValueError(f"response_body_sample must be within [0, 1], got {self.response_body_sample}")
+        if not 0.0 <= self.events_coalesce_s <= 1.0:
+            raise ValueError(f"events_coalesce_s must be within [0, 1], got {self.events_coalesce_s}")
         if self.max_speculative_entries <= 0:
             raise ValueError("max_speculative_entries must be > 0")
         if not 0 <= self.reuse_sketch_entries <= 1 << 24:

@@ -70,7 +70,8 @@ class Epp:
         self.scraper = MetricsScraper(self.store, s.scrape_interval_s)
         # a dropped KV-event connection (a killed engine) takes the pod out of rotation until a scrape answers
         self.subscriber = EventSubscriber(
-            on_disconnect=lambda pod: self.store.mark_down(pod, "dropped its KV-event connection"))
+            on_disconnect=lambda pod: self.store.mark_down(pod, "dropped its KV-event connection"),
+            coalesce_s=s.events_coalesce_s)
         self.router = Router(s, self.settings.cache, self.datastore, self.index, self.store,
                              PoolTokenizers(s.tokenizer, s.tokenizer_cache_dir), self.tracker)
         self.metrics = EppMetrics()

@@ -344,8 +344,8 @@ def streamed_body_responses(body: bytes, *, request: bool = True) -> list[pb.Pro
 
 
 def passthrough_body_response(chunk: bytes, end_of_stream: bool, *, request: bool) -> pb.ProcessingResponse:
-    """``chunk`` handed back to Envoy unchanged (FULL_DUPLEX_STREAMED). Built in place: with nested constructors
-    each level copied the chunk again (five copies of a 220 KB prompt per pick)."""
+    """``chunk`` handed back to Envoy unchanged (FULL_DUPLEX_STREAMED). Built in place: with nested
+    constructors each level copied the chunk again (five copies of a 220 KB prompt per pick)."""
     out = pb.ProcessingResponse()
     streamed = (out.request_body if request else out.response_body).response.body_mutation.streamed_response
     streamed.body = chunk

@@ -424,6 +424,54 @@ class TestLag:
             pub.close()
 
 
+class TestCoalescing:
+    """``coalesce_s``: under sustained traffic the ingestion thread wakes once per window and reads every
+    batch that arrived meanwhile; after a quiet spell a batch is read at once."""
+
+    def test_sustained_batches_share_reads(self) -> None:
+        pub, idx = KVEventPublisher(), BlockIndex()
+        sub = EventSubscriber(replay_timeout_s=1.0, coalesce_s=0.1)
+        sub.start()
+        try:
+            connect(pub, sub, idx)
+            time.sleep(0.3)
+            before = sub.reads
+            for i in range(40):  # 0.4 s of traffic, a batch every 10 ms
+                pub.publish(batch(100 + i))
+                time.sleep(0.01)
+            wait_for(lambda: all(indexed(idx, 100 + i) for i in range(40)), what="the 40 batches indexed")
+            assert sub.reads - before <= 10, sub.reads - before  # one read per 0.1 s window (40 without)
+        finally:
+            sub.stop()
+            pub.close()
+
+    def test_a_batch_after_a_quiet_spell_is_read_at_once_the_next_waits_for_the_window(self) -> None:
+        pub, idx = KVEventPublisher(), BlockIndex()
+        sub = EventSubscriber(replay_timeout_s=1.0, coalesce_s=1.5)
+        sub.start()
+        try:
+            connect(pub, sub, idx)
+            time.sleep(1.6)  # the probes' reads are a window behind
+            t0 = time.monotonic()
+            pub.publish(batch(1))
+            wait_for(lambda: indexed(idx, 1), what="the first batch", timeout_s=1.0, interval_s=0.01)
+            assert time.monotonic() - t0 < 1.0
+            pub.publish(batch(2))
+            time.sleep(0.5)
+            assert not indexed(idx, 2)  # within the window of the read that found batch 1
+            wait_for(lambda: indexed(idx, 2), what="the second batch, at the window's end", timeout_s=3.0)
+        finally:
+            sub.stop()
+            pub.close()
+
+    def test_setting_is_bounded(self) -> None:
+        from kvfleet.config.epp import EppSettings
+
+        assert EppSettings().events_coalesce_s == 0.02
+        with pytest.raises(ValueError, match="events_coalesce_s"):
+            EppSettings(events_coalesce_s=-1.0)
+
+
 class TestBounds:
     def test_engine_hash_map_is_bounded(self, feed: Feed) -> None:
         """Blocks whose engine hash differs from the picker's recomputation on a pod not known to hash like

@@ -3,6 +3,7 @@ restarts, holes, isolation of bad input, and pods that never stall each other.""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -428,30 +429,32 @@ class TestCoalescing:
     """``coalesce_s``: under sustained traffic the ingestion thread wakes once per window and reads every
     batch that arrived meanwhile; after a quiet spell a batch is read at once."""
 
-    def test_sustained_batches_share_reads(self) -> None:
+    @staticmethod
+    @contextlib.contextmanager
+    def joined(window_s: float) -> Iterator[Feed]:
+        """A subscriber with that window joined to a publisher, after a quiet spell longer than the window."""
         pub, idx = KVEventPublisher(), BlockIndex()
-        sub = EventSubscriber(replay_timeout_s=1.0, coalesce_s=0.1)
+        sub = EventSubscriber(replay_timeout_s=1.0, coalesce_s=window_s)
         sub.start()
         try:
             connect(pub, sub, idx)
-            time.sleep(0.3)
+            time.sleep(window_s + 0.1)  # the probes' reads are a window behind
+            yield pub, sub, idx
+        finally:
+            sub.stop()
+            pub.close()
+
+    def test_sustained_batches_share_reads(self) -> None:
+        with self.joined(0.1) as (pub, sub, idx):
             before = sub.reads
             for i in range(40):  # 0.4 s of traffic, a batch every 10 ms
                 pub.publish(batch(100 + i))
                 time.sleep(0.01)
             wait_for(lambda: all(indexed(idx, 100 + i) for i in range(40)), what="the 40 batches indexed")
             assert sub.reads - before <= 10, sub.reads - before  # one read per 0.1 s window (40 without)
-        finally:
-            sub.stop()
-            pub.close()
 
     def test_a_batch_after_a_quiet_spell_is_read_at_once_the_next_waits_for_the_window(self) -> None:
-        pub, idx = KVEventPublisher(), BlockIndex()
-        sub = EventSubscriber(replay_timeout_s=1.0, coalesce_s=1.5)
-        sub.start()
-        try:
-            connect(pub, sub, idx)
-            time.sleep(1.6)  # the probes' reads are a window behind
+        with self.joined(1.5) as (pub, _, idx):
             t0 = time.monotonic()
             pub.publish(batch(1))
             wait_for(lambda: indexed(idx, 1), what="the first batch", timeout_s=1.0, interval_s=0.01)
@@ -460,9 +463,6 @@ class TestCoalescing:
             time.sleep(0.5)
             assert not indexed(idx, 2)  # within the window of the read that found batch 1
             wait_for(lambda: indexed(idx, 2), what="the second batch, at the window's end", timeout_s=3.0)
-        finally:
-            sub.stop()
-            pub.close()
 
     def test_setting_is_bounded(self) -> None:
         from kvfleet.config.epp import EppSettings

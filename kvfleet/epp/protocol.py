@@ -38,7 +38,6 @@ import msgspec
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvfleet.cache.modeltok import ChatRequest
@@ -258,17 +257,6 @@ def cached_tokens_of(body: bytes) -> int | None:
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=_OVERWRITE)
-
-
-def destination_metadata(endpoints: str) -> struct_pb2.Struct:
-    meta = struct_pb2.Struct()
-    _set_destination(meta, endpoints)
-    return meta
-
-
 def _set_destination(meta: struct_pb2.Struct, endpoints: str) -> None:
     # through the maps, not Struct's Python helpers (get_or_create_struct): a third of the cost per pick
     meta.fields[DEST_METADATA_NS].struct_value.fields[DEST_HEADER].string_value = endpoints
@@ -365,25 +353,19 @@ def error_body(error: EppError) -> bytes:
 
 def immediate_response(error: EppError) -> pb.ProcessingResponse:
     """An ImmediateResponse with the error's HTTP status and a JSON body."""
-    return pb.ProcessingResponse(
-        immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=error.status),
-            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
-            body=error_body(error),
-            details=error.kind,
-        )
-    )
+    return json_response(error.status, error_body(error), details=error.kind)
 
 
-def json_response(status: int, body: bytes) -> pb.ProcessingResponse:
-    """An ImmediateResponse that answers the request from the picker itself (e.g. ``GET /v1/models``)."""
-    return pb.ProcessingResponse(
-        immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
-            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
-            body=body,
-        )
-    )
+def json_response(status: int, body: bytes, details: str = "") -> pb.ProcessingResponse:
+    """An ImmediateResponse that answers the request from the picker itself (e.g. ``GET /v1/models``, an
+    error: ``details`` names it)."""
+    out = pb.ProcessingResponse()
+    answer = out.immediate_response
+    answer.status.code = status
+    _set_header(answer.headers.set_headers, "content-type", "application/json")
+    answer.body = body
+    answer.details = details
+    return out
 
 
 def served_endpoint(msg: Any) -> str | None:

@@ -18,7 +18,9 @@ engines report). ``cpu_per_request_vs_sglang_router`` is Envoy + EPP ÷ the rout
 A third run, ``kvfleet-sampled``, sets ``epp.response_body_sample`` (``--response-body-sample``, default 1/8):
 the picker reads that share of the responses' bodies and asks Envoy not to send it the others
 (``*_sampled`` figures). Each answer is streamed, ``--max-tokens`` (default 8) long: every token is a
-response-body chunk that Envoy hands the picker and the router proxies.
+response-body chunk that Envoy hands the picker and the router proxies. ``--body-mode
+FULL_DUPLEX_STREAMED`` runs the gateway in GIE's reference mode (Envoy Gateway's): Envoy sends every chunk of
+every answer, read or not, and the native front hands the unread ones back itself.
 ``--reps`` alternates the three runs (A B C, then C B A). Last line: one JSON object.
 """
 
@@ -96,7 +98,7 @@ class Bench(Engines):
         try:
             self.stack.wait_http(epp, f"http://127.0.0.1:{metrics}/metrics", timeout_s=60)
             boot = write_bootstrap(self.stack.workdir / "envoy.yaml", listen_port=listen, epp_port=grpc,
-                                   admin_port=admin, body_mode="BUFFERED")
+                                   admin_port=admin, body_mode=self.args.body_mode)
             envoy = self.stack.spawn("envoy", [envoy_binary(), "-c", str(boot), "--base-id", str(admin), "-l",
                                                "warning", "--concurrency", "1", "--disable-hot-restart"])
             self.stack.wait_http(envoy, f"http://127.0.0.1:{admin}/ready", timeout_s=60)
@@ -141,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokens per streamed answer (each a response-body chunk via Envoy and the picker)")
     ap.add_argument("--events-coalesce-s", type=float, default=EppSettings().events_coalesce_s,
                     help="epp.events_coalesce_s of both kvfleet runs (0: a KV-event batch per wake-up)")
+    ap.add_argument("--body-mode", choices=["BUFFERED", "FULL_DUPLEX_STREAMED"], default="BUFFERED",
+                    help="the gateway's ext_proc body mode: BUFFERED (kvfleet's chart; the response "
+                         "streamed, unread ones skipped) or FULL_DUPLEX_STREAMED (GIE's reference, Envoy "
+                         "Gateway: every response chunk crosses the picker)")
     ap.add_argument("--response-body-sample", type=float, default=0.125,
                     help="epp.response_body_sample of the kvfleet-sampled run (default 1/8)")
     ap.add_argument("--profile", default="", help="write py-spy's collapsed stacks of the EPP to this file "
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "bench": "router_cost", "reps": reps, "requests_per_run": router.requests // reps,
         "pods": args.pods, "clients": args.clients, "tokenizer": TOKENIZER, "max_tokens": args.max_tokens,
-        "events_coalesce_s": args.events_coalesce_s,
+        "events_coalesce_s": args.events_coalesce_s, "body_mode": args.body_mode,
         "cpu_s_per_1k_sglang_router": round(router_1k, 3),
         "cpu_s_per_1k_epp": round(epp_1k, 3), "cpu_s_per_1k_envoy": round(envoy_1k, 3),
         "cpu_s_per_1k_envoy_epp": round(epp_1k + envoy_1k, 3),

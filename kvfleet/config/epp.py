@@ -79,7 +79,10 @@ class EppSettings:
     which ``kvfleet gateway-config`` sets) not to send the body: each streamed chunk is otherwise a round trip
     through the picker. The first token and the stream's end still reach it (the response headers; the
     ext_proc stream's close). Envoy honours that only where the response body mode is ``STREAMED`` (the
-    ``BUFFERED`` body mode's); with ``FULL_DUPLEX_STREAMED`` every body is read. 1: every response (default).
+    ``BUFFERED`` body mode's); with ``FULL_DUPLEX_STREAMED`` (GIE's reference, Envoy Gateway's) Envoy sends
+    every chunk anyway and the picker hands the unread ones back unread. Either way the native front answers
+    the chunks without a round trip to this process (docs/epp.md, The gRPC front). 1: every response
+    (default).
     ``events_coalesce_s``: under sustained KV-event traffic the ingestion thread reads its sockets at most
     once per this many seconds, applying the batches that arrived meanwhile together (one wake-up for
     several: each costs more CPU than the batch it brings, and every replica receives every pod's batches);

@@ -2,11 +2,18 @@
 
 Python's ``grpc.aio`` costs about as much CPU per ext_proc stream as a warm decision does (docs/epp.md). The
 front (``native/epp-front``, Go, grpc-go) takes that work: HTTP/2, flow control, TLS and message framing. It
-decodes nothing and decides nothing. Each call's messages reach this process as their serialized bytes over
-one Unix socket (a socket pair; the front inherits its end), and :class:`Bridge` runs them through the same
+decides nothing. Each call's messages reach this process as their serialized bytes over one Unix socket (a
+socket pair; the front inherits its end), and :class:`Bridge` runs them through the same
 :class:`~kvfleet.epp.server.ExtProcServicer` steps as the ``grpc.aio`` server does, so the protocol has one
 implementation. The frames (both ways: u32 length of what follows, u64 call id, u8 kind, payload) are
-described in ``native/epp-front/main.go``.
+described in ``native/epp-front/main.go``. One exception, asked for per call: the answer to a response's
+chunks (a streamed token each) depends only on the body mode
+(:attr:`~kvfleet.epp.server.Stream.chunk_answer`), so after the pick the bridge follows its answers with ECHO
+(the count of the call's messages answered, how many bytes of the chunks it reads, the fixed answer) and the
+front answers the chunks itself while it has handed this process nothing unanswered, without a round trip per
+token; the bodies the picker reads (the usage, ``epp.response_body_sample``) come as BODY ahead of the next
+message, and the last chunk still comes here (``tests/epp/test_front.py`` checks the front's answers against
+this module's).
 
 The front serves the methods this module knows: ext_proc's ``Process`` and ``grpc.health.v1.Health``'s
 ``Check`` and ``Watch`` (GIE's service names, :class:`~kvfleet.epp.server.HealthServicer`); any other gets
@@ -49,9 +56,10 @@ PROCESS = f"/{srv.EXT_PROC_SERVICE}/Process"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 
-HELLO, OPEN, MSG, HALF_CLOSE, CANCEL, END, ERROR = range(1, 8)
+HELLO, OPEN, MSG, HALF_CLOSE, CANCEL, END, ERROR, ECHO, BODY = range(1, 10)
 _HEAD = struct.Struct("<IQB")
 _U16, _U32 = struct.Struct("<H"), struct.Struct("<I")
+_ECHO = struct.Struct("<QI")
 #: a frame beyond the largest message plus this is a broken front: the connection is dropped
 _SLACK = 1 << 16
 
@@ -91,6 +99,9 @@ class _Call:
     busy: bool = False
     pending: collections.deque[tuple[int, bytes]] = field(default_factory=collections.deque)
     watch: asyncio.Task[None] | None = None
+    #: the call's messages answered (ECHO's count: the front answers a chunk only when it has handed
+    #: this process nothing unanswered)
+    answered: int = 0
 
 
 class Bridge(asyncio.Protocol):
@@ -207,6 +218,10 @@ class Bridge(asyncio.Protocol):
         if kind == HALF_CLOSE:  # the client is done: the stream ends as Process's loop does
             self._end(cid)
             return
+        if kind == BODY:  # chunks the front answered: their bodies, in the stream's order
+            if call.st is not None:
+                self.servicer.captured(call.st, payload)
+            return
         try:
             msg = pb.ProcessingRequest.FromString(payload)
         except DecodeError as exc:
@@ -228,6 +243,13 @@ class Bridge(asyncio.Protocol):
             self._send(cid, MSG, resp.SerializeToString())
         if self.servicer.finished(msg, out):
             self._end(cid)
+            return
+        call = self.calls.get(cid)
+        if call is not None:
+            call.answered += 1
+            st = call.st
+            if st is not None and st.chunk_answer is not None:
+                self._send(cid, ECHO, _ECHO.pack(call.answered, st.chunk_capture) + st.chunk_answer)
 
     def _routed(self, cid: int, call: _Call, msg: pb.ProcessingRequest,
                 fut: asyncio.Future[list[pb.ProcessingResponse]]) -> None:

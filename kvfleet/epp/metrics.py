@@ -224,7 +224,8 @@ class EppMetrics:
                                      registry=r)
         self.response_bodies_skipped = Counter(
             "kvfleet_epp_response_bodies_skipped",
-            "Inference responses whose body the picker asked Envoy not to send (epp.response_body_sample)",
+            "Inference responses whose body the picker does not read (epp.response_body_sample): Envoy "
+            "skips it (BUFFERED) or it is handed back unread (FULL_DUPLEX_STREAMED)",
             registry=r,
         )
         self.engine_cached = Counter(

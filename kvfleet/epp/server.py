@@ -73,6 +73,10 @@ from kvfleet.epp.scheduling import RequestContext, routing_request
 log = logging.getLogger(__name__)
 _Mode = processing_mode_pb2.ProcessingMode
 _MAX_RESPONSE_CAPTURE = 1 << 20
+#: the answer to a response chunk that does not end the response, by response body mode (``b""``: the chunk
+#: handed back, :func:`~kvfleet.epp.protocol.passthrough_body_response`)
+_CHUNK_ANSWERS = {_Mode.STREAMED: protocol.buffered_body_ack(request=False).SerializeToString(),
+                  _Mode.FULL_DUPLEX_STREAMED: b""}
 DECISION_LOG_ENV = "KVFLEET_EPP_DECISION_LOG"
 #: the request's id in the decision log (Envoy sets it when the client does not)
 REQUEST_ID_HEADER = "x-request-id"
@@ -118,6 +122,14 @@ class Stream:
         self.predicted = 0
         #: whether the response's body is read (``EppSettings.response_body_sample``)
         self.read_response = True
+        #: the answer to each chunk of the response but the last, the same whatever the chunk holds, so the
+        #: native front may give it itself (:mod:`kvfleet.epp.front`): ``None``, none fixed (the picker
+        #: answers each); ``b""``, the chunk handed back unchanged (FULL_DUPLEX_STREAMED); else these bytes
+        #: (STREAMED: an empty BodyResponse). Set by the pick.
+        self.chunk_answer: bytes | None = None
+        #: how many bytes of those chunks' bodies the picker reads (the usage;
+        #: :meth:`ExtProcServicer.captured`)
+        self.chunk_capture = 0
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -268,11 +280,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                             "pick" if served == st.decision.endpoints[0] else "fallback").inc()
                     if st.decision.ticket is not None:
                         st.decision.ticket.first_byte()
-                if st.read_response or st.response_mode == _Mode.FULL_DUPLEX_STREAMED:
+                if st.read_response:
                     return [protocol.empty_response_headers_response()]
-                # Envoy ignores the override in FULL_DUPLEX_STREAMED (sent nothing there); the stream's close
-                # still ends the ticket (close_stream)
+                # the stream's close still ends the ticket (close_stream)
                 self.metrics.response_bodies_skipped.inc()
+                if st.response_mode == _Mode.FULL_DUPLEX_STREAMED:
+                    # Envoy ignores the override there and sends every chunk: they are handed back unread
+                    return [protocol.empty_response_headers_response()]
                 return [protocol.empty_response_headers_response(skip_body=True)]
             if kind == "response_body":
                 return self._response_body(st, msg.response_body)
@@ -349,6 +363,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         st.predicted = (d.predicted_hit_tokens if ctx.predicted_hit_tokens is None
                         else ctx.predicted_hit_tokens)
         st.read_response = self._sampled()
+        st.chunk_answer = _CHUNK_ANSWERS.get(st.response_mode)
+        st.chunk_capture = _MAX_RESPONSE_CAPTURE if st.read_response else 0
         self.metrics.pick_seconds.observe(time.perf_counter() - t0)
         self.metrics.prompt_tokens.inc(d.num_tokens)
         self.metrics.predicted_hit.inc(st.predicted)
@@ -397,10 +413,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return [protocol.pick_headers_response(headers), *protocol.streamed_body_responses(body)]
         return [protocol.pick_headers_response(headers, as_body=True)]
 
+    @staticmethod
+    def captured(st: Stream, data: bytes) -> None:
+        """``data``: bodies of the response's chunks that were answered without this process (the native
+        front's, in the stream's order, ahead of the next message it hands over)."""
+        if st.read_response and len(st.response) < _MAX_RESPONSE_CAPTURE:
+            st.response += data
+
     def _response_body(self, st: Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
-        if len(st.response) < _MAX_RESPONSE_CAPTURE:
-            st.response += body.body
-        if body.end_of_stream and st.decision is not None:
+        self.captured(st, body.body)
+        if st.read_response and body.end_of_stream and st.decision is not None:
             reported = protocol.cached_tokens_of(bytes(st.response))
             if reported is not None:
                 d = st.decision

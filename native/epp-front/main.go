@@ -2,10 +2,11 @@
 //
 // It serves the picker's gRPC port (Envoy's ext_proc calls, gRPC health) and moves every call's
 // messages, as their serialized bytes, to and from the picker process over one Unix socket that
-// the picker hands it (a file descriptor inherited at exec). It decodes no message and makes no
-// decision: the picker (kvfleet/epp/server.py, kvfleet/epp/front.py) does both, so there is one
-// implementation of the protocol. What it takes off the picker is gRPC itself: HTTP/2, flow
-// control and the per-message work of Python's grpc.aio, which cost as much CPU as a decision.
+// the picker hands it (a file descriptor inherited at exec). It makes no decision and decodes no
+// message but the response chunks the picker asks it to answer (ECHO below): the picker
+// (kvfleet/epp/server.py, kvfleet/epp/front.py) does both, so there is one implementation of the
+// protocol. What it takes off the picker is gRPC itself: HTTP/2, flow control and the per-message work
+// of Python's grpc.aio, which cost as much CPU as a decision.
 //
 // Frames on the socket, both ways: u32 little-endian length of what follows, u64 little-endian
 // call id, u8 kind, payload.
@@ -13,9 +14,27 @@
 //	front → picker: HELLO (call 0, payload: the bound port, decimal), OPEN (payload: the method,
 //	                then the metadata as u16/u32 length-prefixed key/value pairs), MSG (a request
 //	                message), HALF_CLOSE (the client sent its last message), CANCEL (the call ended
-//	                before the picker finished it: reset by the client, or a send failed)
+//	                before the picker finished it: reset by the client, or a send failed), BODY (the
+//	                bodies of the response chunks answered here since the picker's last message, below)
 //	picker → front: MSG (a response message), END (finish the call with OK), ERROR (payload: u32
-//	                gRPC status code, then the status message)
+//	                gRPC status code, then the status message), ECHO (answer the call's response-body
+//	                chunks here, below)
+//
+// ECHO is the one place the front reads a message. Envoy sends each chunk of a response (a streamed
+// token each) to the picker and waits for its answer, which depends only on the body mode: in
+// STREAMED an empty BodyResponse, in FULL_DUPLEX_STREAMED the chunk handed back unchanged. A round trip
+// to the picker per token cost it more than its decisions, so after the pick the picker follows each
+// of its answers on an inference call with ECHO (payload: u64 little-endian, the count of the call's
+// messages it has answered; u32, how many bytes of the chunks' bodies it reads, the usage: 0 for a
+// response it does not read, epp.response_body_sample; then the fixed answer, none for "hand the chunk
+// back"). From then on, while every message handed to the picker has been answered (so an answer made
+// here queues behind the picker's: Envoy takes a call's answers in order), a message that is exactly a
+// response-body chunk not ending the response (ProcessingRequest{response_body: HttpBody{body}}, and the
+// metadata Envoy attaches to every message) is answered here: the fixed answer, or the bytes of the
+// picker's protocol.passthrough_body_response (tests/epp/test_front.py compares them). The bodies it
+// reads reach the picker as BODY ahead of its next message. Every other message goes to the picker:
+// the response headers, the response's last chunk, its trailers, anything with a field the front does
+// not read.
 //
 // The front exits when the socket closes (the picker is gone), after failing its calls with
 // UNAVAILABLE, so a data plane's failure mode (failure_mode_allow, GIE's FailOpen) applies.
@@ -48,6 +67,7 @@ import (
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
 )
 
 const (
@@ -58,6 +78,8 @@ const (
 	kindCancel    = 5
 	kindEnd       = 6
 	kindError     = 7
+	kindEcho      = 8
+	kindBody      = 9
 
 	headerLen = 4 + 8 + 1
 )
@@ -89,16 +111,180 @@ type call struct {
 	mu     sync.Mutex
 	queue  []frame
 	notify chan struct{}
+	// chunks: the response-body chunks are answered here (the picker's ECHO): with fixed (its bytes), or
+	// the chunk handed back when fixed is empty; the first captureLeft bytes of their bodies are kept
+	// (captured) for the picker, sent ahead of the next message it gets. forwarded: the messages handed to
+	// the picker; answered: of those, the ones the latest ECHO says it has answered
+	chunks      bool
+	fixed       []byte
+	captureLeft int
+	captured    []byte
+	forwarded   uint64
+	answered    uint64
 }
 
 func (c *call) push(f frame) {
 	c.mu.Lock()
 	c.queue = append(c.queue, f)
 	c.mu.Unlock()
+	c.wake()
+}
+
+func (c *call) wake() {
 	select {
 	case c.notify <- struct{}{}:
 	default:
 	}
+}
+
+// local answers msg here, and reports true, when the call's chunks are answered here, every message
+// handed to the picker is answered (so this answer queues behind the picker's) and msg is a response-body
+// chunk that does not end the response. Otherwise msg goes to the picker (counted), preceded by the
+// chunk bodies captured since the last message it got (captured, the caller sends them).
+func (c *call) local(msg []byte) (handled bool, captured []byte) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.chunks && c.forwarded == c.answered {
+		if body, ok := chunk(msg); ok {
+			answer := c.fixed
+			if len(answer) == 0 {
+				answer = echoAnswer(body)
+			}
+			c.queue = append(c.queue, frame{kind: kindMsg, payload: answer})
+			c.wake()
+			if c.captureLeft > 0 {
+				c.captured = append(c.captured, body...)
+				c.captureLeft -= len(body)
+			}
+			return true, nil
+		}
+	}
+	c.forwarded++
+	captured, c.captured = c.captured, nil
+	return false, captured
+}
+
+// echoFrom takes an ECHO frame's payload: u64 the count of the call's messages the picker has answered,
+// u32 how many bytes of the chunks' bodies to capture for it (read at the first ECHO only), then the fixed
+// answer to a chunk (none: hand the chunk back).
+func (c *call) echoFrom(payload []byte) {
+	if len(payload) < 12 {
+		return
+	}
+	n := binary.LittleEndian.Uint64(payload)
+	c.mu.Lock()
+	if !c.chunks {
+		c.chunks = true
+		c.captureLeft = int(binary.LittleEndian.Uint32(payload[8:12]))
+		c.fixed = append([]byte(nil), payload[12:]...)
+	}
+	if n > c.answered {
+		c.answered = n
+	}
+	c.mu.Unlock()
+}
+
+// The ext_proc field numbers the front reads and writes (envoy/service/ext_proc/v3/external_processor.proto).
+const (
+	reqResponseBody    = 5 // ProcessingRequest.response_body
+	reqMetadataContext = 8 // ProcessingRequest.metadata_context
+	reqAttributes      = 9 // ProcessingRequest.attributes
+	bodyBody           = 1 // HttpBody.body
+	bodyEndOfStream    = 2 // HttpBody.end_of_stream
+	respResponseBody   = 4 // ProcessingResponse.response_body
+	bodyRespResponse   = 1 // BodyResponse.response
+	commonBodyMutation = 3 // CommonResponse.body_mutation
+	mutationStreamed   = 3 // BodyMutation.streamed_response
+	streamedBody       = 1 // StreamedBodyResponse.body
+)
+
+// chunk is the body of msg (a serialized ProcessingRequest) when msg is a response-body chunk that does
+// not end the response: one response_body field, holding at most a body and end_of_stream false, beside
+// which only the metadata and attributes Envoy attaches to every message (the picker reads neither on a
+// chunk). Anything else, or a parse error: false (the picker answers it).
+func chunk(msg []byte) ([]byte, bool) {
+	var body []byte
+	bodies := 0
+	for len(msg) > 0 {
+		num, typ, n := protowire.ConsumeTag(msg)
+		if n < 0 || typ != protowire.BytesType {
+			return nil, false
+		}
+		v, m := protowire.ConsumeBytes(msg[n:])
+		if m < 0 {
+			return nil, false
+		}
+		msg = msg[n+m:]
+		switch num {
+		case reqResponseBody:
+			bodies++
+			body = v
+		case reqMetadataContext, reqAttributes:
+		default:
+			return nil, false
+		}
+	}
+	if bodies != 1 {
+		return nil, false
+	}
+	return chunkBody(body)
+}
+
+// chunkBody is an HttpBody's body when it holds nothing but the body and end_of_stream false.
+func chunkBody(b []byte) ([]byte, bool) {
+	var body []byte
+	seen := false
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return nil, false
+		}
+		b = b[n:]
+		switch {
+		case num == bodyBody && typ == protowire.BytesType && !seen:
+			v, m := protowire.ConsumeBytes(b)
+			if m < 0 {
+				return nil, false
+			}
+			body, b, seen = v, b[m:], true
+		case num == bodyEndOfStream && typ == protowire.VarintType:
+			v, m := protowire.ConsumeVarint(b)
+			if m < 0 || v != 0 {
+				return nil, false
+			}
+			b = b[m:]
+		default:
+			return nil, false
+		}
+	}
+	return body, true
+}
+
+// echoAnswer is ProcessingResponse{response_body: {response: {body_mutation: {streamed_response:
+// {body}}}}} serialized as the picker's protobuf runtime does (fields in order, an empty body omitted,
+// every level present).
+func echoAnswer(body []byte) []byte {
+	s1 := 0
+	if len(body) > 0 {
+		s1 = protowire.SizeTag(streamedBody) + protowire.SizeBytes(len(body))
+	}
+	s2 := protowire.SizeTag(mutationStreamed) + protowire.SizeBytes(s1)
+	s3 := protowire.SizeTag(commonBodyMutation) + protowire.SizeBytes(s2)
+	s4 := protowire.SizeTag(bodyRespResponse) + protowire.SizeBytes(s3)
+	b := make([]byte, 0, protowire.SizeTag(respResponseBody)+protowire.SizeBytes(s4))
+	b = protowire.AppendTag(b, respResponseBody, protowire.BytesType)
+	b = protowire.AppendVarint(b, uint64(s4))
+	b = protowire.AppendTag(b, bodyRespResponse, protowire.BytesType)
+	b = protowire.AppendVarint(b, uint64(s3))
+	b = protowire.AppendTag(b, commonBodyMutation, protowire.BytesType)
+	b = protowire.AppendVarint(b, uint64(s2))
+	b = protowire.AppendTag(b, mutationStreamed, protowire.BytesType)
+	b = protowire.AppendVarint(b, uint64(s1))
+	if len(body) > 0 {
+		b = protowire.AppendTag(b, streamedBody, protowire.BytesType)
+		b = protowire.AppendBytes(b, body)
+	}
+	return b
 }
 
 func (c *call) pop() (frame, bool) {
@@ -245,7 +431,11 @@ func (f *front) reader() {
 			return
 		}
 		if c, ok := f.calls.Load(fr.call); ok {
-			c.(*call).push(fr)
+			if fr.kind == kindEcho {
+				c.(*call).echoFrom(fr.payload)
+			} else {
+				c.(*call).push(fr)
+			}
 		}
 	}
 }
@@ -295,6 +485,13 @@ func (f *front) handle(_ any, ss grpc.ServerStream) error {
 				}
 				recvErr <- err
 				return
+			}
+			handled, captured := c.local(b)
+			if handled {
+				continue
+			}
+			if len(captured) > 0 {
+				f.send(frame{call: id, kind: kindBody, payload: captured})
 			}
 			f.send(frame{call: id, kind: kindMsg, payload: b})
 		}

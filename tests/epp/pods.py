@@ -158,8 +158,23 @@ class FakePod:
                       "prompt_tokens_details": {"cached_tokens": cached}},
         }
 
+    async def _stream(self, request: web.Request, data: dict[str, Any], tokens: int,
+                      headers: dict[str, str]) -> web.StreamResponse:
+        """The answer as server-sent events, a write per token (a body chunk each through a proxy), then the
+        usage and ``[DONE]``, as vLLM streams with ``stream_options.include_usage``."""
+        resp = web.StreamResponse(headers={**headers, "content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(tokens):
+            chunk = {"id": data["id"], "object": "text_completion", "model": data["model"],
+                     "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}], "usage": None}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.002)
+        await resp.write(f"data: {json.dumps({**data, 'choices': []})}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
+        return resp
+
     def app(self) -> web.Application:
-        async def completions(request: web.Request) -> web.Response:
+        async def completions(request: web.Request) -> web.StreamResponse:
             body = await request.json()
             self.running += 1
             try:
@@ -168,10 +183,13 @@ class FakePod:
                 data = self.handle(request.path, body)
             finally:
                 self.running -= 1
-            return web.json_response(data, headers={
+            headers = {
                 "x-pod": self.name,
                 "x-seen-destination": request.headers.get("x-gateway-destination-endpoint", ""),
-                "x-seen-prefiller": request.headers.get("x-prefiller-host-port", "")})
+                "x-seen-prefiller": request.headers.get("x-prefiller-host-port", "")}
+            if body.get("stream"):
+                return await self._stream(request, data, int(body.get("max_tokens") or 4), headers)
+            return web.json_response(data, headers=headers)
 
         async def metrics(request: web.Request) -> web.Response:
             text = (

@@ -317,7 +317,8 @@ def test_response_body_sample(fleet: PodFleet, epp_factory: EppF, envoy_factory:
     """``response_body_sample: 0.5``: under BUFFERED, half the responses' bodies are never sent to the picker
     (Envoy honours its ``mode_override``: one ext_proc message less per skipped response), the clients get
     every body whole, the read half feeds the cached-token metrics, and every ticket still closes at the
-    stream's end; FULL_DUPLEX_STREAMED (where Envoy ignores the override) reads every body."""
+    stream's end; FULL_DUPLEX_STREAMED (where Envoy ignores the override and sends every body) reads the
+    same half."""
     log = tmp_path / "decisions.jsonl"  # one line per response whose body the picker read
     monkeypatch.setenv("KVFLEET_EPP_DECISION_LOG", str(log))
     epp = epp_factory(response_body_sample=0.5)
@@ -331,9 +332,50 @@ def test_response_body_sample(fleet: PodFleet, epp_factory: EppF, envoy_factory:
     skipped = epp.metrics.response_bodies_skipped._value.get()
     wait_for(lambda: all(epp.tracker.load(p.name)[0] == 0 for p in fleet.pods), what="tickets closed")
     read = len(log.read_text().splitlines())
+    assert (skipped, read) == (2, 2)
     if body_mode == "BUFFERED":
-        assert (skipped, read) == (2, 2)
         assert sent == 4 * 4 - 2  # request headers, request body, response headers, response body (read half)
     else:
-        assert (skipped, read) == (0, 4)
         assert sent >= 4 * 4
+
+
+@pytest.mark.parametrize("body_mode,front,sample", [
+    ("FULL_DUPLEX_STREAMED", "native", 0.0), ("FULL_DUPLEX_STREAMED", "native", 1.0),
+    ("FULL_DUPLEX_STREAMED", "grpcio", 1.0), ("BUFFERED", "native", 1.0)])
+def test_streamed_answers_cross_the_front(fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF,
+                                          body_mode: str, front: str, sample: float, tmp_path: Any,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streamed answers: Envoy sends every token's chunk to the picker and waits for its answer (the response
+    body mode STREAMED under BUFFERED, or FULL_DUPLEX_STREAMED, GIE's reference, where it does so even for a
+    response the picker does not read). The native front answers them itself (the picker's handler sees the
+    last chunk of each answer, no more) and hands the bodies of a read response over, so the usage still
+    counts; on ``grpc.aio`` the picker answers each. Either way the client gets the whole stream and the
+    tickets close."""
+    log = tmp_path / "decisions.jsonl"  # one line per response whose body the picker read
+    monkeypatch.setenv("KVFLEET_EPP_DECISION_LOG", str(log))
+    epp = epp_factory(front=front, response_body_sample=sample)
+    env = envoy_factory(epp_port=epp.grpc_port, body_mode=body_mode)
+    seen: list[bytes] = []
+    handle = epp.servicer._response_body
+
+    def counted(st: Any, body: Any) -> Any:
+        seen.append(body.body)
+        return handle(st, body)
+
+    epp.servicer._response_body = counted  # type: ignore[method-assign]
+    for i in range(3):
+        status, _, body = post(url(env), {"model": "m", "prompt": PROMPT + str(i), "stream": True,
+                                          "max_tokens": 12})
+        assert status == 200
+        events = [e for e in body.decode().split("\n\n") if e]
+        assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:12]] == [f" t{t}" for t in range(12)]
+        assert json.loads(events[12][6:])["usage"]["prompt_tokens"] > 0 and events[13] == "data: [DONE]"
+    wait_for(lambda: all(epp.tracker.load(p.name)[0] == 0 for p in fleet.pods), what="tickets closed")
+    assert epp.metrics.response_bodies_skipped._value.get() == (0 if sample else 3)
+    # a read response's usage reached the picker (the chunk that carries it was answered by the front)
+    reported = [json.loads(line)["reported"] for line in log.read_text().splitlines()] if log.exists() else []
+    assert len(reported) == (3 if sample else 0) and None not in reported
+    if front == "native":
+        assert len(seen) <= 3 * 2, len(seen)  # the last chunk of each (and one ahead of the picker's answer)
+    else:
+        assert len(seen) >= 3 * 12

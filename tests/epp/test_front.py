@@ -360,3 +360,115 @@ def test_a_method_name_too_long_for_a_frame_is_refused(epp_factory: Callable[...
             ch.unary_unary(crafted)(msg, timeout=5)
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert _endpoints(_call(f"127.0.0.1:{epp.grpc_port}", CASES[0][1]))
+
+
+def _streamed_response(chunks: list[bytes], extra: pb.HttpBody | None = None,
+                       response_mode: int = FULL_DUPLEX) -> list[pb.ProcessingRequest]:
+    """An exchange whose response streams ``chunks``, then one with the usage, then an empty last one, as
+    Envoy sends it: the response headers carry the attribute the filter asks for, every chunk the metadata.
+    ``extra``: one more chunk message, in the middle. ``response_mode``: FULL_DUPLEX_STREAMED (the request's
+    too), or STREAMED (the request BUFFERED: kvfleet's chart)."""
+    msgs = _exchange("/v1/completions", _body("stream me " * 30), response=False,
+                     mode=FULL_DUPLEX if response_mode == FULL_DUPLEX else BUFFERED)
+    msgs[0].protocol_config.response_body_mode = response_mode
+    heads = pb.ProcessingRequest(response_headers=_headers("", extra=((":status", "200"),)))
+    heads.attributes["envoy.filters.http.ext_proc"].fields["upstream.address"].string_value = "10.0.0.1:8000"
+    msgs.append(heads)
+    usage = {"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 7}}}
+    bodies = [pb.ProcessingRequest(response_body=pb.HttpBody(body=c))
+              for c in [*chunks, f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()]]
+    for m in bodies:  # Envoy attaches the forwarded metadata namespaces to every message
+        m.metadata_context.filter_metadata["envoy.lb"].fields["x"].string_value = "y"
+    if extra is not None:
+        bodies.insert(len(bodies) // 2, pb.ProcessingRequest(response_body=extra))
+    last = pb.ProcessingRequest(response_body=pb.HttpBody(end_of_stream=True))
+    return [*msgs, *bodies, last]
+
+
+#: streamed tokens, an empty chunk, and chunks whose lengths take 1, 2 and 3 varint bytes at every level
+CHUNKS = [b"data: {\"text\": \"tok\"}\n\n", b"", b"x" * 100, b"y" * 200, b"z" * 300_000, b"data: more\n\n"]
+STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
+
+
+def _as_envoy(target: str, msgs: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    """``msgs`` sent as Envoy does: the response phase only once the pick is answered (its request reaches
+    the upstream then), and here its chunks only once the response headers are too (a stream's tokens come
+    after its headers)."""
+    out: list[pb.ProcessingResponse] = []
+    first = next(i for i, m in enumerate(msgs) if m.HasField("response_headers"))
+    pick = 2 if msgs[0].protocol_config.request_body_mode == FULL_DUPLEX else 1
+
+    async def run() -> None:
+        answered = asyncio.Event()
+        want = [pick, pick + 1]  # the pick's answers, then the response headers'
+
+        async def requests() -> AsyncIterator[pb.ProcessingRequest]:
+            for i, m in enumerate(msgs):
+                if i in (first, first + 1):
+                    await answered.wait()
+                    answered.clear()
+                    await asyncio.sleep(0.05)
+                yield m
+
+        opts = [("grpc.max_receive_message_length", 8 << 20)]
+        async with grpc.aio.insecure_channel(target, options=opts) as ch:
+            async for resp in pb_grpc.ExternalProcessorStub(ch).Process(requests(), timeout=10):
+                out.append(resp)
+                if want and len(out) == want[0]:
+                    want.pop(0)
+                    answered.set()
+
+    asyncio.run(run())
+    return out
+
+
+def _serialized(resps: list[pb.ProcessingResponse]) -> list[bytes]:
+    return [r.SerializeToString() for r in _strip_endpoint(resps)]
+
+
+@pytest.mark.parametrize("mode,sample,extra", [
+    (FULL_DUPLEX, 0.0, None), (FULL_DUPLEX, 1.0, None), (STREAMED, 1.0, None),
+    (FULL_DUPLEX, 1.0, pb.HttpBody(body=b"odd", end_of_stream_without_message=True))],
+    ids=["full duplex, unread", "full duplex, read", "streamed, read", "a field the front does not read"])
+def test_the_front_answers_a_response_s_chunks(epp_factory: Callable[..., Epp], mode: int, sample: float,
+                                               extra: pb.HttpBody | None) -> None:
+    """The answer to a response's chunk depends only on the body mode, so the native front gives it itself:
+    the chunk handed back (FULL_DUPLEX_STREAMED) or an empty BodyResponse (STREAMED), the bytes the
+    picker's own answers have (the ``grpc.aio`` server's, where Python answers every chunk), in order
+    behind the picker's answer to the response headers. Only the last chunk reaches the picker's handler;
+    a response it reads (``response_body_sample``) has its chunks' bodies handed over all the same, so the
+    usage counts alike on both fronts. A chunk with a field the front does not read goes to the picker,
+    and the chunks after it keep their order. A client that sends its whole exchange at once gets the same
+    answers."""
+    native = epp_factory(front="native", events_enabled=False, response_body_sample=sample)
+    aio = epp_factory(front="grpcio", events_enabled=False, response_body_sample=sample)
+    msgs = _streamed_response(CHUNKS, extra, mode)
+    sent = [m.response_body.body for m in msgs if m.HasField("response_body")]
+    seen: list[bytes] = []
+    handle = native.servicer._response_body
+
+    def counted(st: Any, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        seen.append(body.body)
+        return handle(st, body)
+
+    native.servicer._response_body = counted  # type: ignore[method-assign]
+    big = [("grpc.max_receive_message_length", 8 << 20)]
+    with grpc.insecure_channel(f"127.0.0.1:{aio.grpc_port}", options=big) as ch:
+        b = list(pb_grpc.ExternalProcessorStub(ch).Process(iter(msgs), timeout=10))
+    a = _as_envoy(f"127.0.0.1:{native.grpc_port}", msgs)
+    assert _serialized(a) == _serialized(b)
+    assert [r.WhichOneof("response") for r in a[-len(sent) - 1:]] == ["response_headers"] + [
+        "response_body"] * len(sent)
+    if mode == FULL_DUPLEX:
+        assert [r.response_body.response.body_mutation.streamed_response.body for r in a[-len(sent):]] == sent
+    if extra is None:
+        assert seen == [sent[-1]]
+    else:
+        assert seen[0] == extra.body and seen[-1] == sent[-1] and len(seen) < len(sent)
+    cached = native.metrics.engine_cached._value.get()
+    assert cached == aio.metrics.engine_cached._value.get() == (7 if sample else 0)
+    assert native.metrics.response_bodies_skipped._value.get() == (0 if sample else 1)
+    with grpc.insecure_channel(f"127.0.0.1:{native.grpc_port}", options=big) as ch:  # all at once
+        c = list(pb_grpc.ExternalProcessorStub(ch).Process(iter(msgs), timeout=10))
+    assert _serialized(c) == _serialized(b)
+    assert native.metrics.engine_cached._value.get() == 2 * cached

@@ -27,14 +27,14 @@
 // of its answers on an inference call with ECHO (payload: u64 little-endian, the count of the call's
 // messages it has answered; u32, how many bytes of the chunks' bodies it reads, the usage: 0 for a
 // response it does not read, epp.response_body_sample; then the fixed answer, none for "hand the chunk
-// back"). From then on, while every message handed to the picker has been answered (so an answer made
-// here queues behind the picker's: Envoy takes a call's answers in order), a message that is exactly a
-// response-body chunk not ending the response (ProcessingRequest{response_body: HttpBody{body}}, and the
-// metadata Envoy attaches to every message) is answered here: the fixed answer, or the bytes of the
-// picker's protocol.passthrough_body_response (tests/epp/test_front.py compares them). The bodies it
-// reads reach the picker as BODY ahead of its next message. Every other message goes to the picker:
-// the response headers, the response's last chunk, its trailers, anything with a field the front does
-// not read.
+// back"). From then on a message that is exactly a response-body chunk not ending the response
+// (ProcessingRequest{response_body: HttpBody{body}}, and the metadata Envoy attaches to every message)
+// is answered here: the fixed answer, or the bytes of the picker's protocol.passthrough_body_response
+// (tests/epp/test_front.py compares them), queued behind the picker's answers to the messages handed
+// to it before (an answer made while one of those is due waits for the ECHO that follows it: Envoy
+// takes a call's answers in order). The bodies the picker reads reach it as BODY ahead of its next
+// message. Every other message goes to the picker: the response headers, the response's last chunk, its
+// trailers, anything with a field the front does not read.
 //
 // The front exits when the socket closes (the picker is gone), after failing its calls with
 // UNAVAILABLE, so a data plane's failure mode (failure_mode_allow, GIE's FailOpen) applies.
@@ -114,14 +114,26 @@ type call struct {
 	// chunks: the response-body chunks are answered here (the picker's ECHO): with fixed (its bytes), or
 	// the chunk handed back when fixed is empty; the first captureLeft bytes of their bodies are kept
 	// (captured) for the picker, sent ahead of the next message it gets. forwarded: the messages handed to
-	// the picker; answered: of those, the ones the latest ECHO says it has answered
+	// the picker; answered: of those, the ones the latest ECHO says it has answered. An answer made here
+	// while some are not waits in held (heldBytes of chunk bodies) for the ECHO that says they are.
 	chunks      bool
 	fixed       []byte
 	captureLeft int
 	captured    []byte
 	forwarded   uint64
 	answered    uint64
+	held        []heldAnswer
+	heldBytes   int
 }
+
+// heldAnswer is an answer made here that goes out once the picker has answered the first after messages.
+type heldAnswer struct {
+	after  uint64
+	answer []byte
+}
+
+// heldBudget bounds the chunk bodies of the answers a call holds; past it, chunks go to the picker.
+const heldBudget = 1 << 20
 
 func (c *call) push(f frame) {
 	c.mu.Lock()
@@ -137,21 +149,27 @@ func (c *call) wake() {
 	}
 }
 
-// local answers msg here, and reports true, when the call's chunks are answered here, every message
-// handed to the picker is answered (so this answer queues behind the picker's) and msg is a response-body
-// chunk that does not end the response. Otherwise msg goes to the picker (counted), preceded by the
-// chunk bodies captured since the last message it got (captured, the caller sends them).
+// local answers msg here, and reports true, when the call's chunks are answered here and msg is a
+// response-body chunk that does not end the response. The answer queues behind the picker's answers to
+// every message handed to it before (held until its ECHO says they are answered: Envoy takes a call's
+// answers in order). Otherwise msg goes to the picker (counted), preceded by the chunk bodies captured
+// since the last message it got (captured, the caller sends them).
 func (c *call) local(msg []byte) (handled bool, captured []byte) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.chunks && c.forwarded == c.answered {
-		if body, ok := chunk(msg); ok {
+	if c.chunks {
+		if body, ok := chunk(msg); ok && (c.forwarded == c.answered || c.heldBytes+len(body) <= heldBudget) {
 			answer := c.fixed
 			if len(answer) == 0 {
 				answer = echoAnswer(body)
 			}
-			c.queue = append(c.queue, frame{kind: kindMsg, payload: answer})
-			c.wake()
+			if c.forwarded == c.answered {
+				c.queue = append(c.queue, frame{kind: kindMsg, payload: answer})
+				c.wake()
+			} else {
+				c.held = append(c.held, heldAnswer{after: c.forwarded, answer: answer})
+				c.heldBytes += len(body)
+			}
 			if c.captureLeft > 0 {
 				c.captured = append(c.captured, body...)
 				c.captureLeft -= len(body)
@@ -166,7 +184,7 @@ func (c *call) local(msg []byte) (handled bool, captured []byte) {
 
 // echoFrom takes an ECHO frame's payload: u64 the count of the call's messages the picker has answered,
 // u32 how many bytes of the chunks' bodies to capture for it (read at the first ECHO only), then the fixed
-// answer to a chunk (none: hand the chunk back).
+// answer to a chunk (none: hand the chunk back). The answers held for those messages go out.
 func (c *call) echoFrom(payload []byte) {
 	if len(payload) < 12 {
 		return
@@ -181,7 +199,20 @@ func (c *call) echoFrom(payload []byte) {
 	if n > c.answered {
 		c.answered = n
 	}
+	i := 0
+	for ; i < len(c.held) && c.held[i].after <= c.answered; i++ {
+		c.queue = append(c.queue, frame{kind: kindMsg, payload: c.held[i].answer})
+	}
+	if i > 0 {
+		c.held = c.held[i:]
+		if len(c.held) == 0 {
+			c.held, c.heldBytes = nil, 0
+		}
+	}
 	c.mu.Unlock()
+	if i > 0 {
+		c.wake()
+	}
 }
 
 // The ext_proc field numbers the front reads and writes (envoy/service/ext_proc/v3/external_processor.proto).

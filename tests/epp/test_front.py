@@ -390,21 +390,22 @@ CHUNKS = [b"data: {\"text\": \"tok\"}\n\n", b"", b"x" * 100, b"y" * 200, b"z" * 
 STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 
 
-def _as_envoy(target: str, msgs: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+def _as_envoy(target: str, msgs: list[pb.ProcessingRequest], tokens_wait: bool = True
+              ) -> list[pb.ProcessingResponse]:
     """``msgs`` sent as Envoy does: the response phase only once the pick is answered (its request reaches
     the upstream then), and here its chunks only once the response headers are too (a stream's tokens come
-    after its headers)."""
+    after its headers; ``tokens_wait=False``: right behind them)."""
     out: list[pb.ProcessingResponse] = []
     first = next(i for i, m in enumerate(msgs) if m.HasField("response_headers"))
-    pick = 2 if msgs[0].protocol_config.request_body_mode == FULL_DUPLEX else 1
+    waits = (first, first + 1) if tokens_wait else (first,)
 
     async def run() -> None:
         answered = asyncio.Event()
-        want = [pick, pick + 1]  # the pick's answers, then the response headers'
+        want = [2, 3]  # the pick's answers (two in either mode), then the response headers'
 
         async def requests() -> AsyncIterator[pb.ProcessingRequest]:
             for i, m in enumerate(msgs):
-                if i in (first, first + 1):
+                if i in waits:
                     await answered.wait()
                     answered.clear()
                     await asyncio.sleep(0.05)
@@ -424,6 +425,10 @@ def _as_envoy(target: str, msgs: list[pb.ProcessingRequest]) -> list[pb.Processi
 
 def _serialized(resps: list[pb.ProcessingResponse]) -> list[bytes]:
     return [r.SerializeToString() for r in _strip_endpoint(resps)]
+
+
+#: chunks that, sent at once, pass the bodies the front holds for a call (1 MB) while an answer is due
+BIG = [b"a" * 700_000, b"b" * 700_000, b"c" * 10]
 
 
 @pytest.mark.parametrize("mode,sample,extra", [
@@ -461,14 +466,43 @@ def test_the_front_answers_a_response_s_chunks(epp_factory: Callable[..., Epp], 
         "response_body"] * len(sent)
     if mode == FULL_DUPLEX:
         assert [r.response_body.response.body_mutation.streamed_response.body for r in a[-len(sent):]] == sent
-    if extra is None:
-        assert seen == [sent[-1]]
-    else:
-        assert seen[0] == extra.body and seen[-1] == sent[-1] and len(seen) < len(sent)
+    assert seen == ([sent[-1]] if extra is None else [extra.body, sent[-1]])
     cached = native.metrics.engine_cached._value.get()
     assert cached == aio.metrics.engine_cached._value.get() == (7 if sample else 0)
     assert native.metrics.response_bodies_skipped._value.get() == (0 if sample else 1)
-    with grpc.insecure_channel(f"127.0.0.1:{native.grpc_port}", options=big) as ch:  # all at once
+    # a client that sends its whole exchange at once (the chunks may come before the front is told to answer
+    # them, or while the picker's answers are due): the same answers, in order
+    with grpc.insecure_channel(f"127.0.0.1:{native.grpc_port}", options=big) as ch:
         c = list(pb_grpc.ExternalProcessorStub(ch).Process(iter(msgs), timeout=10))
     assert _serialized(c) == _serialized(b)
     assert native.metrics.engine_cached._value.get() == 2 * cached
+
+
+def test_chunks_that_come_while_the_picker_answers_wait_for_it(epp_factory: Callable[..., Epp]) -> None:
+    """Tokens right behind the response headers, the picker slow to answer those: the front answers the
+    chunks meanwhile and holds the answers until the picker's is out (Envoy takes them in order), up to
+    1 MB of chunk bodies; past that, chunks go to the picker, in order behind the held ones."""
+    native = epp_factory(front="native", events_enabled=False)
+    aio = epp_factory(front="grpcio", events_enabled=False)
+    msgs = _streamed_response(BIG)
+    sent = [m.response_body.body for m in msgs if m.HasField("response_body")]
+    seen: list[bytes] = []
+    handle, step = native.servicer._response_body, native.servicer.step
+
+    def counted(st: Any, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        seen.append(body.body)
+        return handle(st, body)
+
+    def slow(st: Any, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse] | None:
+        if msg.HasField("response_headers"):
+            time.sleep(0.3)
+        return step(st, msg)
+
+    native.servicer._response_body = counted  # type: ignore[method-assign]
+    native.servicer.step = slow  # type: ignore[method-assign]
+    big = [("grpc.max_receive_message_length", 8 << 20)]
+    with grpc.insecure_channel(f"127.0.0.1:{aio.grpc_port}", options=big) as ch:
+        b = list(pb_grpc.ExternalProcessorStub(ch).Process(iter(msgs), timeout=10))
+    a = _as_envoy(f"127.0.0.1:{native.grpc_port}", msgs, tokens_wait=False)
+    assert _serialized(a) == _serialized(b)
+    assert seen == [BIG[1], sent[-1]], [len(x) for x in seen]

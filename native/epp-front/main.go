@@ -130,6 +130,7 @@ type call struct {
 type heldAnswer struct {
 	after  uint64
 	answer []byte
+	bytes  int // the chunk body's, counted in heldBytes
 }
 
 // heldBudget bounds the chunk bodies of the answers a call holds; past it, chunks go to the picker.
@@ -167,7 +168,7 @@ func (c *call) local(msg []byte) (handled bool, captured []byte) {
 				c.queue = append(c.queue, frame{kind: kindMsg, payload: answer})
 				c.wake()
 			} else {
-				c.held = append(c.held, heldAnswer{after: c.forwarded, answer: answer})
+				c.held = append(c.held, heldAnswer{after: c.forwarded, answer: answer, bytes: len(body)})
 				c.heldBytes += len(body)
 			}
 			if c.captureLeft > 0 {
@@ -202,11 +203,12 @@ func (c *call) echoFrom(payload []byte) {
 	i := 0
 	for ; i < len(c.held) && c.held[i].after <= c.answered; i++ {
 		c.queue = append(c.queue, frame{kind: kindMsg, payload: c.held[i].answer})
+		c.heldBytes -= c.held[i].bytes
 	}
 	if i > 0 {
 		c.held = c.held[i:]
 		if len(c.held) == 0 {
-			c.held, c.heldBytes = nil, 0
+			c.held = nil
 		}
 	}
 	c.mu.Unlock()

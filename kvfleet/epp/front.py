@@ -236,20 +236,19 @@ class Bridge(asyncio.Protocol):
                 self.servicer.route_pool, self.servicer.routed, call.st, msg)
             fut.add_done_callback(lambda f: self._routed(cid, call, msg, f))
             return
-        self._answer(cid, msg, out)
+        self._answer(cid, call, msg, out)
 
-    def _answer(self, cid: int, msg: pb.ProcessingRequest, out: list[pb.ProcessingResponse]) -> None:
+    def _answer(self, cid: int, call: _Call, msg: pb.ProcessingRequest,
+                out: list[pb.ProcessingResponse]) -> None:
         for resp in out:
             self._send(cid, MSG, resp.SerializeToString())
         if self.servicer.finished(msg, out):
             self._end(cid)
             return
-        call = self.calls.get(cid)
-        if call is not None:
-            call.answered += 1
-            st = call.st
-            if st is not None and st.chunk_answer is not None:
-                self._send(cid, ECHO, _ECHO.pack(call.answered, st.chunk_capture) + st.chunk_answer)
+        call.answered += 1
+        st = call.st
+        if st is not None and st.chunk_answer is not None:
+            self._send(cid, ECHO, _ECHO.pack(call.answered, st.chunk_capture) + st.chunk_answer)
 
     def _routed(self, cid: int, call: _Call, msg: pb.ProcessingRequest,
                 fut: asyncio.Future[list[pb.ProcessingResponse]]) -> None:
@@ -265,7 +264,7 @@ class Bridge(asyncio.Protocol):
             if exc is not None:  # _handle answers its own errors; this is the executor itself failing
                 self._fail(cid, StatusCode.INTERNAL, f"routing failed: {exc}")
                 return
-            self._answer(cid, msg, fut.result())
+            self._answer(cid, call, msg, fut.result())
             while call.pending and not call.busy and self.calls.get(cid) is call:
                 kind, payload = call.pending.popleft()
                 self._step(cid, call, kind, payload)

@@ -506,3 +506,45 @@ def test_chunks_that_come_while_the_picker_answers_wait_for_it(epp_factory: Call
     a = _as_envoy(f"127.0.0.1:{native.grpc_port}", msgs, tokens_wait=False)
     assert _serialized(a) == _serialized(b)
     assert seen == [BIG[1], sent[-1]], [len(x) for x in seen]
+
+
+def test_a_malformed_chunk_is_refused_and_the_front_serves_on(epp_factory: Callable[..., Epp]) -> None:
+    """Once the front answers a call's chunks, a response-body message it cannot parse (its HttpBody cut
+    short) is not answered as a chunk: it goes to the picker, which fails the call with INTERNAL; the
+    picker's ticket is released and the next call is served."""
+    epp = epp_factory(front="native", events_enabled=False)
+    msgs = _streamed_response(CHUNKS[:1])
+    head = [m.SerializeToString() for m in msgs[:3]]  # request headers and body, response headers
+    good = msgs[3].SerializeToString()
+    bad = b"\x2a\x05\x0a\x09abc"  # response_body {body: 9 bytes announced, 3 there}
+
+    async def run() -> None:
+        answered = asyncio.Event()
+
+        async def requests() -> AsyncIterator[bytes]:
+            for m in head:
+                yield m
+            await answered.wait()
+            await asyncio.sleep(0.05)
+            yield good
+            yield bad
+            await asyncio.Event().wait()
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.grpc_port}") as ch:
+            call = ch.stream_stream(fr.PROCESS)(requests(), timeout=10)
+            got = 0
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in call:
+                    got += 1
+                    if got == 3:  # the pick's two answers and the response headers'
+                        answered.set()
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert "undecodable" in (err.value.details() or "")
+            assert got == 4  # the good chunk, answered by the front
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 5
+    while _inflight(epp) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _inflight(epp) == 0
+    assert _endpoints(_call(f"127.0.0.1:{epp.grpc_port}", CASES[0][1]))

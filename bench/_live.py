@@ -59,6 +59,49 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK + sum(cpu_s(c) for c in children(pid))
 
 
+#: thread groups of a kvfleet process by their OS names (kvfleet/cache/threadnames.py): a name's group is
+#: the first prefix it starts with; pool threads (``scrape_3``) share one
+THREAD_GROUPS = (("ext-proc-loop", "loop"), ("epp-route", "route"), ("kv-events", "kv-events"),
+                 ("epp-gossip", "gossip"), ("ZMQbg", "zmq-io"), ("scrape", "scrapers"),
+                 ("metrics-scraper", "scrapers"))
+
+
+def thread_group(name: str) -> str:
+    """The group :data:`THREAD_GROUPS` gives an OS thread name (``other`` for the rest)."""
+    return next((g for prefix, g in THREAD_GROUPS if name.startswith(prefix)), "other")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread group of ``pid`` (:func:`thread_group`), its child processes (the EPP's native
+    front) under ``front``; ``{}`` for a process that is gone. Differences of two calls on the same
+    process are what a phase spent per group (a thread that ended in between is lost from both)."""
+    out: dict[str, float] = {}
+    tasks = sorted(Path(f"/proc/{pid}/task").glob("*"))
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        group = thread_group(name)
+        out[group] = out.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / _TICK
+    kids = children(pid)
+    if kids:
+        out["front"] = sum(cpu_s(c) for c in kids)
+    return out
+
+
+def cpu_split(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, float]:
+    """Per thread group, the CPU seconds spent between ``before`` and ``after`` (:func:`thread_cpu` of the
+    same processes, in the same order), summed over the processes."""
+    out: dict[str, float] = {}
+    for b, a in zip(before, after, strict=True):
+        for k, v in a.items():
+            out[k] = out.get(k, 0.0) + v - b.get(k, 0.0)
+    return out
+
+
 def measured_pid(child: Child) -> int:
     """The process to measure: the child itself, or, when it is py-spy recording the EPP, the EPP."""
     try:
@@ -76,6 +119,8 @@ class Result:
     cached_tokens: int = 0
     failed: int = 0
     cpu: dict[str, float] = field(default_factory=dict)
+    #: per role (``serving``, ``idle``), CPU seconds per thread group (:func:`thread_cpu`)
+    threads: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def requests(self) -> int:

@@ -35,7 +35,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench._live import MODEL, TOKENIZER, Engines, Result, cpu_s, drive, pct, scripts, system_prompts
+from bench._live import (
+    MODEL,
+    TOKENIZER,
+    Engines,
+    Result,
+    cpu_s,
+    cpu_split,
+    drive,
+    pct,
+    scripts,
+    system_prompts,
+    thread_cpu,
+)
 from kvfleet.demo.envoy import envoy_binary
 from kvfleet.demo.stack import Child, ProcessStack, free_port, pods_file, write_yaml
 from kvfleet.epp.envoy import write_bootstrap
@@ -93,10 +105,15 @@ class Bench(Engines):
             procs = {"epp_serving": self.epps[:n], "epp_idle": self.epps[n:], "envoy": [self.envoy],
                      "engines": self.engine_children}
             c0 = {k: sum(cpu_s(c.proc.pid) for c in v) for k, v in procs.items()}
+            t0_serving = [thread_cpu(c.proc.pid) for c in procs["epp_serving"]]
+            t0_idle = [thread_cpu(c.proc.pid) for c in procs["epp_idle"]]
             t0 = time.monotonic()
             res = asyncio.run(drive(url, work))
             res.cpu = {k: sum(cpu_s(c.proc.pid) for c in v) - c0[k] for k, v in procs.items()}
             res.cpu["wall"] = time.monotonic() - t0
+            res.threads = {
+                "serving": cpu_split(t0_serving, [thread_cpu(c.proc.pid) for c in procs["epp_serving"]]),
+                "idle": cpu_split(t0_idle, [thread_cpu(c.proc.pid) for c in procs["epp_idle"]])}
         label = f"{replicas} EPP" + (f" ({serving} serving)" if serving else "")
         per = 1e3 / max(1, res.requests)
         idle = (f", each idle EPP {res.cpu['epp_idle'] / (replicas - serving) / res.cpu['wall'] * 100:.0f} % "
@@ -107,7 +124,23 @@ class Bench(Engines):
               f"{res.cpu['epp_serving'] * per:.1f}, Envoy {res.cpu['envoy'] * per:.1f}, engines "
               f"{res.cpu['engines'] * per:.1f}{idle}",
               flush=True)
+        for role, split in res.threads.items():
+            if split:
+                print(f"{'':9s} {role} EPPs' CPU ms per request by thread: " + ", ".join(
+                    f"{k} {v * per:.2f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v > 0),
+                    flush=True)
         return res
+
+
+def thread_ms(runs: list[Result], role: str, per_process: int = 1) -> dict[str, float]:
+    """CPU ms per request of each thread group (``bench._live.THREAD_GROUPS``) of the ``role`` EPPs (summed
+    over them, or per process with ``per_process``) over ``runs``."""
+    n = max(1, sum(r.requests for r in runs)) * per_process
+    out: dict[str, float] = {}
+    for r in runs:
+        for k, v in r.threads.get(role, {}).items():
+            out[k] = out.get(k, 0.0) + v
+    return {k: round(v * 1e3 / n, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = results[(name, int(tag))]
             cpu = sum(r.cpu["epp_serving"] for r in runs) / max(1, sum(r.requests for r in runs))
             out[f"{name}_epp_cpu_ms_per_request_{tag}"] = round(cpu * 1e3, 2)
+            out[f"{name}_epp_thread_ms_per_request_{tag}"] = thread_ms(runs, "serving")
         print(f"{name}: 3 replicas / 1: hit {ratios['hit']:.3f}, TTFT p50 {ratios['p50']:.2f}, "
               f"p90 {ratios['p90']:.2f}, p99 {ratios['p99']:.2f}")
         if (name, 0) in results:
@@ -171,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = results[(name, 0)]
             idle = sum(r.cpu["epp_idle"] for r in runs) / (2 * sum(r.cpu["wall"] for r in runs))
             out[f"{name}_idle_epp_core_share"] = round(idle, 3)
+            out[f"{name}_idle_epp_thread_ms_per_request"] = thread_ms(runs, "idle", per_process=2)
         worst["hit"] = min(worst["hit"], ratios["hit"])
         for key in ("p50", "p90", "p99"):
             worst[key] = max(worst[key], ratios[key])

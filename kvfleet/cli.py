@@ -46,9 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvfleet: unknown role {role!r}; known roles: {', '.join(ROLES)}", file=sys.stderr)
         return 2
     module_name, _ = ROLES[role]
-    from kvfleet.cache import malloc
+    from kvfleet.cache import malloc, threadnames
 
-    malloc.configure()  # before any role starts a thread
+    threadnames.configure()  # before any role starts a thread: each names itself to the kernel
+    malloc.configure()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -140,7 +140,7 @@ def thread_ms(runs: list[Result], role: str, per_process: int = 1) -> dict[str, 
     for r in runs:
         for k, v in r.threads.get(role, {}).items():
             out[k] = out.get(k, 0.0) + v
-    return {k: round(v * 1e3 / n, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+    return {k: round(v * 1e3 / n, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
 
 
 def main(argv: list[str] | None = None) -> int:

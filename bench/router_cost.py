@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in x.threads.get("epp", {}).items():
                 split[k] = split.get(k, 0.0) + v
         out[f"epp_thread_ms_per_request{suffix}"] = {
-            k: round(v * 1e3 / n, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
+            k: round(v * 1e3 / n, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v > 0}
     print(f"CPU per 1,000 requests: sglang-router {router_1k:.2f} s; Envoy + EPP {epp_1k + envoy_1k:.2f} s "
           f"(EPP {epp_1k:.2f}, Envoy {envoy_1k:.2f}): {out['cpu_per_request_vs_sglang_router']} ×; with "
           f"{args.response_body_sample:g} of the response bodies read: {s_epp_1k + s_envoy_1k:.2f} s "

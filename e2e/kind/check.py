@@ -178,6 +178,20 @@ def check_restricted(namespace: str) -> None:
           f"(namespace enforces Pod Security restricted)")
 
 
+def check_thread_names(namespace: str) -> None:
+    """Each EPP's threads carry their names in the kernel under the real runtime
+    (kvfleet/cache/threadnames.py: ``top -H`` and ``/proc`` tell the ext_proc loop, the KV-event and gossip
+    threads apart)."""
+    code = ("import os\nfor t in sorted(os.listdir('/proc/1/task')):\n"
+            " print(open(f'/proc/1/task/{t}/comm').read().strip())")
+    for pod in ready_pods(namespace, "app.kubernetes.io/component=epp"):
+        out = kubectl("-n", namespace, "exec", pod, "-c", "epp", "--", "python", "-c", code)
+        names = set(out.splitlines())
+        if not {"ext-proc-loop", "kv-events"} <= names:
+            sys.exit(f"EPP {pod}: its threads are not named: {sorted(names)}")
+        print(f"thread names: EPP {pod}: {', '.join(sorted(n for n in names if n != 'python'))}")
+
+
 def check_discovery(namespace: str) -> None:
     """Every EPP replica sees, from the API server, each pool's ready engine pods."""
     pools = kget(namespace, "inferencepools")["items"]
@@ -436,6 +450,7 @@ def main() -> int:
     if args.gateway == "envoy-gateway":
         check_failure_modes(args.url, ns)
     check_restricted(ns)
+    check_thread_names(ns)
     check_discovery(ns)
     check_replacement(args.url, ns)
     check_discovery(ns)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kvfleet.cache import threadnames
 from kvfleet.demo.stack import (
     Child,
     PodSpec,
@@ -72,20 +73,14 @@ def thread_group(name: str) -> str:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread group of ``pid`` (:func:`thread_group`), its child processes (the EPP's native
-    front) under ``front``; ``{}`` for a process that is gone. Differences of two calls on the same
-    process are what a phase spent per group (a thread that ended in between is lost from both)."""
+    """CPU seconds per thread group of ``pid`` (:func:`thread_group` of the names
+    :func:`kvfleet.cache.threadnames.thread_cpu` reads), its child processes (the EPP's native front) under
+    ``front``; ``{}`` for a process that is gone. Differences of two calls on the same process are what a
+    phase spent per group (a thread that ended in between is lost from both)."""
     out: dict[str, float] = {}
-    tasks = sorted(Path(f"/proc/{pid}/task").glob("*"))
-    for task in tasks:
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
+    for name, seconds in threadnames.thread_cpu(pid).values():
         group = thread_group(name)
-        out[group] = out.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / _TICK
+        out[group] = out.get(group, 0.0) + seconds
     kids = children(pid)
     if kids:
         out["front"] = sum(cpu_s(c) for c in kids)

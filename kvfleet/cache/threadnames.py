@@ -7,16 +7,20 @@ threads). Python gives them names of its own, but before 3.14 it does not hand t
 and a thread's CPU cannot be told from another's. :func:`configure` (``kvfleet`` calls it at start, before
 any role starts a thread) installs a one-shot hook through :func:`threading.setprofile`: each thread started
 afterwards sets its name (``prctl(PR_SET_NAME)``: the kernel keeps 15 bytes) as it begins to run, then
-removes the hook, so nothing is traced after. The benches read these names to split a process's CPU per
-thread (``bench/_live.py``). Linux only; elsewhere a no-op.
+removes the hook, so nothing is traced after. :func:`thread_cpu` reads each thread's CPU by that name
+(the EPP's ``kvfleet_epp_thread_cpu_seconds_total{thread}``, the benches' split per thread). Linux only;
+elsewhere a no-op.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import re
 import sys
 import threading
 from functools import cache
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -55,6 +59,35 @@ def _hook(frame: FrameType, event: str, arg: Any) -> None:
     set_current(threading.current_thread().name)
 
 
+_NUMBER = re.compile(r"[-_/]?\d+")
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def label(name: str) -> str:
+    """A thread's name without its numbers: the threads of one pool (``scrape_0``, ``scrape_3``) or one kind
+    (``kvfleet-xfer-accept-8001``) share a label, so a metric labelled by it has a bounded set."""
+    return _NUMBER.sub("", name) or "other"
+
+
+def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float]]:
+    """Each live thread of process ``pid``: thread id → (its OS name, user + system CPU seconds), from
+    ``/proc``; ``{}`` where there is none (another OS, a process that is gone)."""
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        out[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / _TICK)
+    return out
+
+
 def configure() -> bool:
     """Name every thread started from now on after its :attr:`threading.Thread.name` (see the module doc);
     ``False`` where the platform has no way to."""
@@ -64,4 +97,4 @@ def configure() -> bool:
     return True
 
 
-__all__ = ["MAX_NAME_BYTES", "configure", "os_name", "set_current"]
+__all__ = ["MAX_NAME_BYTES", "configure", "label", "os_name", "set_current", "thread_cpu"]

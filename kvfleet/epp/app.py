@@ -75,6 +75,7 @@ class Epp:
         self.router = Router(s, self.settings.cache, self.datastore, self.index, self.store,
                              PoolTokenizers(s.tokenizer, s.tokenizer_cache_dir), self.tracker)
         self.metrics = EppMetrics()
+        self.metrics.attach_threads(lambda: self.front.proc.pid if self.front and self.front.proc else None)
         self.metrics.attach_state(self.index, self.tracker, self.store, self.datastore.pools,
                                   lambda: dict(self.subscriber.stats),
                                   lambda: sum(len(a) for a in list(self.appliers.values())),

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from kvfleet.cache import threadnames
 from kvfleet.config import ConfigError, load
 from kvfleet.epp.errors import DatastoreError
 
@@ -54,6 +55,7 @@ def freeze_startup_heap() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    threadnames.configure()  # (``kvfleet epp`` did already) the threads started below carry their names
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     over: dict[str, Any] = {}

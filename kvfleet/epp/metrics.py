@@ -44,16 +44,25 @@ kvfleet's own:
   ``kvfleet_epp_gossip_tickets_total`` ``{direction, result}`` (out: ``sent``, ``dropped``; in:
   ``applied``, ``unknown_pod``, ``malformed``, ``too_large`` / ``refused``), ``kvfleet_epp_gossip_peers``
   (replicas heard from in the last 5 s), ``kvfleet_epp_remote_tickets`` (their requests in flight)
+* ``kvfleet_epp_thread_cpu_seconds_total{thread}`` — the picker's CPU per thread, by the thread's name without
+  its numbers (kvfleet/cache/threadnames.py: ``ext-proc-loop`` the ext_proc streams and the picks,
+  ``epp-route`` long bodies' picks, ``kv-events``, ``epp-gossip``, ``metrics-scraper`` and ``scrape`` the
+  engines' metrics, ...), the native gRPC front process under ``kvfleet-epp-front``; a thread that ends
+  leaves its count to its name (monotonic)
+* the client library's standard ``process_*`` metrics (``process_cpu_seconds_total``,
+  ``process_resident_memory_bytes``, ...) of the picker's process
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvfleet.cache import threadnames
 from kvfleet.epp.datastore import Pool
 from kvfleet.epp.gossip import ReplicaGossip
 from kvfleet.epp.index import BlockIndex
@@ -200,6 +209,67 @@ _FEED_COUNTERS: list[tuple[str, str, Callable[[FeedStats], int]]] = [
 ]
 
 
+class _ThreadCollector(Collector):
+    """``kvfleet_epp_thread_cpu_seconds_total{thread}`` (module doc). Each thread's count is its CPU since it
+    was first seen under its label; one that ends, is renamed or whose id is reused leaves what it counted
+    to its label, so every series only grows. At most :attr:`MAX_LABELS` labels (then ``other``)."""
+
+    MAX_LABELS = 64
+    FRONT = "kvfleet-epp-front"
+
+    def __init__(self, front_pid: Callable[[], int | None]) -> None:
+        self._front_pid = front_pid
+        #: thread id (a process: minus its pid) → (label, CPU seconds when first seen there, last reading)
+        self._seen: dict[int, tuple[str, float, float]] = {}
+        self._retired: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def _label(self, name: str) -> str:
+        """The series ``name`` counts under (every label has an entry in ``_retired`` from then on)."""
+        lab = threadnames.label(name)
+        if lab not in self._retired and len(self._retired) >= self.MAX_LABELS:
+            lab = "other"
+        self._retired.setdefault(lab, 0.0)
+        return lab
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield self._family()  # what registering asks for, read nothing yet
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily("kvfleet_epp_thread_cpu_seconds",
+                                   "CPU seconds of the picker's threads, by thread name (its front's "
+                                   "process: kvfleet-epp-front)", labels=["thread"])
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        with self._lock:  # scrapes may come at once
+            now = {tid: (self._label(name), cpu) for tid, (name, cpu) in threadnames.thread_cpu().items()}
+            pid = self._front_pid()
+            if pid is not None:
+                front = threadnames.thread_cpu(pid)
+                if front:
+                    now[-pid] = (self._label(self.FRONT), sum(cpu for _, cpu in front.values()))
+            for tid, (lab, base, last) in list(self._seen.items()):
+                got = now.get(tid)
+                if got is None or got[0] != lab or got[1] < last:  # ended, renamed or a new thread
+                    self._retired[lab] += last - base
+                    del self._seen[tid]
+                    if got is not None and got[1] >= last:  # renamed: the time before stays with the old name
+                        self._seen[tid] = (got[0], last, got[1])
+                else:
+                    self._seen[tid] = (lab, base, got[1])
+            for tid, (lab, cpu) in now.items():
+                if tid not in self._seen:
+                    self._seen[tid] = (lab, 0.0, cpu)
+            totals = dict(self._retired)
+            for lab, base, last in self._seen.values():
+                totals[lab] += last - base
+        fam = self._family()
+        for lab in sorted(totals):
+            fam.add_metric([lab], totals[lab])
+        yield fam
+
+
 class EppMetrics:
     """Counters updated on the request path, plus a collector that reads the state at scrape time."""
 
@@ -268,6 +338,12 @@ class EppMetrics:
         followups: Callable[[], dict[str, float]] = dict,
     ) -> None:
         self.registry.register(_StateCollector(index, tracker, store, pools, feeds, key_map, followups))
+
+    def attach_threads(self, front_pid: Callable[[], int | None] = lambda: None) -> None:
+        """The picker's CPU per thread (``front_pid``: its native front's process, when running) and the
+        client library's ``process_*`` metrics of this process."""
+        self.registry.register(_ThreadCollector(front_pid))
+        ProcessCollector(registry=self.registry)
 
     def attach_gossip(self, gossip: ReplicaGossip) -> None:
         """The ``kvfleet_epp_gossip_*`` families and ``kvfleet_epp_remote_tickets``: what is shared with other

@@ -6,6 +6,7 @@ import functools
 import gc
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,14 @@ GOLDEN_METRICS = sorted([
     "kvfleet_epp_reuse_sketch_bytes",
     "kvfleet_epp_served",
     "kvfleet_epp_speculative_dropped",
+    "kvfleet_epp_thread_cpu_seconds",
     "kvfleet_epp_unkeyed_requests",
+    "process_cpu_seconds",
+    "process_max_fds",
+    "process_open_fds",
+    "process_resident_memory_bytes",
+    "process_start_time_seconds",
+    "process_virtual_memory_bytes",
 ])
 
 
@@ -68,6 +76,7 @@ def test_metric_names_are_stable() -> None:
     ds = StaticDatastore(data={"pools": [{"name": "a", "models": ["m"],
                                           "pods": [{"name": "p", "address": "h", "port": 1}]}]})
     m.attach_state(BlockIndex(), InflightTracker(), MetricsStore(), ds.pools, dict)
+    m.attach_threads()
     assert sorted({fam.name for fam in m.registry.collect()}) == GOLDEN_METRICS
 
 
@@ -109,14 +118,15 @@ def test_a_front_that_cannot_start_exits_2(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_process_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
-    """``python -m kvfleet.epp.main`` binds the configured ports, reports SERVING, exits 0 on SIGTERM."""
+    """``python -m kvfleet.epp.main`` binds the configured ports, reports SERVING, exports its CPU per named
+    thread (its front's process too), exits 0 on SIGTERM."""
     pods = tmp_path / "pods.yaml"
     pods.write_text(yaml.safe_dump({"pools": [{"name": "a", "models": ["m"],
                                                "pods": [{"name": "p", "address": "127.0.0.1", "port": 1}]}]}))
-    health = free_port()
+    health, metrics = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvfleet.epp.main", "--pods", str(pods), "--host", "127.0.0.1",
-         "--grpc-port", str(free_port()), "--health-port", str(health), "--metrics-port", str(free_port())],
+         "--grpc-port", str(free_port()), "--health-port", str(health), "--metrics-port", str(metrics)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     try:
@@ -130,6 +140,12 @@ def test_process_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
         children = [int(c) for t in Path(f"/proc/{proc.pid}/task").glob("*")
                     for c in (t / "children").read_text().split()]
         assert children or front_program() is None, "the native gRPC front runs as the EPP's child"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+        threads = {line.split('thread="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                   for line in text.splitlines() if line.startswith("kvfleet_epp_thread_cpu_seconds_total{")}
+        assert {"ext-proc-loop", "metrics-scraper"} <= set(threads), threads
+        assert ("kvfleet-epp-front" in threads) == bool(children), threads
+        assert "process_cpu_seconds_total" in text
         proc.terminate()
         assert proc.wait(10) == 0
         for pid in children:  # the native gRPC front stops with it
@@ -139,3 +155,37 @@ def test_process_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+
+
+def test_thread_cpu_only_grows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvfleet_epp_thread_cpu_seconds_total{thread}``: a pool's threads share their label; a thread that
+    ends, is renamed or whose id comes back with another thread leaves its count to its label, so no series
+    falls; the front's process counts under ``kvfleet-epp-front`` across a restart; past the label bound,
+    ``other``."""
+    from kvfleet.cache import threadnames
+    from kvfleet.epp import metrics as em
+
+    readings: dict[str, dict[int, tuple[str, float]]] = {}
+    monkeypatch.setattr(threadnames, "thread_cpu", lambda pid="self": readings.get(str(pid), {}))
+    front: list[int | None] = [None]
+    m = EppMetrics()
+    m.attach_threads(lambda: front[0])
+
+    def scrape() -> dict[str, float]:
+        fam = next(f for f in m.registry.collect() if f.name == "kvfleet_epp_thread_cpu_seconds")
+        return {s.labels["thread"]: round(s.value, 6) for s in fam.samples}
+
+    readings["self"] = {1: ("scrape_0", 1.0), 2: ("scrape_1", 0.5), 3: ("python", 0.1)}
+    assert scrape() == {"scrape": 1.5, "python": 0.1}
+    readings["self"] = {2: ("scrape_1", 0.1), 3: ("epp-gossip", 0.3)}  # 1 ended; 2 is a new thread; 3 renamed
+    assert scrape() == {"scrape": 1.6, "python": 0.1, "epp-gossip": 0.2}
+    front[0] = 40
+    readings["40"] = {40: ("kvfleet-epp-fro", 2.0), 41: ("kvfleet-epp-fro", 1.0)}
+    assert scrape()["kvfleet-epp-front"] == 3.0
+    front[0] = 50  # restarted: a new process
+    readings["50"] = {50: ("kvfleet-epp-fro", 0.5)}
+    assert scrape()["kvfleet-epp-front"] == 3.5
+    readings["self"] = {100 + i: (f"t{chr(97 + i % 26)}{chr(97 + i // 26)}", 0.01)
+                        for i in range(em._ThreadCollector.MAX_LABELS)}
+    got = scrape()
+    assert len(got) == em._ThreadCollector.MAX_LABELS + 1 and got["other"] > 0  # the bound, then "other"

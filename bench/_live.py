@@ -32,7 +32,6 @@ from kvfleet.demo.stack import (
 
 MODEL = "llama-3-8b"
 TOKENIZER = "builtin:qwen2.5"
-_TICK = os.sysconf("SC_CLK_TCK")
 WORDS = ["freight", "container", "berth", "customs", "pallet", "manifest", "inspection", "vessel", "harbour",
          "crane", "tariff", "broker", "invoice", "shipment", "consignee", "carrier", "draft", "ledger",
          "route", "schedule"]
@@ -52,12 +51,7 @@ def children(pid: int) -> list[int]:
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process, every thread included, and of its live descendants (the
     EPP's native gRPC front is its child); 0 for a process that is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK + sum(cpu_s(c) for c in children(pid))
+    return (threadnames.process_cpu(pid) or 0.0) + sum(cpu_s(c) for c in children(pid))
 
 
 #: thread groups of a kvfleet process by their OS names (kvfleet/cache/threadnames.py): a name's group is

@@ -88,6 +88,17 @@ def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float]]:
     return out
 
 
+def process_cpu(pid: int | str = "self") -> float | None:
+    """User + system CPU seconds of process ``pid``, its ended threads included (``None``: no such process or
+    no ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def configure() -> bool:
     """Name every thread started from now on after its :attr:`threading.Thread.name` (see the module doc);
     ``False`` where the platform has no way to."""
@@ -97,4 +108,4 @@ def configure() -> bool:
     return True
 
 
-__all__ = ["MAX_NAME_BYTES", "configure", "label", "os_name", "set_current", "thread_cpu"]
+__all__ = ["MAX_NAME_BYTES", "configure", "label", "os_name", "process_cpu", "set_current", "thread_cpu"]

@@ -245,10 +245,9 @@ class _ThreadCollector(Collector):
         with self._lock:  # scrapes may come at once
             now = {tid: (self._label(name), cpu) for tid, (name, cpu) in threadnames.thread_cpu().items()}
             pid = self._front_pid()
-            if pid is not None:
-                front = threadnames.thread_cpu(pid)
-                if front:
-                    now[-pid] = (self._label(self.FRONT), sum(cpu for _, cpu in front.values()))
+            front = threadnames.process_cpu(pid) if pid is not None else None
+            if pid is not None and front is not None:  # the whole process: its ended threads stay counted
+                now[-pid] = (self._label(self.FRONT), front)
             for tid, (lab, base, last) in list(self._seen.items()):
                 got = now.get(tid)
                 if got is None or got[0] != lab or got[1] < last:  # ended, renamed or a new thread

@@ -167,6 +167,8 @@ def test_thread_cpu_only_grows(monkeypatch: pytest.MonkeyPatch) -> None:
 
     readings: dict[str, dict[int, tuple[str, float]]] = {}
     monkeypatch.setattr(threadnames, "thread_cpu", lambda pid="self": readings.get(str(pid), {}))
+    monkeypatch.setattr(threadnames, "process_cpu", lambda pid="self": (
+        sum(c for _, c in readings[str(pid)].values()) if str(pid) in readings else None))
     front: list[int | None] = [None]
     m = EppMetrics()
     m.attach_threads(lambda: front[0])

@@ -91,6 +91,18 @@ def cpu_split(before: list[dict[str, float]], after: list[dict[str, float]]) -> 
     return out
 
 
+def thread_ms(runs: list[Result], role: str, per_process: int = 1) -> dict[str, float]:
+    """CPU ms per request (and per process with ``per_process``) of each thread group of the ``role``
+    processes (:attr:`Result.threads`) over ``runs``: the largest first, the groups that spent nothing left
+    out."""
+    out: dict[str, float] = {}
+    for r in runs:
+        for k, v in r.threads.get(role, {}).items():
+            out[k] = out.get(k, 0.0) + v
+    n = max(1, sum(r.requests for r in runs)) * per_process
+    return {k: round(v * 1e3 / n, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
 def measured_pid(child: Child) -> int:
     """The process to measure: the child itself, or, when it is py-spy recording the EPP, the EPP."""
     try:

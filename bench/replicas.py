@@ -47,6 +47,7 @@ from bench._live import (
     scripts,
     system_prompts,
     thread_cpu,
+    thread_ms,
 )
 from kvfleet.demo.envoy import envoy_binary
 from kvfleet.demo.stack import Child, ProcessStack, free_port, pods_file, write_yaml
@@ -124,23 +125,11 @@ class Bench(Engines):
               f"{res.cpu['epp_serving'] * per:.1f}, Envoy {res.cpu['envoy'] * per:.1f}, engines "
               f"{res.cpu['engines'] * per:.1f}{idle}",
               flush=True)
-        for role, split in res.threads.items():
-            if split:
+        for role in res.threads:
+            if res.threads[role]:
                 print(f"{'':9s} {role} EPPs' CPU ms per request by thread: " + ", ".join(
-                    f"{k} {v * per:.2f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v > 0),
-                    flush=True)
+                    f"{k} {v:.2f}" for k, v in thread_ms([res], role).items()), flush=True)
         return res
-
-
-def thread_ms(runs: list[Result], role: str, per_process: int = 1) -> dict[str, float]:
-    """CPU ms per request of each thread group (``bench._live.THREAD_GROUPS``) of the ``role`` EPPs (summed
-    over them, or per process with ``per_process``) over ``runs``."""
-    n = max(1, sum(r.requests for r in runs)) * per_process
-    out: dict[str, float] = {}
-    for r in runs:
-        for k, v in r.threads.get(role, {}).items():
-            out[k] = out.get(k, 0.0) + v
-    return {k: round(v * 1e3 / n, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,7 @@ from bench._live import (
     scripts,
     system_prompts,
     thread_cpu,
+    thread_ms,
 )
 from kvfleet.config.epp import EppSettings
 from kvfleet.demo.envoy import envoy_binary
@@ -132,10 +133,8 @@ class Bench(Engines):
               + f"; TTFT p50 {pct(res.ttft, 50) * 1e3:.0f} ms, p90 {pct(res.ttft, 90) * 1e3:.0f} ms; "
               f"hit {res.hit:.3f}", flush=True)
         if res.threads:
-            per = 1e3 / max(1, res.requests)
             print(f"{'':14s} EPP CPU ms per request by thread: " + ", ".join(
-                f"{k} {v * per:.2f}" for k, v in sorted(res.threads["epp"].items(), key=lambda kv: -kv[1])
-                if v > 0), flush=True)
+                f"{k} {v:.2f}" for k, v in thread_ms([res], "epp").items()), flush=True)
         return res
 
 
@@ -212,13 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "failed": router.failed + kv.failed + sampled.failed,
     }
     for name, suffix in (("kvfleet", ""), ("kvfleet-sampled", "_sampled")):  # where the EPP's CPU goes
-        n = max(1, sum(x.requests for x in results[name]))
-        split: dict[str, float] = {}
-        for x in results[name]:
-            for k, v in x.threads.get("epp", {}).items():
-                split[k] = split.get(k, 0.0) + v
-        out[f"epp_thread_ms_per_request{suffix}"] = {
-            k: round(v * 1e3 / n, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v > 0}
+        out[f"epp_thread_ms_per_request{suffix}"] = thread_ms(results[name], "epp")
     print(f"CPU per 1,000 requests: sglang-router {router_1k:.2f} s; Envoy + EPP {epp_1k + envoy_1k:.2f} s "
           f"(EPP {epp_1k:.2f}, Envoy {envoy_1k:.2f}): {out['cpu_per_request_vs_sglang_router']} ×; with "
           f"{args.response_body_sample:g} of the response bodies read: {s_epp_1k + s_envoy_1k:.2f} s "

@@ -69,6 +69,12 @@ def label(name: str) -> str:
     return _NUMBER.sub("", name) or "other"
 
 
+def _stat_cpu(stat: str) -> float:
+    """User + system CPU seconds from the text of a ``/proc/.../stat`` file (fields 14 and 15)."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float]]:
     """Each live thread of process ``pid``: thread id → (its OS name, user + system CPU seconds), from
     ``/proc``; ``{}`` where there is none (another OS, a process that is gone)."""
@@ -82,9 +88,7 @@ def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float]]:
             stat = (task / "stat").read_text()
         except OSError:  # ended meanwhile
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        out[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / _TICK)
+        out[int(task.name)] = (stat[stat.index("(") + 1:stat.rindex(")")], _stat_cpu(stat))
     return out
 
 
@@ -95,8 +99,7 @@ def process_cpu(pid: int | str = "self") -> float | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    return _stat_cpu(stat)
 
 
 def configure() -> bool:

@@ -852,6 +852,7 @@ def kvfleet_plugins(
         PluginSpec(type="prefix-affinity-scorer", weight=1.0, params={"affinity_s": affinity_s}),
         PluginSpec(type="eviction-cost-scorer", weight=1.0),
         PluginSpec(type="recompute-load-scorer", weight=1.0),
+        PluginSpec(type="copy-value-scorer", weight=1.0),
         PluginSpec(type="max-score-picker", params={"fallbacks": 0, "seed": seed}),
     ]
 

@@ -28,6 +28,7 @@ def default_plugins(fallbacks: int = 0) -> tuple[PluginSpec, ...]:
         PluginSpec(type="prefix-affinity-scorer", weight=1.0),
         PluginSpec(type="eviction-cost-scorer", weight=1.0),
         PluginSpec(type="recompute-load-scorer", weight=1.0),
+        PluginSpec(type="copy-value-scorer", weight=1.0),
         PluginSpec(type="max-score-picker", params={"fallbacks": fallbacks}),
     )
 

@@ -57,6 +57,24 @@ class _Load:
     mark: float = 0.0
 
 
+class _Run:
+    """One prefix's current run on one pod: its requests still waiting there for their first token
+    (``count``), when the first of the run was opened (``since``: the run ends when ``count`` drops to
+    0), and the requests of the run opened so far (``opened``) with their predicted uncached tokens
+    (``tokens``)."""
+
+    __slots__ = ("count", "opened", "since", "tokens")
+
+    def __init__(self, since: float) -> None:
+        self.count, self.since, self.opened, self.tokens = 0, since, 0, 0.0
+
+    def rates(self, now: float) -> tuple[float, float]:
+        """(requests, predicted uncached tokens) per second the prefix brought to the pod during the run
+        (a run younger than 1 ms counts as 1 ms old)."""
+        age = max(1e-3, now - self.since)
+        return self.opened / age, self.tokens / age
+
+
 class Ticket:
     """One routed request; ``on_first_byte`` runs once when its first token comes back."""
 
@@ -95,6 +113,13 @@ class PodView(NamedTuple):
     #: the share of the last ``history_s`` (decayed) the pod had a request of the picker waiting for its
     #: first token (:meth:`InflightTracker.view`)
     busy_share: float = 0.0
+    #: :meth:`InflightTracker.prefix_rates` of the hot prefix on the pod (0 when none of it waits there)
+    prefix_arrivals: float = 0.0
+    prefix_rate: float = 0.0
+
+
+#: hot keys whose popularity runs the tracker keeps (the least recently seen forgotten first)
+POPULARITY_KEYS = 65_536
 
 
 class InflightTracker:
@@ -117,8 +142,11 @@ class InflightTracker:
         self._pending: dict[str, dict[Hashable, Ticket]] = defaultdict(dict)
         #: per pod: when the last of the picker's requests there got its first token
         self._last_first: dict[str, float] = {}
-        self._prefix: dict[tuple[str, int], int] = defaultdict(int)
+        #: per (pod, prefix): the prefix's current run there (:class:`_Run`), while one of it waits
+        self._prefix: dict[tuple[str, int], _Run] = {}
         self._tickets: dict[Hashable, Ticket] = {}
+        #: per hot key: [first request of its current popularity run, last request, requests in the run]
+        self._pop: dict[int, list[float]] = {}
         self._remote: dict[str, set[int]] = defaultdict(set)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -149,6 +177,14 @@ class InflightTracker:
     def _add(self, t: Ticket) -> None:
         self._tickets[t.key] = t
         now = self.clock()
+        pop = self._pop.pop(t.prefix, None)
+        if pop is None or now - pop[1] > self.history_s:
+            pop = [now, now, 0.0]
+            if len(self._pop) >= POPULARITY_KEYS:
+                del self._pop[next(iter(self._pop))]
+        pop[1] = now
+        pop[2] += 1.0
+        self._pop[t.prefix] = pop
         for pod in t.pods:
             load = self._loads[pod]
             self._fold(load, now)
@@ -156,7 +192,7 @@ class InflightTracker:
             load.pending_tokens += t.tokens
             load.pending_requests += 1
             self._pending[pod][t.key] = t
-            self._prefix[(pod, t.prefix)] += 1
+            self._count(pod, t, now)
 
     def _emit(self, event: TicketEvent, t: Ticket, moved: tuple[str, str] | None = None) -> None:
         if t.origin is None and self.on_ticket is not None:
@@ -209,11 +245,22 @@ class InflightTracker:
         for pod in t.pods:
             self._uncount(pod, t.prefix)
 
+    def _count(self, pod: str, t: Ticket, now: float) -> None:
+        """Counts ``t`` in its prefix's run on ``pod`` (a run starts with its first request)."""
+        run = self._prefix.get((pod, t.prefix))
+        if run is None:
+            run = self._prefix[(pod, t.prefix)] = _Run(now)
+        run.count += 1
+        run.opened += 1
+        run.tokens += t.tokens
+
     def _uncount(self, pod: str, prefix: int) -> None:
         key = (pod, prefix)
-        self._prefix[key] -= 1
-        if self._prefix[key] <= 0:
-            del self._prefix[key]
+        run = self._prefix.get(key)
+        if run is not None:
+            run.count -= 1
+            if run.count <= 0:
+                del self._prefix[key]
 
     def move(self, t: Ticket, old: str, new: str) -> None:
         """The request of ``t`` is served by ``new`` instead of ``old`` (the gateway used a fallback)."""
@@ -231,7 +278,7 @@ class InflightTracker:
             dst.inflight += 1
         if t.hot:
             self._uncount(old, t.prefix)
-            self._prefix[(new, t.prefix)] += 1
+            self._count(new, t, self.clock())
         if t.pending:
             now = self.clock()
             self._fold(src, now)
@@ -367,8 +414,10 @@ class InflightTracker:
                         if first <= at:
                             break
                         scraped += opened <= at
+                run = prefix.get((pod, hot))
+                same, (arrivals, rate) = (run.count, run.rates(now)) if run else (0, (0.0, 0.0))
                 if ld is None:
-                    out.append(new(PodView, (0, 0.0, 0, prefix.get((pod, hot), 0), 0.0, 0.0, scraped, 0.0)))
+                    out.append(new(PodView, (0, 0.0, 0, same, 0.0, 0.0, scraped, 0.0, arrivals, rate)))
                     continue
                 requests = ld.pending_requests
                 age = now - ld.mark
@@ -383,15 +432,39 @@ class InflightTracker:
                     wait = busy / served * u / (1.0 - u)
                 else:
                     wait = 0.0
-                out.append(new(PodView, (ld.inflight, ld.pending_tokens, requests, prefix.get((pod, hot), 0),
+                out.append(new(PodView, (ld.inflight, ld.pending_tokens, requests, same,
                                          elapsed(pod, now) if requests else 0.0, wait, scraped,
-                                         share if share < 1.0 else 1.0)))
+                                         share if share < 1.0 else 1.0, arrivals, rate)))
         return out
+
+    def popularity(self, prefix: int) -> tuple[float, float]:
+        """(requests per second, seconds) of ``prefix``'s current popularity run: the picker's requests under
+        the hot key since the first of a run with no gap longer than ``history_s``; (0, 0) when none."""
+        with self._lock:
+            pop = self._pop.get(prefix)
+            if pop is None:
+                return 0.0, 0.0
+            now = self.clock()
+            if now - pop[1] > self.history_s:
+                return 0.0, 0.0
+            age = max(1e-3, now - pop[0])
+            return pop[2] / age, age
 
     def same_prefix(self, pod: str, prefix: int) -> int:
         """The picker's requests keyed ``prefix`` on ``pod`` still waiting for their first token
         (until their stream ends with ``hot_until_close``)."""
-        return self._prefix.get((pod, prefix), 0)
+        run = self._prefix.get((pod, prefix))
+        return run.count if run is not None else 0
+
+    def prefix_rates(self, pod: str, prefix: int) -> tuple[float, float]:
+        """The follower work ``prefix`` brings to ``pod``: (requests, predicted uncached tokens) per second
+        of its requests opened there since the first of those still waiting (the current run: it ends
+        when none waits); (0, 0) when none waits. With the seconds a request and a token cost, the pod's
+        load from the prefix's followers: below 1 the pod serves them as they come, and its queue drains
+        (:func:`~kvfleet.epp.scheduling.plugins.followers`)."""
+        with self._lock:
+            run = self._prefix.get((pod, prefix))
+            return run.rates(self.clock()) if run is not None else (0.0, 0.0)
 
     def forget(self, pod: str) -> None:
         with self._lock:

@@ -11,8 +11,10 @@ Two kinds, both deterministic:
 The data file (``data/reference_decisions.json``) was written by ``python -m tests.epp.reference_decisions
 --write``: first from the numpy index search (commit 97c30ea), before the search moved to the compiled probe
 loop (``kvfleet/epp/_probe.c``); the picks again when the reuse sketch (``kvfleet/epp/reuse.py``) began to cut
-held prefixes that will not survive the queue, and when the recompute-load scorer joined the default profile
-(changes of decisions by design; the matches were unchanged).
+held prefixes that will not survive the queue, when the recompute-load scorer joined the default profile, and
+when the hot-spot damping stopped counting the followers of a prefix still being computed that come slower
+than their pod serves them while no copy elsewhere would be ready first (``plugins.followers``) and the
+copy-value scorer joined the default profile (changes of decisions by design; the matches were unchanged).
 Any change of a decision shows as a failed replay. Rewrite it only for a change that is meant to change
 decisions, and say so in the commit.
 """

@@ -1,5 +1,6 @@
-"""The two routing mechanisms of issue 15, pinned: a hot-prefix storm spreads once the holder's queue costs
-more than a miss elsewhere, and a session's own history is not damped by other sessions of its application."""
+"""Hot-spot mechanisms, pinned on the router: a hot-prefix storm spreads once the holder's queue costs
+more than a miss elsewhere, a session's own history is not damped by other sessions of its application,
+and a document's readers wait for its first prefill rather than recompute it."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import math
 from typing import Any
 
 from kvfleet.config import load
+from kvfleet.epp import inflight
 from kvfleet.epp.datastore import StaticDatastore
 from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.inflight import InflightTracker
 from kvfleet.epp.podmetrics import MetricsStore
 from kvfleet.epp.protocol import InferenceRequest
 from kvfleet.epp.router import Router
@@ -20,7 +23,7 @@ T_TOK = 1e-4
 OVERHEAD_S = 0.01
 
 
-def router(n: int, beta: float = 0.1) -> Router:
+def router(n: int, beta: float = 0.1, tracker: InflightTracker | None = None) -> Router:
     plugins: list[dict[str, Any]] = [
         {"type": "prefix-cache-scorer"},
         {"type": "queue-scorer", "params": {"running_s": 0.0, "overhead_s": OVERHEAD_S}},
@@ -28,7 +31,7 @@ def router(n: int, beta: float = 0.1) -> Router:
     ]
     s = load(overrides={"epp": {"plugins": plugins, "hotspot_beta": beta}})
     return Router(s.epp, s.cache, StaticDatastore(data=pools(n)), BlockIndex(), MetricsStore(),
-                  load_tokenizer("bytes"))
+                  load_tokenizer("bytes"), tracker)
 
 
 def text(tag: str, blocks: int) -> str:
@@ -82,3 +85,55 @@ class TestSessions:
         assert r.tracker.load(a)[0] == 40
         d = r.route(InferenceRequest(model="m", prompt=session + text("next", 2)))
         assert d.pod == a and d.predicted_hit_tokens == 40 * 16
+
+
+class TestDocument:
+    def picks(self, gap_s: float) -> list[str]:
+        """A 100-block document, then 8 readers (each with 2 blocks of its own) ``gap_s`` apart, none
+        answered yet."""
+        now = [0.0]
+        r = router(4, tracker=InflightTracker(clock=lambda: now[0]))
+        doc = text("doc", 100)
+        out = [r.route(InferenceRequest(model="m", prompt=doc + text("q0", 2))).pod]
+        for i in range(1, 9):
+            now[0] += gap_s
+            out.append(r.route(InferenceRequest(model="m", prompt=doc + text(f"q{i}", 2))).pod)
+        return out
+
+    def test_readers_wait_for_a_document_still_being_computed(self) -> None:
+        """Readers every 30 ms, each bringing its own 2 blocks and an engine step (about 20 ms of work
+        with what the sampled speculative entries leave uncached): they come slower than the holder
+        serves them, and its queue (the document's first prefill, 0.16 s, less the time spent on it)
+        stays below what recomputing the document costs. They all wait for it there.
+        With their count damping the hit (β 0.1), every other reader from the second on recomputed the
+        document on an idle pod."""
+        picks = self.picks(0.03)
+        assert picks == [picks[0]] * 9, picks
+
+
+class TestPopularity:
+    def test_a_prefix_s_popularity_run(self) -> None:
+        """:meth:`InflightTracker.popularity`: the hot key's requests per second since the first of its run
+        and the run's age; a gap longer than ``history_s`` starts a new run; the least recently seen keys
+        are forgotten past ``POPULARITY_KEYS``."""
+        now = [0.0]
+        t = InflightTracker(clock=lambda: now[0], history_s=10.0)
+        assert t.popularity(7) == (0.0, 0.0)
+        for _ in range(5):
+            t.open(("a",), 7, 10.0)
+            now[0] += 1.0
+        rate, age = t.popularity(7)
+        assert (rate, age) == (1.0, 5.0)
+        now[0] += 11.0  # silent longer than the history: no run
+        assert t.popularity(7) == (0.0, 0.0)
+        t.open(("a",), 7, 10.0)
+        now[0] += 2.0
+        assert t.popularity(7) == (0.5, 2.0)
+
+    def test_popularity_is_bounded(self, monkeypatch: Any) -> None:
+        monkeypatch.setattr(inflight, "POPULARITY_KEYS", 4)
+        t = InflightTracker()
+        for key in range(10):
+            t.open(("a",), key, 1.0)
+        assert len(t._pop) == 4
+        assert t.popularity(0) == (0.0, 0.0) and t.popularity(9)[0] > 0.0

@@ -3,7 +3,7 @@ mechanism removed, the case's TTFT gets clearly worse. Each case takes 1–3 s o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -12,7 +12,10 @@ from bench import _family as family
 from bench.routing import Knobs, Result, SimConfig, make_policy, simulate
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker, PodView
+from kvfleet.epp.requestcontrol import director
 from kvfleet.epp.reuse import ReuseTracker
+from kvfleet.epp.scheduling import plugins
+from kvfleet.epp.scheduling.framework import Candidate, SchedulingRequest
 from kvfleet.epp.scheduling.plugins import EvictionCostScorer, QueueScorer, RecomputeLoadScorer
 
 
@@ -70,14 +73,15 @@ def test_queue_counts_the_work_already_done(monkeypatch: pytest.MonkeyPatch) -> 
     """The queue scorer subtracts the seconds a pod has already worked on its pending requests: without
     it, on tenants' shared system prompts at ρ* 0.8, p90 is more than 1.15 × and the hit lower (a pod deep
     into a long prefill looks as loaded as when it took it, and requests leave the prompt's holders), and
-    documents' mean more than 1.3 ×."""
+    documents' mean more than 1.1 × (1.14 ×; 1.3 × before the hot-spot damping spared the readers of a
+    document still being computed)."""
     tenants = case("tenants", "ρ*", 0.8, 1000, 1, n=1200)
     base, base_docs = run(tenants), run(DOCUMENTS)
     monkeypatch.setattr(InflightTracker, "_elapsed", lambda self, pod, now: 0.0)
     blind, blind_docs = run(tenants), run(DOCUMENTS)
     assert blind.ttft["p90"] > 1.15 * base.ttft["p90"]
     assert blind.hit_rate < base.hit_rate
-    assert blind_docs.ttft["mean"] > 1.3 * base_docs.ttft["mean"]
+    assert blind_docs.ttft["mean"] > 1.1 * base_docs.ttft["mean"]
 
 
 def test_queue_counts_the_expected_wait(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,6 +134,98 @@ def test_a_held_prefix_counts_only_if_it_survives_the_queue(monkeypatch: pytest.
     assert sessions.ttft["mean"] > 1.3 * base_sessions.ttft["mean"]
 
 
+def test_hot_spots_damp_only_followers_a_copy_relieves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hot-spot damping counts a prefix's waiting requests (``plugins.followers``) except while their
+    pod is still computing the prefix for followers slower than it and no other pod could have a copy
+    ready before the holder's queue is through. Each part pinned:
+
+    - counted always (the damping as it was), a new long document's readers recompute it on idle pods
+      rather than wait for its first prefill: documents at ρ 0.5 (seed 1, 12 pods) reach p99 more than
+      1.1 × the default's (it was 1.16 × the best peer's);
+    - not counted while the prefix is being computed, whatever the followers' rate and the queues, a storm
+      piles onto the holder: p99 more than 1.15 × and p90 more than 1.1 × (storm at ρ 0.8, 250-block caches);
+    - not counted for slow followers while computing even when a copy elsewhere would be ready first (the
+      holder's queue longer than another pod's queue and recompute), agent trees near saturation pile onto
+      busy holders: p90 more than 1.25 × (agents at ρ* 0.5, 250-block caches, seed 0);
+    - not counted for slow followers even once the prefix is cached, agent trees' sibling branches pile
+      onto their holders: p90 more than 1.4 × (agents at ρ* 0.5, 250-block caches, seed 1)."""
+    documents = case("documents", "ρ", 0.5, 1000, 1, n=2000, pods=12)
+    storm = case("storm", "ρ", 0.8, 250, 1, n=1200)
+    agents = case("agents", "ρ*", 0.5, 250, 1)
+    base = {c: run(c) for c in (documents, storm, agents, AGENTS_SATURATED)}
+
+    def always(req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        return [float(c.same_prefix) for c in cands]
+
+    def never_while_computing(req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        return [0.0 if c.spec_blocks >= c.hit_blocks else float(c.same_prefix) for c in cands]
+
+    def rate_only(req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        per_token = req.prefill_s_per_token
+        return [0.0 if c.spec_blocks >= c.hit_blocks and c.prefix_arrivals * plugins.STEP_S
+                + c.prefix_rate * per_token < 1.0 else float(c.same_prefix) for c in cands]
+
+    def only_fast(req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        per_token = req.prefill_s_per_token
+        return [float(c.same_prefix) if c.prefix_rate * per_token >= 1.0 else 0.0 for c in cands]
+
+    monkeypatch.setattr(plugins, "followers", always)
+    assert run(documents).ttft["p99"] > 1.1 * base[documents].ttft["p99"]
+    monkeypatch.setattr(plugins, "followers", never_while_computing)
+    piled = run(storm)
+    assert piled.ttft["p99"] > 1.15 * base[storm].ttft["p99"]
+    assert piled.ttft["p90"] > 1.1 * base[storm].ttft["p90"]
+    monkeypatch.setattr(plugins, "followers", rate_only)
+    assert run(AGENTS_SATURATED).ttft["p90"] > 1.25 * base[AGENTS_SATURATED].ttft["p90"]
+    monkeypatch.setattr(plugins, "followers", only_fast)
+    assert run(agents).ttft["p90"] > 1.4 * base[agents].ttft["p90"]
+
+
+def test_a_popular_prefix_earns_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy-value scorer credits a pod that lacks a popular prefix with the wait a copy there saves the
+    prefix's expected followers beyond the ``F`` the queue scorer already counts: without it, a document
+    read by 60 % of the requests stays on one pod for the whole run, its readers queue there, and the
+    documents case at ρ 0.95 (seed 3, 12 pods) has p90 more than 1.1 × and mean more than 1.05 × the
+    default's (whose p90 is within 1.02 × of GIE's picker's)."""
+    documents = case("documents", "ρ", 0.95, 250, 3, n=2000, pods=12)
+    base, gie = run(documents), run(documents, "gie-approx-prefix")
+    monkeypatch.setattr(plugins.CopyValueScorer, "score", lambda self, req, cands: [0.0] * len(cands))
+    blind = run(documents)
+    assert blind.ttft["p90"] > 1.1 * base.ttft["p90"]
+    assert blind.ttft["mean"] > 1.05 * base.ttft["mean"]
+    assert base.ttft["p90"] <= 1.02 * gie.ttft["p90"]
+
+
+def test_a_copy_s_followers_are_counted_with_care(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each factor of the copy value pinned near capacity on 8 pods:
+
+    - a popularity run younger than ``COPY_MIN_AGE_S`` counts no followers: counted from the first request,
+      agent trees' bursts of sibling steps earn copies (agents at ρ* 0.5, 250-block caches: p90 more than
+      1.5 ×);
+    - less the ``F`` follow-ups the queue scorer counts: without it, they are counted twice (the same case:
+      p90 more than 1.3 ×);
+    - scaled by the pod's spare capacity: without it, copies go to pods as busy as the holder (sessions at
+      ρ* 0.5, 250-block caches, seed 1: p90 more than 1.07 ×)."""
+    sessions = case("sessions", "ρ*", 0.5, 250, 1, n=2000)
+    base_agents, base_sessions = run(AGENTS_SATURATED), run(sessions)
+    init = plugins.CopyValueScorer.__init__
+
+    def without(**kw: float) -> Callable[[plugins.CopyValueScorer, Mapping[str, float]], None]:
+        def patched(self: plugins.CopyValueScorer, params: Mapping[str, float]) -> None:
+            init(self, {**params, **kw})
+        return patched
+
+    with monkeypatch.context() as m:
+        m.setattr(director, "COPY_MIN_AGE_S", 0.0)
+        assert run(AGENTS_SATURATED).ttft["p90"] > 1.5 * base_agents.ttft["p90"]
+    with monkeypatch.context() as m:
+        m.setattr(plugins.CopyValueScorer, "__init__", without(max_followups=0.0))
+        assert run(AGENTS_SATURATED).ttft["p90"] > 1.3 * base_agents.ttft["p90"]
+    with monkeypatch.context() as m:
+        m.setattr(plugins.CopyValueScorer, "__init__", without(max_busy=float("inf")))
+        assert run(sessions).ttft["p90"] > 1.07 * base_sessions.ttft["p90"]
+
+
 def test_family_summary_names_the_worst_case() -> None:
     """``--family``'s guard: per quantile the worst kvfleet ÷ best-peer ratio over the cases, and where."""
     cs = [case("storm", "ρ", 0.5, 250, 0, n=300, pods=4), case("sessions", "ρ", 0.5, 250, 0, n=300, pods=4)]
@@ -146,14 +242,14 @@ def test_family_summary_names_the_worst_case() -> None:
 def test_a_recompute_on_a_busy_pod_pays_for_the_delay_it_causes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The recompute-load scorer charges a candidate that lacks a prefix another holds with the delay its
     recompute puts on the pod's later requests (``u / (1 − u)`` of the recompute's seconds): without it,
-    sessions near saturation on 8 pods trade hits for queues on pods just as busy (p90 and mean more than
-    1.3 ×, hit lower)."""
+    sessions near saturation on 8 pods trade hits for queues on pods just as busy (p90 more than 1.3 ×,
+    mean more than 1.2 ×, hit lower)."""
     sessions = case("sessions", "ρ*", 0.8, 1000, 0, n=1200)
     base = run(sessions)
     monkeypatch.setattr(RecomputeLoadScorer, "score", lambda self, req, cands: [0.0] * len(cands))
     blind = run(sessions)
     assert blind.ttft["p90"] > 1.3 * base.ttft["p90"]
-    assert blind.ttft["mean"] > 1.3 * base.ttft["mean"]
+    assert blind.ttft["mean"] > 1.2 * base.ttft["mean"]
     assert blind.hit_rate < base.hit_rate
 
 

@@ -24,6 +24,7 @@ from kvfleet.epp.scheduling import (
     Profile,
     SchedulingRequest,
     create,
+    plugins,
     rendezvous_rank,
 )
 from kvfleet.epp.scheduling.framework import column
@@ -81,9 +82,10 @@ class TestScorers:
         return Candidate(pod=Pod(name=name, address="a", port=1), **kw)
 
     def test_formula(self) -> None:
-        """hit_s·gain/(1+β·same_prefix) − (pending·t + n_pending·overhead) − w_kv·kv, each term checked;
+        """hit_s·gain/(1+β·followers) − (pending·t + n_pending·overhead) − w_kv·kv, each term checked;
         gain = 1 + g·ρ (ρ from the candidates' mean queue) where no request of the prefix is still queued,
-        else 1."""
+        else 1; followers = same_prefix, except 0 while the pod is still computing the prefix (its hit all
+        speculative) for followers slower than it serves them (prefix_rate · prefill_s_per_token < 1)."""
         prof = Profile([
             PluginSpec(type="prefix-cache-scorer", params={"load_gain": 2.0}),
             PluginSpec(type="queue-scorer", params={"overhead_s": 0.0}),
@@ -91,20 +93,27 @@ class TestScorers:
             PluginSpec(type="max-score-picker", params={"fallbacks": 5}),
         ])
         req = SchedulingRequest(num_tokens=1600, block_size=16, prefill_s_per_token=1e-4, hotspot_beta=0.5)
-        hot = self.cand("hot", hit_blocks=50, hit_weighted=50.0, same_prefix=2)
+        hot = self.cand("hot", hit_blocks=50, hit_weighted=50.0, same_prefix=2, prefix_rate=1e4)
+        # the same queued requests of its prefix, coming at half the rate the pod serves them, while the
+        # pod still computes the prefix: not damped; once it is cached: damped
+        slow = self.cand("slow", hit_blocks=5, hit_weighted=5.0, spec_blocks=5, same_prefix=2,
+                         prefix_rate=5e3)
+        cached = self.cand("cached", hit_blocks=4, hit_weighted=4.0, same_prefix=2, prefix_rate=5e3)
         busy = self.cand("busy", hit_blocks=100, hit_weighted=100.0, pending_tokens=4800)
         hit = self.cand("hit", hit_blocks=20, hit_weighted=20.0)
         kv = self.cand("kv", metrics=PodMetrics(kv_usage=1.0, scraped_at=0))
-        ranked = prof.run(req, [hot, busy, hit, kv])
+        ranked = prof.run(req, [hot, slow, cached, busy, hit, kv])
         scores = dict(zip((c.name for c in ranked.pods), ranked.scores, strict=True))
-        q_mean = 4800 / 4 * 1e-4
+        q_mean = 4800 / 6 * 1e-4
         gain = 1 + 2.0 * q_mean / (q_mean + 0.16)
         # a burst of its prefix queued there: no gain
         assert scores["hot"] == pytest.approx(50 * 16 * 1e-4 / 2.0)
+        assert scores["slow"] == pytest.approx(5 * 16 * 1e-4)
+        assert scores["cached"] == pytest.approx(4 * 16 * 1e-4 / 2.0)
         assert scores["busy"] == pytest.approx(100 * 16 * 1e-4 * gain - 0.48)
         assert scores["hit"] == pytest.approx(20 * 16 * 1e-4 * gain)
         assert scores["kv"] == pytest.approx(-0.05)
-        assert [c.name for c in ranked.pods] == ["hit", "hot", "kv", "busy"]
+        assert [c.name for c in ranked.pods] == ["hit", "hot", "slow", "cached", "kv", "busy"]
 
     def test_idle_cluster_values_hits_at_their_latency(self) -> None:
         """With nothing queued (ρ = 0) the load gain does not apply: a hit is worth the prefill it saves."""
@@ -135,6 +144,52 @@ class TestScorers:
         assert plugin.score(req, [self.cand("x", held_blocks=195, metrics=big)]) == pytest.approx(  # type: ignore[union-attr]
             [-5 * 16e-3])
 
+    def test_followers_spare_a_prefix_being_computed_only_while_a_copy_would_be_later(self) -> None:
+        """``followers``: a holder still computing the prefix (hit all speculative) for followers slower than
+        it serves them counts 0, while no other pod could have a copy ready (its queue + the missing blocks'
+        prefill) before the holder's queue is through; once one could, the waiting followers count."""
+        req = SchedulingRequest(num_tokens=1600, block_size=16, prefill_s_per_token=1e-4)
+        holder = {"hit_blocks": 100, "hit_weighted": 100.0, "spec_blocks": 100, "same_prefix": 3,
+                  "prefix_rate": 5e3}
+        # queue 0.1 s; a copy on the idle pod needs 100 blocks · 1.6 ms = 0.16 s: later, so not counted
+        cands = [self.cand("holder", pending_tokens=1000, **holder), self.cand("idle")]
+        assert plugins.followers(req, cands) == [0.0, 0.0]
+        # queue 0.3 s: the copy would be ready first
+        cands = [self.cand("holder", pending_tokens=3000, **holder), self.cand("idle")]
+        assert plugins.followers(req, cands) == [3.0, 0.0]
+        # followers faster than the holder serves them (ρ_f = 2e4 · 1e-4 = 2): counted
+        fast = {**holder, "prefix_rate": 2e4}
+        assert plugins.followers(req, [self.cand("holder", **fast), self.cand("idle")]) == [3.0, 0.0]
+        # the prefix cached there (its events came): counted
+        cached = {**holder, "spec_blocks": 0}
+        assert plugins.followers(req, [self.cand("holder", **cached), self.cand("idle")]) == [3.0, 0.0]
+
+    def test_copy_value_credits_a_copy_with_the_wait_it_saves_the_prefix_s_followers(self) -> None:
+        """``N/(k + 1) − F`` followers (k holders, the speculative ones included), each saving the least
+        established holder's expected wait less the pod's, scaled by the pod's spare capacity ``1 − 2u``;
+        nothing on holders, on pods at least half busy, without expected followers or without an
+        established holder."""
+        _, plugin = create("copy-value-scorer", {})
+        req = SchedulingRequest(num_tokens=1600, block_size=16, prefill_s_per_token=1e-4,
+                                hot_followers=24.0, followup_share=0.5)  # F = 1
+        cands = [
+            self.cand("holder", hit_blocks=50, hit_weighted=50.0, expected_wait_s=0.3),
+            self.cand("copying", hit_blocks=50, hit_weighted=50.0, spec_blocks=50, expected_wait_s=0.0),
+            self.cand("idle", expected_wait_s=0.1),
+            self.cand("quarter", hit_blocks=10, hit_weighted=10.0, expected_wait_s=0.0, busy_share=0.25),
+            self.cand("busy", expected_wait_s=0.0, busy_share=0.5),
+            self.cand("slower", expected_wait_s=0.4),
+        ]
+        k = 24.0 / 3 - 1.0  # two holders (one still computing): a third copy takes a third of 24, less F
+        scores = plugin.score(req, cands)  # type: ignore[union-attr]
+        assert scores == pytest.approx([0.0, 0.0, k * 0.2, k * 0.3 * 0.5, 0.0, 0.0])
+        few = SchedulingRequest(num_tokens=1600, block_size=16, prefill_s_per_token=1e-4,
+                                hot_followers=3.0, followup_share=0.5)
+        assert plugin.score(few, cands) == [0.0] * 6  # type: ignore[union-attr]
+        computing = [self.cand("copying", hit_blocks=50, hit_weighted=50.0, spec_blocks=50,
+                               expected_wait_s=0.3), self.cand("idle")]
+        assert plugin.score(req, computing) == [0.0, 0.0]  # type: ignore[union-attr]
+
     def test_recompute_load_charges_busy_pods_that_lack_the_prefix(self) -> None:
         """−(H − hit)·block prefill seconds·u/(1 − u): nothing on an idle pod, on the holder, or when no pod
         holds more than another; u capped at ``max_busy``; damped by the hot prefix's requests in flight."""
@@ -151,8 +206,13 @@ class TestScorers:
         assert scores == pytest.approx([0.0, 0.0, -6 * unit / 3, -8 * unit])  # 0.9 counts as 0.5: factor 1
         assert plugin.score(req, [self.cand("a", busy_share=0.9), self.cand("b", busy_share=0.4)]) == [  # type: ignore[union-attr]
             0.0, 0.0]
-        hot = [self.cand("holder", hit_weighted=8.0, same_prefix=2), self.cand("busy", busy_share=0.9)]
+        hot = [self.cand("holder", hit_weighted=8.0, same_prefix=2, prefix_rate=1e3),
+               self.cand("busy", busy_share=0.9)]
         assert plugin.score(req, hot) == pytest.approx([0.0, -8 * unit / 2])  # type: ignore[union-attr]
+        # still computing the prefix for requests that come at half the rate it serves them: no damping
+        slow = [self.cand("holder", hit_blocks=8, hit_weighted=8.0, spec_blocks=8, same_prefix=2,
+                          prefix_rate=500.0), self.cand("busy", busy_share=0.9)]
+        assert plugin.score(req, slow) == pytest.approx([0.0, -8 * unit])  # type: ignore[union-attr]
         _, wide = create("recompute-load-scorer", {"max_busy": 0.8})
         assert wide.score(req, cands)[3] == pytest.approx(-8 * unit * 4)  # type: ignore[union-attr]
 

@@ -24,6 +24,7 @@ Steps 3–5 run under one lock: the candidates see every earlier pick's ticket a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -52,6 +53,16 @@ from kvfleet.epp.speculative import Lease
 from kvfleet.epp.tokenize import PoolTokenizers, Tokens
 
 log = logging.getLogger(__name__)
+
+#: the longest age of a hot key's popularity run counted for the requests expected to follow it
+#: (``SchedulingRequest.hot_followers``, the copy-value scorer's ``N``); chosen among 10, 30 and 60 s on the
+#: workload family's documents (docs/epp.md): at 10 s a document read by most requests kept one holder, at
+#: 60 s the copies' makers, each paying a whole recompute, reached the tail on 16 pods
+COPY_HORIZON_S = 30.0
+#: a popularity run younger than this counts no followers (the pods' load history, ``history_s``): an agent
+#: tree's burst of sibling steps is not a popular prefix
+COPY_MIN_AGE_S = 10.0
+
 #: weight of one decision in a pool's :attr:`~kvfleet.epp.scheduling.SchedulingRequest.followup_share` (its
 #: last ≈ 1 / FOLLOWUP_ALPHA decisions count)
 FOLLOWUP_ALPHA = 0.01
@@ -245,6 +256,9 @@ class Director:
         serving = serving_pods(groups)
         with self._lock:
             cands, hot = self.candidates.build(serving, keys, shard, block_size=block_size)
+            rate, age = self.tracker.popularity(hot)
+            if rate and age >= COPY_MIN_AGE_S:
+                sreq = dataclasses.replace(sreq, hot_followers=rate * min(age, COPY_HORIZON_S))
             self._observe_followup(invoked.name, keys, cands)
             self._admit(invoked, cands)
             result = self.scheduler.schedule(sreq, profile, cands, groups, keys, hot)

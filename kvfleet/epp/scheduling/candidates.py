@@ -100,12 +100,14 @@ class CandidateBuilder:
         views = self.tracker.view(names, hot, [pm.scraped_at if pm is not None and pm.waiting > 0 else None
                                                for pm in pms])
         if views:
-            inflight, ptokens, prequests, same, elapsed, expected, scraped, busy = zip(*views, strict=True)
+            (inflight, ptokens, prequests, same, elapsed, expected, scraped, busy, arrivals,
+             rate) = zip(*views, strict=True)
         else:
-            inflight = ptokens = prequests = same = elapsed = expected = scraped = busy = ()
+            inflight = ptokens = prequests = same = elapsed = expected = scraped = busy = arrivals = rate = ()
         # the hit cut to what is kept, its tier-weighted value cut in proportion, the speculative part with it
         hit_weighted = [(x if k == h else x * k / h) if h else 0.0
                         for h, x, k in zip(blocks, weighted, kept, strict=True)]
         spec_kept = [sp if sp < k else k for sp, k in zip(spec, kept, strict=True)]
         return Candidates((pods, kept, hit_weighted, spec_kept, inflight, same, ptokens, prequests, elapsed,
-                           expected, gpu, picked, busy, pms, scraped), names, (block_size, capacity)), hot
+                           expected, gpu, picked, busy, pms, scraped, arrivals, rate), names,
+                          (block_size, capacity)), hot

@@ -48,6 +48,9 @@ class SchedulingRequest:
     #: closely); an exponential average over the pool's last ≈ 100 decisions before this one
     #: (:data:`~kvfleet.epp.requestcontrol.director.FOLLOWUP_ALPHA`)
     followup_share: float = 0.0
+    #: requests of the hot key expected to follow: its rate × the age of its popularity run
+    #: (:meth:`~kvfleet.epp.inflight.InflightTracker.popularity`)
+    hot_followers: float = 0.0
 
     @property
     def prefill_s(self) -> float:
@@ -94,6 +97,10 @@ class Candidate:
     busy_share: float = 0.0
     metrics: PodMetrics | None = None
     scrape_pending: int | None = None
+    #: requests and predicted uncached tokens per second the hot key's requests brought to the pod since
+    #: the first of those still waiting there (:meth:`~kvfleet.epp.inflight.InflightTracker.prefix_rates`)
+    prefix_arrivals: float = 0.0
+    prefix_rate: float = 0.0
 
     @property
     def name(self) -> str:

@@ -67,18 +67,80 @@ def mean_queue_rho(req: SchedulingRequest, cands: Sequence[Candidate]) -> float:
     return q / (q + req.prefill_s) if q > 0 else 0.0
 
 
+#: seconds a request costs an engine beyond its prefill: at least one engine step (the queue scorer's
+#: ``overhead_s`` default and the followers' load)
+STEP_S = 0.01
+
+
+def followers(req: SchedulingRequest, cands: Sequence[Candidate], step_s: float = STEP_S) -> list[float]:
+    """The hot prefix's requests waiting on each candidate that a copy of the prefix elsewhere would relieve:
+    ``same_prefix``, except while the pod is still computing the prefix (only the picker's speculative
+    entries vouch for its hit: ``spec_blocks ≥ hit_blocks``) for followers that come slower than it serves
+    them (``ρ_f = prefix_arrivals · step_s + prefix_rate · prefill_s_per_token < 1``: their requests and
+    uncached tokens per second, :meth:`~kvfleet.epp.inflight.InflightTracker.prefix_rates`) and no other
+    candidate could have a copy ready before the pod's queue is through (its queued prefill seconds, as
+    the queue scorer counts them with ``overhead_s = step_s``, plus the prefill of the blocks it lacks of the
+    longest held prefix): then 0.
+
+    A copy started now is ready after a whole prefill; the holder started the same prefill earlier and
+    finishes it first, then serves its followers as they come and its queue drains. Each follower then has
+    the seeds' choice to make on its own (the wait there against recomputing elsewhere), and a hit damped
+    below that wait sent it to recompute: the readers of a new long document queued behind its first
+    prefill (ρ_f ≈ 0.5) recomputed it on an idle pod, 2.68 s against a 2.2 s wait, and the workload
+    family's documents had TTFT p99 1.16 × the best peer's. A holder whose own queue is longer than a
+    copy elsewhere takes is not through first, and followers piled there near saturation (agent trees at
+    ρ* 0.5 on 8 pods: p90 1.33 ×). Followers coming faster than the holder serves them (ρ_f from 4 to 134
+    over 90 % of the family's storm decisions) grow its queue for as long as they come, and a copy serves
+    those that follow: undamped, the family's storms went to p99 1.23 × the best peer's. Once the prefix is
+    cached (its KV events arrived) the damping is as before: off there too for slow followers, an agent
+    tree's sibling branches piled onto its holder (TTFT p90 1.54 × on the family's agents at ρ* 0.5 with
+    250-block caches on 8 pods; ``docs/epp.md``)."""
+    same = column(cands, "same_prefix")
+    if not any(same):
+        return [0.0] * len(cands)
+    per_token = req.prefill_s_per_token
+    block_s = req.block_size * per_token
+    hits = column(cands, "hit_blocks")
+    queue = [max(0.0, t * per_token + k * step_s - e)
+             for t, k, e in zip(column(cands, "pending_tokens"), column(cands, "pending_requests"),
+                                column(cands, "pending_elapsed_s"), strict=True)]
+    top = max(hits)
+    # when a copy of the longest held prefix would be ready on each pod: the two soonest, so that each
+    # candidate compares itself with the soonest other
+    ready = [q + (top - h) * block_s for q, h in zip(queue, hits, strict=True)]
+    first = min(range(len(ready)), key=ready.__getitem__)
+    second = min((x for j, x in enumerate(ready) if j != first), default=0.0)
+    out: list[float] = []
+    for i, (n, sp, h, a, r) in enumerate(zip(same, column(cands, "spec_blocks"), hits,
+                                             column(cands, "prefix_arrivals"), column(cands, "prefix_rate"),
+                                             strict=True)):
+        if n and sp >= h and a * step_s + r * per_token < 1.0 and (
+                second if i == first else ready[first]) >= queue[i]:
+            n = 0
+        out.append(float(n))
+    return out
+
+
+def followups(req: SchedulingRequest, bound: float) -> float:
+    """``F = min(bound, f / (1 − f))``: the requests expected to follow this one to its pod, ``f`` the share
+    of the pool's recent prompts a live pick covered (:class:`QueueScorer`)."""
+    f = min(1.0, max(0.0, req.followup_share))
+    return bound if f >= 1.0 else min(bound, f / (1.0 - f))
+
+
 @register("prefix-cache-scorer", "scorer")
 class PrefixCacheScorer:
     """Prefill seconds the pod's cached prefix saves, damped on hot spots.
 
-    ``hit_s = hit_weighted · block_size · prefill_s_per_token · gain / (1 + β · same_prefix)``
+    ``hit_s = hit_weighted · block_size · prefill_s_per_token · gain / (1 + β · followers)``
     where ``hit_weighted = Σ over matched prefix blocks of weight(tier)`` and
     ``weight(tier) = max(0, 1 − load_s_per_token(tier) / prefill_s_per_token)``
-    (a CPU/SSD hit is worth what it saves after its load cost); ``same_prefix`` the
+    (a CPU/SSD hit is worth what it saves after its load cost); ``followers`` the
     picker's requests on the pod for the same longest-matched prefix that are still
     waiting for their first token (the router's hot key; seed 5.4: without it every
-    same-prefix request piles onto one pod), ``β`` = hotspot_beta (param ``beta``
-    overrides it).
+    same-prefix request piles onto one pod), not counted while the pod is still computing
+    the prefix for followers slower than it (:func:`followers`), ``β`` = hotspot_beta
+    (param ``beta`` overrides it).
 
     With the queue scorer this is the seeds' rule: a request goes to the pod holding
     its prefix while the wait there costs less than recomputing the prefix elsewhere.
@@ -100,8 +162,9 @@ class PrefixCacheScorer:
         beta = req.hotspot_beta if self.beta is None else float(self.beta)
         unit = req.block_size * req.prefill_s_per_token
         gain = 1.0 + self.load_gain * mean_queue_rho(req, cands) if self.load_gain else 1.0
-        return [x * unit * (1.0 if same else gain) / (1.0 + beta * same)
-                for x, same in zip(column(cands, "hit_weighted"), column(cands, "same_prefix"), strict=True)]
+        return [x * unit / (1.0 + beta * f) if same else x * unit * gain
+                for x, same, f in zip(column(cands, "hit_weighted"), column(cands, "same_prefix"),
+                                      followers(req, cands), strict=True)]
 
 
 @register("queue-scorer", "scorer")
@@ -143,14 +206,13 @@ class QueueScorer:
 
     def __init__(self, params: Mapping[str, float]) -> None:
         self.running_s = float(params.get("running_s", 0.01))
-        self.overhead_s = float(params.get("overhead_s", 0.01))
+        self.overhead_s = float(params.get("overhead_s", STEP_S))
         self.expected = float(params.get("expected_weight", 1.0))
         self.max_followups = max(0.0, float(params.get("max_followups", 4.0)))
 
     def followups(self, req: SchedulingRequest) -> float:
         """``F``: the requests expected to follow this one to its pod (the class doc)."""
-        f = min(1.0, max(0.0, req.followup_share))
-        return self.max_followups if f >= 1.0 else min(self.max_followups, f / (1.0 - f))
+        return followups(req, self.max_followups)
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         out = []
@@ -298,11 +360,11 @@ class RoundRobinPicker:
 class RecomputeLoadScorer:
     """Minus the delay a recompute puts on the pod's later requests.
 
-    ``score = −(H − hit_weighted) · block_size · prefill_s_per_token · u / (1 − u) / (1 + β · Σ same_prefix)``
+    ``score = −(H − hit_weighted) · block_size · prefill_s_per_token · u / (1 − u) / (1 + β · Σ followers)``
     with ``H`` the largest ``hit_weighted`` among the candidates, ``u = min(max_busy, busy_share)`` the pod's
     recent utilisation (``Candidate.busy_share``; param ``max_busy``, default 0.5, so ``u / (1 − u) ≤ 1``)
-    and ``Σ same_prefix`` the picker's requests of the same hot key still waiting for their first token on
-    all candidates (``β`` = hotspot_beta).
+    and ``Σ followers`` the picker's requests of the same hot key still waiting for their first token on
+    all candidates, counted as the prefix scorer counts them (:func:`followers`; ``β`` = hotspot_beta).
 
     The prefix scorer prices a hit at the prefill it saves *this* request. Placed on a pod that lacks a prefix
     another candidate holds, the request also makes that pod compute the missing blocks, and on a busy pod
@@ -328,7 +390,7 @@ class RecomputeLoadScorer:
         top = max(hits)
         # a hot prefix (requests of it still waiting for their first token) is worth a copy on another pod
         unit = req.block_size * req.prefill_s_per_token / (1.0 + req.hotspot_beta
-                                                           * sum(column(cands, "same_prefix")))
+                                                           * sum(followers(req, cands)))
         mb = self.max_busy
         out = []
         for x, u in zip(hits, column(cands, "busy_share"), strict=True):
@@ -336,6 +398,64 @@ class RecomputeLoadScorer:
                 u = mb
             out.append(-(top - x) * unit * u / (1.0 - u) if u > 0.0 else 0.0)
         return out
+
+
+@register("copy-value-scorer", "scorer")
+class CopyValueScorer:
+    """The wait a copy of the hot prefix saves the requests that will follow it there.
+
+    ``score = (N / (k + 1) − F) · (e_h − e_c) · (1 − u_c / max_busy)`` for a candidate ``c`` lacking the
+    prefix the best candidates hold (``hit_weighted < H``), where it is positive (else 0; 0 on the holders),
+    with
+
+    - ``N`` the hot key's requests expected to follow (``SchedulingRequest.hot_followers``: its requests per
+      second × the age of its popularity run, :meth:`~kvfleet.epp.inflight.InflightTracker.popularity`, the
+      age counted up to ``COPY_HORIZON_S`` = 30 s: a popularity that has lasted ``t`` is expected to last
+      about ``t`` more; 0 while the run is younger than ``COPY_MIN_AGE_S`` = 10 s, the pods' load history),
+      of which a copy takes ``1 / (k + 1)``, ``k`` the candidates holding the prefix (copies still being
+      computed included);
+    - ``F`` the follow-ups the queue scorer already counts for every placement (:func:`followups`, param
+      ``max_followups``, default 4, as the queue scorer's);
+    - ``e_h − e_c`` the expected wait (``expected_wait_s``) each of them saves on ``c`` rather than the
+      least loaded holder whose hit is not only speculative (none: 0 everywhere);
+    - ``1 − u_c / max_busy`` the pod's spare capacity (``busy_share``; param ``max_busy``, default 0.5:
+      nothing at half busy or more).
+
+    The hot-spot damping makes a copy while requests of the prefix wait for their first token. A document
+    read by many, once cached, has one or two of those at a time: each reader's wait at its holder stays
+    below recomputing the document, and no copy was ever made, though the readers kept coming for
+    minutes. Without this scorer a document read by 60 % of the requests stayed on one pod (the workload
+    family's documents at ρ 0.95, seed 3: p90 0.116 s against 0.102 s). Each factor is pinned on 8 pods
+    near capacity (``tests/epp/test_routing_family.py``): without the minimum age, an agent tree's burst
+    of sibling steps counted as a popularity (agents at ρ* 0.5: p90 3.3 → 5.9 s); without ``− F``, the
+    follow-ups the queue scorer weighs were counted twice (4.9 s); without the spare capacity, copies went
+    to pods as busy as the holder (sessions at ρ* 0.5: p90 1.02 → 1.13 × GIE's; ``docs/epp.md``).
+    """
+
+    def __init__(self, params: Mapping[str, float]) -> None:
+        self.max_followups = max(0.0, float(params.get("max_followups", 4.0)))
+        self.max_busy = float(params.get("max_busy", 0.5))
+
+    def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        n = req.hot_followers
+        if not cands or n <= 0.0:
+            return [0.0] * len(cands)
+        hits = column(cands, "hit_weighted")
+        top = max(hits)
+        if top <= 0.0:
+            return [0.0] * len(cands)
+        waits = column(cands, "expected_wait_s")
+        held = [w for x, w, sp, h in zip(hits, waits, column(cands, "spec_blocks"),
+                                         column(cands, "hit_blocks"), strict=True) if x >= top and sp < h]
+        if not held:
+            return [0.0] * len(cands)
+        eh = min(held)
+        k = n / (sum(1 for x in hits if x >= top) + 1) - followups(req, self.max_followups)
+        if k <= 0.0:
+            return [0.0] * len(cands)
+        mb = self.max_busy
+        return [k * (eh - w) * (1.0 - u / mb) if x < top and w < eh and u < mb else 0.0
+                for x, w, u in zip(hits, waits, column(cands, "busy_share"), strict=True)]
 
 
 @register("eviction-cost-scorer", "scorer")

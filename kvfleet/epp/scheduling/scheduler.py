@@ -30,7 +30,7 @@ from kvfleet.epp.scheduling.profile import Profile, Ranked
 
 #: scorers whose weight a pool's ``routing.weights.prefix`` scales, and those ``load`` scales
 PREFIX_SCORERS = frozenset({"prefix-cache-scorer", "prefix-affinity-scorer", "eviction-cost-scorer",
-                            "recompute-load-scorer"})
+                            "recompute-load-scorer", "copy-value-scorer"})
 LOAD_SCORERS = frozenset({"queue-scorer", "kv-cache-utilization-scorer", "least-inflight-scorer"})
 
 #: a shard (pod subset) and its ready pods, as level 1 hands them to scheduling

@@ -118,8 +118,9 @@ class PodView(NamedTuple):
     prefix_rate: float = 0.0
 
 
-#: hot keys whose popularity runs the tracker keeps (the least recently seen forgotten first)
-POPULARITY_KEYS = 65_536
+#: hot keys whose popularity runs the tracker keeps, the least recently seen forgotten first (≈ 250 B each:
+#: at most ≈ 4 MB); a key away longer than ``history_s`` has no run to keep anyway
+POPULARITY_KEYS = 16_384
 
 
 class InflightTracker:

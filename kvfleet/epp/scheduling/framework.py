@@ -23,14 +23,16 @@ with a ``pre_request`` method (:class:`PreRequest`) hears of each cycle's pick
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol, overload
+from typing import Any, Protocol, TypeVar, cast, overload
 
 from kvfleet.epp.datastore import Pod
 from kvfleet.epp.errors import UnknownPluginError
 from kvfleet.epp.podmetrics import PodMetrics, gpu_capacity
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ class Candidates(Sequence[Candidate]):
     :class:`Candidate`.
     """
 
-    __slots__ = ("_capacity", "_items", "columns", "names")
+    __slots__ = ("_capacity", "_items", "_memo", "columns", "names")
 
     def __init__(self, columns: Sequence[Sequence[Any]], names: Sequence[str] | None = None,
                  capacity: tuple[int, Sequence[int | None]] | None = None) -> None:
@@ -137,6 +139,8 @@ class Candidates(Sequence[Candidate]):
         self._items: list[Candidate | None] = [None] * n
         #: (block size, each pod's GPU cache in blocks of it): what candidate building already computed
         self._capacity = capacity
+        #: per-cycle values several plugins read (:meth:`memo`)
+        self._memo: dict[Hashable, Any] = {}
 
     @classmethod
     def of(cls, cands: Sequence[Candidate]) -> Candidates:
@@ -168,6 +172,15 @@ class Candidates(Sequence[Candidate]):
             pms = self.columns[_POSITION["metrics"]]
             self._capacity = (block_size, [gpu_capacity(pm, block_size) for pm in pms])
         return self._capacity[1]
+
+    def memo(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, computed once for these candidates under ``key`` (a value several plugins of one cycle
+        read, such as :func:`~kvfleet.epp.scheduling.plugins.followers`)."""
+        try:
+            return cast(T, self._memo[key])
+        except KeyError:
+            value = self._memo[key] = make()
+            return value
 
     def __len__(self) -> int:
         return len(self._items)

@@ -95,29 +95,39 @@ def followers(req: SchedulingRequest, cands: Sequence[Candidate], step_s: float 
     cached (its KV events arrived) the damping is as before: off there too for slow followers, an agent
     tree's sibling branches piled onto its holder (TTFT p90 1.54 × on the family's agents at ρ* 0.5 with
     250-block caches on 8 pods; ``docs/epp.md``)."""
+    if isinstance(cands, Candidates):  # the prefix and recompute-load scorers both read it in one cycle
+        return cands.memo(("followers", id(req), step_s), lambda: _followers(req, cands, step_s))
+    return _followers(req, cands, step_s)
+
+
+def _followers(req: SchedulingRequest, cands: Sequence[Candidate], step_s: float) -> list[float]:
     same = column(cands, "same_prefix")
-    if not any(same):
-        return [0.0] * len(cands)
+    out = [float(x) for x in same]
+    waiting = [i for i, x in enumerate(same) if x]
+    if not waiting:
+        return out
     per_token = req.prefill_s_per_token
+    spec, hits = column(cands, "spec_blocks"), column(cands, "hit_blocks")
+    arrivals, rates = column(cands, "prefix_arrivals"), column(cands, "prefix_rate")
+    spared = [i for i in waiting if spec[i] >= hits[i] and arrivals[i] * step_s + rates[i] * per_token < 1.0]
+    if not spared:
+        return out
     block_s = req.block_size * per_token
-    hits = column(cands, "hit_blocks")
-    queue = [max(0.0, t * per_token + k * step_s - e)
+    queue = [t * per_token + k * step_s - e
              for t, k, e in zip(column(cands, "pending_tokens"), column(cands, "pending_requests"),
                                 column(cands, "pending_elapsed_s"), strict=True)]
+    queue = [q if q > 0.0 else 0.0 for q in queue]
     top = max(hits)
     # when a copy of the longest held prefix would be ready on each pod: the two soonest, so that each
-    # candidate compares itself with the soonest other
+    # spared candidate compares itself with the soonest other
     ready = [q + (top - h) * block_s for q, h in zip(queue, hits, strict=True)]
-    first = min(range(len(ready)), key=ready.__getitem__)
-    second = min((x for j, x in enumerate(ready) if j != first), default=0.0)
-    out: list[float] = []
-    for i, (n, sp, h, a, r) in enumerate(zip(same, column(cands, "spec_blocks"), hits,
-                                             column(cands, "prefix_arrivals"), column(cands, "prefix_rate"),
-                                             strict=True)):
-        if n and sp >= h and a * step_s + r * per_token < 1.0 and (
-                second if i == first else ready[first]) >= queue[i]:
-            n = 0
-        out.append(float(n))
+    soonest = min(ready)
+    first = ready.index(soonest)
+    others = ready[:first] + ready[first + 1:]
+    second = min(others) if others else 0.0
+    for i in spared:
+        if (second if i == first else soonest) >= queue[i]:
+            out[i] = 0.0
     return out
 
 

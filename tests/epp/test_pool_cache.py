@@ -12,6 +12,7 @@ tokens through a real Envoy (gauge ``kvfleet_epp_pool_key_mismatch``), and a mat
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -127,8 +128,13 @@ def _mismatch(epp: Epp) -> float | None:
 @pytest.mark.parametrize("declared", [16, 64])
 def test_engines_hashing_otherwise_are_detected(envoy_factory: EnvoyF, declared: int) -> None:
     """Engines with 64-token blocks: a pool declaring 16 is flagged after repeated prompts whose hits the
-    index never predicted; a pool declaring 64 predicts them (routes to the holder) and is not flagged."""
-    fleet = PodFleet(2, block_size=64).start()
+    index never predicted; a pool declaring 64 predicts them (routes to the holder) and is not flagged.
+
+    The pool declaring 16 has one pod, so that every repeat lands where its prompt ran: with two, nothing
+    the picker knows ties a repeat to that pod (its keys match no event), the pods' recent load decides, and
+    on a fast host half the repeats went to the other pod, leaving fewer hits than the check needs; and a
+    repeat waits out the 1 ms speculative entry of its prompt's pick, which a fast client beat."""
+    fleet = PodFleet(1 if declared == 16 else 2, block_size=64).start()
     settings = load(overrides={"epp": {"host": "127.0.0.1", "grpc_port": 0, "health_port": 0,
                                        "metrics_port": 0, "speculative_ttl_s": 0.001}})
     data = fleet.pools_config()
@@ -148,6 +154,8 @@ def test_engines_hashing_otherwise_are_detected(envoy_factory: EnvoyF, declared:
             # the index can hold these keys: wait for the events (else nothing matches anyway)
             if declared == 64:
                 wait_for(lambda before=before: indexed() > before, what="events indexed")  # type: ignore[misc]
+            else:  # the pick's own speculative entry (1 ms after its first token) must not predict the repeat
+                time.sleep(0.02)
             status, _, body = post(url, {"model": "m", "prompt": prompt + " again"})
             assert status == 200
             cached = json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"]

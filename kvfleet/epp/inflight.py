@@ -113,7 +113,8 @@ class PodView(NamedTuple):
     #: the share of the last ``history_s`` (decayed) the pod had a request of the picker waiting for its
     #: first token (:meth:`InflightTracker.view`)
     busy_share: float = 0.0
-    #: :meth:`InflightTracker.prefix_rates` of the hot prefix on the pod (0 when none of it waits there)
+    #: the hot prefix's requests and predicted uncached tokens per second on the pod over its current run
+    #: (:meth:`_Run.rates`; 0 when none of it waits there): the followers' load on the pod
     prefix_arrivals: float = 0.0
     prefix_rate: float = 0.0
 
@@ -456,16 +457,6 @@ class InflightTracker:
         (until their stream ends with ``hot_until_close``)."""
         run = self._prefix.get((pod, prefix))
         return run.count if run is not None else 0
-
-    def prefix_rates(self, pod: str, prefix: int) -> tuple[float, float]:
-        """The follower work ``prefix`` brings to ``pod``: (requests, predicted uncached tokens) per second
-        of its requests opened there since the first of those still waiting (the current run: it ends
-        when none waits); (0, 0) when none waits. With the seconds a request and a token cost, the pod's
-        load from the prefix's followers: below 1 the pod serves them as they come, and its queue drains
-        (:func:`~kvfleet.epp.scheduling.plugins.followers`)."""
-        with self._lock:
-            run = self._prefix.get((pod, prefix))
-            return run.rates(self.clock()) if run is not None else (0.0, 0.0)
 
     def forget(self, pod: str) -> None:
         with self._lock:

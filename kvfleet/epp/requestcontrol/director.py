@@ -24,7 +24,6 @@ Steps 3–5 run under one lock: the candidates see every earlier pick's ticket a
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -243,22 +242,22 @@ class Director:
         invoked = self.locator.invoked_pool(model, shard, pools, allowed)
         block_size = self.hasher_for(invoked).block_size
         beta = invoked.cache.hotspot_decay
-        sreq = SchedulingRequest(
-            num_tokens=num_tokens,
-            block_size=block_size,
-            prefill_s_per_token=self.prefill_s_per_token,
-            hotspot_beta=self.settings.hotspot_beta if beta is None else beta,
-            shard=shard,
-            followup_share=self._followup.get(invoked.name, 0.0),
-        )
+        followup_share = self._followup.get(invoked.name, 0.0)
         profile = self.scheduler.profile_for(invoked.cache)
         groups = self.locator.shards(model, shard, invoked, allowed)
         serving = serving_pods(groups)
         with self._lock:
             cands, hot = self.candidates.build(serving, keys, shard, block_size=block_size)
             rate, age = self.tracker.popularity(hot)
-            if rate and age >= COPY_MIN_AGE_S:
-                sreq = dataclasses.replace(sreq, hot_followers=rate * min(age, COPY_HORIZON_S))
+            sreq = SchedulingRequest(
+                num_tokens=num_tokens,
+                block_size=block_size,
+                prefill_s_per_token=self.prefill_s_per_token,
+                hotspot_beta=self.settings.hotspot_beta if beta is None else beta,
+                shard=shard,
+                followup_share=followup_share,
+                hot_followers=rate * min(age, COPY_HORIZON_S) if age >= COPY_MIN_AGE_S else 0.0,
+            )
             self._observe_followup(invoked.name, keys, cands)
             self._admit(invoked, cands)
             result = self.scheduler.schedule(sreq, profile, cands, groups, keys, hot)

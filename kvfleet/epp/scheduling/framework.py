@@ -100,7 +100,7 @@ class Candidate:
     metrics: PodMetrics | None = None
     scrape_pending: int | None = None
     #: requests and predicted uncached tokens per second the hot key's requests brought to the pod since
-    #: the first of those still waiting there (:meth:`~kvfleet.epp.inflight.InflightTracker.prefix_rates`)
+    #: the first of those still waiting there (:attr:`~kvfleet.epp.inflight.PodView.prefix_rate`)
     prefix_arrivals: float = 0.0
     prefix_rate: float = 0.0
 

@@ -77,7 +77,7 @@ def followers(req: SchedulingRequest, cands: Sequence[Candidate], step_s: float 
     ``same_prefix``, except while the pod is still computing the prefix (only the picker's speculative
     entries vouch for its hit: ``spec_blocks ≥ hit_blocks``) for followers that come slower than it serves
     them (``ρ_f = prefix_arrivals · step_s + prefix_rate · prefill_s_per_token < 1``: their requests and
-    uncached tokens per second, :meth:`~kvfleet.epp.inflight.InflightTracker.prefix_rates`) and no other
+    uncached tokens per second, :attr:`~kvfleet.epp.inflight.PodView.prefix_rate`) and no other
     candidate could have a copy ready before the pod's queue is through (its queued prefill seconds, as
     the queue scorer counts them with ``overhead_s = step_s``, plus the prefill of the blocks it lacks of the
     longest held prefix): then 0.

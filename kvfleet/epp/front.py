@@ -15,6 +15,16 @@ token; the bodies the picker reads (the usage, ``epp.response_body_sample``) com
 message, and the last chunk still comes here (``tests/epp/test_front.py`` checks the front's answers against
 this module's).
 
+A second exception, set once for all calls (AHEAD, sent when the front says HELLO: the servicer's default
+request body mode and :func:`~kvfleet.epp.protocol.empty_request_headers_response`'s bytes): in BUFFERED
+mode Envoy sends a request's headers, waits for their answer, then the whole body, and the answer to headers
+that do not end the request is that fixed "continue". The front gives it itself and hands the headers over
+(HEADERS) with the body, in one write (an ext_proc call's OPEN waits for its first frame as well): one
+wake-up and one write of this process per request less. The headers are still
+checked here, as the first step of the call: what :class:`~kvfleet.epp.server.ExtProcServicer` refuses on
+them (a path it does not serve, a wrong method, a declared body over the limit) is answered to the body,
+with the same immediate response (:attr:`_Call.refused`), and the call ends there.
+
 The front serves the methods this module knows: ext_proc's ``Process`` and ``grpc.health.v1.Health``'s
 ``Check`` and ``Watch`` (GIE's service names, :class:`~kvfleet.epp.server.HealthServicer`); any other gets
 UNIMPLEMENTED. When the front exits unexpectedly, :class:`NativeFront` starts it again on the same port; while
@@ -44,6 +54,7 @@ from google.protobuf.message import DecodeError
 from grpc import StatusCode
 from grpc_health.v1 import health_pb2
 
+from kvfleet.epp import protocol
 from kvfleet.epp import server as srv
 
 log = logging.getLogger(__name__)
@@ -56,10 +67,12 @@ PROCESS = f"/{srv.EXT_PROC_SERVICE}/Process"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 
-HELLO, OPEN, MSG, HALF_CLOSE, CANCEL, END, ERROR, ECHO, BODY = range(1, 10)
+HELLO, OPEN, MSG, HALF_CLOSE, CANCEL, END, ERROR, ECHO, BODY, AHEAD, HEADERS = range(1, 12)
 _HEAD = struct.Struct("<IQB")
 _U16, _U32 = struct.Struct("<H"), struct.Struct("<I")
 _ECHO = struct.Struct("<QI")
+#: the answer to request headers that do not end the request (BUFFERED): AHEAD's bytes
+_CONTINUE = protocol.empty_request_headers_response().SerializeToString()
 #: a frame beyond the largest message plus this is a broken front: the connection is dropped
 _SLACK = 1 << 16
 
@@ -102,6 +115,9 @@ class _Call:
     #: the call's messages answered (ECHO's count: the front answers a chunk only when it has handed
     #: this process nothing unanswered)
     answered: int = 0
+    #: the answer due instead of the call's next message: the servicer's refusal of request headers the front
+    #: had already answered (HEADERS)
+    refused: list[pb.ProcessingResponse] | None = None
 
 
 class Bridge(asyncio.Protocol):
@@ -122,6 +138,8 @@ class Bridge(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.on_lost = on_lost
+        #: request headers the front answered (AHEAD) and handed over with their call's next frame
+        self.headers_ahead = 0
 
     # --- the socket ----------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -194,6 +212,7 @@ class Bridge(asyncio.Protocol):
         if kind == HELLO:
             if not self.port.done():
                 self.port.set_result(int(payload))
+            self._send(0, AHEAD, bytes([self.servicer.default_mode & 0xFF]) + _CONTINUE)
             return
         if kind == OPEN:
             method, md = decode_open(payload)
@@ -216,6 +235,9 @@ class Bridge(asyncio.Protocol):
             self._health(cid, call, kind, payload)
             return
         if kind == HALF_CLOSE:  # the client is done: the stream ends as Process's loop does
+            if call.refused is not None:  # headers refused and no body came: the refusal still goes out
+                for resp in call.refused:
+                    self._send(cid, MSG, resp.SerializeToString())
             self._end(cid)
             return
         if kind == BODY:  # chunks the front answered: their bodies, in the stream's order
@@ -229,7 +251,14 @@ class Bridge(asyncio.Protocol):
             return
         if call.st is None:
             call.st = self.servicer.open_stream(msg, call.metadata)
+        if call.refused is not None:  # the headers the front answered were refused: so is what follows
+            self._answer(cid, call, msg, call.refused)
+            return
         out = self.servicer.step(call.st, msg)
+        if kind == HEADERS:  # answered by the front already: only a refusal is left to give
+            self.headers_ahead += 1
+            self._ahead(cid, call, out)
+            return
         if out is None:
             call.busy = True
             fut = asyncio.get_running_loop().run_in_executor(
@@ -237,6 +266,19 @@ class Bridge(asyncio.Protocol):
             fut.add_done_callback(lambda f: self._routed(cid, call, msg, f))
             return
         self._answer(cid, call, msg, out)
+
+    def _ahead(self, cid: int, call: _Call, out: list[pb.ProcessingResponse] | None) -> None:
+        """The servicer's answer ``out`` to request headers the front answered with :data:`_CONTINUE`: the
+        same answer, nothing to send; a refusal (an immediate response) answers the call's next message."""
+        if out is not None and len(out) == 1:
+            if out[0].HasField("immediate_response"):
+                call.refused = out
+                return
+            if out[0].SerializeToString() == _CONTINUE:
+                return
+        # the front's rule and the servicer's disagree (the front answered what it should not have)
+        log.error("epp front: call %d: request headers answered ahead, but the picker answers %s", cid, out)
+        self._fail(cid, StatusCode.INTERNAL, "request headers answered ahead of the endpoint picker")
 
     def _answer(self, cid: int, call: _Call, msg: pb.ProcessingRequest,
                 out: list[pb.ProcessingResponse]) -> None:

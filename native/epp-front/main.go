@@ -3,7 +3,8 @@
 // It serves the picker's gRPC port (Envoy's ext_proc calls, gRPC health) and moves every call's
 // messages, as their serialized bytes, to and from the picker process over one Unix socket that
 // the picker hands it (a file descriptor inherited at exec). It makes no decision and decodes no
-// message but the response chunks the picker asks it to answer (ECHO below): the picker
+// message but the response chunks and request headers the picker asks it to answer with its own
+// bytes (ECHO and AHEAD below): the picker
 // (kvfleet/epp/server.py, kvfleet/epp/front.py) does both, so there is one implementation of the
 // protocol. What it takes off the picker is gRPC itself: HTTP/2, flow control and the per-message work
 // of Python's grpc.aio, which cost as much CPU as a decision.
@@ -13,14 +14,26 @@
 //
 //	front → picker: HELLO (call 0, payload: the bound port, decimal), OPEN (payload: the method,
 //	                then the metadata as u16/u32 length-prefixed key/value pairs), MSG (a request
-//	                message), HALF_CLOSE (the client sent its last message), CANCEL (the call ended
-//	                before the picker finished it: reset by the client, or a send failed), BODY (the
-//	                bodies of the response chunks answered here since the picker's last message, below)
+//	                message), HEADERS (a call's request headers answered here, below), HALF_CLOSE (the
+//	                client sent its last message), CANCEL (the call ended before the picker finished it:
+//	                reset by the client, or a send failed), BODY (the bodies of the response chunks
+//	                answered here since the picker's last message, below)
 //	picker → front: MSG (a response message), END (finish the call with OK), ERROR (payload: u32
 //	                gRPC status code, then the status message), ECHO (answer the call's response-body
-//	                chunks here, below)
+//	                chunks here, below), AHEAD (call 0: answer request headers here, below)
 //
-// ECHO is the one place the front reads a message. Envoy sends each chunk of a response (a streamed
+// AHEAD (payload: u8, the picker's default request body mode; then the picker's answer to request
+// headers) saves the picker one wake-up per request. In BUFFERED mode Envoy sends a request's headers,
+// waits for their answer, then sends the whole body: the answer to headers that do not end the request
+// is fixed (continue), so a call's first message that is exactly such headers (request_headers with
+// end_of_stream false, beside only the metadata, attributes and protocol configuration Envoy attaches;
+// the body mode BUFFERED, from the protocol configuration or else the picker's default) is answered here
+// with the picker's bytes, and handed to the picker as HEADERS together with the call's next frame (the
+// body), in one write. The picker still checks the headers (kvfleet/epp/front.py): what it would have
+// refused there (a path it does not serve, a wrong method, a declared length over its limit) it answers
+// to the body instead, with the same immediate response.
+//
+// ECHO and AHEAD are the places the front reads a message. Envoy sends each chunk of a response (a streamed
 // token each) to the picker and waits for its answer, which depends only on the body mode: in
 // STREAMED an empty BodyResponse, in FULL_DUPLEX_STREAMED the chunk handed back unchanged. A round trip
 // to the picker per token cost it more than its decisions, so after the pick the picker follows each
@@ -80,6 +93,8 @@ const (
 	kindError     = 7
 	kindEcho      = 8
 	kindBody      = 9
+	kindAhead     = 10
+	kindHeaders   = 11
 
 	headerLen = 4 + 8 + 1
 )
@@ -111,6 +126,10 @@ type call struct {
 	mu     sync.Mutex
 	queue  []frame
 	notify chan struct{}
+	// open: the call's OPEN frame until it goes to the picker (with the call's first frame);
+	// cancelled: the call ended here (its CANCEL sent, or none when the picker never heard of it)
+	open      *frame
+	cancelled bool
 	// chunks: the response-body chunks are answered here (the picker's ECHO): with fixed (its bytes), or
 	// the chunk handed back when fixed is empty; the first captureLeft bytes of their bodies are kept
 	// (captured) for the picker, sent ahead of the next message it gets. forwarded: the messages handed to
@@ -135,6 +154,29 @@ type heldAnswer struct {
 
 // heldBudget bounds the chunk bodies of the answers a call holds; past it, chunks go to the picker.
 const heldBudget = 1 << 20
+
+// opening sends the call's OPEN frame, held until its first frame (see handle), unless the call was
+// cancelled first: then it reports false and the picker never hears of the call.
+func (f *front) opening(c *call) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.cancelled {
+		return false
+	}
+	if c.open != nil {
+		f.send(*c.open) // under the lock: a CANCEL cannot overtake it
+		c.open = nil
+	}
+	return true
+}
+
+// cancelling marks the call cancelled and reports whether the picker has heard of it (its OPEN sent).
+func (f *front) cancelling(c *call) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.cancelled = true
+	return c.open == nil
+}
 
 func (c *call) push(f frame) {
 	c.mu.Lock()
@@ -219,16 +261,24 @@ func (c *call) echoFrom(payload []byte) {
 
 // The ext_proc field numbers the front reads and writes (envoy/service/ext_proc/v3/external_processor.proto).
 const (
-	reqResponseBody    = 5 // ProcessingRequest.response_body
-	reqMetadataContext = 8 // ProcessingRequest.metadata_context
-	reqAttributes      = 9 // ProcessingRequest.attributes
-	bodyBody           = 1 // HttpBody.body
-	bodyEndOfStream    = 2 // HttpBody.end_of_stream
-	respResponseBody   = 4 // ProcessingResponse.response_body
-	bodyRespResponse   = 1 // BodyResponse.response
-	commonBodyMutation = 3 // CommonResponse.body_mutation
-	mutationStreamed   = 3 // BodyMutation.streamed_response
-	streamedBody       = 1 // StreamedBodyResponse.body
+	reqRequestHeaders  = 2  // ProcessingRequest.request_headers
+	reqObservability   = 10 // ProcessingRequest.observability_mode
+	reqProtocolConfig  = 11 // ProcessingRequest.protocol_config
+	headersMap         = 1  // HttpHeaders.headers
+	headersAttributes  = 2  // HttpHeaders.attributes
+	headersEndOfStream = 3  // HttpHeaders.end_of_stream
+	configRequestMode  = 1  // ProtocolConfiguration.request_body_mode
+	modeBuffered       = 2  // ProcessingMode.BodySendMode.BUFFERED
+	reqResponseBody    = 5  // ProcessingRequest.response_body
+	reqMetadataContext = 8  // ProcessingRequest.metadata_context
+	reqAttributes      = 9  // ProcessingRequest.attributes
+	bodyBody           = 1  // HttpBody.body
+	bodyEndOfStream    = 2  // HttpBody.end_of_stream
+	respResponseBody   = 4  // ProcessingResponse.response_body
+	bodyRespResponse   = 1  // BodyResponse.response
+	commonBodyMutation = 3  // CommonResponse.body_mutation
+	mutationStreamed   = 3  // BodyMutation.streamed_response
+	streamedBody       = 1  // StreamedBodyResponse.body
 )
 
 // chunk is the body of msg (a serialized ProcessingRequest) when msg is a response-body chunk that does
@@ -293,6 +343,99 @@ func chunkBody(b []byte) ([]byte, bool) {
 	return body, true
 }
 
+// aheadConfig is the picker's AHEAD frame: its default request body mode and its answer to request
+// headers that do not end the request.
+type aheadConfig struct {
+	mode   uint64
+	answer []byte
+}
+
+// answersAhead reports whether msg (a call's first message) is request headers the front answers with
+// the picker's AHEAD bytes: request_headers with end_of_stream false, beside only the metadata and
+// attributes Envoy attaches and its protocol configuration, the request body mode BUFFERED (the
+// configuration's, else the picker's default). Anything else, or a parse error: false.
+func answersAhead(msg []byte, defaultMode uint64) bool {
+	mode := defaultMode
+	headers := 0
+	for len(msg) > 0 {
+		num, typ, n := protowire.ConsumeTag(msg)
+		if n < 0 || typ != protowire.BytesType {
+			return false
+		}
+		v, m := protowire.ConsumeBytes(msg[n:])
+		if m < 0 {
+			return false
+		}
+		msg = msg[n+m:]
+		switch num {
+		case reqRequestHeaders:
+			headers++
+			if !headersContinue(v) {
+				return false
+			}
+		case reqProtocolConfig:
+			md, ok := requestMode(v)
+			if !ok {
+				return false
+			}
+			mode = md
+		case reqMetadataContext, reqAttributes:
+		default: // observability mode, any other message: the picker answers
+			return false
+		}
+	}
+	return headers == 1 && mode == modeBuffered
+}
+
+// headersContinue reports whether an HttpHeaders message does not end the request (end_of_stream
+// absent or false); an unknown field or a parse error: false.
+func headersContinue(b []byte) bool {
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return false
+		}
+		b = b[n:]
+		switch {
+		case num == headersEndOfStream && typ == protowire.VarintType:
+			v, m := protowire.ConsumeVarint(b)
+			if m < 0 || v != 0 {
+				return false
+			}
+			b = b[m:]
+		case (num == headersMap || num == headersAttributes) && typ == protowire.BytesType:
+			_, m := protowire.ConsumeBytes(b)
+			if m < 0 {
+				return false
+			}
+			b = b[m:]
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// requestMode is a ProtocolConfiguration's request body mode (absent: NONE, 0).
+func requestMode(b []byte) (uint64, bool) {
+	mode := uint64(0)
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return 0, false
+		}
+		m := protowire.ConsumeFieldValue(num, typ, b[n:])
+		if m < 0 {
+			return 0, false
+		}
+		if num == configRequestMode && typ == protowire.VarintType {
+			mode, _ = protowire.ConsumeVarint(b[n:])
+		}
+		b = b[n+m:]
+	}
+	return mode, true
+}
+
 // echoAnswer is ProcessingResponse{response_body: {response: {body_mutation: {streamed_response:
 // {body}}}}} serialized as the picker's protobuf runtime does (fields in order, an empty body omitted,
 // every level present).
@@ -343,13 +486,18 @@ type front struct {
 	// payload bytes queued for the writer, at most queueBudget (one frame of any size gets through
 	// alone): a picker that reads slowly holds the calls' receivers back, and gRPC's flow control
 	// then holds the data plane back, instead of the front's memory growing
-	srv      *grpc.Server // set before the socket is read
+	srv *grpc.Server // set before the socket is read
+	// the picker's AHEAD frame (nil until it comes: request headers go to the picker)
+	ahead    atomic.Pointer[aheadConfig]
 	queuedMu sync.Mutex
 	queuedCv *sync.Cond
 	queued   int
 }
 
 const queueBudget = 64 << 20
+
+// processMethod is ext_proc's method: the one whose request headers may be answered here (AHEAD)
+const processMethod = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
 func (f *front) die(why error) {
 	f.dieOnce.Do(func() {
@@ -463,6 +611,12 @@ func (f *front) reader() {
 			f.die(err)
 			return
 		}
+		if fr.call == 0 && fr.kind == kindAhead {
+			if len(fr.payload) > 1 {
+				f.ahead.Store(&aheadConfig{mode: uint64(fr.payload[0]), answer: fr.payload[1:]})
+			}
+			continue
+		}
 		if c, ok := f.calls.Load(fr.call); ok {
 			if fr.kind == kindEcho {
 				c.(*call).echoFrom(fr.payload)
@@ -505,32 +659,76 @@ func (f *front) handle(_ any, ss grpc.ServerStream) error {
 	f.calls.Store(id, c)
 	defer f.calls.Delete(id)
 	md, _ := metadata.FromIncomingContext(ss.Context())
-	f.send(frame{call: id, kind: kindOpen, payload: encodeOpen(method, md)})
+	openFrame := frame{call: id, kind: kindOpen, payload: encodeOpen(method, md)}
+	process := method == processMethod
+	if process {
+		// an ext_proc call's OPEN goes with its first frame: one wake-up of the picker for both
+		c.open = &openFrame
+	} else {
+		f.send(openFrame)
+	}
 
 	recvErr := make(chan error, 1)
 	go func() {
+		// the call's request headers answered here (AHEAD), handed to the picker with its next frame
+		var held []byte
+		first := process
+		opened := !process
+		forward := func(fr frame) bool {
+			if !opened {
+				if !f.opening(c) {
+					return false // cancelled before the picker heard of it
+				}
+				opened = true
+			}
+			f.send(fr)
+			return true
+		}
 		for {
 			var b []byte
 			if err := ss.RecvMsg(&b); err != nil {
 				if errors.Is(err, io.EOF) {
-					f.send(frame{call: id, kind: kindHalfClose})
+					if held != nil {
+						forward(frame{call: id, kind: kindHeaders, payload: held})
+					}
+					forward(frame{call: id, kind: kindHalfClose})
 					err = nil
 				}
 				recvErr <- err
 				return
+			}
+			if first {
+				first = false
+				if cfg := f.ahead.Load(); cfg != nil && answersAhead(b, cfg.mode) {
+					held = b
+					c.push(frame{kind: kindMsg, payload: cfg.answer})
+					continue
+				}
+			}
+			if held != nil {
+				if !forward(frame{call: id, kind: kindHeaders, payload: held}) {
+					recvErr <- nil
+					return
+				}
+				held = nil
 			}
 			handled, captured := c.local(b)
 			if handled {
 				continue
 			}
 			if len(captured) > 0 {
-				f.send(frame{call: id, kind: kindBody, payload: captured})
+				forward(frame{call: id, kind: kindBody, payload: captured})
 			}
-			f.send(frame{call: id, kind: kindMsg, payload: b})
+			if !forward(frame{call: id, kind: kindMsg, payload: b}) {
+				recvErr <- nil
+				return
+			}
 		}
 	}()
 	cancel := func(err error) error {
-		f.send(frame{call: id, kind: kindCancel})
+		if f.cancelling(c) {
+			f.send(frame{call: id, kind: kindCancel})
+		}
 		return err
 	}
 	for {

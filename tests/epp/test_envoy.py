@@ -63,6 +63,27 @@ def test_same_prefix_lands_on_the_pod_that_published(
                 >= len(prefix.encode()) // 16 * 16 - 16)
 
 
+def test_buffered_request_headers_are_answered_by_the_front(
+    fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF
+) -> None:
+    """Under BUFFERED (the chart's mode) Envoy takes the headers' answer from the native front and sends the
+    body; the picker routes with both, and a path it refuses at the headers still reaches the client as its
+    404, now answered to the body."""
+    epp = epp_factory(front="native", speculative_ttl_s=0.001)
+    assert epp.front is not None and epp.front.bridge is not None
+    bridge = epp.front.bridge
+    env = envoy_factory(epp_port=epp.grpc_port, body_mode="BUFFERED")
+    warm(fleet, epp, 1, "[ahead] " + PROMPT)
+    before = bridge.headers_ahead
+    status, headers, body = post(url(env), {"model": "m", "prompt": "[ahead] " + PROMPT + "q"})
+    assert status == 200, body
+    assert headers["x-pod"] == fleet.pods[1].name
+    assert bridge.headers_ahead == before + 1
+    status, _, body = post(url(env, "/v2/nothing"), {"model": "m", "prompt": "x"})
+    assert status == 404 and b"no such API path '/v2/nothing'" in body, body
+    assert bridge.headers_ahead == before + 2
+
+
 def test_chat_requests_share_keys_with_the_engine(
     fleet: PodFleet, epp_factory: EppF, envoy_factory: EnvoyF
 ) -> None:

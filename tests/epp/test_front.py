@@ -127,6 +127,111 @@ def test_both_fronts_answer_alike(pair: tuple[Epp, Epp], name: str, msgs: list[p
     assert len(_endpoints(a)) == len(_endpoints(b))
 
 
+#: request headers the picker refuses (name, path, method, headers), sent in BUFFERED mode (kvfleet's chart)
+REFUSED_HEADERS = [
+    ("internal path", "/kvfleet/blocks", "POST", ()),
+    ("unknown path", "/v2/nothing", "POST", ()),
+    ("wrong method", "/v1/completions", "PUT", ()),
+    ("declared too large", "/v1/completions", "POST", (("content-length", "70000"),)),
+]
+
+
+def _buffered(path: str, method: str = "POST", extra: tuple[tuple[str, str], ...] = (),
+              body: bytes | None = b"{}") -> list[pb.ProcessingRequest]:
+    cfg = pb.ProtocolConfiguration(request_body_mode=BUFFERED, response_body_mode=BUFFERED)
+    msgs = [pb.ProcessingRequest(request_headers=_headers(path, method, extra), protocol_config=cfg)]
+    if body is not None:
+        msgs.append(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    return msgs
+
+
+@pytest.mark.parametrize("name,path,method,extra", REFUSED_HEADERS, ids=[c[0] for c in REFUSED_HEADERS])
+def test_buffered_headers_are_answered_ahead_and_a_refusal_comes_with_the_body(
+        pair: tuple[Epp, Epp], name: str, path: str, method: str, extra: tuple[tuple[str, str], ...]) -> None:
+    """BUFFERED request headers get the fixed answer from the front; the picker still checks them, and what
+    grpc.aio's server refuses at once (Envoy then sends no body) comes as the same immediate response to
+    the body, sent or not."""
+    native, aio = pair
+    assert native.front is not None and native.front.bridge is not None
+    bridge = native.front.bridge
+    want = _call(f"127.0.0.1:{aio.grpc_port}", _buffered(path, method, extra))
+    assert [r.WhichOneof("response") for r in want] == ["immediate_response"], name
+    for body in (b"{}", None):  # with the body; headers only, then the client's end of the stream
+        before = bridge.headers_ahead
+        got = _call(f"127.0.0.1:{native.grpc_port}", _buffered(path, method, extra, body))
+        assert got == [pb.ProcessingResponse(request_headers=pb.HeadersResponse()), want[0]], name
+        assert bridge.headers_ahead == before + 1
+
+
+def test_only_buffered_headers_that_go_on_are_answered_ahead(epp_factory: Callable[..., Epp]) -> None:
+    """The front answers request headers only in BUFFERED mode (the stream's, else the picker's default) and
+    only when a body follows; a data plane that waits for the answer before it sends the body (Envoy) gets
+    it from the front, and the pick comes with the body's answer."""
+    epp = epp_factory(front="native", events_enabled=False, max_body_bytes=65_536)
+    assert epp.front is not None and epp.front.bridge is not None
+    bridge = epp.front.bridge
+    target = f"127.0.0.1:{epp.grpc_port}"
+    for msgs in (CASES[0][1], _exchange("/v1/models", None, method="GET", response=False)):
+        before = bridge.headers_ahead
+        assert _call(target, msgs)
+        assert bridge.headers_ahead == before, "FULL_DUPLEX_STREAMED, or headers that end the request"
+
+    async def envoy_like() -> list[pb.ProcessingResponse]:
+        msgs = _buffered("/v1/completions", body=_body("ahead " * 40))
+        answered = asyncio.Event()
+
+        async def requests() -> AsyncIterator[pb.ProcessingRequest]:
+            yield msgs[0]
+            await answered.wait()  # as Envoy in BUFFERED mode: the body after the headers' answer
+            yield msgs[1]
+
+        out = []
+        async with grpc.aio.insecure_channel(target) as ch:
+            async for resp in pb_grpc.ExternalProcessorStub(ch).Process(requests(), timeout=10):
+                out.append(resp)
+                answered.set()
+        return out
+
+    before = bridge.headers_ahead
+    out = asyncio.run(envoy_like())
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+    assert len(_endpoints(out)) == 1
+    assert bridge.headers_ahead == before + 1
+
+
+def test_an_ext_proc_call_reaches_the_picker_with_its_first_message(epp_factory: Callable[..., Epp]) -> None:
+    """The front holds a call's OPEN until the call's first frame (one wake-up of the picker for both): a call
+    cancelled before it sent anything never opens there; one half-closed at once ends OK, unanswered."""
+    epp = epp_factory(front="native", events_enabled=False)
+    assert epp.front is not None and epp.front.bridge is not None
+    bridge = epp.front.bridge
+    target = f"127.0.0.1:{epp.grpc_port}"
+
+    async def run() -> list[pb.ProcessingResponse]:
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = pb_grpc.ExternalProcessorStub(ch)
+
+            async def silent() -> AsyncIterator[pb.ProcessingRequest]:
+                await asyncio.Event().wait()
+                yield pb.ProcessingRequest()
+
+            call = stub.Process(silent())
+            await asyncio.sleep(0.3)
+            assert not bridge.calls, "opened before its first frame"
+            call.cancel()
+
+            async def empty() -> AsyncIterator[pb.ProcessingRequest]:
+                return
+                yield pb.ProcessingRequest()
+
+            return [r async for r in stub.Process(empty(), timeout=5)]
+
+    assert asyncio.run(run()) == []
+    time.sleep(0.2)
+    assert not bridge.calls
+    assert _endpoints(_call(target, CASES[0][1]))  # and it serves on
+
+
 def test_the_invoked_pool_reaches_the_picker(epp_factory: Callable[..., Epp]) -> None:
     """gRPC metadata crosses the front: a pool the picker does not serve is refused with 503."""
     epp = epp_factory(front="native", events_enabled=False)

@@ -262,7 +262,6 @@ func (c *call) echoFrom(payload []byte) {
 // The ext_proc field numbers the front reads and writes (envoy/service/ext_proc/v3/external_processor.proto).
 const (
 	reqRequestHeaders  = 2  // ProcessingRequest.request_headers
-	reqObservability   = 10 // ProcessingRequest.observability_mode
 	reqProtocolConfig  = 11 // ProcessingRequest.protocol_config
 	headersMap         = 1  // HttpHeaders.headers
 	headersAttributes  = 2  // HttpHeaders.attributes

@@ -163,6 +163,58 @@ def test_buffered_headers_are_answered_ahead_and_a_refusal_comes_with_the_body(
         assert bridge.headers_ahead == before + 1
 
 
+def _not_ahead() -> list[tuple[str, list[pb.ProcessingRequest]]]:
+    """First messages the front must hand to the picker unanswered: not exactly BUFFERED request headers that
+    go on."""
+    body = _body("not ahead " * 30)
+    streamed = _buffered("/v1/completions", body=body)
+    streamed[0].protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.STREAMED
+    observed = _buffered("/v1/completions", body=body)
+    observed[0].observability_mode = True
+    # an HttpHeaders field the front does not know (number 9, a varint): kept by protobuf as unknown
+    odd_headers = pb.HttpHeaders.FromString(_headers("/v1/completions").SerializeToString() + b"\x48\x01")
+    odd = _buffered("/v1/completions", body=body)
+    odd[0].request_headers.CopyFrom(odd_headers)
+    assert b"\x48\x01" in odd[0].SerializeToString()
+    body_first = _buffered("/v1/completions", body=body)[1:]
+    return [("STREAMED", streamed), ("observability mode", observed), ("unknown headers field", odd),
+            ("body first", body_first)]
+
+
+@pytest.mark.parametrize("name,msgs", _not_ahead(), ids=[c[0] for c in _not_ahead()])
+def test_what_is_not_exactly_buffered_headers_goes_to_the_picker(
+        pair: tuple[Epp, Epp], name: str, msgs: list[pb.ProcessingRequest]) -> None:
+    """The front reads a call's first message only to answer it ahead: anything but exactly BUFFERED request
+    headers that go on (another mode, observability mode, a field it does not read, a body first, headers
+    twice) goes to the picker, and both fronts answer alike."""
+    native, aio = pair
+    assert native.front is not None and native.front.bridge is not None
+    before = native.front.bridge.headers_ahead
+    a = _call(f"127.0.0.1:{native.grpc_port}", msgs)
+    b = _call(f"127.0.0.1:{aio.grpc_port}", msgs)
+    assert _strip_endpoint(a) == _strip_endpoint(b), name
+    assert native.front.bridge.headers_ahead == before, name
+
+
+def test_request_headers_sent_twice_in_one_message_go_to_the_picker(pair: tuple[Epp, Epp]) -> None:
+    """A first message holding the request_headers field twice (protobuf merges them; no data plane sends it)
+    is not what the front answers ahead: the picker reads the merged headers, as under grpc.aio."""
+    native, aio = pair
+    assert native.front is not None and native.front.bridge is not None
+    msgs = _buffered("/v1/completions", body=_body("twice " * 30))
+    raw = [msgs[0].SerializeToString() + pb.ProcessingRequest(
+        request_headers=_headers("/v1/completions")).SerializeToString(), msgs[1].SerializeToString()]
+    before = native.front.bridge.headers_ahead
+    out = []
+    for port in (native.grpc_port, aio.grpc_port):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            out.append([pb.ProcessingResponse.FromString(r)
+                        for r in ch.stream_stream(fr.PROCESS)(iter(raw), timeout=10)])
+    assert [r.WhichOneof("response") for r in out[0]] == ["request_headers", "request_body"]
+    assert _strip_endpoint(out[0]) == _strip_endpoint(out[1])
+    assert native.front.bridge.headers_ahead == before
+
+
 def test_only_buffered_headers_that_go_on_are_answered_ahead(epp_factory: Callable[..., Epp]) -> None:
     """The front answers request headers only in BUFFERED mode (the stream's, else the picker's default) and
     only when a body follows; a data plane that waits for the answer before it sends the body (Envoy) gets

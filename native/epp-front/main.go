@@ -287,29 +287,40 @@ const (
 func chunk(msg []byte) ([]byte, bool) {
 	var body []byte
 	bodies := 0
-	for len(msg) > 0 {
-		num, typ, n := protowire.ConsumeTag(msg)
-		if n < 0 || typ != protowire.BytesType {
-			return nil, false
+	ok := requestFields(msg, func(num protowire.Number, v []byte) bool {
+		if num != reqResponseBody {
+			return false
 		}
-		v, m := protowire.ConsumeBytes(msg[n:])
-		if m < 0 {
-			return nil, false
-		}
-		msg = msg[n+m:]
-		switch num {
-		case reqResponseBody:
-			bodies++
-			body = v
-		case reqMetadataContext, reqAttributes:
-		default:
-			return nil, false
-		}
-	}
-	if bodies != 1 {
+		bodies++
+		body = v
+		return true
+	})
+	if !ok || bodies != 1 {
 		return nil, false
 	}
 	return chunkBody(body)
+}
+
+// requestFields walks a serialized ProcessingRequest and hands visit each field but the metadata and
+// attributes Envoy attaches to every message. Every field must be length-delimited (a message): a
+// varint field (observability_mode) or a parse error stops the walk with false, as does visit returning
+// false.
+func requestFields(msg []byte, visit func(num protowire.Number, v []byte) bool) bool {
+	for len(msg) > 0 {
+		num, typ, n := protowire.ConsumeTag(msg)
+		if n < 0 || typ != protowire.BytesType {
+			return false
+		}
+		v, m := protowire.ConsumeBytes(msg[n:])
+		if m < 0 {
+			return false
+		}
+		msg = msg[n+m:]
+		if num != reqMetadataContext && num != reqAttributes && !visit(num, v) {
+			return false
+		}
+	}
+	return true
 }
 
 // chunkBody is an HttpBody's body when it holds nothing but the body and end_of_stream false.
@@ -356,34 +367,20 @@ type aheadConfig struct {
 func answersAhead(msg []byte, defaultMode uint64) bool {
 	mode := defaultMode
 	headers := 0
-	for len(msg) > 0 {
-		num, typ, n := protowire.ConsumeTag(msg)
-		if n < 0 || typ != protowire.BytesType {
-			return false
-		}
-		v, m := protowire.ConsumeBytes(msg[n:])
-		if m < 0 {
-			return false
-		}
-		msg = msg[n+m:]
+	ok := requestFields(msg, func(num protowire.Number, v []byte) bool {
 		switch num {
 		case reqRequestHeaders:
 			headers++
-			if !headersContinue(v) {
-				return false
-			}
+			return headersContinue(v)
 		case reqProtocolConfig:
 			md, ok := requestMode(v)
-			if !ok {
-				return false
-			}
 			mode = md
-		case reqMetadataContext, reqAttributes:
-		default: // observability mode, any other message: the picker answers
+			return ok
+		default: // any other message: the picker answers
 			return false
 		}
-	}
-	return headers == 1 && mode == modeBuffered
+	})
+	return ok && headers == 1 && mode == modeBuffered
 }
 
 // headersContinue reports whether an HttpHeaders message does not end the request (end_of_stream

@@ -34,8 +34,7 @@ COPY native/fetch_go.py ./native/
 COPY native/epp-front/go.mod native/epp-front/go.sum ./native/epp-front/
 RUN if ! command -v go >/dev/null 2>&1; then python3 native/fetch_go.py /opt/go "${GO_VERSION}" \
       && ln -s /opt/go/bin/go /usr/local/bin/go; fi \
- && cd native/epp-front && go mod download \
- && go build -trimpath -o /dev/null google.golang.org/grpc google.golang.org/grpc/credentials \
+ && cd native/epp-front && go build -trimpath -o /dev/null google.golang.org/grpc google.golang.org/grpc/credentials \
       google.golang.org/grpc/metadata google.golang.org/grpc/status && go version
 COPY native ./native
 COPY README.md setup.py ./

@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 CHAOS_ARGS ?= --quick
+FUZZTIME ?= 15s
 BASE_IMAGE ?= python:3.11-slim
 
 .DEFAULT_GOAL := help
@@ -14,7 +15,7 @@ BASE_IMAGE ?= python:3.11-slim
 help: ## Show this help: every target with what it does.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml setup.py kvfleet/epp/_probe.c kvfleet/epp/_reuse.c kvfleet/epp/_spec.c kvfleet/cache/_digest.c $(wildcard native/epp-front/*.go) native/epp-front/go.mod native/epp-front/go.sum
+$(STAMP): pyproject.toml setup.py kvfleet/epp/_probe.c kvfleet/epp/_reuse.c kvfleet/epp/_spec.c kvfleet/cache/_digest.c $(filter-out %_test.go,$(wildcard native/epp-front/*.go)) native/epp-front/go.mod native/epp-front/go.sum
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@# kvfleet/epp/_probe.c, _reuse.c and _spec.c (the EPP's compiled loops) need a C compiler: `cc`, else zig's from PyPI
@@ -39,6 +40,11 @@ typecheck: $(STAMP) ## mypy over package, benchmarks and tests: strict for the c
 layers: $(STAMP) ## import-linter: layers only import downwards; the core imports nothing above it.
 	$(VENV)/bin/lint-imports
 
+test-go: ## go test of the EPP's gRPC front (native/epp-front): its wire reading and writing against go-control-plane's ext_proc types, then FUZZTIME (15s) of fuzzing per parser.
+	@if ! command -v go >/dev/null; then echo "test-go: no go on PATH (the EPP serves with grpc.aio, no front to test)"; exit 0; fi; \
+	cd native/epp-front && go test -count=1 . \
+	&& for t in FuzzAnswersAhead FuzzChunk; do go test -run '^$$' -fuzz "^$$t\$$" -fuzztime $(FUZZTIME) . || exit 1; done
+
 unit: $(STAMP) ## pytest: every test but the real-API-server and real-vLLM ones (unit, property-based, real Envoy/Redis/kmock, e2e on loopback).
 	$(PY) -m pytest -m "not cluster and not interop" $(PYTEST_ARGS)
 
@@ -58,7 +64,7 @@ cluster-up: cluster tools ## Run that control plane on 127.0.0.1 in the foregrou
 test-cluster: cluster tools ## pytest -m cluster: the real API server: helm, CRDs, RBAC, Pod Security, the operator, the chart's pods served by a test node.
 	KVFLEET_REQUIRE_CLUSTER=1 $(PY) -m pytest -m cluster $(PYTEST_ARGS)
 
-test: lint typecheck layers unit test-cluster test-interop ## The test command: venv, ruff, mypy, import layers, pytest, the real-API-server and real-vLLM tests.
+test: lint typecheck layers test-go unit test-cluster test-interop ## The test command: venv, ruff, mypy, import layers, the gRPC front's Go tests, pytest, the real-API-server and real-vLLM tests.
 
 demo: $(STAMP) ## The one-machine stack: Envoy + EPP + engines on loopback replay a trace; report in demo-report/.
 	$(VENV)/bin/kvfleet demo $(DEMO_ARGS)
@@ -91,4 +97,4 @@ chaos: $(STAMP) ## The local stack under load while EPP replicas and engines are
 clean: ## Remove caches and build outputs (keeps .venv).
 	rm -rf .mypy_cache .ruff_cache .pytest_cache .hypothesis build dist *.egg-info demo-report
 
-.PHONY: help venv lint typecheck layers unit interop test-interop test-cluster cluster cluster-up test demo tools chart kind-images e2e-kind docker-smoke bench chaos clean
+.PHONY: help venv lint typecheck layers test-go unit interop test-interop test-cluster cluster cluster-up test demo tools chart kind-images e2e-kind docker-smoke bench chaos clean

@@ -2,7 +2,16 @@ module kvfleet.dev/epp-front
 
 go 1.26.0
 
-require google.golang.org/grpc v1.85.0
+require (
+	github.com/envoyproxy/go-control-plane/envoy v1.40.0
+	google.golang.org/grpc v1.85.0
+)
+
+require (
+	github.com/cncf/xds/go v0.0.0-20260202195803-dba9d589def2 // indirect
+	github.com/envoyproxy/protoc-gen-validate v1.3.3 // indirect
+	github.com/planetscale/vtprotobuf v0.6.1-0.20240319094008-0393e58bdf10 // indirect
+)
 
 require (
 	golang.org/x/net v0.60.0 // indirect

@@ -17,6 +17,11 @@ request count, at an arbitrary time scale that :func:`requests` then stretches t
 - ``storm``: background traffic of application prefixes and unique prompts with 1–3 bursts of 100–400
   requests that share a prefix of 8–48 blocks, each within 0.5–4 s.
 
+Replicas: every case also runs three EPP replicas (``kvfleet-x3``: streams round-robin over three pickers,
+gossip 2 ms late through the EPP's own receiving side) and one picker whose ties break on another random
+sequence (``kvfleet-reseeded``); the family prints both ÷ one picker (``family_worst_replicas3_*_vs_1``,
+``family_worst_reseeded_*_vs_1``): the second says how far a picker's figures move by chance alone.
+
 Load: ``ρ`` of a case is the utilisation at the one-node ideal hit (:func:`bench.routing.utilisation` with
 :func:`bench.routing.ideal_hits` of one LRU of every pod's blocks): the prefill work that is left when
 reuse is perfect (plus one decode step per request) ÷ the pods' time. It is the load any router must
@@ -39,7 +44,9 @@ from typing import Any
 from bench.routing import (
     BLOCK,
     ORACLE,
+    RESEEDED,
     Knobs,
+    KvfleetReplicas,
     Req,
     Result,
     SimConfig,
@@ -359,6 +366,40 @@ def summary(cs: Sequence[Case], by_case: Sequence[Mapping[str, Result]]) -> dict
     return out
 
 
+#: the replicas the family runs against one picker (``--family``), and the one picker reseeded (its spread)
+REPLICAS = "kvfleet-x3"
+#: the replica figures' quantiles, and the ratio a case counts as over
+REPLICA_QUANTILES = ("p50", "p90", "p99", "mean")
+REPLICA_OVER = 1.05
+
+
+def vs_one(runs: Mapping[str, Result], name: str) -> dict[str, float]:
+    """``name``'s TTFT quantiles and hit rate ÷ one kvfleet picker's, on one case."""
+    one, other = runs["kvfleet"], runs[name]
+    out = {q: other.ttft[q] / max(one.ttft[q], 1e-9) for q in REPLICA_QUANTILES}
+    out["hit"] = other.hit_rate / max(one.hit_rate, 1e-9)
+    return out
+
+
+def replica_summary(cs: Sequence[Case], by_case: Sequence[Mapping[str, Result]]) -> dict[str, Any]:
+    """Three replicas ÷ one picker over every case (the worst per quantile, its case, the lowest hit and the
+    cases with p90, p99 or mean over :data:`REPLICA_OVER`), and the same for one picker whose ties break
+    on another random sequence: how far a picker's own figures move when nothing but chance changes."""
+    out: dict[str, Any] = {}
+    for name, tag in ((REPLICAS, "replicas3"), (RESEEDED, "reseeded")):
+        if not by_case or name not in by_case[0]:
+            continue
+        ratios = [vs_one(runs, name) for runs in by_case]
+        for q in REPLICA_QUANTILES:
+            i = max(range(len(cs)), key=lambda k, q=q: ratios[k][q])
+            out[f"family_worst_{tag}_{q}_vs_1"] = round(ratios[i][q], 4)
+            out[f"family_worst_{tag}_{q}_vs_1_at"] = cs[i].label
+        out[f"family_worst_{tag}_hit_vs_1"] = round(min(r["hit"] for r in ratios), 4)
+        out[f"family_{tag}_cases_over"] = sum(
+            1 for r in ratios if max(r["p90"], r["p99"], r["mean"]) > REPLICA_OVER)
+    return out
+
+
 def print_case(c: Case, runs: Mapping[str, Result]) -> None:
     rs = ratios(c, runs)
     k = runs["kvfleet"]
@@ -366,7 +407,9 @@ def print_case(c: Case, runs: Mapping[str, Result]) -> None:
     print(f"  {c.label:<44} hit {k.hit_rate:.3f} p50 {k.ttft['p50']:6.3f} mean {k.ttft['mean']:6.3f} "
           f"p90 {k.ttft['p90']:6.3f} p99 {k.ttft['p99']:6.3f} | ÷ best peer "
           + " ".join(f"{q} {rs[q].value:5.2f}" for q in QUANTILES)
-          + (f" | p90 ÷ oracle {k.ttft['p90'] / max(orc.ttft['p90'], 1e-9):5.2f}" if orc else ""))
+          + (f" | p90 ÷ oracle {k.ttft['p90'] / max(orc.ttft['p90'], 1e-9):5.2f}" if orc else "")
+          + (" | x3 ÷ 1 " + " ".join(f"{q} {v:4.2f}" for q, v in vs_one(runs, REPLICAS).items() if q != "hit")
+             if REPLICAS in runs else ""))
 
 
 #: requests per case and seeds per (workload, load, cache): quick, full
@@ -383,11 +426,14 @@ def main(quick: bool, pods: int, seeds: int, jobs: int, knobs: Knobs, workloads:
                          f"known: {', '.join(GENERATORS)}")
     cs = cases(pods, seeds or default_seeds, n, tuple(workloads) or tuple(GENERATORS),
                LOADS["quick" if quick else "full"])
-    names = [*peers(), ORACLE, "kvfleet"]
+    extra = [REPLICAS, RESEEDED]
+    names = [*peers(), ORACLE, "kvfleet", *extra]
     print(f"family: {len(cs)} cases ({len(cs) * len(names)} simulations on {jobs} processes), "
-          f"{n} requests each (ρ: no-cache utilisation, ρ*: utilisation at the one-node ideal hit)",
+          f"{n} requests each (ρ: no-cache utilisation, ρ*: utilisation at the one-node ideal hit); "
+          f"{REPLICAS}: three EPP replicas (gossip {1e3 * KvfleetReplicas.GOSSIP_DELAY_S:g} ms late), "
+          f"{RESEEDED}: one picker with other tie-breaks",
           flush=True)
-    by_case = run_family(cs, knobs, jobs)
+    by_case = run_family(cs, knobs, jobs, extra)
     for w in dict.fromkeys(c.workload for c in cs):
         print(f"\n{w}: kvfleet, and kvfleet ÷ the best peer per quantile")
         for c, runs in zip(cs, by_case, strict=True):
@@ -395,10 +441,17 @@ def main(quick: bool, pods: int, seeds: int, jobs: int, knobs: Knobs, workloads:
                 print_case(c, runs)
     out: dict[str, Any] = {"bench": "routing", "family": True, "quick": quick, "pods": pods}
     out |= summary(cs, by_case)
+    out |= replica_summary(cs, by_case)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print()
     for q in ("p50", "p90", "p99", "mean"):
         print(f"worst {q:>4} kvfleet ÷ best peer {out[f'family_worst_{q}_vs_best_peer']:.3f} at "
               f"{out[f'family_worst_{q}_vs_best_peer_at']}")
+    for tag, what in (("replicas3", "3 replicas ÷ 1"), ("reseeded", "1 reseeded ÷ 1")):
+        print(f"{what}: worst " + ", ".join(
+            f"{q} {out[f'family_worst_{tag}_{q}_vs_1']:.3f} ({out[f'family_worst_{tag}_{q}_vs_1_at']})"
+            for q in ("p90", "p99", "mean"))
+            + f"; hit ≥ {out[f'family_worst_{tag}_hit_vs_1']:.3f}; cases with p90, p99 or mean over "
+              f"{REPLICA_OVER}: {out[f'family_{tag}_cases_over']} of {len(cs)}")
     print(json.dumps(out, ensure_ascii=False))
     return 0

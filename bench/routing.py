@@ -88,7 +88,8 @@ from kvfleet.cache.tiers import Tier
 from kvfleet.config.cache import CacheSettings
 from kvfleet.config.epp import CostModelSettings, EppSettings, PluginSpec
 from kvfleet.epp.datastore import StaticDatastore
-from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.gossip import PeerApplier, pick_message, ticket_change
+from kvfleet.epp.index import BlockIndex, PickOrigin
 from kvfleet.epp.inflight import InflightTracker, Ticket, TicketEvent
 from kvfleet.epp.podmetrics import MetricsStore, PodMetrics
 from kvfleet.epp.router import Router
@@ -496,9 +497,11 @@ SCRAPE_S = 0.5
 class KvfleetReplicas(Policy):
     """``n`` kvfleet pickers behind one gateway (active-active EPP replicas): streams go to them round-robin,
     as Envoy spreads them; each has its own index, speculative picks and in-flight tickets (its own view of
-    the load); every pod's KV events reach all of them. With ``gossip`` a pick is shared with the others at
-    once (sim time) as a speculative entry for ``GOSSIP_TTL_S``, and every change of a ticket (open, first
-    token, close) as a peer's ticket in their in-flight trackers, as kvfleet/epp/gossip.py does over ZMQ."""
+    the load); every pod's KV events reach all of them. With ``gossip`` every pick and every change of a
+    ticket (open, first token, close) reaches the others ``GOSSIP_DELAY_S`` later through the EPP's own
+    receiving side (kvfleet/epp/gossip.py's :class:`PeerApplier`): a peer's pick lives as its picker's own
+    (until its ticket's first token, then the speculative TTL) and carries its follow-up sample; a ticket
+    becomes a peer's ticket in their in-flight trackers."""
 
     GOSSIP_TTL_S = 30.0
     #: a gossip message's delivery delay (sim seconds): a pick or ticket change reaches the other replicas
@@ -516,23 +519,23 @@ class KvfleetReplicas(Policy):
         self._mail: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         if gossip:
+            # each replica receives through the EPP's own receiving side (epp/gossip.py's PeerApplier), the
+            # messages built as its publisher builds them
+            appliers = [PeerApplier(o.index, o.router.tracker, lambda pod: True, self.GOSSIP_TTL_S,
+                                    o.router.director.pick_ttl_of, o.router.director.peer_followup)
+                        for o in self.reps]
             for i, rep in enumerate(self.reps):
-                others = [o for j, o in enumerate(self.reps) if j != i]
+                others = [a for j, a in enumerate(appliers) if j != i]
 
-                def share(pod: str, sampled: list[int], blocks: int, others: list[Kvfleet] = others) -> None:
-                    def deliver() -> None:
-                        for o in others:
-                            o.index.add_speculative_sampled(pod, sampled, self.GOSSIP_TTL_S, blocks=blocks)
-                    self._send(deliver)
+                def share(pod: str, sampled: list[int], blocks: int, origin: PickOrigin | None,
+                          others: list[PeerApplier] = others, name: str = str(i)) -> None:
+                    pick = pick_message(pod, sampled, blocks, origin)
+                    self._send(lambda: [a.pick(name, pick) for a in others])
 
                 def tickets(event: TicketEvent, t: Ticket, moved: tuple[str, str] | None,
-                            others: list[Kvfleet] = others, origin: str = str(i)) -> None:
-                    pods, tid, prefix, tokens = moved or t.pods, t.id, t.prefix, t.tokens
-
-                    def deliver() -> None:
-                        for o in others:
-                            o.router.tracker.remote(origin, event, tid, pods, prefix, tokens)
-                    self._send(deliver)
+                            others: list[PeerApplier] = others, name: str = str(i)) -> None:
+                    change = ticket_change(event, t, moved)
+                    self._send(lambda: [a.ticket(name, change) for a in others])
 
                 rep.index.on_pick = share
                 rep.router.tracker.on_ticket = tickets
@@ -888,6 +891,11 @@ def is_kvfleet(name: str) -> bool:
     return name.removesuffix("-tiered") in ("kvfleet", "kvfleet-prev")
 
 
+#: one kvfleet picker whose ties break on another random sequence (its picker seeded ``seed + RESEED``):
+#: how far a single picker's figures move with nothing but its tie-breaks changed, the yardstick for
+#: replicas (``bench.routing --family``)
+RESEEDED = "kvfleet-reseeded"
+RESEED = 1_000_003
 #: ``kvfleet-x3``: three EPP replicas sharing their picks; ``kvfleet-x3-nogossip``: each keeping its own
 _REPLICAS = re.compile(r"kvfleet-x(\d+)(-nogossip)?")
 
@@ -915,14 +923,16 @@ def make_policy(name: str, knobs: Knobs) -> Callable[[SimConfig, list[SimPod]], 
             return p
 
         return build_replicas
-    if not is_kvfleet(name):
+    reseeded = name == RESEEDED
+    if not is_kvfleet(name) and not reseeded:
         raise ValueError(f"unknown policy {name!r}; "
                          f"known: {', '.join([*peers(), ORACLE, 'kvfleet', 'kvfleet-prev'])} "
-                         "(each also with -tiered)")
+                         f"(each also with -tiered), kvfleet-xN[-nogossip], {RESEEDED}")
     prev = base == "kvfleet-prev"
 
     def build(cfg: SimConfig, pods: list[SimPod]) -> Policy:
-        plugins = kvfleet_plugins(knobs.hit_weight, knobs.load_gain, seed=cfg.seed,
+        seed = cfg.seed + RESEED if reseeded else cfg.seed
+        plugins = kvfleet_plugins(knobs.hit_weight, knobs.load_gain, seed=seed,
                                   affinity_s=knobs.affinity_s, prev=prev)
         p = Kvfleet(cfg, pods, plugins, knobs.beta, knobs.spec_ttl_s, prev=prev)
         p.name = name

@@ -94,7 +94,9 @@ class Epp:
                     raise ValueError(f"epp.gossip_secret_file {s.gossip_secret_file} is empty")
             self.gossip = ReplicaGossip(self.index, host=s.host, port=s.gossip_port, peers=s.gossip_peers,
                                         ttl_s=s.gossip_ttl_s, known_pod=lambda name: name in self._pod_names,
-                                        tracker=self.tracker, secret=secret)
+                                        tracker=self.tracker, secret=secret,
+                                        pick_ttl=self.router.director.pick_ttl_of,
+                                        on_followup=self.router.director.peer_followup)
             self.index.on_pick = self.gossip.publish
             self.tracker.on_ticket = self.gossip.publish_ticket
             self.metrics.attach_gossip(self.gossip)

@@ -9,8 +9,12 @@ piles onto the pod that looks idle to all of them). Each replica therefore publi
 socket and subscribes to its peers':
 
 * a pick — the pod and the prompt's keys at :func:`~kvfleet.epp.index.spec_positions` (absolute positions,
-  so the sample is the pick) — becomes a speculative entry on that pod for ``ttl_s``
-  (:meth:`~kvfleet.epp.index.BlockIndex.add_speculative_sampled`); the pod's KV events take over from there;
+  so the sample is the pick), its ticket and its pool's follow-up sample
+  (:class:`~kvfleet.epp.index.PickOrigin`) — becomes a speculative entry on that pod
+  (:meth:`~kvfleet.epp.index.BlockIndex.add_speculative_sampled`) that lives as the peer's own does: until
+  the ticket's first token, then the pod's speculative TTL, dropped by the pod's removals (without its
+  ticket, ``ttl_s``); the pod's KV events take over from there; the sample is folded into the pool's
+  follow-up share as the replica's own (:class:`PeerApplier`);
 * a ticket change (open, first token, close, move: :attr:`~kvfleet.epp.inflight.InflightTracker.on_ticket`)
   is applied to the replica's tracker as the peer's ticket
   (:meth:`~kvfleet.epp.inflight.InflightTracker.remote`), so its scorers see the whole fleet's in-flight load.
@@ -56,7 +60,7 @@ from typing import get_args
 import msgspec
 import zmq
 
-from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.index import BlockIndex, PickOrigin
 from kvfleet.epp.inflight import InflightTracker, Ticket, TicketEvent
 
 log = logging.getLogger(__name__)
@@ -78,11 +82,17 @@ EVENTS: tuple[TicketEvent, ...] = get_args(TicketEvent)
 
 
 class Pick(msgspec.Struct, array_like=True, frozen=True):
-    """``blocks``: the prompt's length (0: unknown; a peer of an older release sends none)."""
+    """``blocks``: the prompt's length (0: unknown; a peer of an older release sends none). ``ticket``,
+    ``covered`` and ``pool``: the pick's :class:`~kvfleet.epp.index.PickOrigin` (−1, −1 and "" from a peer
+    of an older release, or for a pick without one). Fields are only ever added at the end: a receiver of
+    an older release ignores those it does not know."""
 
     pod: str
     keys: list[int]
     blocks: int = 0
+    ticket: int = -1
+    covered: float = -1.0
+    pool: str = ""
 
 
 class TicketChange(msgspec.Struct, array_like=True, frozen=True):
@@ -129,7 +139,9 @@ def resolve(peers: Sequence[str]) -> set[str]:
 
 class ReplicaGossip:
     """One replica's gossip: publishes its picks and ticket changes on ``host:port``, applies its peers' to
-    ``index`` and ``tracker`` (``tracker=None``: picks only)."""
+    ``index`` and ``tracker`` (``tracker=None``: picks only) through a :class:`PeerApplier` (``pick_ttl``:
+    a pod's speculative TTL after a pick's first token; ``on_followup``: where the picks' follow-up samples
+    go)."""
 
     def __init__(
         self,
@@ -144,10 +156,14 @@ class ReplicaGossip:
         secret: bytes = b"",
         replica: str = "",
         queue_size: int = 16384,
+        pick_ttl: Callable[[str], float] | None = None,
+        on_followup: Callable[[str, float], None] | None = None,
     ) -> None:
         self.index, self.tracker = index, tracker
         self.host, self.port, self.peers, self.ttl_s = host, port, tuple(peers), ttl_s
         self.known_pod, self.secret = known_pod, secret
+        #: the receiving side (:class:`PeerApplier`)
+        self.peers_applier = PeerApplier(index, tracker, known_pod, ttl_s, pick_ttl, on_followup)
         self.replica = replica or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.messages: Counter[str] = Counter()
         """Peers' messages by result: ``ok``, ``self``, ``too_large``, ``malformed``, ``bad_tag``; own:
@@ -173,15 +189,13 @@ class ReplicaGossip:
         self._decoder = msgspec.msgpack.Decoder(Message)
 
     # --- the pick path -----------------------------------------------------------------
-    def publish(self, pod: str, sampled: list[int], blocks: int = 0) -> None:
+    def publish(self, pod: str, sampled: list[int], blocks: int = 0, origin: PickOrigin | None = None) -> None:
         """Queue one of this replica's picks (the index's ``on_pick``); never blocks."""
-        self._put(Pick(pod, sampled[:MAX_KEYS], blocks if len(sampled) <= MAX_KEYS else 0), self.picks_out)
+        self._put(pick_message(pod, sampled, blocks, origin), self.picks_out)
 
     def publish_ticket(self, event: TicketEvent, t: Ticket, moved: tuple[str, str] | None) -> None:
         """Queue a change of one of this replica's tickets (the tracker's ``on_ticket``); never blocks."""
-        change = (TicketChange(EVENTS.index(event), t.id, list(moved or t.pods), t.prefix, t.tokens)
-                  if event == "open" or moved else TicketChange(EVENTS.index(event), t.id, []))
-        self._put(change, self.tickets_out)
+        self._put(ticket_change(event, t, moved), self.tickets_out)
 
     def _put(self, item: Pick | TicketChange, counter: Counter[str]) -> None:
         try:
@@ -356,20 +370,89 @@ class ReplicaGossip:
         for change in msg.tickets:
             self.tickets_in[self._apply_ticket(msg.replica, change)] += 1
         for pick in msg.picks:
-            self.picks_in[self._apply_pick(pick)] += 1
+            self.picks_in[self._apply_pick(msg.replica, pick)] += 1
         return "ok"
 
-    def _apply_pick(self, pick: Pick) -> str:
+    def _apply_pick(self, origin: str, pick: Pick) -> str:
+        return self.peers_applier.pick(origin, pick)
+
+    def _apply_ticket(self, origin: str, c: TicketChange) -> str:
+        return self.peers_applier.ticket(origin, c)
+
+
+def pick_message(pod: str, sampled: Sequence[int], blocks: int = 0, origin: PickOrigin | None = None) -> Pick:
+    """The wire form of one of this replica's picks (at most :data:`MAX_KEYS` keys: a longer sample is cut
+    and its length dropped)."""
+    keys = list(sampled[:MAX_KEYS])
+    blocks = blocks if len(sampled) <= MAX_KEYS else 0
+    if origin is None:
+        return Pick(pod, keys, blocks)
+    return Pick(pod, keys, blocks, origin.ticket, origin.covered, origin.pool)
+
+
+def ticket_change(event: TicketEvent, t: Ticket, moved: tuple[str, str] | None) -> TicketChange:
+    """The wire form of a change of one of this replica's tickets."""
+    if event == "open" or moved:
+        return TicketChange(EVENTS.index(event), t.id, list(moved or t.pods), t.prefix, t.tokens)
+    return TicketChange(EVENTS.index(event), t.id, [])
+
+
+class PeerApplier:
+    """What a peer replica's picks and ticket changes do here, each checked on its own (the result it is
+    counted under is returned): the one implementation of a replica's receiving side, which the routing
+    simulation's replicas use too (``bench.routing``'s ``KvfleetReplicas``).
+
+    A peer's pick is counted as the peer counts it. With its ticket held here (the ticket's ``open`` comes
+    before the pick: both are queued at the pick, in that order), its speculative entries live until the
+    ticket's first token, then ``pick_ttl(pod)`` as served entries (the pod's removal events drop them), or
+    expire then if the peer moved the ticket off that pod (a fallback served). Without its ticket (a peer of
+    an older release, a lost ``open``, a ticket already closed, ``tracker`` None) they live ``ttl_s``. Before
+    this, a peer's pick lived ``ttl_s`` (30 s) from its receipt and was never served: picks stayed live
+    longer on the peers than on their picker, and the follow-up share they feed read higher there. The
+    pick's ``covered`` (its pool's follow-up sample, 0..1) goes to ``on_followup(pool, covered)``.
+    """
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        tracker: InflightTracker | None,
+        known_pod: Callable[[str], bool],
+        ttl_s: float,
+        pick_ttl: Callable[[str], float] | None = None,
+        on_followup: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.index, self.tracker, self.known_pod, self.ttl_s = index, tracker, known_pod, ttl_s
+        self.pick_ttl = pick_ttl or (lambda pod: ttl_s)
+        self.on_followup = on_followup
+
+    def pick(self, origin: str, pick: Pick) -> str:
         if not pick.keys:  # msgpack ints are int64/uint64: any decoded key is a valid block key
             return "malformed"
         if len(pick.keys) > MAX_KEYS:
             return "too_large"
         if not self.known_pod(pick.pod):
             return "unknown_pod"
-        self.index.add_speculative_sampled(pick.pod, pick.keys, self.ttl_s, blocks=max(0, pick.blocks))
+        if self.on_followup is not None and pick.pool and 0.0 <= pick.covered <= 1.0:
+            self.on_followup(pick.pool, pick.covered)
+        blocks, tracker = max(0, pick.blocks), self.tracker
+        t = tracker.remote_ticket(origin, pick.ticket) if tracker is not None and pick.ticket >= 0 else None
+        if t is None or tracker is None:
+            self.index.add_speculative_sampled(pick.pod, pick.keys, self.ttl_s, blocks=blocks)
+            return "applied"
+        lease = self.index.add_speculative_sampled(pick.pod, pick.keys, tracker.max_age_s, blocks=blocks)
+        pod, index, pick_ttl = pick.pod, self.index, self.pick_ttl
+
+        def served() -> None:
+            if pod in t.pods:
+                index.extend(lease, pick_ttl(pod))
+            else:  # moved off this pod: the fallback's own pick holds the prefix
+                lease.expiry = 0.0
+
+        if not tracker.when_first_byte(t, served):
+            served()
         return "applied"
 
-    def _apply_ticket(self, origin: str, c: TicketChange) -> str:
+    def ticket(self, origin: str, c: TicketChange) -> str:
         if self.tracker is None:
             return "refused"
         if not 0 <= c.event < len(EVENTS):

@@ -49,6 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -95,6 +96,17 @@ def sampled_keys(keys: Sequence[int]) -> npt.NDArray[np.uint64]:
     return as_u64([keys[i] for i in spec_positions(len(keys))])
 
 
+class PickOrigin(NamedTuple):
+    """What other replicas need, beside its keys, to count a pick as its picker does: the in-flight ticket
+    it belongs to (its first token serves the pick: :meth:`BlockIndex.extend`), and the pick's sample of its
+    pool's follow-up share (the share of the prompt a live pick already covered, −1 for none: a fallback's
+    pick repeats a request already counted)."""
+
+    ticket: int
+    covered: float
+    pool: str
+
+
 class BlockIndex:
     """(key, pod slot) → tier mask in one hash table; plus speculative picks with an expiry (see module doc).
 
@@ -136,10 +148,10 @@ class BlockIndex:
         self.expire_scans = 0
         #: speculative entries dropped by the ``max_speculative`` bound (expired ones do not count)
         self.speculative_dropped = 0
-        #: called with (pod, sampled keys, prompt blocks) after each of this picker's own picks
-        #: (:meth:`add_speculative`), not for picks learned from other replicas
+        #: called with (pod, sampled keys, prompt blocks, the pick's :class:`PickOrigin` or None) after each of
+        #: this picker's own picks (:meth:`add_speculative`), not for picks learned from other replicas
         #: (:meth:`add_speculative_sampled`): how picks are shared (epp/gossip.py)
-        self.on_pick: Callable[[str, list[int], int], None] | None = None
+        self.on_pick: Callable[[str, list[int], int, PickOrigin | None], None] | None = None
         self.reuse = ReuseTracker(reuse_entries)
 
     # --- slots -----------------------------------------------------------------------
@@ -232,7 +244,8 @@ class BlockIndex:
                 self._spec_free.append(slot)
             self._spec_picks = deque(p for p in self._spec_picks if p[1] != pod)
 
-    def add_speculative(self, pod: str, keys: Sequence[int], ttl_s: float, now: float | None = None) -> Lease:
+    def add_speculative(self, pod: str, keys: Sequence[int], ttl_s: float, now: float | None = None,
+                        origin: PickOrigin | None = None) -> Lease:
         """Record that ``pod`` will hold the prefix ``keys`` (until ``now + ttl_s``).
 
         Keys are chained, so holding block ``i`` implies blocks ``0..i``: only the
@@ -243,11 +256,12 @@ class BlockIndex:
         (915 with a fixed stride). Returns the pick's :class:`Lease`: :meth:`extend` moves the expiry of
         every entry still held by this pick at once (a later pick of the same key takes the entry over).
         Beyond ``max_speculative`` entries, expired picks and then the oldest picks are dropped.
+        ``origin`` goes to :attr:`on_pick` with the pick (what other replicas need to treat it as their own).
         """
         sampled = sampled_keys(keys)
         lease = self._add_sampled(pod, sampled, ttl_s, now, len(keys))
         if self.on_pick is not None:
-            self.on_pick(pod, sampled.tolist(), len(keys))
+            self.on_pick(pod, sampled.tolist(), len(keys), origin)
         return lease
 
     def add_speculative_sampled(self, pod: str, sampled: Sequence[int] | npt.NDArray[np.uint64], ttl_s: float,

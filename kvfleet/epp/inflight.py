@@ -320,6 +320,26 @@ class InflightTracker:
                     self._move(t, pods[0], pods[1])
         return True
 
+    def remote_ticket(self, origin: str, tid: int) -> Ticket | None:
+        """Peer ``origin``'s ticket ``tid``, while this tracker holds it."""
+        return self._tickets.get((origin, tid))
+
+    def when_first_byte(self, t: Ticket, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` at ``t``'s first token, after what already runs then; False (``fn`` not kept) when it
+        has come already."""
+        with self._lock:
+            if not t.pending:
+                return False
+            prev = t.on_first_byte
+            if prev is None:
+                t.on_first_byte = fn
+            else:
+                def both() -> None:
+                    prev()
+                    fn()
+                t.on_first_byte = both
+            return True
+
     def forget_origin(self, origin: str) -> int:
         """Close every ticket of peer ``origin`` (it went silent); returns how many."""
         with self._lock:

@@ -4,7 +4,9 @@ messages.
 Covers: two in-process pickers (the real :class:`Epp` assembly, ZMQ on loopback) configured as each other's
 peers: a pick made by replica A's router becomes a speculative entry on replica B, so B predicts the hit and
 routes the same prompt to the same pod before any KV event exists (without gossip B predicts nothing); A's
-open requests count in B's in-flight and pending figures until A sees their first token and stream end, and
+open requests count in B's in-flight and pending figures until A sees their first token and stream end, each
+pick's follow-up sample counts on both, a peer's pick lives as its picker's own (until its ticket's first
+token, then the speculative TTL, served) or moves with its ticket, and
 a replica that goes silent has its requests closed on the others; the counters on /metrics. Each rule of the
 gossip port's boundary, through :meth:`ReplicaGossip.apply`: an oversized message, too many keys,
 undecodable or wrong-version payloads, a missing or wrong HMAC tag when a secret is set, a replica's own
@@ -20,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 import kvfleet.epp.gossip as gossip_mod
@@ -48,6 +51,9 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(
     wait_for(lambda: a.index.add_speculative(fleet.pods[0].name, probe, 1.0) is not None
              and b.gossip is not None and b.gossip.picks_in["applied"] > 0,
              timeout_s=10.0, what="B to hear A")
+    wait_for(lambda: b.index.add_speculative(fleet.pods[0].name, probe, 1.0) is not None
+             and a.gossip is not None and a.gossip.picks_in["applied"] > 0,
+             timeout_s=10.0, what="A to hear B")
 
     req = InferenceRequest(model="m", prompt=PROMPT)
     keys = b.router.keys_of(b.router.tokens_of(req), None)
@@ -68,6 +74,10 @@ def test_a_pick_on_one_replica_routes_the_same_prefix_on_another(
     assert a.gossip.picks_out["sent"] >= 2 and a.gossip.picks_out["dropped"] == 0
     wait_for(lambda: b.gossip is not None and b.gossip.picks_out["sent"] >= 1, timeout_s=10.0,
              what="B's own pick shared")
+    # each pick carried its follow-up sample (A's: nothing live covered the prompt, B's: A's pick did):
+    # both replicas fold the same two, in the same order, as one picker would have
+    wait_for(lambda: a.router.director.followup_shares() == b.router.director.followup_shares() == {
+        "pool-a": pytest.approx(0.01)}, timeout_s=10.0, what="both follow-up samples on both replicas")
 
 
 def test_in_flight_load_on_one_replica_counts_on_the_other(
@@ -147,6 +157,72 @@ class TestBoundary:
         assert idx.reuse.distance("pod-0", [keys[0]]) == [99]
         assert idx.reuse.distance("pod-1", [keys[0]]) == [111]  # a length that does not fit: the grid's
 
+    def test_a_peer_pick_lives_as_its_pickers_own(self) -> None:
+        """With its ticket held, a peer's pick lives until the ticket's first token (however long the queue),
+        then the pod's speculative TTL as a served pick, which the pod's removals drop; without its ticket,
+        ``ttl_s`` and never served."""
+        now = [100.0]
+        idx = BlockIndex(clock=lambda: now[0])
+        tracker = InflightTracker(clock=lambda: now[0])
+        g = ReplicaGossip(idx, host="127.0.0.1", port=0, peers=(), ttl_s=5.0, known_pod=lambda p: True,
+                          tracker=tracker, replica="me", pick_ttl=lambda pod: 2.0 if pod == "pod-0" else 3.0)
+        keys = list(range(100, 200))
+        sampled = [keys[i] for i in spec_positions(len(keys))]
+        u64 = np.array(sampled, dtype=np.uint64)
+        # the ticket's open comes first (both are queued at the pick, in that order)
+        assert g.apply([self.payload([["pod-0", sampled, 100, 7, 0.0, "pool"]], [[0, 7, ["pod-0"], 0, 10.0]])])
+        assert idx.drop_served_speculative("pod-0", u64) == 0  # not served yet: a removal keeps it
+        now[0] += 60.0  # a long queue: the pick waits for its first token, as its picker's own entry does
+        assert idx.match(keys, ["pod-0"])["pod-0"].blocks == 100
+        assert g.apply([self.payload(tickets=[[1, 7, []]])]) == "ok"  # first token: pick_ttl from now
+        now[0] += 1.9
+        assert idx.match(keys, ["pod-0"])["pod-0"].blocks == 100
+        now[0] += 0.2
+        assert idx.match(keys, ["pod-0"]) == {}
+        # served: the pod's removal drops it at once
+        assert g.apply([self.payload([["pod-1", sampled, 100, 8, 0.0, "pool"]], [[0, 8, ["pod-1"], 0, 1.0],
+                                                                            [1, 8, []]])])
+        assert idx.match(keys, ["pod-1"])["pod-1"].blocks == 100  # first token before the pick: served now
+        assert idx.drop_served_speculative("pod-1", u64) == len(sampled)
+        assert idx.match(keys, ["pod-1"]) == {}
+        # no ticket held (an older peer sends none; this one is unknown): ttl_s from receipt, never served
+        assert g.apply([self.payload([["pod-0", sampled, 100], ["pod-1", sampled, 100, 99, 0.0, "pool"]])])
+        assert idx.drop_served_speculative("pod-0", u64) == idx.drop_served_speculative("pod-1", u64) == 0
+        now[0] += 4.9
+        assert set(idx.match(keys, ["pod-0", "pod-1"])) == {"pod-0", "pod-1"}
+        now[0] += 0.2
+        assert idx.match(keys, ["pod-0", "pod-1"]) == {}
+
+    def test_a_peer_pick_moved_off_its_pod_expires_at_the_first_token(self) -> None:
+        """The peer's fallback served (its ticket moved): the pick's entries on the first pod end at the first
+        token, while the fallback's own pick (same ticket) lives on."""
+        now = [0.0]
+        idx = BlockIndex(clock=lambda: now[0])
+        tracker = InflightTracker(clock=lambda: now[0])
+        g = ReplicaGossip(idx, host="127.0.0.1", port=0, peers=(), ttl_s=5.0, known_pod=lambda p: True,
+                          tracker=tracker, replica="me", pick_ttl=lambda pod: 2.0)
+        keys = list(range(1000, 1040))
+        sampled = [keys[i] for i in spec_positions(len(keys))]
+        assert g.apply([self.payload([["pod-0", sampled, 40, 3, 0.5, "pool"]], [[0, 3, ["pod-0"], 0, 1.0]])])
+        assert g.apply([self.payload([["pod-1", sampled, 40, 3, -1.0, "pool"]], [[3, 3, ["pod-0", "pod-1"]]])])
+        assert set(idx.match(keys, ["pod-0", "pod-1"])) == {"pod-0", "pod-1"}
+        assert g.apply([self.payload(tickets=[[1, 3, []]])]) == "ok"
+        assert set(idx.match(keys, ["pod-0", "pod-1"])) == {"pod-1"}
+
+    def test_peer_follow_up_samples_are_folded(self) -> None:
+        """Each pick's follow-up sample goes to ``on_followup`` with its pool; samples outside 0..1, not
+        finite, or without a pool are not (the pick itself still applies)."""
+        got: list[tuple[str, float]] = []
+        g = ReplicaGossip(BlockIndex(), host="127.0.0.1", port=0, peers=(), ttl_s=5.0,
+                          known_pod=lambda p: True, replica="me",
+                          on_followup=lambda pool, share: got.append((pool, share)))
+        picks = [["pod-0", [1, 2], 2, -1, share, pool] for share, pool in [
+            (0.25, "pool-a"), (1.0, "pool-b"), (0.0, "pool-a"), (1.5, "pool-a"), (-1.0, "pool-a"),
+            (float("nan"), "pool-a"), (float("inf"), "pool-a"), (0.5, "")]]
+        assert g.apply([self.payload(picks)]) == "ok"
+        assert got == [("pool-a", 0.25), ("pool-b", 1.0), ("pool-a", 0.0)]
+        assert g.picks_in["applied"] == len(picks)
+
     def test_valid_ticket_changes_are_applied(self) -> None:
         g, _ = self.gossip()
         assert g.apply([self.payload(tickets=[[0, 7, ["pod-0"], 42, 300.0],
@@ -168,6 +244,9 @@ class TestBoundary:
         ([msgspec.msgpack.encode([VERSION + 1, "peer", [], []])], "malformed"),
         ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", ["x"]]], []])], "malformed"),
         ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", [1.5]]], []])], "malformed"),
+        ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", [1, 2], 2, "t", 0.5, "pool"]], []])], "malformed"),
+        ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", [1, 2], 2, 1, "x", "pool"]], []])], "malformed"),
+        ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", [1, 2], 2, 1, 0.5, 7]], []])], "malformed"),
         ([msgspec.msgpack.encode([VERSION, "peer", [], [[0, "id", ["pod-0"]]]])], "malformed"),
         ([msgspec.msgpack.encode([VERSION, "peer", [], []]), b"extra"], "malformed"),
         ([], "malformed"),

@@ -38,7 +38,7 @@ from kvfleet.config.cache import CacheSettings
 from kvfleet.config.epp import EppSettings
 from kvfleet.epp.datastore import Datastore, Pod, Pool
 from kvfleet.epp.errors import NoEndpointError, SheddingError, UnknownModelError
-from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.index import BlockIndex, PickOrigin
 from kvfleet.epp.inflight import InflightTracker, Ticket
 from kvfleet.epp.podmetrics import MetricsStore
 from kvfleet.epp.protocol import InferenceRequest
@@ -258,12 +258,12 @@ class Director:
                 followup_share=followup_share,
                 hot_followers=rate * min(age, COPY_HORIZON_S) if age >= COPY_MIN_AGE_S else 0.0,
             )
-            self._observe_followup(invoked.name, keys, cands)
+            covered = self._observe_followup(invoked.name, keys, cands)
             self._admit(invoked, cands)
             result = self.scheduler.schedule(sreq, profile, cands, groups, keys, hot)
             if result is None:
                 raise NoEndpointError(f"no endpoint of pool {invoked.name!r} passed the filters")
-            ticket, leases, ttl = self._pre_request(result, keys, hot)
+            ticket, leases, ttl = self._pre_request(result, keys, hot, invoked.name, covered)
         best = result.pick
         return Decision(
             endpoints=tuple(c.pod.endpoint for c in result.ranked.pods),
@@ -277,21 +277,38 @@ class Director:
             ticket=ticket,
             shard=best.pod.shard,
             block_size=block_size,
-            on_served=self._on_served(result, keys, ticket, leases, ttl),
+            on_served=self._on_served(result, keys, ticket, leases, ttl, invoked.name),
         )
 
     def followup_shares(self) -> dict[str, float]:
         """Per pool, its ``followup_share`` now (the metric's source)."""
         return dict(self._followup)
 
-    def _observe_followup(self, pool: str, keys: Sequence[int], cands: Sequence[Candidate]) -> None:
+    def _observe_followup(self, pool: str, keys: Sequence[int], cands: Sequence[Candidate]) -> float:
         """Folds this request's share covered by a live pick (the longest prefix a pick on any candidate
-        covers ÷ its blocks) into the pool's ``followup_share``."""
+        covers ÷ its blocks) into the pool's ``followup_share`` and returns it (−1 for a request without
+        full blocks: no sample). The caller holds the lock."""
         if not keys:
-            return
+            return -1.0
         picked = min(1.0, max(column(cands, "picked_blocks"), default=0) / len(keys))
+        self._fold_followup(pool, picked)
+        return picked
+
+    def _fold_followup(self, pool: str, share: float) -> None:
         prev = self._followup.get(pool)
-        self._followup[pool] = picked if prev is None else prev + FOLLOWUP_ALPHA * (picked - prev)
+        self._followup[pool] = share if prev is None else prev + FOLLOWUP_ALPHA * (share - prev)
+
+    def peer_followup(self, pool: str, share: float) -> None:
+        """A peer replica's sample of ``pool``'s follow-up share (its :class:`PickOrigin`'s ``covered``), folded
+        as this replica's own: every replica then counts the whole fleet's requests, as one picker would, not
+        the third the gateway sends it (whose share lagged and, with the peers' picks live longer than its
+        own, read higher: ``docs/epp.md``, Replicas). A pool this picker does not know is ignored."""
+        if not 0.0 <= share <= 1.0:
+            return
+        with self._lock:
+            if pool not in self._followup and all(p.name != pool for p in self.datastore.pools()):
+                return
+            self._fold_followup(pool, share)
 
     def _admit(self, pool: Pool, cands: Sequence[Candidate]) -> None:
         """Shedding: refuse the request when every candidate waits ≥ ``shed_queue`` (0: never)."""
@@ -301,28 +318,31 @@ class Director:
     # --- PreRequest: the pick's speculative entries and ticket ---------------------------------
 
     def _pre_request(
-        self, result: SchedulingResult, keys: Sequence[int], hot: int,
+        self, result: SchedulingResult, keys: Sequence[int], hot: int, pool: str, covered: float,
     ) -> tuple[Ticket, dict[str, Lease], dict[str, float]]:
-        """Speculative entries on the chosen pod(s), one lease each, and the in-flight ticket, whose first
-        byte starts the leases' TTL (a long queue must not expire the entries)."""
+        """The in-flight ticket, then speculative entries on the chosen pod(s), one lease each: the ticket's
+        first byte starts the leases' TTL (a long queue must not expire the entries). The ticket opens first
+        so that the pick names it to other replicas (:class:`PickOrigin`)."""
         best, prefiller = result.pick.pod, result.prefiller
         picked = (best.name,) if prefiller is None else (best.name, prefiller.name)
         ttl = {best.name: self.pick_ttl(best)}
         if prefiller is not None:
             ttl[prefiller.name] = self.pick_ttl(prefiller)
-
-        leases = {name: self.index.add_speculative(name, keys, self.tracker.max_age_s) for name in picked}
+        leases: dict[str, Lease] = {}
 
         def refresh() -> None:  # the TTL counts from the first token: a long queue must not expire the entry
             for name, lease in leases.items():
                 self.index.extend(lease, ttl.get(name, self.settings.speculative_ttl_s))
 
         ticket = self.tracker.open(picked, hot, float(result.uncached), on_first_byte=refresh)
+        origin = PickOrigin(ticket.id, covered, pool)
+        for name in picked:
+            leases[name] = self.index.add_speculative(name, keys, self.tracker.max_age_s, origin=origin)
         return ticket, leases, ttl
 
     def _on_served(
         self, result: SchedulingResult, keys: Sequence[int], ticket: Ticket, leases: dict[str, Lease],
-        ttl: dict[str, float],
+        ttl: dict[str, float], pool: str,
     ) -> Callable[[str], bool]:
         """:attr:`Decision.on_served`: when a fallback served, its pod gets the ticket and a speculative entry
         (in the ``leases``/``ttl`` the ticket's first-byte refresh reads) and the pick's entry expires."""
@@ -335,7 +355,8 @@ class Director:
             if pod is None or pod.name in leases:
                 return False
             leases.pop(best).expiry = 0.0  # out of the refresh too: the fallback holds the prefix
-            leases[pod.name] = self.index.add_speculative(pod.name, keys, self.tracker.max_age_s)
+            leases[pod.name] = self.index.add_speculative(pod.name, keys, self.tracker.max_age_s,
+                                                          origin=PickOrigin(ticket.id, -1.0, pool))
             ttl[pod.name] = self.pick_ttl(pod)
             self.tracker.move(ticket, best, pod.name)
             return True
@@ -351,6 +372,15 @@ class Director:
         ``approximate_ttl_s``."""
         s = self.settings
         return s.speculative_ttl_s if s.events_enabled and pod.events else s.approximate_ttl_s
+
+    def pick_ttl_of(self, name: str) -> float:
+        """:meth:`pick_ttl` of the pod called ``name`` (a peer's pick); ``speculative_ttl_s`` for a pod no
+        pool holds now."""
+        for pool in self.datastore.pools():
+            for pod in pool.pods:
+                if pod.name == name:
+                    return self.pick_ttl(pod)
+        return self.settings.speculative_ttl_s
 
     def unreachable(self, d: Decision, endpoint: str) -> None:
         """The gateway found nothing listening at ``endpoint`` (one of ``d``'s): out of rotation until a

@@ -391,7 +391,7 @@ def replica_summary(cs: Sequence[Case], by_case: Sequence[Mapping[str, Result]])
             continue
         ratios = [vs_one(runs, name) for runs in by_case]
         for q in REPLICA_QUANTILES:
-            i = max(range(len(cs)), key=lambda k, q=q: ratios[k][q])
+            i = max(range(len(cs)), key=lambda k: ratios[k][q])
             out[f"family_worst_{tag}_{q}_vs_1"] = round(ratios[i][q], 4)
             out[f"family_worst_{tag}_{q}_vs_1_at"] = cs[i].label
         out[f"family_worst_{tag}_hit_vs_1"] = round(min(r["hit"] for r in ratios), 4)

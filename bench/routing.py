@@ -530,12 +530,20 @@ class KvfleetReplicas(Policy):
                 def share(pod: str, sampled: list[int], blocks: int, origin: PickOrigin | None,
                           others: list[PeerApplier] = others, name: str = str(i)) -> None:
                     pick = pick_message(pod, sampled, blocks, origin)
-                    self._send(lambda: [a.pick(name, pick) for a in others])
+
+                    def deliver() -> None:
+                        for a in others:
+                            a.pick(name, pick)
+                    self._send(deliver)
 
                 def tickets(event: TicketEvent, t: Ticket, moved: tuple[str, str] | None,
                             others: list[PeerApplier] = others, name: str = str(i)) -> None:
                     change = ticket_change(event, t, moved)
-                    self._send(lambda: [a.ticket(name, change) for a in others])
+
+                    def deliver() -> None:
+                        for a in others:
+                            a.ticket(name, change)
+                    self._send(deliver)
 
                 rep.index.on_pick = share
                 rep.router.tracker.on_ticket = tickets

@@ -189,7 +189,8 @@ class ReplicaGossip:
         self._decoder = msgspec.msgpack.Decoder(Message)
 
     # --- the pick path -----------------------------------------------------------------
-    def publish(self, pod: str, sampled: list[int], blocks: int = 0, origin: PickOrigin | None = None) -> None:
+    def publish(self, pod: str, sampled: list[int], blocks: int = 0,
+                origin: PickOrigin | None = None) -> None:
         """Queue one of this replica's picks (the index's ``on_pick``); never blocks."""
         self._put(pick_message(pod, sampled, blocks, origin), self.picks_out)
 

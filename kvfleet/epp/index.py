@@ -148,8 +148,8 @@ class BlockIndex:
         self.expire_scans = 0
         #: speculative entries dropped by the ``max_speculative`` bound (expired ones do not count)
         self.speculative_dropped = 0
-        #: called with (pod, sampled keys, prompt blocks, the pick's :class:`PickOrigin` or None) after each of
-        #: this picker's own picks (:meth:`add_speculative`), not for picks learned from other replicas
+        #: called with (pod, sampled keys, prompt blocks, the pick's :class:`PickOrigin` or None) after each
+        #: of this picker's own picks (:meth:`add_speculative`), not for picks learned from other replicas
         #: (:meth:`add_speculative_sampled`): how picks are shared (epp/gossip.py)
         self.on_pick: Callable[[str, list[int], int, PickOrigin | None], None] | None = None
         self.reuse = ReuseTracker(reuse_entries)

@@ -170,7 +170,8 @@ class TestBoundary:
         sampled = [keys[i] for i in spec_positions(len(keys))]
         u64 = np.array(sampled, dtype=np.uint64)
         # the ticket's open comes first (both are queued at the pick, in that order)
-        assert g.apply([self.payload([["pod-0", sampled, 100, 7, 0.0, "pool"]], [[0, 7, ["pod-0"], 0, 10.0]])])
+        opened = [[0, 7, ["pod-0"], 0, 10.0]]
+        assert g.apply([self.payload([["pod-0", sampled, 100, 7, 0.0, "pool"]], opened)]) == "ok"
         assert idx.drop_served_speculative("pod-0", u64) == 0  # not served yet: a removal keeps it
         now[0] += 60.0  # a long queue: the pick waits for its first token, as its picker's own entry does
         assert idx.match(keys, ["pod-0"])["pod-0"].blocks == 100
@@ -180,13 +181,14 @@ class TestBoundary:
         now[0] += 0.2
         assert idx.match(keys, ["pod-0"]) == {}
         # served: the pod's removal drops it at once
-        assert g.apply([self.payload([["pod-1", sampled, 100, 8, 0.0, "pool"]], [[0, 8, ["pod-1"], 0, 1.0],
-                                                                            [1, 8, []]])])
+        opened_and_first = [[0, 8, ["pod-1"], 0, 1.0], [1, 8, []]]
+        assert g.apply([self.payload([["pod-1", sampled, 100, 8, 0.0, "pool"]], opened_and_first)]) == "ok"
         assert idx.match(keys, ["pod-1"])["pod-1"].blocks == 100  # first token before the pick: served now
         assert idx.drop_served_speculative("pod-1", u64) == len(sampled)
         assert idx.match(keys, ["pod-1"]) == {}
         # no ticket held (an older peer sends none; this one is unknown): ttl_s from receipt, never served
-        assert g.apply([self.payload([["pod-0", sampled, 100], ["pod-1", sampled, 100, 99, 0.0, "pool"]])])
+        unlinked = [["pod-0", sampled, 100], ["pod-1", sampled, 100, 99, 0.0, "pool"]]
+        assert g.apply([self.payload(unlinked)]) == "ok"
         assert idx.drop_served_speculative("pod-0", u64) == idx.drop_served_speculative("pod-1", u64) == 0
         now[0] += 4.9
         assert set(idx.match(keys, ["pod-0", "pod-1"])) == {"pod-0", "pod-1"}
@@ -203,8 +205,10 @@ class TestBoundary:
                           tracker=tracker, replica="me", pick_ttl=lambda pod: 2.0)
         keys = list(range(1000, 1040))
         sampled = [keys[i] for i in spec_positions(len(keys))]
-        assert g.apply([self.payload([["pod-0", sampled, 40, 3, 0.5, "pool"]], [[0, 3, ["pod-0"], 0, 1.0]])])
-        assert g.apply([self.payload([["pod-1", sampled, 40, 3, -1.0, "pool"]], [[3, 3, ["pod-0", "pod-1"]]])])
+        opened = [[0, 3, ["pod-0"], 0, 1.0]]
+        assert g.apply([self.payload([["pod-0", sampled, 40, 3, 0.5, "pool"]], opened)]) == "ok"
+        moved = [[3, 3, ["pod-0", "pod-1"]]]  # the peer's fallback served: its own pick, same ticket
+        assert g.apply([self.payload([["pod-1", sampled, 40, 3, -1.0, "pool"]], moved)]) == "ok"
         assert set(idx.match(keys, ["pod-0", "pod-1"])) == {"pod-0", "pod-1"}
         assert g.apply([self.payload(tickets=[[1, 3, []]])]) == "ok"
         assert set(idx.match(keys, ["pod-0", "pod-1"])) == {"pod-1"}
@@ -244,9 +248,8 @@ class TestBoundary:
         ([msgspec.msgpack.encode([VERSION + 1, "peer", [], []])], "malformed"),
         ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", ["x"]]], []])], "malformed"),
         ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", [1.5]]], []])], "malformed"),
-        ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", [1, 2], 2, "t", 0.5, "pool"]], []])], "malformed"),
-        ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", [1, 2], 2, 1, "x", "pool"]], []])], "malformed"),
-        ([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", [1, 2], 2, 1, 0.5, 7]], []])], "malformed"),
+        *[([msgspec.msgpack.encode([VERSION, "peer", [["pod-0", [1, 2], 2, *origin]], []])], "malformed")
+          for origin in (["t", 0.5, "pool"], [1, "x", "pool"], [1, 0.5, 7])],  # a pick's origin, mistyped
         ([msgspec.msgpack.encode([VERSION, "peer", [], [[0, "id", ["pod-0"]]]])], "malformed"),
         ([msgspec.msgpack.encode([VERSION, "peer", [], []]), b"extra"], "malformed"),
         ([], "malformed"),

@@ -299,10 +299,10 @@ class Director:
         self._followup[pool] = share if prev is None else prev + FOLLOWUP_ALPHA * (share - prev)
 
     def peer_followup(self, pool: str, share: float) -> None:
-        """A peer replica's sample of ``pool``'s follow-up share (its :class:`PickOrigin`'s ``covered``), folded
-        as this replica's own: every replica then counts the whole fleet's requests, as one picker would, not
-        the third the gateway sends it (whose share lagged and, with the peers' picks live longer than its
-        own, read higher: ``docs/epp.md``, Replicas). A pool this picker does not know is ignored."""
+        """A peer replica's sample of ``pool``'s follow-up share (its :class:`PickOrigin`'s ``covered``),
+        folded as this replica's own: every replica then counts the whole fleet's requests, as one picker
+        would, not the third the gateway sends it (``docs/epp.md``, Replicas). A pool this picker does not
+        know is ignored."""
         if not 0.0 <= share <= 1.0:
             return
         with self._lock:

@@ -505,8 +505,9 @@ class KvfleetReplicas(Policy):
 
     GOSSIP_TTL_S = 30.0
     #: a gossip message's delivery delay (sim seconds): a pick or ticket change reaches the other replicas
-    #: this much later (ZMQ on loopback or a LAN takes well under a millisecond; this leaves room for a busy
-    #: thread)
+    #: this much later: the EPP's gossip thread holds its own changes ``COALESCE_S`` (2 ms) to send a pick's
+    #: burst in one message, and applies a peer's message when it arrives (ZMQ on loopback or a LAN takes well
+    #: under a millisecond)
     GOSSIP_DELAY_S = 0.002
 
     def __init__(self, cfg: SimConfig, pods: list[SimPod], plugins: Sequence[PluginSpec], hotspot_beta: float,

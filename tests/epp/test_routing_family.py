@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bench import _family as family
-from bench.routing import Knobs, Result, SimConfig, make_policy, simulate
+from bench.routing import RESEEDED, Knobs, Result, SimConfig, make_policy, simulate
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.inflight import InflightTracker, PodView
 from kvfleet.epp.requestcontrol import director
@@ -237,6 +237,26 @@ def test_family_summary_names_the_worst_case() -> None:
         assert out[f"family_worst_{q}_vs_best_peer"] == pytest.approx(max(ratios), abs=1e-4)
         worst = cs[ratios.index(max(ratios))]
         assert out[f"family_worst_{q}_vs_best_peer_at"].startswith(worst.label)
+
+
+def test_family_replica_summary_names_the_worst_case() -> None:
+    """``--family``'s replica guard: per quantile the worst of three replicas ÷ one picker and of one reseeded
+    picker ÷ one, where, the lowest hit ratio and the cases over 1.05 ×."""
+    cs = [case("storm", "ρ", 0.8, 250, 0, n=300, pods=4), case("agents", "ρ", 0.8, 250, 0, n=300, pods=4)]
+    by_case = family.run_family(cs, Knobs(), jobs=1, extra=[family.REPLICAS, RESEEDED])
+    out = family.replica_summary(cs, by_case)
+    for name, tag in ((family.REPLICAS, "replicas3"), (RESEEDED, "reseeded")):
+        ratios = [family.vs_one(runs, name) for runs in by_case]
+        for q in ("p50", "p90", "p99", "mean"):
+            values = [r[q] for r in ratios]
+            assert out[f"family_worst_{tag}_{q}_vs_1"] == pytest.approx(max(values), abs=1e-4)
+            assert out[f"family_worst_{tag}_{q}_vs_1_at"] == cs[values.index(max(values))].label
+        assert out[f"family_worst_{tag}_hit_vs_1"] == pytest.approx(min(r["hit"] for r in ratios), abs=1e-4)
+        assert out[f"family_{tag}_cases_over"] == sum(
+            max(r["p90"], r["p99"], r["mean"]) > 1.05 for r in ratios)
+    one = by_case[0]["kvfleet"]
+    assert family.vs_one(by_case[0], RESEEDED)["p90"] == by_case[0][RESEEDED].ttft["p90"] / one.ttft["p90"]
+    assert family.replica_summary(cs, family.run_family(cs, Knobs(), jobs=1)) == {}  # not run: not printed
 
 
 def test_a_recompute_on_a_busy_pod_pays_for_the_delay_it_causes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ search and by the verifying walk.
 from __future__ import annotations
 
 import random
+import sys
 import threading
 
 import numpy as np
@@ -153,13 +154,22 @@ def test_concurrent_writers_and_readers() -> None:
 
     readers = [threading.Thread(target=reader) for _ in range(2)]
     writers = [threading.Thread(target=writer, args=(p,)) for p in chains]
-    for t in readers + writers:
-        t.start()
-    for t in writers:
-        t.join(60)
-    stop.set()
-    for t in readers:
-        t.join(60)
+    # each compiled call releases the GIL; a writer waiting to take it back behind two spinning readers waited
+    # the default switch interval (5 ms) each time: the writers took 40-60 s and, past the join's timeout,
+    # the checks below read a half-written index. A short interval keeps the interleaving and the pace.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        for t in readers + writers:
+            t.start()
+        for t in writers:
+            t.join(120)
+        stop.set()
+        for t in readers:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not [t for t in readers + writers if t.is_alive()], "threads still running after 120 s"
     assert not errors, errors
     assert idx.num_entries == 4 * 400 and sorted(idx.pods()) == sorted(chains)
     for pod, keys in chains.items():

@@ -26,13 +26,18 @@ import numpy as np
 import pytest
 
 import kvfleet.epp.gossip as gossip_mod
+from kvfleet.config import load
 from kvfleet.demo.envoy import free_port
 from kvfleet.epp.app import Epp
+from kvfleet.epp.datastore import StaticDatastore
 from kvfleet.epp.gossip import MAX_BYTES, MAX_KEYS, VERSION, ReplicaGossip, resolve
-from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.index import BlockIndex, PickOrigin
 from kvfleet.epp.inflight import InflightTracker
+from kvfleet.epp.podmetrics import MetricsStore
 from kvfleet.epp.protocol import InferenceRequest
+from kvfleet.epp.router import Router
 from kvfleet.epp.speculative import spec_positions
+from kvfleet.epp.tokenize import load_tokenizer
 from tests.conftest import wait_for
 from tests.epp.pods import PodFleet
 
@@ -346,6 +351,27 @@ class TestBoundary:
         events = [(t.event, t.tid) for m in msgs for t in m.tickets]
         assert len(events) == 120 and events == sorted(events, key=lambda e: e[1])
         assert g.picks_out["sent"] == 41 and g.tickets_out["sent"] == 120
+
+def test_a_pd_pick_names_its_ticket_on_both_pods_and_samples_once() -> None:
+    """A prefill/decode pick records both pods under the request's one ticket; only the first carries the
+    request's follow-up sample (peers fold one sample per request, as the picker does)."""
+    data = {"pools": [{"name": "pd", "models": ["m"], "pods": [
+        {"name": f"p{i}", "address": "10.0.0.1", "port": 8000 + i, "role": r}
+        for i, r in enumerate(["prefill", "decode"])]}]}
+    s = load(overrides={"epp": {"events_enabled": False, "pd_min_uncached_tokens": 1}})
+    index = BlockIndex()
+    router = Router(s.epp, s.cache, StaticDatastore(data=data), index, MetricsStore(),
+                    load_tokenizer("bytes"))
+    published: list[tuple[str, PickOrigin | None]] = []
+    index.on_pick = lambda pod, sampled, blocks, origin: published.append((pod, origin))
+    d = router.route(InferenceRequest(model="m", prompt=PROMPT))
+    assert d.prefiller is not None and d.ticket is not None
+    assert [pod for pod, _ in published] == ["p1", "p0"]
+    origins = [o for _, o in published]
+    assert all(o is not None and o.ticket == d.ticket.id and o.pool == "pd" for o in origins)
+    assert [o.covered for o in origins if o is not None] == [0.0, -1.0]
+    assert router.director.followup_shares() == {"pd": 0.0}
+
 
 def test_peer_names_resolve_to_every_address() -> None:
     assert resolve(["127.0.0.1:7100", "localhost:7101", "no-such-host.invalid:7102", "[::1]:7103"]) >= {

@@ -335,8 +335,8 @@ class Director:
                 self.index.extend(lease, ttl.get(name, self.settings.speculative_ttl_s))
 
         ticket = self.tracker.open(picked, hot, float(result.uncached), on_first_byte=refresh)
-        origin = PickOrigin(ticket.id, covered, pool)
-        for name in picked:
+        for i, name in enumerate(picked):  # one request, one follow-up sample: the prefill pick has none
+            origin = PickOrigin(ticket.id, covered if i == 0 else -1.0, pool)
             leases[name] = self.index.add_speculative(name, keys, self.tracker.max_age_s, origin=origin)
         return ticket, leases, ttl
 

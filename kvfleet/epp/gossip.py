@@ -161,10 +161,9 @@ class ReplicaGossip:
         pick_ttl: Callable[[str], float] | None = None,
         on_followup: Callable[[str, float], None] | None = None,
     ) -> None:
-        self.index, self.tracker = index, tracker
-        self.host, self.port, self.peers, self.ttl_s = host, port, tuple(peers), ttl_s
-        self.known_pod, self.secret = known_pod, secret
-        #: the receiving side (:class:`PeerApplier`)
+        self.tracker = tracker
+        self.host, self.port, self.peers, self.secret = host, port, tuple(peers), secret
+        #: the receiving side (:class:`PeerApplier`): the index, the pods known and the TTLs are its
         self.peers_applier = PeerApplier(index, tracker, known_pod, ttl_s, pick_ttl, on_followup)
         self.replica = replica or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.messages: Counter[str] = Counter()
@@ -376,16 +375,10 @@ class ReplicaGossip:
             return "self"
         self._heard[msg.replica] = time.monotonic()
         for change in msg.tickets:
-            self.tickets_in[self._apply_ticket(msg.replica, change)] += 1
+            self.tickets_in[self.peers_applier.ticket(msg.replica, change)] += 1
         for pick in msg.picks:
-            self.picks_in[self._apply_pick(msg.replica, pick)] += 1
+            self.picks_in[self.peers_applier.pick(msg.replica, pick)] += 1
         return "ok"
-
-    def _apply_pick(self, origin: str, pick: Pick) -> str:
-        return self.peers_applier.pick(origin, pick)
-
-    def _apply_ticket(self, origin: str, c: TicketChange) -> str:
-        return self.peers_applier.ticket(origin, c)
 
 
 def pick_message(pod: str, sampled: Sequence[int], blocks: int = 0, origin: PickOrigin | None = None) -> Pick:

@@ -368,15 +368,14 @@ def summary(cs: Sequence[Case], by_case: Sequence[Mapping[str, Result]]) -> dict
 
 #: the replicas the family runs against one picker (``--family``), and the one picker reseeded (its spread)
 REPLICAS = "kvfleet-x3"
-#: the replica figures' quantiles, and the ratio a case counts as over
-REPLICA_QUANTILES = ("p50", "p90", "p99", "mean")
+#: the ratio of a replica figure a case counts as over
 REPLICA_OVER = 1.05
 
 
 def vs_one(runs: Mapping[str, Result], name: str) -> dict[str, float]:
     """``name``'s TTFT quantiles and hit rate ÷ one kvfleet picker's, on one case."""
     one, other = runs["kvfleet"], runs[name]
-    out = {q: other.ttft[q] / max(one.ttft[q], 1e-9) for q in REPLICA_QUANTILES}
+    out = {q: other.ttft[q] / max(one.ttft[q], 1e-9) for q in QUANTILES}
     out["hit"] = other.hit_rate / max(one.hit_rate, 1e-9)
     return out
 
@@ -390,7 +389,7 @@ def replica_summary(cs: Sequence[Case], by_case: Sequence[Mapping[str, Result]])
         if not by_case or name not in by_case[0]:
             continue
         ratios = [vs_one(runs, name) for runs in by_case]
-        for q in REPLICA_QUANTILES:
+        for q in QUANTILES:
             i = max(range(len(cs)), key=lambda k: ratios[k][q])
             out[f"family_worst_{tag}_{q}_vs_1"] = round(ratios[i][q], 4)
             out[f"family_worst_{tag}_{q}_vs_1_at"] = cs[i].label

@@ -371,6 +371,14 @@ def test_a_pd_pick_names_its_ticket_on_both_pods_and_samples_once() -> None:
     assert all(o is not None and o.ticket == d.ticket.id and o.pool == "pd" for o in origins)
     assert [o.covered for o in origins if o is not None] == [0.0, -1.0]
     assert router.director.followup_shares() == {"pd": 0.0}
+    # a peer's sample: only for a pool this picker serves, only within 0..1 (a forged stream of pool names
+    # or values leaves nothing behind)
+    for pool, share in [("no-such-pool", 0.5), *((f"pool-{i}", 1.0) for i in range(100)), ("pd", 1.5),
+                        ("pd", float("nan")), ("pd", -0.1)]:
+        router.director.peer_followup(pool, share)
+    assert router.director.followup_shares() == {"pd": 0.0}
+    router.director.peer_followup("pd", 1.0)
+    assert router.director.followup_shares() == {"pd": pytest.approx(0.01)}
 
 
 def test_peer_names_resolve_to_every_address() -> None:

@@ -18,9 +18,10 @@ request count, at an arbitrary time scale that :func:`requests` then stretches t
   requests that share a prefix of 8–48 blocks, each within 0.5–4 s.
 
 Replicas: every case also runs three EPP replicas (``kvfleet-x3``: streams round-robin over three pickers,
-gossip 2 ms late through the EPP's own receiving side) and one picker whose ties break on another random
-sequence (``kvfleet-reseeded``); the family prints both ÷ one picker (``family_worst_replicas3_*_vs_1``,
-``family_worst_reseeded_*_vs_1``): the second says how far a picker's figures move by chance alone.
+gossip 1 ms late, as measured by ``bench.gossip``, through the EPP's own receiving side) and one picker whose
+ties break on another random sequence (``kvfleet-reseeded``); the family prints both ÷ one picker
+(``family_worst_replicas3_*_vs_1``, ``family_worst_reseeded_*_vs_1``): the second says how far a picker's
+figures move by chance alone.
 
 Load: ``ρ`` of a case is the utilisation at the one-node ideal hit (:func:`bench.routing.utilisation` with
 :func:`bench.routing.ideal_hits` of one LRU of every pod's blocks): the prefill work that is left when

@@ -505,10 +505,12 @@ class KvfleetReplicas(Policy):
 
     GOSSIP_TTL_S = 30.0
     #: a gossip message's delivery delay (sim seconds): a pick or ticket change reaches the other replicas
-    #: this much later: the EPP's gossip thread holds its own changes ``COALESCE_S`` (2 ms) to send a pick's
-    #: burst in one message, and applies a peer's message when it arrives (ZMQ on loopback or a LAN takes well
-    #: under a millisecond)
-    GOSSIP_DELAY_S = 0.002
+    #: this much later. The EPP sends a decision's changes as it makes the pick and a replica applies its
+    #: peers' messages before each decision (epp/gossip.py); ``python -m bench.gossip`` measures pick to
+    #: application at p50 0.6 ms under Poisson decisions and 1.5 ms in bursts of back-to-back decisions on
+    #: two shared cores (p90 1.6 and 4.2 ms; the release before: p50 1.2 and 3.8 ms, p90 2.2 and 10 ms,
+    #: and this simulation assumed 2 ms)
+    GOSSIP_DELAY_S = 0.001
 
     def __init__(self, cfg: SimConfig, pods: list[SimPod], plugins: Sequence[PluginSpec], hotspot_beta: float,
                  spec_ttl_s: float, n: int, gossip: bool) -> None:

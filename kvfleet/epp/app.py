@@ -99,6 +99,8 @@ class Epp:
                                         on_followup=self.router.director.peer_followup)
             self.index.on_pick = self.gossip.publish
             self.tracker.on_ticket = self.gossip.publish_ticket
+            self.router.before_decision = self.gossip.receive
+            self.router.after_decision = self.gossip.flush
             self.metrics.attach_gossip(self.gossip)
         self._grpc: grpc.aio.Server | None = None
         self._health: grpc.aio.Server | None = None

@@ -22,19 +22,25 @@ socket and subscribes to its peers':
 A replica that sends nothing for :data:`SILENT_S` (it sends an empty message every :data:`HEARTBEAT_S`) is
 gone: its tickets are closed. A restarted replica has a new id, so its predecessor's tickets go the same way.
 
-Wire, one message per batch of what was queued when the gossip thread woke (picks and ticket changes, up
-to :data:`BATCH_BYTES` of payload and :data:`BATCH_TICKETS` ticket changes; a receiver applies a message's
-ticket changes, then its picks): ``[payload]`` or, with a secret, ``[payload, HMAC-SHA256(secret,
-payload)]``; ``payload`` is msgpack :class:`Message` ``[VERSION, replica id, [picks], [ticket changes]]``.
-The port is a boundary like any other. A whole message is dropped and counted
-(``kvfleet_epp_gossip_messages_total{direction="in",result}``) if larger than :data:`MAX_BYTES`,
-undecodable, of another version, with a missing or wrong tag (when a secret is set) or from this replica;
-inside a message each pick and ticket change is checked on its own (a pod the replica does not serve, more
-than :data:`MAX_KEYS` keys, an unknown event, a token count that is negative or not finite, more peer
-tickets than the tracker holds) and counted (``kvfleet_epp_gossip_picks_total`` /
-``kvfleet_epp_gossip_tickets_total``, ``direction="in"``). The pick path never waits: changes go through a
-bounded queue (full: dropped, counted) to the gossip thread, which owns both sockets and is woken through a
-pipe; ZMQ's high-water mark bounds what a slow peer can hold.
+Wire: a decision's changes leave in one message when its pick is made (its ticket's open, then the pick: a P/D
+pick's second pod in a second), with the first tokens, ends and moves of other tickets since the last message
+(with no pick, the gossip thread sends those within :data:`COALESCE_S`); what waited (the sockets not up yet)
+in as few messages as fit :data:`BATCH_BYTES` of payload and :data:`BATCH_TICKETS` ticket changes. A receiver
+applies a message's ticket changes, then its picks. A message is ``[payload]`` or, with a secret, ``[payload,
+HMAC-SHA256(secret, payload)]``; ``payload`` is msgpack :class:`Message` ``[VERSION, replica id, [picks],
+[ticket changes]]``. The port is a boundary like any other. A whole message is dropped and counted
+(``kvfleet_epp_gossip_messages_total{direction="in",result}``) if larger than :data:`MAX_BYTES`, undecodable,
+of another version, with a missing or wrong tag (when a secret is set) or from this replica; inside a message
+each pick and ticket change is checked on its own (a pod the replica does not serve, more than
+:data:`MAX_KEYS` keys, an unknown event, a token count that is negative or not finite, more peer tickets than
+the tracker holds) and counted (``kvfleet_epp_gossip_picks_total`` / ``kvfleet_epp_gossip_tickets_total``,
+``direction="in"``). The pick path never waits on the network: it sends without blocking (a peer at ZMQ's
+high-water mark: dropped, counted; before the sockets are up at most ``queue_size`` changes wait). A replica
+applies its peers' messages before each of its decisions (:meth:`ReplicaGossip.receive`), and its gossip
+thread applies them when it routes nothing; the thread also sends the heartbeats and follows the peers'
+addresses. Both sockets are shared by the threads behind a lock each. Before, the pick path queued its changes
+for the gossip thread, which sent and applied them when the interpreter let it run: a burst of decisions held
+the GIL, and picks reached the peers 10–22 ms late (``python -m bench.gossip``).
 
 Peers are ``host:port`` entries; a name that resolves to several addresses (the chart's headless
 ``<epp>-replicas`` Service) means each of them, and names are resolved again every :data:`REFRESH_S`,
@@ -49,7 +55,7 @@ import hmac
 import logging
 import math
 import os
-import queue
+import select
 import socket
 import threading
 import time
@@ -74,10 +80,19 @@ BATCH_BYTES = MAX_BYTES // 2
 REFRESH_S = 10.0
 HEARTBEAT_S = 1.0
 SILENT_S = 5.0
-#: the gossip thread's batching window: woken by its own changes alone, it waits this long before sending
-#: them (the rest of a pick's burst joins); after applying peers' messages, this long before the next (what
-#: comes meanwhile is applied together, the first message after a quiet spell at once)
+#: the gossip thread's batching window: woken to send this replica's first tokens and ends, it waits this long
+#: first (those of the window leave in one message); after applying peers' messages, this long before the next
+#: (a replica routing nothing applies what comes meanwhile in one wake-up; one that routes takes them before
+#: each decision: :meth:`ReplicaGossip.receive`)
 COALESCE_S = 0.002
+#: when a change leaves (``ReplicaGossip._put``): now (a pick, with what waited before it), with the next pick
+#: (a ticket's open: its pick follows in the same decision), or with the next pick or the gossip thread's next
+#: send, whichever comes first (a first token, an end, a move)
+NOW, HOLD, SOON = 0, 1, 2
+#: the gossip thread's longest wait for the SUB socket's descriptor (its signal is edge-triggered)
+IDLE_WAIT_S = 0.05
+#: peers' messages applied in one go at most (the next go takes the rest)
+RECEIVE_MAX = 1000
 MAX_TOKENS = 1e9
 _TAG = 32
 EVENTS: tuple[TicketEvent, ...] = get_args(TicketEvent)
@@ -179,34 +194,91 @@ class ReplicaGossip:
         repeated)."""
         self.peers_gone = 0
         self._heard: dict[str, float] = {}
-        self._queue: queue.Queue[Pick | TicketChange] = queue.Queue(queue_size)
+        #: this replica's changes not sent yet (a decision's ticket open until its pick; all of them while
+        #: the sockets are not up), at most ``queue_size``
+        self._pending: list[Pick | TicketChange] = []
+        self._queue_size = queue_size
+        #: the PUB socket and ``_pending`` (the pick paths send, the gossip thread its heartbeats); the SUB
+        #: socket (the pick paths and the gossip thread receive). A ZMQ socket may change threads behind a
+        #: lock (a full memory barrier), never be used by two at once
+        self._pub_lock = threading.Lock()
+        self._sub_lock = threading.Lock()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._pub: zmq.Socket[bytes] | None = None
+        self._sub: zmq.Socket[bytes] | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._bound = threading.Event()
+        self._connected: set[str] = set()
+        #: the gossip thread was woken for changes that wait (``_pending``) and has not sent them yet
+        self._woken = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Message)
 
     # --- the pick path -----------------------------------------------------------------
     def publish(self, pod: str, sampled: list[int], blocks: int = 0,
                 origin: PickOrigin | None = None) -> None:
-        """Queue one of this replica's picks (the index's ``on_pick``); never blocks."""
-        self._put(pick_message(pod, sampled, blocks, origin), self.picks_out)
+        """Send one of this replica's picks (the index's ``on_pick``) now, with the changes held back before
+        it (its ticket's open, other tickets' first tokens and ends), in one message; never blocks on the
+        network."""
+        self._put(pick_message(pod, sampled, blocks, origin), self.picks_out, NOW)
 
     def publish_ticket(self, event: TicketEvent, t: Ticket, moved: tuple[str, str] | None) -> None:
-        """Queue a change of one of this replica's tickets (the tracker's ``on_ticket``); never blocks."""
-        self._put(ticket_change(event, t, moved), self.tickets_out)
+        """Share a change of one of this replica's tickets (the tracker's ``on_ticket``): an ``open`` is held
+        back for its pick, which follows in the same decision (:meth:`flush` sends it when none does); a
+        first token, end or move leaves with the next pick, or from the gossip thread within
+        :data:`COALESCE_S` when no pick comes."""
+        self._put(ticket_change(event, t, moved), self.tickets_out, HOLD if event == "open" else SOON)
 
-    def _put(self, item: Pick | TicketChange, counter: Counter[str]) -> None:
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            counter["dropped"] += 1
-            return
-        with contextlib.suppress(BlockingIOError):  # the pipe is full: the thread is awake already
-            os.write(self._wake_w, b"\0")
+    def flush(self) -> None:
+        """Send what is held back (the director calls it at the end of each decision: a ticket opened
+        without a pick, for a request with no full block or not an inference)."""
+        with self._pub_lock:
+            if self._pending and self._pub is not None:
+                self._drain(self._pub)
+
+    def _put(self, item: Pick | TicketChange, counter: Counter[str], when: int) -> None:
+        with self._pub_lock:
+            if len(self._pending) >= self._queue_size:  # the sockets are not up (or gone): bounded
+                counter["dropped"] += 1
+                return
+            self._pending.append(item)
+            if self._pub is None:
+                return
+            if when == NOW:
+                self._drain(self._pub)
+            elif when == SOON and not self._woken:
+                self._woken = True
+                with contextlib.suppress(BlockingIOError):  # the pipe is full: the thread is awake already
+                    os.write(self._wake_w, b"\0")
+
+    def receive(self) -> int:
+        """Apply the peers' messages that have come; returns how many. The router calls it before each
+        decision, so a busy replica routes on its peers' latest picks and load instead of what its gossip
+        thread last got the interpreter to apply (``python -m bench.gossip``). While the gossip thread is
+        applying, it waits for it to finish (the same messages; the thread, holding the socket's lock and
+        waiting for the GIL, gets it at once): skipping them instead left a burst's decisions up to a switch
+        interval (5 ms) behind, each time the thread got in."""
+        sub = self._sub
+        if sub is None:
+            return 0
+        with self._sub_lock:
+            if self._sub is None or not int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return 0
+            return self._receive(sub)
+
+    def _receive(self, sub: zmq.Socket[bytes]) -> int:
+        n = 0
+        while n < RECEIVE_MAX:
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.messages[self.apply(frames)] += 1
+            n += 1
+        return n
 
     @property
     def live_peers(self) -> int:
@@ -215,11 +287,40 @@ class ReplicaGossip:
         return sum(1 for t in list(self._heard.values()) if now - t < SILENT_S)
 
     # --- the gossip thread -------------------------------------------------------------
-    def start(self) -> ReplicaGossip:
-        self._thread = threading.Thread(target=self._run, name="epp-gossip", daemon=True)
-        self._thread.start()
-        if not self._bound.wait(10):
-            raise RuntimeError(f"gossip: could not bind {self.host}:{self.port}")
+    def start(self, thread: bool = True) -> ReplicaGossip:
+        """Bind the PUB socket (its port chosen when ``port`` is 0), connect the SUB socket to the peers and
+        start the gossip thread (``thread=False``: the sockets alone, for the pick paths: no heartbeats, the
+        peers' addresses not followed, nothing applied between decisions)."""
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+        for sock in (pub, sub):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            sock.setsockopt(zmq.RCVHWM, 10_000)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_BYTES + _TAG + 64)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        host = "*" if self.host in ("", "0.0.0.0", "::") else self.host
+        try:
+            if self.port:
+                pub.bind(f"tcp://{host}:{self.port}")
+            else:
+                self.port = pub.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as e:
+            pub.close(0)
+            sub.close(0)
+            ctx.term()
+            raise RuntimeError(f"gossip: could not bind {self.host}:{self.port}: {e}") from e
+        self._ctx = ctx
+        self._connected = self._reconnect(sub, set(), resolve(self.peers))
+        with self._sub_lock:
+            self._sub = sub
+        with self._pub_lock:
+            self._pub = pub
+            if self._pending:
+                self._drain(pub)
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="epp-gossip", daemon=True)
+            self._thread.start()
         return self
 
     def stop(self) -> None:
@@ -228,76 +329,73 @@ class ReplicaGossip:
             os.write(self._wake_w, b"\0")
         if self._thread is not None:
             self._thread.join(5)
+        with self._pub_lock:
+            if self._pub is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._drain(self._pub)
+                self._pub.close(0)
+                self._pub = None
+        with self._sub_lock:
+            if self._sub is not None:
+                self._sub.close(0)
+                self._sub = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
     def _run(self) -> None:
-        ctx = zmq.Context()
-        pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+        sub, pub = self._sub, self._pub
+        assert sub is not None and pub is not None
         try:
-            for s in (pub, sub):
-                s.setsockopt(zmq.LINGER, 0)
-                s.setsockopt(zmq.SNDHWM, 10_000)
-                s.setsockopt(zmq.RCVHWM, 10_000)
-            sub.setsockopt(zmq.MAXMSGSIZE, MAX_BYTES + _TAG + 64)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            host = "*" if self.host in ("", "0.0.0.0", "::") else self.host
-            if self.port:
-                pub.bind(f"tcp://{host}:{self.port}")
-            else:
-                self.port = pub.bind_to_random_port(f"tcp://{host}")
-            self._bound.set()
-            connected: set[str] = set()
-            next_refresh = next_beat = 0.0
-            poller = zmq.Poller()
-            poller.register(sub, zmq.POLLIN)
-            poller.register(self._wake_r, zmq.POLLIN)
+            with self._sub_lock:
+                fd = int(sub.getsockopt(zmq.FD))
+            connected = self._connected
+            next_refresh, next_beat = time.monotonic() + REFRESH_S, 0.0
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_refresh:
-                    connected = self._reconnect(sub, connected)
+                    want = resolve(self.peers)  # names: may wait on DNS, holding no lock
+                    with self._sub_lock:
+                        connected = self._reconnect(sub, connected, want)
                     next_refresh = now + REFRESH_S
                 if now >= next_beat:
-                    self._send(pub, [], [])
+                    with self._pub_lock:
+                        self._drain(pub)
+                        self._send(pub, [], [])
                     self._forget_silent(now)
                     next_beat = now + HEARTBEAT_S
-                ready = dict(poller.poll(int(HEARTBEAT_S * 1000)))
-                if self._wake_r in ready and sub not in ready:
-                    # own changes only: let the rest of this pick's burst join them (its ticket and pick, the
-                    # picks that follow at once), one message instead of several
-                    time.sleep(COALESCE_S)
-                if self._wake_r in ready:
-                    try:
+                # the SUB socket's descriptor signals new messages (edge-triggered: a pick path that took
+                # them may leave it quiet, hence the bounded wait)
+                ready, _, _ = select.select([fd, self._wake_r], [], [], min(IDLE_WAIT_S, next_beat - now))
+                woken = self._wake_r in ready
+                if woken:
+                    with contextlib.suppress(BlockingIOError):
                         while os.read(self._wake_r, 4096):
                             pass
-                    except BlockingIOError:
-                        pass
-                self._drain(pub)
-                if sub in ready:
-                    for _ in range(1000):
-                        try:
-                            frames = sub.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self.messages[self.apply(frames)] += 1
-                # peers' messages: applied at once, and what comes in the next COALESCE_S waits and is
-                # applied in one wake-up (a wake-up cost a replica more than applying its peer's pick and
-                # tickets: ≈ 0.15 against 0.07 ms per request routed elsewhere). Sleeping before applying
-                # them instead held each change up to 2 ms more: peers routed on picks up to 4 ms old
-                if sub in ready:
+                    # this replica's first tokens and ends of the next window leave in one message (a pick
+                    # meanwhile takes them along at once)
                     time.sleep(COALESCE_S)
-            self._drain(pub)
+                    with self._pub_lock:
+                        self._woken = False
+                        self._drain(pub)
+                n = 0
+                with self._sub_lock:
+                    # until the socket says nothing is left: reading its state re-arms the descriptor, which
+                    # then signals only what comes after
+                    while int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN and n < RECEIVE_MAX:
+                        n += self._receive(sub)
+                if n and not woken:
+                    # a replica that routes nothing applies its peers' messages in batches: what comes in the
+                    # next window is applied together (a wake-up costs more than applying a peer's pick and
+                    # tickets); one that routes takes them before each decision (receive)
+                    time.sleep(COALESCE_S)
         except Exception:  # the thread must not die silently: log, picks and load then stay local
             log.exception("gossip: stopped")
-        finally:
-            self._bound.set()
-            pub.close(0)
-            sub.close(0)
-            ctx.term()
 
-    def _reconnect(self, sub: zmq.Socket[bytes], connected: set[str]) -> set[str]:
-        want = resolve(self.peers)
+    def _reconnect(self, sub: zmq.Socket[bytes], connected: set[str], want: set[str]) -> set[str]:
         for addr in sorted(want - connected):
             sub.connect(addr)
         for addr in sorted(connected - want):
@@ -316,17 +414,13 @@ class ReplicaGossip:
                          replica, SILENT_S, n)
 
     def _drain(self, pub: zmq.Socket[bytes]) -> None:
-        """Send what is queued, as few messages as fit: a receiving replica pays a wake-up, a decode and a
-        check per message (one message per pick cost an idle replica ≈ 2 wake-ups per request routed by its
-        peers)."""
+        """Send what is held back, as few messages as fit (the caller holds the PUB lock): a receiving
+        replica pays a decode and a check per message."""
+        pending, self._pending = self._pending, []
         picks: list[Pick] = []
         tickets: list[TicketChange] = []
         size = 0
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
+        for item in pending:
             cost = _wire_bytes(item)
             if (picks or tickets) and (size + cost > BATCH_BYTES or len(tickets) >= BATCH_TICKETS):
                 self._send(pub, picks, tickets)
@@ -346,7 +440,7 @@ class ReplicaGossip:
         try:
             pub.send_multipart(frames, zmq.NOBLOCK)
             result = "sent"
-        except zmq.Again:
+        except zmq.ZMQError:  # full (a slow peer at the high-water mark) or closed
             result = "dropped"
         self.messages[result] += 1
         self.picks_out[result] += len(picks)

@@ -20,7 +20,8 @@ building calls it for every request.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -75,6 +76,11 @@ class Router:
         self.profile: Profile = self.scheduler.profile
         self.hasher: BlockHasher = self.director.hasher
         self.prefill_s_per_token = self.director.prefill_s_per_token
+        #: called before each decision (a replica applies its peers' latest picks and load: the app sets
+        #: :meth:`~kvfleet.epp.gossip.ReplicaGossip.receive`) and after it (what the decision held back is
+        #: sent: :meth:`~kvfleet.epp.gossip.ReplicaGossip.flush`)
+        self.before_decision: Callable[[], object] | None = None
+        self.after_decision: Callable[[], object] | None = None
 
     def tokens_of(self, req: InferenceRequest, pool: Pool | None = None) -> np.ndarray:
         """``req``'s token ids as ``pool``'s engines compute them (default: the first pool serving its model);
@@ -102,15 +108,27 @@ class Router:
         """The pools serving ``model`` (a pool without models serves every model)."""
         return self.director.locator.serving_pools(model)
 
+    @contextlib.contextmanager
+    def _decision(self) -> Iterator[None]:
+        if self.before_decision is not None:
+            self.before_decision()
+        try:
+            yield
+        finally:
+            if self.after_decision is not None:
+                self.after_decision()
+
     def route(self, req: InferenceRequest, subset: Sequence[str] | None = None) -> Decision:
         """An inference request: keyed with its pool's hasher, then routed as :meth:`route_keys`."""
-        return self.director.handle(req, subset)
+        with self._decision():
+            return self.director.handle(req, subset)
 
     def route_any(self, model: str | None, subset: Sequence[str] | None = None) -> Decision:
         """A request that is not an inference (``/tokenize``, ``/health``...): the least-loaded ready pod
         of the invoked pool (of ``model``'s pool when the body names one). Counted in flight, no cache
         state."""
-        return self.director.handle_any(model, subset)
+        with self._decision():
+            return self.director.handle_any(model, subset)
 
     def route_keys(
         self,
@@ -127,7 +145,8 @@ class Router:
         ``pools`` defaults to those serving ``model``; ``tail`` (the token ids) shards a prompt shorter
         than one block. The routing simulation (``bench.routing``) drives this with trace block ids.
         """
-        return self.director.handle_keys(model, keys, num_tokens, pools, subset, tail)
+        with self._decision():
+            return self.director.handle_keys(model, keys, num_tokens, pools, subset, tail)
 
     def pick_ttl(self, pod: Pod) -> float:
         """How long after its first token a pick on ``pod`` counts as cached there: until the pod's KV events

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import zmq
 
 import kvfleet.epp.gossip as gossip_mod
 from kvfleet.config import load
@@ -127,6 +128,16 @@ def _metrics(epp: Epp) -> str:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{epp.metrics_port}/metrics", timeout=5) as r:
         return str(r.read().decode())
+
+
+class _Pub:
+    """A PUB socket that keeps what it is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        self.sent.append(frames)
 
 
 class TestBoundary:
@@ -316,16 +327,38 @@ class TestBoundary:
                           known_pod=lambda p: True, queue_size=2)
         tracker = InflightTracker()
         tracker.on_ticket = g.publish_ticket
-        # the gossip thread is not running: the queue fills, then changes are dropped and counted
+        # the sockets are not up: changes wait, at most queue_size of them, then are dropped and counted
         for _ in range(3):
             g.publish("pod-0", [1, 2])
         tracker.open(("pod-0",), 0, 1.0)
         assert g.picks_out["dropped"] == 1 and g.tickets_out["dropped"] == 1
 
 
+    def test_first_tokens_and_ends_leave_with_the_next_pick(self) -> None:
+        """A first token or an end waits for the next pick (or the gossip thread, not running here) and leaves
+        in its message; a ticket's open waits for its pick; a pick leaves at once."""
+        g = ReplicaGossip(BlockIndex(), host="127.0.0.1", port=0, peers=(), ttl_s=5.0,
+                          known_pod=lambda p: True, replica="me")
+        pub = _Pub()
+        g._pub = pub  # type: ignore[assignment]
+        tracker = InflightTracker()
+        tracker.on_ticket = g.publish_ticket
+        earlier = tracker.open(("pod-0",), 0, 10.0)
+        g.flush()  # a decision without a pick ends: its open leaves
+        assert len(pub.sent) == 1
+        earlier.first_byte()
+        earlier.close()
+        t = tracker.open(("pod-1",), 0, 10.0)
+        assert len(pub.sent) == 1  # nothing left yet
+        g.publish("pod-1", [1, 2, 3], 3, PickOrigin(t.id, 0.0, "pool"))
+        assert len(pub.sent) == 2
+        last = msgspec.msgpack.decode(pub.sent[-1][0], type=gossip_mod.Message)
+        assert [(c.event, c.tid) for c in last.tickets] == [(1, earlier.id), (2, earlier.id), (0, t.id)]
+        assert [p.ticket for p in last.picks] == [t.id]
+
     def test_queued_changes_go_out_in_few_messages_that_each_fit(self) -> None:
-        """What is queued when the gossip thread wakes leaves as few messages as fit under the size bound (a
-        receiver pays per message); a pick of the most keys allowed still fits alone; order is kept."""
+        """What waited for the sockets leaves as few messages as fit under the size bound (a receiver pays
+        per message); a pick of the most keys allowed still fits alone; order is kept."""
         g = ReplicaGossip(BlockIndex(), host="127.0.0.1", port=0, peers=(), ttl_s=5.0,
                           known_pod=lambda p: True, replica="me")
         tracker = InflightTracker()
@@ -335,14 +368,7 @@ class TestBoundary:
             tracker.open((f"pod-{i % 3}",), i, 10.0).close()
         g.publish("pod-0", list(range(MAX_KEYS)), MAX_KEYS)
 
-        class Pub:
-            def __init__(self) -> None:
-                self.sent: list[list[bytes]] = []
-
-            def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
-                self.sent.append(frames)
-
-        pub = Pub()
+        pub = _Pub()
         g._drain(pub)  # type: ignore[arg-type]
         msgs = [msgspec.msgpack.decode(f[0], type=gossip_mod.Message) for f in pub.sent]
         assert 2 <= len(msgs) <= 3 and all(len(f[0]) <= MAX_BYTES for f in pub.sent)
@@ -351,6 +377,81 @@ class TestBoundary:
         events = [(t.event, t.tid) for m in msgs for t in m.tickets]
         assert len(events) == 120 and events == sorted(events, key=lambda e: e[1])
         assert g.picks_out["sent"] == 41 and g.tickets_out["sent"] == 120
+
+def _router(index: BlockIndex, tracker: InflightTracker) -> Router:
+    data = {"pools": [{"name": "pool", "models": ["m"], "pods": [
+        {"name": f"p{i}", "address": "10.0.0.1", "port": 8000 + i} for i in range(4)]}]}
+    s = load(overrides={"epp": {"events_enabled": False}})
+    return Router(s.epp, s.cache, StaticDatastore(data=data), index, MetricsStore(), load_tokenizer("bytes"),
+                  tracker)
+
+
+def _pair(b_thread: bool) -> tuple[ReplicaGossip, Router, ReplicaGossip, Router]:
+    """Replicas A and B (real sockets on loopback), each a router wired to its gossip as the app wires it,
+    A's gossip thread running, B's as ``b_thread`` says; returns once B has applied one of A's picks."""
+    out: list[Any] = []
+    pa, pb = free_port(), free_port()
+    for name, port, peer, thread in (("a", pa, pb, True), ("b", pb, pa, b_thread)):
+        index, tracker = BlockIndex(), InflightTracker()
+        router = _router(index, tracker)
+        g = ReplicaGossip(index, host="127.0.0.1", port=port, peers=[f"127.0.0.1:{peer}"], ttl_s=30.0,
+                          known_pod=lambda pod: True, tracker=tracker, replica=name,
+                          pick_ttl=router.director.pick_ttl_of, on_followup=router.director.peer_followup)
+        index.on_pick, tracker.on_ticket = g.publish, g.publish_ticket
+        router.before_decision, router.after_decision = g.receive, g.flush
+        out += [g.start(thread), router]
+    a, _, b, _ = out
+    # ZMQ's slow joiner: probe picks from A until B has one (B's SUB has connected to A's PUB)
+    wait_for(lambda: (a.publish("p0", [7, 8, 9], 3), b.receive() if not b_thread else 0)
+             and b.picks_in["applied"] > 0, timeout_s=10.0, what="B to hear A")
+    return a, out[1], b, out[3]
+
+
+def test_a_busy_replica_routes_on_its_peers_latest_picks() -> None:
+    """A replica applies what its peers sent before each decision, on the pick path: B's gossip thread is
+    not running (as when a burst of decisions keeps it from the interpreter), yet B routes A's prefix to
+    A's pod the moment A's pick has come, and A's ticket counts in B's load."""
+    a, ra, b, rb = _pair(b_thread=False)
+    try:
+        prompt = list(range(1000, 1064))
+        first = ra.route_keys("m", prompt, 64 * 16)
+        assert first.ticket is not None
+        assert a.messages["sent"] >= 1 and a.tickets_out["sent"] >= 1
+        wait_for(lambda: b._sub is not None and int(b._sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN,
+                 timeout_s=10.0, interval_s=0.001, what="A's pick at B's socket")
+        assert rb.index.match(prompt, ["p0", "p1", "p2", "p3"]) == {}  # nobody applied it yet
+        again = rb.route_keys("m", prompt, 64 * 16)  # applies it first
+        assert again.pod == first.pod and again.predicted_hit_tokens == 64 * 16
+        assert rb.tracker.remote_count() == 1 and rb.tracker.load(first.pod)[0] == 2
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_decision_leaves_in_one_message_and_a_pickless_one_at_its_end() -> None:
+    """A decision's ticket open and pick leave together, as the pick is made; a decision without a pick (a
+    request that is not an inference) sends its open when it ends, not at the next heartbeat; a first token
+    and an end leave with the next pick, or from the gossip thread soon after."""
+    a, ra, b, rb = _pair(b_thread=True)
+    try:
+        sent = a.messages["sent"], a.picks_out["sent"], a.tickets_out["sent"]
+        ra.route_keys("m", list(range(2000, 2064)), 64 * 16)
+        assert (a.messages["sent"], a.picks_out["sent"], a.tickets_out["sent"]) == (
+            sent[0] + 1, sent[1] + 1, sent[2] + 1)
+        d = ra.route_any("m")
+        assert a.tickets_out["sent"] == sent[2] + 2 and a.messages["sent"] == sent[0] + 2
+        wait_for(lambda: rb.tracker.remote_count() == 2, timeout_s=10.0, what="both tickets on B")
+        assert d.ticket is not None
+        d.ticket.close()  # its first token (a close implies it) and its close
+        wait_for(lambda: a.tickets_out["sent"] == sent[2] + 4, timeout_s=1.0, interval_s=0.001,
+                 what="the gossip thread to send them")
+        assert a.messages["sent"] == sent[0] + 3  # both in one message
+        wait_for(lambda: rb.tracker.remote_count() == 1, timeout_s=10.0, what="the close on B")
+
+    finally:
+        a.stop()
+        b.stop()
+
 
 def test_a_pd_pick_names_its_ticket_on_both_pods_and_samples_once() -> None:
     """A prefill/decode pick records both pods under the request's one ticket; only the first carries the

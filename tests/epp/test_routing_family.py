@@ -306,12 +306,13 @@ def test_peer_replicas_fold_every_follow_up_sample(monkeypatch: pytest.MonkeyPat
     (``Director.peer_followup``), so the share the queue scorer multiplies by is the fleet's, as one
     picker's: on the agents trees at the utilisation of the ideal hit, three replicas are within 2 % of one
     picker's p90 and 3 % of its mean; each counting only the third of the requests the gateway sends it, p50
-    was more than 1.25 × and mean more than 1.15 ×."""
+    was more than 1.15 × and mean more than 1.12 × (1.19 and 1.16 × with the gossip 1 ms late, 1.41 and
+    1.26 × at 2 ms)."""
     agents = case("agents", "ρ*", 0.8, 250, 1)
     one, three = run(agents), run(agents, "kvfleet-x3")
     assert three.ttft["p90"] <= 1.02 * one.ttft["p90"]
     assert three.ttft["mean"] <= 1.03 * one.ttft["mean"]
     monkeypatch.setattr(director.Director, "peer_followup", lambda self, pool, share: None)
     alone = run(agents, "kvfleet-x3")
-    assert alone.ttft["p50"] > 1.25 * one.ttft["p50"]
-    assert alone.ttft["mean"] > 1.15 * one.ttft["mean"]
+    assert alone.ttft["p50"] > 1.15 * one.ttft["p50"]
+    assert alone.ttft["mean"] > 1.12 * one.ttft["mean"]

@@ -91,7 +91,10 @@ COALESCE_S = 0.002
 NOW, HOLD, SOON = 0, 1, 2
 #: the gossip thread's longest wait for the SUB socket's descriptor (its signal is edge-triggered)
 IDLE_WAIT_S = 0.05
-#: peers' messages applied in one go at most (the next go takes the rest)
+#: peers' messages applied in one go at most (a go holds the SUB socket's lock: a pick path waiting for it
+#: waits one go at most; between two decisions a replica's peers send a few, a flood is left to the next
+#: decisions and the thread), and by the gossip thread in one wake-up
+RECEIVE_GO = 64
 RECEIVE_MAX = 1000
 MAX_TOKENS = 1e9
 _TAG = 32
@@ -257,10 +260,11 @@ class ReplicaGossip:
     def receive(self) -> int:
         """Apply the peers' messages that have come; returns how many. The router calls it before each
         decision, so a busy replica routes on its peers' latest picks and load instead of what its gossip
-        thread last got the interpreter to apply (``python -m bench.gossip``). While the gossip thread is
-        applying, it waits for it to finish (the same messages; the thread, holding the socket's lock and
-        waiting for the GIL, gets it at once): skipping them instead left a burst's decisions up to a switch
-        interval (5 ms) behind, each time the thread got in."""
+        thread last got the interpreter to apply (``python -m bench.gossip``); at most :data:`RECEIVE_GO`
+        messages (a flood is left to the next decisions and the thread). While the gossip thread is applying,
+        it waits for that go to finish (the same messages; the thread, holding the socket's lock and waiting
+        for the GIL, gets it at once): skipping them instead left a burst's decisions up to a switch interval
+        (5 ms) behind, each time the thread got in."""
         sub = self._sub
         if sub is None:
             return 0
@@ -271,7 +275,7 @@ class ReplicaGossip:
 
     def _receive(self, sub: zmq.Socket[bytes]) -> int:
         n = 0
-        while n < RECEIVE_MAX:
+        while n < RECEIVE_GO:
             try:
                 frames = sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -381,12 +385,15 @@ class ReplicaGossip:
                     with self._pub_lock:
                         self._woken = False
                         self._drain(pub)
-                n = 0
-                with self._sub_lock:
-                    # until the socket says nothing is left: reading its state re-arms the descriptor, which
-                    # then signals only what comes after
-                    while int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN and n < RECEIVE_MAX:
-                        n += self._receive(sub)
+                n, more = 0, True
+                while more and n < RECEIVE_MAX:
+                    # until the socket says nothing is left (reading its state re-arms the descriptor, which
+                    # then signals only what comes after), one go at a time: a pick path may take the lock
+                    # between two
+                    with self._sub_lock:
+                        more = bool(int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+                        if more:
+                            n += self._receive(sub)
                 if n and not woken:
                     # a replica that routes nothing applies its peers' messages in batches: what comes in the
                     # next window is applied together (a wake-up costs more than applying a peer's pick and

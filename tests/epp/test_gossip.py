@@ -428,6 +428,27 @@ def test_a_busy_replica_routes_on_its_peers_latest_picks() -> None:
         b.stop()
 
 
+def test_a_flood_is_applied_a_go_at_a_time() -> None:
+    """Before a decision a replica applies at most ``RECEIVE_GO`` of its peers' messages: a flood does not
+    hold one decision up; the next decisions take the rest."""
+    a, _, b, _ = _pair(b_thread=False)
+    try:
+        before = b.picks_in["applied"]
+        for i in range(200):
+            a.publish("p1", [i, i + 1], 2)
+        got: list[int] = []
+
+        def take() -> bool:
+            got.append(b.receive())
+            return b.picks_in["applied"] - before >= 200
+
+        wait_for(take, timeout_s=10.0, interval_s=0.01, what="the flood applied")
+        assert max(got) == gossip_mod.RECEIVE_GO and sum(1 for n in got if n) >= 4
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_a_decision_leaves_in_one_message_and_a_pickless_one_at_its_end() -> None:
     """A decision's ticket open and pick leave together, as the pick is made; a decision without a pick (a
     request that is not an inference) sends its open when it ends, not at the next heartbeat; a first token

@@ -236,7 +236,7 @@ class ReplicaGossip:
         self._put(ticket_change(event, t, moved), self.tickets_out, HOLD if event == "open" else SOON)
 
     def flush(self) -> None:
-        """Send what is held back (the director calls it at the end of each decision: a ticket opened
+        """Send what is held back (the router calls it at the end of each decision: a ticket opened
         without a pick, for a request with no full block or not an inference)."""
         with self._pub_lock:
             if self._pending and self._pub is not None:

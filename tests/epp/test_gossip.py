@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -386,12 +387,14 @@ def _router(index: BlockIndex, tracker: InflightTracker) -> Router:
                   tracker)
 
 
-def _pair(b_thread: bool) -> tuple[ReplicaGossip, Router, ReplicaGossip, Router]:
+def _pair(a_thread: bool, b_thread: bool) -> tuple[ReplicaGossip, Router, ReplicaGossip, Router]:
     """Replicas A and B (real sockets on loopback), each a router wired to its gossip as the app wires it,
-    A's gossip thread running, B's as ``b_thread`` says; returns once B has applied one of A's picks."""
+    their gossip threads running as ``a_thread`` and ``b_thread`` say; returns once B has applied one of A's
+    picks. With neither thread running nothing else is in flight from A to B then: no heartbeats, and the
+    handshake's other probes are taken before."""
     out: list[Any] = []
     pa, pb = free_port(), free_port()
-    for name, port, peer, thread in (("a", pa, pb, True), ("b", pb, pa, b_thread)):
+    for name, port, peer, thread in (("a", pa, pb, a_thread), ("b", pb, pa, b_thread)):
         index, tracker = BlockIndex(), InflightTracker()
         router = _router(index, tracker)
         g = ReplicaGossip(index, host="127.0.0.1", port=port, peers=[f"127.0.0.1:{peer}"], ttl_s=30.0,
@@ -404,6 +407,14 @@ def _pair(b_thread: bool) -> tuple[ReplicaGossip, Router, ReplicaGossip, Router]
     # ZMQ's slow joiner: probe picks from A until B has one (B's SUB has connected to A's PUB)
     wait_for(lambda: (a.publish("p0", [7, 8, 9], 3), b.receive() if not b_thread else 0)
              and b.picks_in["applied"] > 0, timeout_s=10.0, what="B to hear A")
+    if not b_thread:  # the probes still on their way: taken until the socket has been quiet a while
+        quiet = [0]
+
+        def settled() -> bool:
+            quiet[0] = 0 if b.receive() else quiet[0] + 1
+            return quiet[0] >= 10
+
+        wait_for(settled, timeout_s=10.0, interval_s=0.02, what="the probes taken")
     return a, out[1], b, out[3]
 
 
@@ -411,7 +422,7 @@ def test_a_busy_replica_routes_on_its_peers_latest_picks() -> None:
     """A replica applies what its peers sent before each decision, on the pick path: B's gossip thread is
     not running (as when a burst of decisions keeps it from the interpreter), yet B routes A's prefix to
     A's pod the moment A's pick has come, and A's ticket counts in B's load."""
-    a, ra, b, rb = _pair(b_thread=False)
+    a, ra, b, rb = _pair(a_thread=False, b_thread=False)
     try:
         prompt = list(range(1000, 1064))
         first = ra.route_keys("m", prompt, 64 * 16)
@@ -431,11 +442,12 @@ def test_a_busy_replica_routes_on_its_peers_latest_picks() -> None:
 def test_a_flood_is_applied_a_go_at_a_time() -> None:
     """Before a decision a replica applies at most ``RECEIVE_GO`` of its peers' messages: a flood does not
     hold one decision up; the next decisions take the rest."""
-    a, _, b, _ = _pair(b_thread=False)
+    a, _, b, _ = _pair(a_thread=False, b_thread=False)
     try:
         before = b.picks_in["applied"]
         for i in range(200):
             a.publish("p1", [i, i + 1], 2)
+        time.sleep(0.2)  # all of them at B's socket (loopback)
         got: list[int] = []
 
         def take() -> bool:
@@ -443,32 +455,31 @@ def test_a_flood_is_applied_a_go_at_a_time() -> None:
             return b.picks_in["applied"] - before >= 200
 
         wait_for(take, timeout_s=10.0, interval_s=0.01, what="the flood applied")
-        assert max(got) == gossip_mod.RECEIVE_GO and sum(1 for n in got if n) >= 4
+        assert max(got) <= gossip_mod.RECEIVE_GO and sum(1 for n in got if n) >= 4
     finally:
         a.stop()
         b.stop()
 
 
-def test_a_decision_leaves_in_one_message_and_a_pickless_one_at_its_end() -> None:
-    """A decision's ticket open and pick leave together, as the pick is made; a decision without a pick (a
-    request that is not an inference) sends its open when it ends, not at the next heartbeat; a first token
-    and an end leave with the next pick, or from the gossip thread soon after."""
-    a, ra, b, rb = _pair(b_thread=True)
+def test_a_decision_is_sent_as_it_ends_and_first_tokens_and_ends_soon_after() -> None:
+    """A decision's ticket open and pick leave as the pick is made; a decision without a pick (a request that
+    is not an inference) sends its open when it ends, not at the next heartbeat; a first token and an end
+    leave from the gossip thread soon after when no pick takes them along (which changes share a message:
+    ``TestBoundary.test_first_tokens_and_ends_leave_with_the_next_pick``; heartbeats make message counts
+    here inexact)."""
+    a, ra, b, rb = _pair(a_thread=True, b_thread=True)
     try:
-        sent = a.messages["sent"], a.picks_out["sent"], a.tickets_out["sent"]
+        picks, tickets = a.picks_out["sent"], a.tickets_out["sent"]
         ra.route_keys("m", list(range(2000, 2064)), 64 * 16)
-        assert (a.messages["sent"], a.picks_out["sent"], a.tickets_out["sent"]) == (
-            sent[0] + 1, sent[1] + 1, sent[2] + 1)
+        assert (a.picks_out["sent"], a.tickets_out["sent"]) == (picks + 1, tickets + 1)
         d = ra.route_any("m")
-        assert a.tickets_out["sent"] == sent[2] + 2 and a.messages["sent"] == sent[0] + 2
+        assert a.tickets_out["sent"] == tickets + 2
         wait_for(lambda: rb.tracker.remote_count() == 2, timeout_s=10.0, what="both tickets on B")
         assert d.ticket is not None
         d.ticket.close()  # its first token (a close implies it) and its close
-        wait_for(lambda: a.tickets_out["sent"] == sent[2] + 4, timeout_s=1.0, interval_s=0.001,
+        wait_for(lambda: a.tickets_out["sent"] == tickets + 4, timeout_s=1.0, interval_s=0.001,
                  what="the gossip thread to send them")
-        assert a.messages["sent"] == sent[0] + 3  # both in one message
         wait_for(lambda: rb.tracker.remote_count() == 1, timeout_s=10.0, what="the close on B")
-
     finally:
         a.stop()
         b.stop()

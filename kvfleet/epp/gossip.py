@@ -214,7 +214,6 @@ class ReplicaGossip:
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._connected: set[str] = set()
         #: the gossip thread was woken for changes that wait (``_pending``) and has not sent them yet
         self._woken = False
         self._encoder = msgspec.msgpack.Encoder()
@@ -265,11 +264,9 @@ class ReplicaGossip:
         it waits for that go to finish (the same messages; the thread, holding the socket's lock and waiting
         for the GIL, gets it at once): skipping them instead left a burst's decisions up to a switch interval
         (5 ms) behind, each time the thread got in."""
-        sub = self._sub
-        if sub is None:
-            return 0
         with self._sub_lock:
-            if self._sub is None or not int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            sub = self._sub
+            if sub is None or not int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return 0
             return self._receive(sub)
 
@@ -315,7 +312,7 @@ class ReplicaGossip:
             ctx.term()
             raise RuntimeError(f"gossip: could not bind {self.host}:{self.port}: {e}") from e
         self._ctx = ctx
-        self._connected = self._reconnect(sub, set(), resolve(self.peers))
+        connected = self._reconnect(sub, set(), resolve(self.peers))
         with self._sub_lock:
             self._sub = sub
         with self._pub_lock:
@@ -323,7 +320,8 @@ class ReplicaGossip:
             if self._pending:
                 self._drain(pub)
         if thread:
-            self._thread = threading.Thread(target=self._run, name="epp-gossip", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(connected,), name="epp-gossip",
+                                            daemon=True)
             self._thread.start()
         return self
 
@@ -335,8 +333,7 @@ class ReplicaGossip:
             self._thread.join(5)
         with self._pub_lock:
             if self._pub is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._drain(self._pub)
+                self._drain(self._pub)
                 self._pub.close(0)
                 self._pub = None
         with self._sub_lock:
@@ -350,13 +347,12 @@ class ReplicaGossip:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def _run(self) -> None:
+    def _run(self, connected: set[str]) -> None:
         sub, pub = self._sub, self._pub
         assert sub is not None and pub is not None
         try:
             with self._sub_lock:
                 fd = int(sub.getsockopt(zmq.FD))
-            connected = self._connected
             next_refresh, next_beat = time.monotonic() + REFRESH_S, 0.0
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -385,15 +381,13 @@ class ReplicaGossip:
                     with self._pub_lock:
                         self._woken = False
                         self._drain(pub)
-                n, more = 0, True
-                while more and n < RECEIVE_MAX:
+                n = got = self.receive()
+                while got and n < RECEIVE_MAX:
                     # until the socket says nothing is left (reading its state re-arms the descriptor, which
                     # then signals only what comes after), one go at a time: a pick path may take the lock
                     # between two
-                    with self._sub_lock:
-                        more = bool(int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-                        if more:
-                            n += self._receive(sub)
+                    got = self.receive()
+                    n += got
                 if n and not woken:
                     # a replica that routes nothing applies its peers' messages in batches: what comes in the
                     # next window is applied together (a wake-up costs more than applying a peer's pick and

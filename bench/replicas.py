@@ -135,7 +135,7 @@ class Bench(Engines):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one round, fewer sessions (about 3 minutes)")
-    ap.add_argument("--reps", type=int, default=0, help="alternated rounds (default: 1 quick, else 2)")
+    ap.add_argument("--reps", type=int, default=0, help="alternated rounds (default: 1 quick, else 4)")
     ap.add_argument("--pods", type=int, default=4)
     ap.add_argument("--time-factor", type=float, default=0.1, help="simulated GPU time scale of the engines")
     ap.add_argument("--gpu-blocks", type=int, default=4096)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-control", action="store_true",
                     help="skip the control: 3 replicas running, Envoy sending every stream to one of them")
     args = ap.parse_args(argv)
-    reps = args.reps or (1 if args.quick else 2)
+    reps = args.reps or (1 if args.quick else 4)
     rng = random.Random(args.seed)
     scale = 1 if args.quick else 2
     workloads: dict[str, Work] = {

@@ -145,6 +145,8 @@ class Epp:
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="ext-proc-loop", daemon=True)
         self._loop_thread.start()
+        if self.gossip is not None:
+            self.gossip.use_loop(self._loop)
         asyncio.run_coroutine_threadsafe(self._start_grpc(), self._loop).result(30)
         self._http, _ = start_http_server(s.metrics_port, addr=s.host, registry=self.metrics.registry)
         self.metrics_port = self._http.server_port

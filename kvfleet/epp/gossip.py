@@ -24,11 +24,12 @@ gone: its tickets are closed. A restarted replica has a new id, so its predecess
 
 Wire: a decision's changes leave in one message when its pick is made (its ticket's open, then the pick: a P/D
 pick's second pod in a second), with the first tokens, ends and moves of other tickets since the last message
-(with no pick, the gossip thread sends those within :data:`COALESCE_S`); what waited (the sockets not up yet)
-in as few messages as fit :data:`BATCH_BYTES` of payload and :data:`BATCH_TICKETS` ticket changes. A receiver
-applies a message's ticket changes, then its picks. A message is ``[payload]`` or, with a secret, ``[payload,
-HMAC-SHA256(secret, payload)]``; ``payload`` is msgpack :class:`Message` ``[VERSION, replica id, [picks],
-[ticket changes]]``. The port is a boundary like any other. A whole message is dropped and counted
+(with no pick, a timer of the event loop they happened on sends those within :data:`COALESCE_S`: see
+:meth:`ReplicaGossip.use_loop`; changes made on other threads, the gossip thread); what waited (the sockets
+not up yet) in as few messages as fit :data:`BATCH_BYTES` of payload and :data:`BATCH_TICKETS` ticket changes.
+A receiver applies a message's ticket changes, then its picks. A message is ``[payload]`` or, with a secret,
+``[payload, HMAC-SHA256(secret, payload)]``; ``payload`` is msgpack :class:`Message` ``[VERSION, replica id,
+[picks], [ticket changes]]``. The port is a boundary like any other. A whole message is dropped and counted
 (``kvfleet_epp_gossip_messages_total{direction="in",result}``) if larger than :data:`MAX_BYTES`, undecodable,
 of another version, with a missing or wrong tag (when a secret is set) or from this replica; inside a message
 each pick and ticket change is checked on its own (a pod the replica does not serve, more than
@@ -37,10 +38,12 @@ the tracker holds) and counted (``kvfleet_epp_gossip_picks_total`` / ``kvfleet_e
 ``direction="in"``). The pick path never waits on the network: it sends without blocking (a peer at ZMQ's
 high-water mark: dropped, counted; before the sockets are up at most ``queue_size`` changes wait). A replica
 applies its peers' messages before each of its decisions (:meth:`ReplicaGossip.receive`), and its gossip
-thread applies them when it routes nothing; the thread also sends the heartbeats and follows the peers'
-addresses. Both sockets are shared by the threads behind a lock each. Before, the pick path queued its changes
-for the gossip thread, which sent and applied them when the interpreter let it run: a burst of decisions held
-the GIL, and picks reached the peers 10–22 ms late (``python -m bench.gossip``).
+thread applies them when it routes nothing, one go per :data:`APPLY_WINDOW_S` (a wake-up of a thread costs
+more than applying a message, and the decisions apply what has come first); the thread also sends the
+heartbeats and follows the peers' addresses. Both sockets are shared by the threads behind a lock each.
+Before, the pick path queued its changes for the gossip thread, which sent and applied them when the
+interpreter let it run: a burst of decisions held the GIL, and picks reached the peers 10–22 ms late (``python
+-m bench.gossip``).
 
 Peers are ``host:port`` entries; a name that resolves to several addresses (the chart's headless
 ``<epp>-replicas`` Service) means each of them, and names are resolved again every :data:`REFRESH_S`,
@@ -49,6 +52,7 @@ so replicas that come and go are followed. A replica may list itself: its own me
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -80,11 +84,15 @@ BATCH_BYTES = MAX_BYTES // 2
 REFRESH_S = 10.0
 HEARTBEAT_S = 1.0
 SILENT_S = 5.0
-#: the gossip thread's batching window: woken to send this replica's first tokens and ends, it waits this long
-#: first (those of the window leave in one message); after applying peers' messages, this long before the next
-#: (a replica routing nothing applies what comes meanwhile in one wake-up; one that routes takes them before
-#: each decision: :meth:`ReplicaGossip.receive`)
+#: the sending window: a first token, end or move waits this long for a pick to take it along, then leaves
+#: with the others of the window in one message (from a timer of the event loop it happened on, see
+#: :meth:`ReplicaGossip.use_loop`, else from the gossip thread)
 COALESCE_S = 0.002
+#: the gossip thread's receiving window: signalled that peers' messages have come, it waits this long before
+#: applying them, so a replica that routes little applies them in one wake-up per window instead of one per
+#: message; one that routes takes them before each decision (:meth:`ReplicaGossip.receive`) and never waits
+#: for this window
+APPLY_WINDOW_S = 0.02
 #: when a change leaves (``ReplicaGossip._put``): now (a pick, with what waited before it), with the next pick
 #: (a ticket's open: its pick follows in the same decision), or with the next pick or the gossip thread's next
 #: send, whichever comes first (a first token, an end, a move)
@@ -218,6 +226,16 @@ class ReplicaGossip:
         self._woken = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Message)
+        #: the event loop whose timers send the changes that wait, when they happen on its thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Send the first tokens, ends and moves that happen on ``loop``'s thread (the ext_proc streams') from
+        a timer of ``loop`` (:data:`COALESCE_S`) instead of waking the gossip thread: a wake-up of another
+        thread costs the loop the GIL twice (the thread's wake and its send after the window), once per
+        first token and end of a busy replica; a timer runs between the loop's own callbacks. Changes
+        made on other threads (the routing thread's, the janitor's) still wake the gossip thread."""
+        self._loop = loop
 
     # --- the pick path -----------------------------------------------------------------
     def publish(self, pod: str, sampled: list[int], blocks: int = 0,
@@ -252,9 +270,19 @@ class ReplicaGossip:
             if when == NOW:
                 self._drain(self._pub)
             elif when == SOON and not self._woken:
-                self._woken = True
+                self._woken = True  # one send is due (the loop's timer or the thread's): it takes them all
+                loop = self._loop
+                if loop is not None and asyncio._get_running_loop() is loop:
+                    loop.call_later(COALESCE_S, self._send_due)
+                    return
                 with contextlib.suppress(BlockingIOError):  # the pipe is full: the thread is awake already
                     os.write(self._wake_w, b"\0")
+
+    def _send_due(self) -> None:
+        with self._pub_lock:
+            self._woken = False
+            if self._pending and self._pub is not None:
+                self._drain(self._pub)
 
     def receive(self) -> int:
         """Apply the peers' messages that have come; returns how many. The router calls it before each
@@ -381,6 +409,12 @@ class ReplicaGossip:
                     with self._pub_lock:
                         self._woken = False
                         self._drain(pub)
+                elif ready:
+                    # peers' messages have come: what comes in the window is applied in one wake-up (a
+                    # wake-up costs more than applying a peer's pick and tickets); a replica that routes
+                    # meanwhile takes them before its decisions (receive) and leaves none here. A change to
+                    # send ends the wait (the pipe: handled on the next turn)
+                    select.select([self._wake_r], [], [], APPLY_WINDOW_S)
                 n = got = self.receive()
                 while got and n < RECEIVE_MAX:
                     # until the socket says nothing is left (reading its state re-arms the descriptor, which
@@ -388,11 +422,6 @@ class ReplicaGossip:
                     # between two
                     got = self.receive()
                     n += got
-                if n and not woken:
-                    # a replica that routes nothing applies its peers' messages in batches: what comes in the
-                    # next window is applied together (a wake-up costs more than applying a peer's pick and
-                    # tickets); one that routes takes them before each decision (receive)
-                    time.sleep(COALESCE_S)
         except Exception:  # the thread must not die silently: log, picks and load then stay local
             log.exception("gossip: stopped")
 

@@ -485,6 +485,72 @@ def test_a_decision_is_sent_as_it_ends_and_first_tokens_and_ends_soon_after() ->
         b.stop()
 
 
+def test_first_tokens_and_ends_on_the_event_loop_leave_from_its_timer() -> None:
+    """A first token and an end that happen on the event loop the gossip uses (``use_loop``: the ext_proc
+    streams') leave from that loop's timer within the window, waking no other thread: here no gossip thread
+    runs at all, and they still leave (without the loop's timer they would wait for the next pick); one that
+    happens on another thread wakes the gossip thread (the pipe) instead."""
+    import asyncio
+    import os
+    import threading
+
+    a, ra, b, rb = _pair(a_thread=False, b_thread=False)
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        a.use_loop(loop)
+        first = ra.route_keys("m", list(range(3000, 3064)), 64 * 16)
+        other = ra.route_keys("m", list(range(4000, 4064)), 64 * 16)
+        assert first.ticket is not None and other.ticket is not None
+        wait_for(lambda: (b.receive(), rb.tracker.remote_count())[1] == 2, timeout_s=10.0,
+                 what="both tickets on B")
+        sent = a.tickets_out["sent"]
+        loop.call_soon_threadsafe(first.ticket.close)  # its first token and its end, on the loop
+        wait_for(lambda: a.tickets_out["sent"] == sent + 2, timeout_s=2.0, interval_s=0.001,
+                 what="the loop's timer to send them")
+        with pytest.raises(BlockingIOError):
+            os.read(a._wake_r, 16)  # the gossip thread was never woken
+        wait_for(lambda: (b.receive(), rb.tracker.remote_count())[1] == 1, timeout_s=10.0,
+                 what="the end on B")
+        other.ticket.close()  # not on the loop: the gossip thread's to send (not running here)
+        assert os.read(a._wake_r, 16) and a.tickets_out["sent"] == sent + 2
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
+        a.stop()
+        b.stop()
+
+
+def test_a_replica_that_routes_nothing_applies_its_peers_messages_a_window_at_a_time() -> None:
+    """The gossip thread of a replica that routes nothing applies its peers' messages in one go per
+    ``APPLY_WINDOW_S`` instead of one per message: a peer's 20 picks, 2 ms apart, are applied in a few
+    goes (one each without the window)."""
+    a, _, b, _ = _pair(a_thread=False, b_thread=True)  # A sends no heartbeats: only the picks below
+    goes: list[int] = []
+    receive = b.receive
+
+    def counted() -> int:
+        n = receive()
+        if n:
+            goes.append(n)
+        return n
+
+    b.receive = counted  # type: ignore[method-assign]  # the thread looks it up on each turn
+    try:
+        time.sleep(0.2)  # the handshake's probes applied
+        before, goes[:] = b.picks_in["applied"], []
+        for i in range(20):
+            a.publish("p1", [i, i + 1], 2)
+            time.sleep(0.002)
+        wait_for(lambda: b.picks_in["applied"] - before >= 20, timeout_s=10.0, what="the picks applied")
+        assert sum(goes) == 20 and len(goes) <= 6, goes
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_a_pd_pick_names_its_ticket_on_both_pods_and_samples_once() -> None:
     """A prefill/decode pick records both pods under the request's one ticket; only the first carries the
     request's follow-up sample (peers fold one sample per request, as the picker does)."""

@@ -19,13 +19,15 @@ pick when its applier takes it, in one of three modes:
 
 Two arrival patterns: ``poisson`` (``--rate`` decisions/s) and ``burst`` (``BURST`` decisions back to back
 every ``BURST_GAP_S``: a storm's front). Printed per pattern and mode: the latency from a pick's
-publication to the first decision on the peer that routes with it (applied before that decision began:
-what a decision sees; a pick applied between two decisions counts from the second), or, on an idle peer,
-to its application (p50 / p90 / p99, ms), messages per decision, the pick path's
+publication to its application on the peer (p50 / p90 / p99, ms); on a peer that routes, what its
+decisions missed: at each decision, the age of the oldest pick published before it and not applied by then
+(0 when none; p90 / p99, ms: a pick applied between two decisions and one applied as the second begins
+count alike, the second is what a decision sees); messages per decision, the pick path's
 own cost per decision (publishing and flushing on the sender; receiving and applying on the receiver, µs
 of wall time in those calls) and the receiver's gossip thread CPU per decision. Last line: one JSON object,
-``gossip_{pattern}_{p50,p90,p99}_ms`` (busy, pick path), ``gossip_{pattern}_p90_vs_thread`` (÷ the
-baseline), ``gossip_{pattern}_idle_p90_ms``, ``gossip_publish_us``, ``gossip_receive_us``.
+``gossip_{pattern}_{p50,p90,p99}_ms`` (busy, pick path), ``gossip_{pattern}_stale_{p90,p99}_ms`` (what its
+decisions missed; ``_thread_stale_`` the baseline's), ``gossip_{pattern}_p90_vs_thread`` (÷ the baseline),
+``gossip_{pattern}_idle_p90_ms``, ``gossip_publish_us``, ``gossip_receive_us``.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def _receiver(port: int, peer: int, setup: Setup, routes: bool, pick_path: bool,
     t0 = time.monotonic()
     cpu0 = _gossip_cpu()
     spent, calls = 0.0, 0
-    decided: list[float] = []  # when each decision routed (what was applied by then, it routed with)
+    decided: list[float] = []  # when each decision routed (with what was applied by then)
     if routes:
         rng = random.Random(setup.seed + 1)
         for at in arrivals(setup.pattern, setup.seconds, setup.rate, rng):
@@ -145,15 +147,7 @@ def _receiver(port: int, peer: int, setup: Setup, routes: bool, pick_path: bool,
             decided.append(time.monotonic())
             _spin(setup.decision_s)
     conn.recv()  # the run ended (and its last messages had time to come)
-    if routes:  # a pick counts from the first decision that routes with it
-        times = np.array(decided)
-        at_decision = {}
-        for ticket, applied in stamps.items():
-            k = int(np.searchsorted(times, applied))
-            if k < len(times):
-                at_decision[ticket] = float(times[k])
-        stamps = at_decision
-    conn.send((stamps, _gossip_cpu() - cpu0, spent / max(1, calls)))
+    conn.send((stamps, decided, _gossip_cpu() - cpu0, spent / max(1, calls)))
     g.stop()
 
 
@@ -162,6 +156,8 @@ class Run:
     pattern: str
     mode: str
     latency_ms: np.ndarray
+    #: per decision of a routing peer, the age of the oldest pick published before it and not applied (ms)
+    stale_ms: np.ndarray
     decisions: int
     sent_messages: int
     receiver_thread_cpu_s: float
@@ -170,6 +166,23 @@ class Run:
 
     def q(self, p: float) -> float:
         return float(np.quantile(self.latency_ms, p)) if len(self.latency_ms) else float("nan")
+
+    def stale(self, p: float) -> float:
+        return float(np.quantile(self.stale_ms, p)) if len(self.stale_ms) else float("nan")
+
+
+def missed(published: dict[int, float], applied: dict[int, float], decided: list[float]) -> np.ndarray:
+    """At each decision (its time), the age in ms of the oldest pick published before it and not applied by
+    then (0 when none). One clock: ``time.monotonic`` is the system's in every process."""
+    ids = list(published)
+    pub = np.array([published[i] for i in ids])
+    got = np.array([applied.get(i, np.inf) for i in ids])
+    out = np.zeros(len(decided))
+    for k, d in enumerate(decided):
+        late = pub[(pub < d) & (got > d)]
+        if len(late):
+            out[k] = 1e3 * (d - float(late.min()))
+    return out
 
 
 def run_one(setup: Setup, mode: str, routes: bool, pick_path: bool) -> Run:
@@ -217,16 +230,16 @@ def run_one(setup: Setup, mode: str, routes: bool, pick_path: bool) -> Run:
         time.sleep(0.3)
         sent = g.messages["sent"] - sent0
         here.send("end")
-        stamps, rcpu, receive_s = here.recv()
+        stamps, decided, rcpu, receive_s = here.recv()
     finally:
         g.stop()
         proc.join(10)
     lat = np.array([1e3 * (stamps[i] - t) for i, t in published.items() if i in stamps])
-    # a routing peer: the last picks may come after its last decision
-    if len(lat) < len(published) - (BURST if routes else 0):
+    if len(lat) < len(published):
         raise RuntimeError(f"gossip bench: {len(published) - len(lat)} of {len(published)} picks not applied")
     n = max(1, len(published))
-    return Run(setup.pattern, mode, lat, len(published), sent, rcpu, spent / n, receive_s)
+    return Run(setup.pattern, mode, lat, missed(published, stamps, decided), len(published), sent, rcpu,
+               spent / n, receive_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gossip between two replicas on loopback: {args.decision_ms:g} ms of work per decision, switch "
           f"interval {1e3 * sys.getswitchinterval():g} ms, {seconds:g} s per run", flush=True)
     print(f"  {'pattern':8s} {'receiver':16s} {'picks':>6s} {'p50 ms':>7s} {'p90 ms':>7s} {'p99 ms':>7s} "
-          f"{'msgs/pick':>9s} {'publish µs':>10s} {'receive µs':>10s} {'recv thread µs':>14s}", flush=True)
+          f"{'missed p90':>10s} {'missed p99':>10s} {'msgs/pick':>9s} {'publish µs':>10s} "
+          f"{'receive µs':>10s} "
+          f"{'recv thread µs':>14s}", flush=True)
     runs: dict[tuple[str, str], Run] = {}
     for pattern in ("poisson", "burst"):
         setup = Setup(pattern, seconds, args.rate, args.decision_ms / 1e3, args.seed, sys.getswitchinterval())
@@ -255,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[pattern, mode] = r
             n = max(1, r.decisions)
             print(f"  {pattern:8s} {mode:16s} {r.decisions:6d} {r.q(0.5):7.3f} {r.q(0.9):7.3f} "
-                  f"{r.q(0.99):7.3f} "
+                  f"{r.q(0.99):7.3f} {r.stale(0.9):10.3f} {r.stale(0.99):10.3f} "
                   f"{r.sent_messages / n:9.2f} {1e6 * r.publish_s:10.1f} "
                   f"{1e6 * r.receive_s if pick_path else float('nan'):10.1f} "
                   f"{1e6 * r.receiver_thread_cpu_s / n:14.1f}", flush=True)
@@ -264,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         d, base, idle = runs[pattern, MODES[2][0]], runs[pattern, MODES[1][0]], runs[pattern, MODES[0][0]]
         for q, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
             out[f"gossip_{pattern}_{q}_ms"] = round(d.q(p), 4)
+        for q, p in (("p90", 0.9), ("p99", 0.99)):
+            out[f"gossip_{pattern}_stale_{q}_ms"] = round(d.stale(p), 4)
+            out[f"gossip_{pattern}_thread_stale_{q}_ms"] = round(base.stale(p), 4)
         out[f"gossip_{pattern}_p90_vs_thread"] = round(d.q(0.9) / max(1e-9, base.q(0.9)), 4)
         out[f"gossip_{pattern}_thread_p90_ms"] = round(base.q(0.9), 4)
         out[f"gossip_{pattern}_idle_p90_ms"] = round(idle.q(0.9), 4)

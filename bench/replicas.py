@@ -11,15 +11,24 @@ pickers:
 * ``multiturn``: 8 clients × chat sessions on six long system prompts, each turn repeating the
   conversation so far.
 
+The engines run at the modelled GPU's speed (``--time-factor 1``), as a GPU would serve beside the EPPs' own
+cores. At ``--time-factor 0.1`` (the default before) the whole stack, clients included, shares this host's
+cores and keeps them busy: the clients drive it closed-loop, so TTFT then follows the stack's CPU per request
+(three replicas ingest every KV event three times and gossip), which ``bench.router_cost`` measures, more
+than the replicas' routing.
+
 Printed per workload: the hit rate (cached ÷ prompt tokens the engines report) and TTFT p50/p90/p99 (time
 to the first streamed chunk) of each, and ``live_replicas3_hit_vs_1``, ``live_replicas3_p50_vs_1``,
 ``live_replicas3_p90_vs_1``, ``live_replicas3_p99_vs_1`` over both workloads (the worse of the two).
 The control (``--no-control`` skips it): three replicas running as above but Envoy sending every stream to
 one of them, ``live_replicas3_serving1_p*_vs_1``: what two more EPP processes (their KV-event ingestion,
 scrapes and gossip) cost the TTFT on these shared cores whoever routes; the rest of the gap is routing.
-Where the CPU goes, per phase: CPU ms per request of the serving EPPs, Envoy and the engines
+Where the CPU goes, per phase: CPU ms per request of the serving EPPs, Envoy, the engines and the clients
 (``{workload}_epp_cpu_ms_per_request_1`` / ``_3``: the routing's own cost, all replicas summed), and in the
-control each idle replica's share of a core (``{workload}_idle_epp_core_share``).
+control each idle replica's share of a core (``{workload}_idle_epp_core_share``); the whole stack's CPU per
+request, 3 ÷ 1 (``{workload}_stack_cpu_per_request_3_vs_1``), and how busy it kept the host's cores
+(``{workload}_host_busy_{1,3}``: the clients drive it closed-loop, so on a host it keeps busy TTFT follows the
+CPU per request, whoever spends it).
 Rounds alternate 1 then 3, then 3 then 1 (``--reps``). Last line: one JSON object.
 """
 
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import tempfile
 import time
@@ -108,9 +118,10 @@ class Bench(Engines):
             c0 = {k: sum(cpu_s(c.proc.pid) for c in v) for k, v in procs.items()}
             t0_serving = [thread_cpu(c.proc.pid) for c in procs["epp_serving"]]
             t0_idle = [thread_cpu(c.proc.pid) for c in procs["epp_idle"]]
-            t0 = time.monotonic()
+            t0, client0 = time.monotonic(), time.process_time()
             res = asyncio.run(drive(url, work))
             res.cpu = {k: sum(cpu_s(c.proc.pid) for c in v) - c0[k] for k, v in procs.items()}
+            res.cpu["clients"] = time.process_time() - client0  # this process: the clients' HTTP and JSON
             res.cpu["wall"] = time.monotonic() - t0
             res.threads = {
                 "serving": cpu_split(t0_serving, [thread_cpu(c.proc.pid) for c in procs["epp_serving"]]),
@@ -123,7 +134,7 @@ class Bench(Engines):
               f"{pct(res.ttft, 50) * 1e3:.0f} ms, p90 {pct(res.ttft, 90) * 1e3:.0f} ms, p99 "
               f"{pct(res.ttft, 99) * 1e3:.0f} ms; hit {res.hit:.3f}; CPU ms per request: serving EPPs "
               f"{res.cpu['epp_serving'] * per:.1f}, Envoy {res.cpu['envoy'] * per:.1f}, engines "
-              f"{res.cpu['engines'] * per:.1f}{idle}",
+              f"{res.cpu['engines'] * per:.1f}, clients {res.cpu['clients'] * per:.1f}{idle}",
               flush=True)
         for role in res.threads:
             if res.threads[role]:
@@ -134,10 +145,12 @@ class Bench(Engines):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one round, fewer sessions (about 3 minutes)")
+    ap.add_argument("--quick", action="store_true", help="one round, fewer sessions (about 1 minute)")
     ap.add_argument("--reps", type=int, default=0, help="alternated rounds (default: 1 quick, else 4)")
     ap.add_argument("--pods", type=int, default=4)
-    ap.add_argument("--time-factor", type=float, default=0.1, help="simulated GPU time scale of the engines")
+    ap.add_argument("--time-factor", type=float, default=1.0,
+                    help="simulated GPU time scale of the engines (1: the modelled GPU's speed; 0.1, ten "
+                    "times faster, keeps these cores busy: TTFT then follows the stack's CPU per request)")
     ap.add_argument("--gpu-blocks", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=2)
     ap.add_argument("--no-control", action="store_true",
@@ -177,13 +190,23 @@ def main(argv: list[str] | None = None) -> int:
             out[f"{name}_ttft_p{q}_ms_3"] = round(pct(three.ttft, q) * 1e3, 1)
         out[f"{name}_hit_1"], out[f"{name}_hit_3"] = round(hit1, 4), round(hit3, 4)
         out[f"{name}_requests"] = one.requests // reps
+        every: dict[str, float] = {}
         for tag in ("1", "3"):  # every serving EPP's CPU per request: what the routing costs
             runs = results[(name, int(tag))]
-            cpu = sum(r.cpu["epp_serving"] for r in runs) / max(1, sum(r.requests for r in runs))
+            n = max(1, sum(r.requests for r in runs))
+            cpu = sum(r.cpu["epp_serving"] for r in runs) / n
             out[f"{name}_epp_cpu_ms_per_request_{tag}"] = round(cpu * 1e3, 2)
             out[f"{name}_epp_thread_ms_per_request_{tag}"] = thread_ms(runs, "serving")
+            # the whole stack's (EPPs, Envoy, engines, clients): on a host it keeps busy, TTFT follows it
+            total = sum(v for r in runs for k, v in r.cpu.items() if k != "wall")
+            every[tag] = total / n
+            busy = total / max(1e-9, sum(r.cpu["wall"] for r in runs))
+            out[f"{name}_host_busy_{tag}"] = round(busy / (os.cpu_count() or 1), 3)
+        out[f"{name}_stack_cpu_per_request_3_vs_1"] = round(every["3"] / max(1e-9, every["1"]), 3)
         print(f"{name}: 3 replicas / 1: hit {ratios['hit']:.3f}, TTFT p50 {ratios['p50']:.2f}, "
-              f"p90 {ratios['p90']:.2f}, p99 {ratios['p99']:.2f}")
+              f"p90 {ratios['p90']:.2f}, p99 {ratios['p99']:.2f}; the stack's CPU per request "
+              f"{every['3'] / max(1e-9, every['1']):.2f} (host busy {out[f'{name}_host_busy_1']:.2f} / "
+              f"{out[f'{name}_host_busy_3']:.2f} of its {os.cpu_count()} cores)")
         if (name, 0) in results:
             ctl = Result.merged(results[(name, 0)])
             cr = {f"p{q}": pct(ctl.ttft, q) / pct(one.ttft, q) for q in (50, 90, 99)}

@@ -699,6 +699,7 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
             "warm_decisions_per_s_4k": round(d4k, 1),
             "warm_decisions_per_s_220kb": round(d220, 1),
             "warm_epp_cpu_ms_per_decision_4k": round(cpu4k, 3),
+            "epp_cpu_ms_per_decision_warm_4k": round(cpu4k, 3),  # the same, by the name the aim gives it
             "warm_epp_cpu_ms_per_decision_220kb": round(cpu220, 3),
             "warm_pick_p50_ms": round(float(np.percentile(lat, 50)), 3),
             "warm_pick_p99_ms": round(float(np.percentile(lat, 99)), 3),

@@ -21,8 +21,12 @@
    (block, pod) entries with the prefix sharing of :class:`WarmPlan`; then the
    decision rate and one-at-a-time pick latency on prompts that many pods
    partly hold, the index's bytes per entry (its table, and the EPP's RSS
-   growth), the ingest rate, and the previous dict-of-dicts layout's bytes per
-   entry measured on the same entries for the ratio.
+   growth), the ingest rate (blocks/s of prefill-step events of up to 512
+   blocks, ``ingest_blocks_per_s``; those events/s), the previous dict-of-dicts
+   layout's bytes per entry measured on the same entries for the ratio, and,
+   after the decisions, decode-step events through the same subscriber: one
+   block per ``BlockStored`` event, ``DECODE_BATCH`` events a batch, 300,000 of
+   them (``ingest_events_per_s``).
 4. The model's tokenizer: the same 8-pod EPP with the pool's tokenizer ``builtin:qwen2.5`` (Qwen2.5's
    files, its chat template) and, as the baseline in the same run, ``bytes``, on the same bodies: single
    prompts of ~4k Qwen tokens (prose) and ~220 KB, and multi-turn chat (24 conversations of 8 turns, each
@@ -31,7 +35,8 @@
 
 Last line: ``{"bench": "epp", "decisions_per_s_4k", "decisions_per_s_220kb", "added_p50_ms", "added_p99_ms",
 "warm_decisions_per_s_4k", "warm_decisions_per_s_220kb", "warm_pick_p50_ms", "warm_pick_p99_ms",
-"index_bytes_per_entry", "warm_index_entries", "ingest_blocks_per_s", "epp_rss_mb", ...}``.
+"index_bytes_per_entry", "warm_index_entries", "ingest_blocks_per_s", "ingest_events_per_s", "epp_rss_mb",
+...}``.
 """
 
 from __future__ import annotations
@@ -403,6 +408,9 @@ def tokenizer_run(workdir: Path, pods: list[dict[str, Any]], seconds: float) -> 
 # --- warm index -------------------------------------------------------------------------------------------
 #: the warm run's fleet and its prefix sharing (see :class:`WarmPlan`)
 WARM_PODS = 64
+#: decode-step events per KVEventBatch in the ingest measurement: a busy engine's step (256 running requests
+#: with 16-token blocks fill about 16 blocks a step; vLLM publishes one batch per step)
+DECODE_BATCH = 16
 BLOCK = 16
 _LETTERS = np.frombuffer((string.ascii_letters + " ").encode(), dtype=np.uint8)
 
@@ -503,7 +511,7 @@ def publish_plan(spec_path: str) -> int:
         return 1
     t0 = time.perf_counter()
     held: list[set[int]] = [set() for _ in pubs]  # system prompts (by first key) each pod stores once
-    entries = 0
+    entries = events_n = 0
     last = t0
     for pods, sys_keys, conv, medium in plan.holdings():
         for p in pods:
@@ -521,12 +529,27 @@ def publish_plan(spec_path: str) -> int:
                 parent = c[-1]
             if events:
                 pubs[p].publish(KVEventBatch(ts=time.time(), events=events))
+                events_n += len(events)
         if entries >= plan.entries:
             break
         if time.perf_counter() - last > 5:
             last = time.perf_counter()
             print(f"progress {entries}", flush=True)
-    print(f"published {entries} {time.perf_counter() - t0:.2f}", flush=True)
+    print(f"published {entries} {time.perf_counter() - t0:.2f} {events_n}", flush=True)
+    line = sys.stdin.readline().split()
+    if line and line[0] == "decode":  # decode steps: one new block per event, DECODE_BATCH events a batch
+        n, rng = int(line[1]), random.Random(plan.seed + 1)
+        tips: list[int | None] = [None] * len(pubs)
+        t0 = time.perf_counter()
+        for k in range(0, n, DECODE_BATCH):
+            p = (k // DECODE_BATCH) % len(pubs)
+            batch: list[AnyEvent] = []
+            for _ in range(min(DECODE_BATCH, n - k)):
+                key = rng.getrandbits(63)
+                batch.append(stored([key], tips[p], [], BLOCK, "GPU"))
+                tips[p] = key
+            pubs[p].publish(KVEventBatch(ts=time.time(), events=batch))
+        print(f"decoded {n} {time.perf_counter() - t0:.2f}", flush=True)
     sys.stdin.read()
     for pub in pubs:
         pub.close()
@@ -614,7 +637,7 @@ def reference_bytes_per_entry(entries: int, pods: int = WARM_PODS, seed: int = 5
 
 
 def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int = 7,
-             front: str = "auto") -> dict[str, Any]:
+             front: str = "auto", decode_events: int = 300_000) -> dict[str, Any]:
     """The EPP's index filled through its real subscriber from ``WARM_PODS`` publishing pods, then
     decisions (``front``: the EPP's ``epp.front``)."""
     print(f"warm: planning {WARM_PODS} pods, {entries:,} (block, pod) entries", flush=True)
@@ -639,13 +662,13 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
         helper.stdin.write("go\n")
         helper.stdin.flush()
         t0 = time.perf_counter()
-        published = -1
+        published = events_published = -1
         seen = 0.0
         last = t0
         while True:
             line = helper.stdout.readline() if published < 0 else ""
             if line.startswith("published"):
-                published = int(line.split()[1])
+                published, events_published = int(line.split()[1]), int(line.split()[3])
                 print(f"warm: {published:,} entries published in {float(line.split()[2]):.1f} s",
                       flush=True)
             elif line.startswith("progress"):
@@ -692,6 +715,19 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
               f"p99 {np.percentile(lat, 99):.2f} ms; "
               f"220 KB p50 {np.percentile(lat220, 50):.2f} ms; predicted hit ratio {hit:.3f}", flush=True)
         rss2 = rss_mb(proc.pid)
+        # decode steps through the same subscriber: one block per BlockStored event (what a decoding
+        # request publishes each time it fills a block), after the decisions so they route on the warm index
+        base = _scrape(metrics_port).get("kvfleet_epp_index_entries", 0.0)
+        helper.stdin.write(f"decode {decode_events}\n")
+        helper.stdin.flush()
+        t0 = time.perf_counter()
+        while _scrape(metrics_port).get("kvfleet_epp_index_entries", 0.0) < base + decode_events:
+            if time.perf_counter() - t0 > 300:
+                raise RuntimeError("decode-step events not indexed within 300 s")
+            time.sleep(0.05)
+        decode_s = time.perf_counter() - t0
+        print(f"warm: {decode_events:,} decode-step events (one block each) indexed in {decode_s:.2f} s "
+              f"({decode_events / decode_s:,.0f} events/s)", flush=True)
         ref = reference_bytes_per_entry(min(entries, 1_000_000))
         print(f"index bytes per entry (tracemalloc, same 1M entries): dict-of-dicts {ref[0]:.0f}, "
               f"table {ref[1]:.1f} ({ref[0] / ref[1]:.1f}×)", flush=True)
@@ -712,6 +748,8 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
             "warm_index_entries": int(seen),
             "warm_pods": WARM_PODS,
             "ingest_blocks_per_s": round(seen / ingest_s, 0),
+            "ingest_prefill_events_per_s": round(events_published / ingest_s, 0),
+            "ingest_events_per_s": round(decode_events / decode_s, 0),
             "ingest_s": round(ingest_s, 1),
             "epp_rss_mb": round(rss2, 1),
             "warm_errors": e4k + e220,

@@ -402,10 +402,24 @@ def check_helm_upgrade(url: str, namespace: str, release: str, chart: str, value
         sys.exit("helm upgrade replaced KVCachePools or InferencePools")
     if kubectl("get", "crd", "-o", "name") != crds:
         sys.exit("helm upgrade changed the set of CRDs")
-    wait("a request served after the upgrade",
-         lambda: complete(url, "llama-3-8b", "after upgrade").get("choices"), timeout_s=60)
+    # the first requests after the rollout: the gateway may not have the new EPP pods yet (counted, shown)
+    refused: list[int] = []
+    t0 = time.monotonic()
+
+    def served() -> Any:
+        try:
+            return complete(url, "llama-3-8b", "after upgrade").get("choices")
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500:
+                raise
+            refused.append(exc.code)
+            return None
+
+    wait("a request served after the upgrade", served, timeout_s=60, interval_s=0.25)
+    after = (f"; {len(refused)} request(s) answered {sorted(set(refused))} in the "
+             f"{time.monotonic() - t0:.1f} s before the first one served" if refused else "")
     print(f"helm upgrade: {epp} rolled (generation {gen} -> {dep2['metadata']['generation']}); "
-          f"{len(pools)} KVCachePools, {len(ipools)} InferencePools and the CRDs kept; serving")
+          f"{len(pools)} KVCachePools, {len(ipools)} InferencePools and the CRDs kept; serving{after}")
 
 
 def check_uninstall(namespace: str, release: str) -> None:

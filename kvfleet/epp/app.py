@@ -116,6 +116,7 @@ class Epp:
         self.metrics_port = s.metrics_port
         self.serving = False
         self._unhealthy_logged = False
+        self._draining = False
 
     def _on_pods(self, changed: Sequence[Pod], gone: Sequence[Pod]) -> None:
         s = self.settings.epp
@@ -191,10 +192,15 @@ class Epp:
         self.health_port = self._health.add_insecure_port(f"{s.host}:{s.health_port}")
         await self._health.start()
 
+    def drain(self) -> None:
+        """Report not ready from now on, serving on (``kvfleet epp --drain-seconds``: before :meth:`stop`)."""
+        self._draining = True
+
     def ready(self) -> bool:
-        """Readiness (GIE): serving, the datastore has its first full view of pools and pods, and the KV-event
-        ingestion is alive (a dead or stuck ingestion thread would route on a frozen index)."""
-        if not (self.serving and self.datastore.has_synced()):
+        """Readiness (GIE): serving and not draining, the datastore has its first full view of pools and
+        pods, and the KV-event ingestion is alive (a dead or stuck ingestion thread would route on a frozen
+        index)."""
+        if not (self.serving and self.datastore.has_synced()) or self._draining:
             return False
         if self.settings.epp.events_enabled and not self.subscriber.healthy():
             if not self._unhealthy_logged:

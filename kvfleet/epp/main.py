@@ -2,7 +2,11 @@
 [--tls-cert-file F --tls-key-file F]``.
 
 The config file is a kvfleet settings YAML (``epp:`` and ``cache:`` sections);
-flags override its ports and pods file. Runs until SIGTERM/SIGINT.
+flags override its ports and pods file. Runs until SIGTERM/SIGINT; with ``--drain-seconds S``, a SIGTERM
+first turns readiness NOT_SERVING and keeps answering ext_proc streams for ``S`` seconds (a second signal
+ends it at once): a pod being deleted leaves the gateway's endpoints some time after it is signalled (Envoy
+Gateway's xDS, an Envoy's DNS refresh), and streams that reach it meanwhile are still routed instead of
+failing over or failing closed.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--front", choices=["auto", "native", "grpcio"],
                    help="what serves the ext_proc port: the native front kvfleet-epp-front, Python's "
                         "grpc.aio, or auto (native where installed; epp.front)")
+    p.add_argument("--drain-seconds", type=float, default=0.0,
+                   help="after SIGTERM, report not ready and keep serving this long before stopping (the "
+                        "chart: epp.drainSeconds)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -88,6 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("kvfleet.epp").debug("%d objects of the startup heap frozen", frozen)
     try:
         done.wait()
+        if args.drain_seconds > 0:
+            done.clear()
+            epp.drain()
+            print(f"kvfleet epp: draining for {args.drain_seconds:g} s (readiness NOT_SERVING)", flush=True)
+            done.wait(args.drain_seconds)
     finally:
         epp.stop()
     return 0

@@ -59,6 +59,10 @@ CHART_VALUES: dict[str, Any] = {
     "clusterDomain": "cluster.local",
     "epp": {
         "replicas": 1,
+        # After SIGTERM an EPP pod reports not ready and keeps routing this long (`kvfleet epp
+        # --drain-seconds`) while the gateway drops it from its ext_proc cluster (Envoy Gateway's xDS, an
+        # Envoy's DNS refresh); the pod's terminationGracePeriodSeconds is 25 s more.
+        "drainSeconds": 5,
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
         # TLS between the gateway and the EPP: a Secret with tls.crt, tls.key (for <epp>.<namespace>.svc)
         # and ca.crt (cert-manager's layout); the EPP serves with the pair, Envoy verifies against ca.crt.
@@ -181,7 +185,8 @@ def values_schema() -> dict[str, Any]:
                                                           "resources": obj}},
             "clusterDomain": {"type": "string", "minLength": 1},
             "epp": {"type": "object", "properties": {
-                "replicas": {"type": "integer", "minimum": 1}, "resources": obj,
+                "replicas": {"type": "integer", "minimum": 1},
+                "drainSeconds": {"type": "integer", "minimum": 0, "maximum": 120}, "resources": obj,
                 "tls": {"type": "object", "additionalProperties": False,
                         "properties": {"enabled": {"type": "boolean"}, "secretName": str_}},
                 "tokenizers": {"type": "object", "additionalProperties": False, "properties": {

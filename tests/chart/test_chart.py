@@ -133,7 +133,7 @@ def test_config_names_the_rendered_objects(helm: str) -> None:
     (epp,) = _by(objs, "Deployment", settings.operator.epp_service)
     container = epp["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["kvfleet", "epp"] and container["args"] == [
-        "--config=/etc/kvfleet/config.yaml"]
+        "--config=/etc/kvfleet/config.yaml", "--drain-seconds=5"]
     assert {p["containerPort"] for p in container["ports"]} == {
         settings.epp.grpc_port, settings.epp.health_port, settings.epp.metrics_port}
     (op,) = _by(objs, "Deployment", "kvf-kvfleet-operator")

@@ -157,6 +157,73 @@ def test_process_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
             proc.wait(5)
 
 
+def _models_exchange(target: str) -> bool:
+    """One ext_proc stream asking for ``GET /v1/models`` (answered by the picker itself): answered?"""
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    headers = pb.HttpHeaders(end_of_stream=True, headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in ((":path", "/v1/models"),
+                                                                       (":method", "GET"))]))
+    with grpc.insecure_channel(target) as ch:
+        try:
+            got = list(pb_grpc.ExternalProcessorStub(ch).Process(
+                iter([pb.ProcessingRequest(request_headers=headers)]), timeout=5))
+        except grpc.RpcError:
+            return False
+    return any(r.HasField("immediate_response") for r in got)
+
+
+def test_sigterm_drains_before_stopping(tmp_path: Path) -> None:
+    """With ``--drain-seconds``, a SIGTERM turns readiness NOT_SERVING (liveness stays SERVING) and the
+    ext_proc port keeps answering streams until the drain ends, then the EPP exits 0; a second signal ends
+    the drain at once."""
+    import signal
+    import time
+
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(yaml.safe_dump({"pools": [{"name": "a", "models": ["m"],
+                                               "pods": [{"name": "p", "address": "127.0.0.1", "port": 1}]}]}))
+
+    def start(drain: float) -> tuple[subprocess.Popen[bytes], str, str]:
+        grpc_port, health = free_port(), free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfleet.epp.main", "--pods", str(pods), "--host", "127.0.0.1",
+             "--grpc-port", str(grpc_port), "--health-port", str(health), "--metrics-port", str(free_port()),
+             "--drain-seconds", str(drain)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: proc.poll() is not None or health_check(f"127.0.0.1:{health}", 0.5),
+                 "the EPP's readiness SERVING", timeout_s=20, interval_s=0.1)
+        assert proc.poll() is None
+        return proc, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{health}"
+
+    proc, target, health = start(3.0)
+    try:
+        assert _models_exchange(target)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: not health_check(health, 0.5), "readiness NOT_SERVING", timeout_s=5, interval_s=0.05)
+        assert health_check(health, 0.5, service="liveness") and proc.poll() is None
+        assert _models_exchange(target), "ext_proc streams are answered while draining"
+        assert proc.wait(15) == 0 and time.monotonic() - t0 >= 2.5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    proc, _, _ = start(60.0)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None  # draining
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
 def test_thread_cpu_only_grows(monkeypatch: pytest.MonkeyPatch) -> None:
     """``kvfleet_epp_thread_cpu_seconds_total{thread}``: a pool's threads share their label; a thread that
     ends, is renamed or whose id comes back with another thread leaves its count to its label, so no series

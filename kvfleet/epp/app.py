@@ -160,7 +160,8 @@ class Epp:
 
     async def _start_grpc(self) -> None:
         s = self.settings.epp
-        health = HealthServicer(alive=lambda: not self._stop.is_set(), ready=self.ready)
+        health = HealthServicer(alive=lambda: not self._stop.is_set(), ready=self.ready,
+                                streams=lambda: self.ready(draining=False))
         program = front_program() if s.front != "grpcio" else None
         if s.front == "native" and program is None:
             raise RuntimeError(f"epp.front is 'native' but {FRONT_NAME} is not installed (build it with Go: "
@@ -196,11 +197,11 @@ class Epp:
         """Report not ready from now on, serving on (``kvfleet epp --drain-seconds``: before :meth:`stop`)."""
         self._draining = True
 
-    def ready(self) -> bool:
+    def ready(self, draining: bool = True) -> bool:
         """Readiness (GIE): serving and not draining, the datastore has its first full view of pools and
         pods, and the KV-event ingestion is alive (a dead or stuck ingestion thread would route on a frozen
-        index)."""
-        if not (self.serving and self.datastore.has_synced()) or self._draining:
+        index). ``draining=False``: whether it answers streams, draining or not."""
+        if not (self.serving and self.datastore.has_synced()) or (draining and self._draining):
             return False
         if self.settings.epp.events_enabled and not self.subscriber.healthy():
             if not self._unhealthy_logged:

@@ -457,17 +457,24 @@ class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
 
     ``liveness``: SERVING while the process answers; ``readiness``, the ext_proc service name and
     ``""`` (the whole server): SERVING only once the picker serves *and* its datastore has synced
-    (Kubernetes: the first list of InferencePools and Pods). Any other name: NOT_FOUND.
+    (Kubernetes: the first list of InferencePools and Pods). Any other name: NOT_FOUND. While the picker
+    drains (``streams``: whether it answers streams, draining or not), ``readiness`` is NOT_SERVING, so the
+    pod leaves its Service, but the ext_proc service name and ``""`` stay SERVING: a gateway that health
+    checks them keeps sending streams until its discovery drops the pod.
     """
 
-    def __init__(self, alive: Callable[[], bool], ready: Callable[[], bool]) -> None:
+    def __init__(self, alive: Callable[[], bool], ready: Callable[[], bool],
+                 streams: Callable[[], bool] | None = None) -> None:
         self.alive, self.ready = alive, ready
+        self.streams = streams or ready
 
     def status(self, service: str) -> int | None:
         if service == LIVENESS:
             ok = self.alive()
-        elif service in (READINESS, EXT_PROC_SERVICE, ""):
+        elif service == READINESS:
             ok = self.ready()
+        elif service in (EXT_PROC_SERVICE, ""):
+            ok = self.streams()
         else:
             return None
         return int(

@@ -177,9 +177,9 @@ def _models_exchange(target: str) -> bool:
 
 
 def test_sigterm_drains_before_stopping(tmp_path: Path) -> None:
-    """With ``--drain-seconds``, a SIGTERM turns readiness NOT_SERVING (liveness stays SERVING) and the
-    ext_proc port keeps answering streams until the drain ends, then the EPP exits 0; a second signal ends
-    the drain at once."""
+    """With ``--drain-seconds``, a SIGTERM turns readiness NOT_SERVING (liveness and the ext_proc service's
+    health stay SERVING) and the ext_proc port keeps answering streams until the drain ends, then the EPP
+    exits 0; a second signal ends the drain at once."""
     import signal
     import time
 
@@ -205,6 +205,8 @@ def test_sigterm_drains_before_stopping(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         wait_for(lambda: not health_check(health, 0.5), "readiness NOT_SERVING", timeout_s=5, interval_s=0.05)
         assert health_check(health, 0.5, service="liveness") and proc.poll() is None
+        # a gateway health-checking the ext_proc service keeps the draining replica
+        assert health_check(health, 0.5, service="envoy.service.ext_proc.v3.ExternalProcessor")
         assert _models_exchange(target), "ext_proc streams are answered while draining"
         assert proc.wait(15) == 0 and time.monotonic() - t0 >= 2.5
     finally:

@@ -540,7 +540,6 @@ def publish_plan(spec_path: str) -> int:
     if line and line[0] == "decode":  # decode steps: one new block per event, DECODE_BATCH events a batch
         n, rng = int(line[1]), random.Random(plan.seed + 1)
         tips: list[int | None] = [None] * len(pubs)
-        t0 = time.perf_counter()
         for k in range(0, n, DECODE_BATCH):
             p = (k // DECODE_BATCH) % len(pubs)
             batch: list[AnyEvent] = []
@@ -549,7 +548,6 @@ def publish_plan(spec_path: str) -> int:
                 batch.append(stored([key], tips[p], [], BLOCK, "GPU"))
                 tips[p] = key
             pubs[p].publish(KVEventBatch(ts=time.time(), events=batch))
-        print(f"decoded {n} {time.perf_counter() - t0:.2f}", flush=True)
     sys.stdin.read()
     for pub in pubs:
         pub.close()

@@ -165,10 +165,14 @@ class Run:
     receive_s: float
 
     def q(self, p: float) -> float:
-        return float(np.quantile(self.latency_ms, p)) if len(self.latency_ms) else float("nan")
+        return _quantile(self.latency_ms, p)
 
     def stale(self, p: float) -> float:
-        return float(np.quantile(self.stale_ms, p)) if len(self.stale_ms) else float("nan")
+        return _quantile(self.stale_ms, p)
+
+
+def _quantile(x: np.ndarray, p: float) -> float:
+    return float(np.quantile(x, p)) if len(x) else float("nan")
 
 
 def missed(published: dict[int, float], applied: dict[int, float], decided: list[float]) -> np.ndarray:
@@ -260,8 +264,7 @@ def main(argv: list[str] | None = None) -> int:
           f"interval {1e3 * sys.getswitchinterval():g} ms, {seconds:g} s per run", flush=True)
     print(f"  {'pattern':8s} {'receiver':16s} {'picks':>6s} {'p50 ms':>7s} {'p90 ms':>7s} {'p99 ms':>7s} "
           f"{'missed p90':>10s} {'missed p99':>10s} {'msgs/pick':>9s} {'publish µs':>10s} "
-          f"{'receive µs':>10s} "
-          f"{'recv thread µs':>14s}", flush=True)
+          f"{'receive µs':>10s} {'recv thread µs':>14s}", flush=True)
     runs: dict[tuple[str, str], Run] = {}
     for pattern in ("poisson", "burst"):
         setup = Setup(pattern, seconds, args.rate, args.decision_ms / 1e3, args.seed, sys.getswitchinterval())

@@ -205,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         out[f"{name}_stack_cpu_per_request_3_vs_1"] = round(every["3"] / max(1e-9, every["1"]), 3)
         print(f"{name}: 3 replicas / 1: hit {ratios['hit']:.3f}, TTFT p50 {ratios['p50']:.2f}, "
               f"p90 {ratios['p90']:.2f}, p99 {ratios['p99']:.2f}; the stack's CPU per request "
-              f"{every['3'] / max(1e-9, every['1']):.2f} (host busy {out[f'{name}_host_busy_1']:.2f} / "
-              f"{out[f'{name}_host_busy_3']:.2f} of its {os.cpu_count()} cores)")
+              f"{out[f'{name}_stack_cpu_per_request_3_vs_1']:.2f} (host busy "
+              f"{out[f'{name}_host_busy_1']:.2f} / {out[f'{name}_host_busy_3']:.2f} of its "
+              f"{os.cpu_count()} cores)")
         if (name, 0) in results:
             ctl = Result.merged(results[(name, 0)])
             cr = {f"p{q}": pct(ctl.ttft, q) / pct(one.ttft, q) for q in (50, 90, 99)}

@@ -279,6 +279,7 @@ class ReplicaGossip:
                     os.write(self._wake_w, b"\0")
 
     def _send_due(self) -> None:
+        """Send what waited for the window (the loop's timer, or the gossip thread woken for it)."""
         with self._pub_lock:
             self._woken = False
             if self._pending and self._pub is not None:
@@ -406,9 +407,7 @@ class ReplicaGossip:
                     # this replica's first tokens and ends of the next window leave in one message (a pick
                     # meanwhile takes them along at once)
                     time.sleep(COALESCE_S)
-                    with self._pub_lock:
-                        self._woken = False
-                        self._drain(pub)
+                    self._send_due()
                 elif ready:
                     # peers' messages have come: what comes in the window is applied in one wake-up (a
                     # wake-up costs more than applying a peer's pick and tickets); a replica that routes

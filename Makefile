@@ -15,7 +15,7 @@ BASE_IMAGE ?= python:3.11-slim
 help: ## Show this help: every target with what it does.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml setup.py kvfleet/epp/_probe.c kvfleet/epp/_reuse.c kvfleet/epp/_spec.c kvfleet/cache/_digest.c $(filter-out %_test.go,$(wildcard native/epp-front/*.go)) native/epp-front/go.mod native/epp-front/go.sum
+$(STAMP): pyproject.toml setup.py kvfleet/epp/_probe.c kvfleet/epp/_reuse.c kvfleet/epp/_spec.c kvfleet/cache/_digest.c kvfleet/cache/_events.c $(filter-out %_test.go,$(wildcard native/epp-front/*.go)) native/epp-front/go.mod native/epp-front/go.sum
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@# kvfleet/epp/_probe.c, _reuse.c and _spec.c (the EPP's compiled loops) need a C compiler: `cc`, else zig's from PyPI

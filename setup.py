@@ -2,7 +2,8 @@
 
 * The EPP's hot loops (kvfleet/epp/_probe.c, the index's probes; kvfleet/epp/_spec.c, its speculative
   entries; kvfleet/epp/_reuse.c, the per-pod reuse distance) and the block digests (kvfleet/cache/_digest.c,
-  xxh3 of every block of a prompt; the vendored native/xxhash/xxhash.h): plain C loaded with ctypes (no Python headers needed). Any C compiler works:
+  xxh3 of every block of a prompt; the vendored native/xxhash/xxhash.h) and the KV-event batch scanner
+  (kvfleet/cache/_events.c): plain C loaded with ctypes (no Python headers needed). Any C compiler works:
   ``CC`` and ``LDSHARED`` choose one (the Dockerfile uses ``zig cc`` from PyPI where the base image has none).
 * The EPP's gRPC front (native/epp-front, Go: ``kvfleet-epp-front``, kvfleet/epp/front.py), built with ``go``
   from PATH into ``kvfleet/epp/bin/`` (modules from the Go module proxy, ``GOPROXY``). Without ``go`` it is
@@ -53,6 +54,7 @@ setup(
             # no contraction into FMA: the tier-weighted sums stay what the decision rules define
             extra_compile_args=["-O2", "-std=c11", "-ffp-contract=off"],
         ),
+        Extension("kvfleet.cache._events", ["kvfleet/cache/_events.c"], extra_compile_args=["-O3", "-std=c11"]),
         Extension(
             "kvfleet.cache._digest",
             ["kvfleet/cache/_digest.c"],

@@ -25,8 +25,13 @@
    blocks, ``ingest_blocks_per_s``; those events/s), the previous dict-of-dicts
    layout's bytes per entry measured on the same entries for the ratio, and,
    after the decisions, decode-step events through the same subscriber: one
-   block per ``BlockStored`` event, ``DECODE_BATCH`` events a batch, 300,000 of
-   them (``ingest_events_per_s``).
+   block per ``BlockStored`` event with its 16 token ids, as vLLM publishes
+   them, ``DECODE_BATCH`` events a batch, 600,000 of them, encoded before the
+   clock starts: ``ingest_events_per_s`` is those events per CPU second of the
+   EPP's ingestion thread (``kv-events``: one core), ``ingest_events_per_s_wall``
+   the rate with the publisher process on the same cores. In process, the same
+   kind of batches applied from their bytes against decoded into events, the
+   path a batch in another layout takes (``ingest_from_bytes_vs_decoder``).
 4. The model's tokenizer: the same 8-pod EPP with the pool's tokenizer ``builtin:qwen2.5`` (Qwen2.5's
    files, its chat template) and, as the baseline in the same run, ``bytes``, on the same bodies: single
    prompts of ~4k Qwen tokens (prose) and ~220 KB, and multi-turn chat (24 conversations of 8 turns, each
@@ -69,13 +74,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from bench import index_scale
-from bench._live import cpu_s
+from bench._live import cpu_s, thread_cpu
 from kvfleet.agent.publisher import ZmqPublisher
-from kvfleet.cache.events import AnyEvent, KVEventBatch, stored
+from kvfleet.cache.events import AnyEvent, KVEventBatch, decode_batch_lenient, encode_batch, stored
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
 from kvfleet.cache.tokens import ByteTokenizer, salt_extra_keys
 from kvfleet.demo.envoy import EnvoyProcess, free_port
 from kvfleet.epp.index import BlockIndex
+from kvfleet.epp.ingest import PodEventApplier
 from kvfleet.epp.server import health_check
 
 SYSTEM = "".join(random.Random(0).choices(string.ascii_letters + " ", k=1024))
@@ -317,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         proc.wait(10)
         out.update(tokenizer_run(workdir, pods, seconds))
+        out.update(ingest_paths())
         if not args.no_warm:
             out.update(warm_run(workdir, args.warm_entries or 10_500_000, seconds, n_lat))
         if not args.no_index_scale:  # the index alone at fleet scale (bench/index_scale.py)
@@ -537,21 +544,65 @@ def publish_plan(spec_path: str) -> int:
             print(f"progress {entries}", flush=True)
     print(f"published {entries} {time.perf_counter() - t0:.2f} {events_n}", flush=True)
     line = sys.stdin.readline().split()
-    if line and line[0] == "decode":  # decode steps: one new block per event, DECODE_BATCH events a batch
-        n, rng = int(line[1]), random.Random(plan.seed + 1)
-        tips: list[int | None] = [None] * len(pubs)
-        for k in range(0, n, DECODE_BATCH):
-            p = (k // DECODE_BATCH) % len(pubs)
-            batch: list[AnyEvent] = []
-            for _ in range(min(DECODE_BATCH, n - k)):
-                key = rng.getrandbits(63)
-                batch.append(stored([key], tips[p], [], BLOCK, "GPU"))
-                tips[p] = key
-            pubs[p].publish(KVEventBatch(ts=time.time(), events=batch))
+    if line and line[0] == "decode":  # decode steps (decode_steps), encoded first, then sent on "go"
+        payloads = decode_steps(int(line[1]), len(pubs), plan.seed + 1)
+        print("decode-ready", flush=True)
+        if sys.stdin.readline().strip() == "go":
+            for p, payload in payloads:
+                pubs[p].publish_encoded(payload)
     sys.stdin.read()
     for pub in pubs:
         pub.close()
     return 0
+
+
+def decode_steps(n: int, pods: int, seed: int) -> list[tuple[int, bytes]]:
+    """``n`` decode-step events as vLLM publishes them, encoded: one ``BlockStored`` per filled block (its 16
+    token ids, chained from the pod's previous block), ``DECODE_BATCH`` events a batch (an engine step),
+    batches dealt round-robin to ``pods`` pods: (pod, payload)."""
+    rng = random.Random(seed)
+    tips: list[int | None] = [None] * pods
+    out: list[tuple[int, bytes]] = []
+    for k in range(0, n, DECODE_BATCH):
+        p = (k // DECODE_BATCH) % pods
+        batch: list[AnyEvent] = []
+        for _ in range(min(DECODE_BATCH, n - k)):
+            key = rng.getrandbits(63)
+            batch.append(stored([key], tips[p], [rng.randrange(152_064) for _ in range(BLOCK)], BLOCK, "GPU"))
+            tips[p] = key
+        out.append((p, encode_batch(KVEventBatch(ts=time.time(), events=batch))))
+    return out
+
+
+def ingest_paths(n: int = 64_000) -> dict[str, float]:
+    """In this process, the same decode-step batches (:func:`decode_steps`, one pod) applied to a fresh index
+    from their bytes (:meth:`~kvfleet.epp.ingest.PodEventApplier.apply_payload`, flushed every 16 batches as
+    a read of a socket does) and, the baseline, decoded into events and applied
+    (:func:`~kvfleet.cache.events.decode_batch_lenient`, :meth:`~kvfleet.epp.ingest.PodEventApplier.apply`):
+    events per CPU second of each, best of three."""
+    payloads = [p for _, p in decode_steps(n, 1, 11)]
+    best = {"bytes": 0.0, "decoder": 0.0}
+    for _ in range(3):
+        for path in best:
+            ap = PodEventApplier("p", BlockIndex(), BlockHasher(BLOCK))
+            t0 = time.process_time()
+            for i, payload in enumerate(payloads):
+                if path == "bytes":
+                    ap.apply_payload(payload)
+                    if i % 16 == 15:
+                        ap.flush()
+                else:
+                    ap.apply(decode_batch_lenient(payload).batch)
+            ap.flush()
+            dt = time.process_time() - t0
+            assert ap.stats.stored == n
+            best[path] = max(best[path], n / max(dt, 1e-9))
+    print(f"ingest in process, decode-step events: {best['bytes']:,.0f}/CPU-s from their bytes, "
+          f"{best['decoder']:,.0f}/CPU-s decoded into events ({best['bytes'] / best['decoder']:.2f} ×)",
+          flush=True)
+    return {"ingest_in_process_events_per_cpu_s": round(best["bytes"]),
+            "ingest_in_process_decoder_events_per_cpu_s": round(best["decoder"]),
+            "ingest_from_bytes_vs_decoder": round(best["bytes"] / best["decoder"], 2)}
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -635,7 +686,7 @@ def reference_bytes_per_entry(entries: int, pods: int = WARM_PODS, seed: int = 5
 
 
 def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int = 7,
-             front: str = "auto", decode_events: int = 300_000) -> dict[str, Any]:
+             front: str = "auto", decode_events: int = 600_000) -> dict[str, Any]:
     """The EPP's index filled through its real subscriber from ``WARM_PODS`` publishing pods, then
     decisions (``front``: the EPP's ``epp.front``)."""
     print(f"warm: planning {WARM_PODS} pods, {entries:,} (block, pod) entries", flush=True)
@@ -718,14 +769,24 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
         base = _scrape(metrics_port).get("kvfleet_epp_index_entries", 0.0)
         helper.stdin.write(f"decode {decode_events}\n")
         helper.stdin.flush()
+        if helper.stdout.readline().strip() != "decode-ready":
+            raise RuntimeError("publisher process did not prepare the decode steps")
+        k0 = thread_cpu(proc.pid).get("kv-events", 0.0)
+        helper.stdin.write("go\n")
+        helper.stdin.flush()
         t0 = time.perf_counter()
         while _scrape(metrics_port).get("kvfleet_epp_index_entries", 0.0) < base + decode_events:
             if time.perf_counter() - t0 > 300:
                 raise RuntimeError("decode-step events not indexed within 300 s")
             time.sleep(0.05)
         decode_s = time.perf_counter() - t0
-        print(f"warm: {decode_events:,} decode-step events (one block each) indexed in {decode_s:.2f} s "
-              f"({decode_events / decode_s:,.0f} events/s)", flush=True)
+        decode_cpu = thread_cpu(proc.pid).get("kv-events", 0.0) - k0
+        per_cpu_s = decode_events / max(decode_cpu, 1e-9)
+        print(f"warm: {decode_events:,} decode-step events (one block each, {DECODE_BATCH} a batch) "
+              f"indexed in {decode_s:.2f} s ({decode_events / decode_s:,.0f} events/s, the publisher "
+              f"process beside it); the ingestion thread's CPU {decode_cpu:.2f} s: {per_cpu_s:,.0f} events "
+              "per CPU second",
+              flush=True)
         ref = reference_bytes_per_entry(min(entries, 1_000_000))
         print(f"index bytes per entry (tracemalloc, same 1M entries): dict-of-dicts {ref[0]:.0f}, "
               f"table {ref[1]:.1f} ({ref[0] / ref[1]:.1f}×)", flush=True)
@@ -747,7 +808,9 @@ def warm_run(workdir: Path, entries: int, seconds: float, n_lat: int, seed: int 
             "warm_pods": WARM_PODS,
             "ingest_blocks_per_s": round(seen / ingest_s, 0),
             "ingest_prefill_events_per_s": round(events_published / ingest_s, 0),
-            "ingest_events_per_s": round(decode_events / decode_s, 0),
+            "ingest_events_per_s": round(per_cpu_s, 0),
+            "ingest_events_per_s_wall": round(decode_events / decode_s, 0),
+            "ingest_thread_cpu_s": round(decode_cpu, 2),
             "ingest_s": round(ingest_s, 1),
             "epp_rss_mb": round(rss2, 1),
             "warm_errors": e4k + e220,

@@ -93,6 +93,10 @@ class ZmqPublisher:
         """Encode and queue a batch (never blocks on the network)."""
         self._queue.put(encode_batch(batch))
 
+    def publish_encoded(self, payload: bytes) -> None:
+        """Queue a batch already encoded (:func:`~kvfleet.cache.events.encode_batch`)."""
+        self._queue.put(bytes(payload))
+
     def forget_history(self) -> None:
         """Drop the replay buffer before the next batch (after a cache reset nothing older matters).
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 from pathlib import Path
+from typing import Any
+
+import numpy.typing as npt
 
 
 def load(here: Path, stem: str, what: str) -> ctypes.CDLL:
@@ -21,3 +24,17 @@ def load(here: Path, stem: str, what: str) -> ctypes.CDLL:
         "sources here. Install it with pip (`pip install -e .` in a checkout, or `make venv`); the build "
         "needs a C compiler: `cc`, or zig's from the ziglang package on PyPI, CC='ZIG cc' LDSHARED='ZIG cc "
         "-shared' with ZIG the `zig` binary in the ziglang package's directory (what `make venv` does)")
+
+
+_CHAR = ctypes.c_char
+_address = ctypes.addressof
+
+
+def ptr(a: npt.NDArray[Any]) -> int:
+    """The address of ``a``'s first element (``a`` contiguous): through ctypes' buffer view, 0.45 µs
+    against 1.7 µs for ``__array_interface__``, which builds a dict per call (a decision passes a few
+    arrays); a read-only array (no writable buffer to view) takes the slower way."""
+    try:
+        return _address(_CHAR.from_buffer(a))  # type: ignore[arg-type]  # ndarray is a buffer
+    except (TypeError, ValueError):
+        return int(a.__array_interface__["data"][0])

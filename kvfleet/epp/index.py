@@ -194,8 +194,10 @@ class BlockIndex:
             return
         with self._lock:
             slot = self._acquire(pod)
-            absent = self._table.count_absent(k, slot)
-            t = self._reserve(absent) if absent else self._table
+            t = self._table
+            if t.live + t.deleted + len(k) > t.capacity * MAX_LOAD:  # only then may the keys lacking not fit
+                absent = t.count_absent(k, slot)
+                t = self._reserve(absent) if absent else t
             inserted, gained = t.add(k, slot, 1 << tier.rank)
             self._count[slot] += inserted
             if tier is Tier.GPU:

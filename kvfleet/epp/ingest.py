@@ -18,9 +18,13 @@ event cannot be keyed and counts as an orphan.
 
 Once a pod has shown that it hashes like the picker, its hashes *are* the keys the recomputation would give
 (equal, or the salted case below), so later stores are indexed from the engine's hashes without hashing
-their tokens again: only what decides the outcome is checked per event (block size and token count, hashes
-and a parent the picker's algorithm can chain from; anything else is recomputed as before). That is what
-keeps ingestion up with a flood: an engine that demotes publishes one ``BlockStored`` per block.
+their tokens again: only what decides the outcome is checked per event (block size and token count, and
+hashes and a parent of a form the pod's hashes take; anything else is recomputed as before). That is what
+keeps ingestion up with a flood: an engine that demotes publishes one ``BlockStored`` per block, a decoding
+request one per filled block. The forms: ints for ``xxh3_64``; for ``sha256_cbor`` the 32-byte hashes or
+their 64-bit ints, which vLLM publishes by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``): such a pod's
+int is its block's key, and no child needs the full hash, since a child is keyed by its own int too (the
+recomputation could not even chain from a parent it never saw: that child was an orphan).
 
 Events carry no extra keys, so a block whose hash mixed in a cache salt, a LoRA
 or multimodal key cannot be recomputed. Once a pod has shown that it hashes like
@@ -64,6 +68,7 @@ from kvfleet.cache.events import (
     BlockStored,
     KVCacheEvent,
     KVEventBatch,
+    scan_batch,
 )
 from kvfleet.cache.hashing import BlockHash, BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
@@ -71,6 +76,16 @@ from kvfleet.epp.index import BlockIndex
 
 log = logging.getLogger(__name__)
 _MASK = (1 << 64) - 1
+#: :meth:`PodEventApplier.apply_payload` indexes the stores it holds at this many keys at the latest
+HOLD_KEYS = 1 << 16
+#: the tier of each known ``medium`` spelling seen (bounded: a pod may spell them in many ways)
+_MEDIUMS: dict[str | None, Tier] = {}
+_MAX_MEDIUMS = 64
+
+
+def _int_or_32(h: object) -> bool:
+    """An int hash (vLLM's 64-bit form) or a 32-byte one (``sha256_cbor``'s own)."""
+    return isinstance(h, int) or (isinstance(h, bytes) and len(h) == 32)
 
 
 def _engine_keys(hashes: list[int | bytes]) -> npt.NDArray[np.uint64] | list[int]:
@@ -116,6 +131,11 @@ class PodEventApplier:
         self._engine_to_key: OrderedDict[int, tuple[int, BlockHash]] = OrderedDict()
         #: None until known: does this pod hash like the picker (same algorithm, block size, seed)?
         self.hashes_like_us: bool | None = None
+        #: stores of :meth:`apply_payload` not indexed yet (:meth:`flush`): their keys, tier and counts
+        self._held: list[npt.NDArray[np.uint64]] = []
+        self._held_tier = Tier.GPU
+        self._held_events = 0
+        self._held_keys = 0
         self._last_log = 0.0
 
     def __len__(self) -> int:
@@ -124,6 +144,7 @@ class PodEventApplier:
 
     def reset(self, picks: bool = True) -> None:
         """Forget the pod's blocks (before a full resync), and with ``picks`` the picker's picks on it."""
+        self._held, self._held_events, self._held_keys = [], 0, 0
         self.index.clear_pod(self.pod, picks)
         self._engine_to_key.clear()
 
@@ -136,7 +157,7 @@ class PodEventApplier:
         (``recompute_keys`` off, or a pod that hashes like the picker: a store is then order-free), is
         applied as one index operation. If that fails, the run's events are applied one by one, so a bad
         one is still isolated (re-applying a store or a removal is idempotent)."""
-        failed = 0
+        failed = self.flush()
         events = batch.events
         i = 0
         while i < len(events):
@@ -159,6 +180,72 @@ class PodEventApplier:
                 failed += self._apply_one(one)
             i = j
         return failed
+
+    def apply_payload(self, payload: bytes) -> tuple[float, int] | None:
+        """Apply the batch in ``payload`` straight from its bytes when it is in vLLM's layout with every event
+        valid (:func:`~kvfleet.cache.events.scan_batch`) and its stores may be indexed by their hashes: what
+        :meth:`apply` would do with it, run by run, without decoding events into objects (an engine step's
+        batch of one-block events costs a few µs instead of tens). Returns (the batch's ``ts``, events that
+        failed), or ``None`` with nothing applied: the caller then decodes the batch
+        (:func:`~kvfleet.cache.events.decode_batch_lenient`) and calls :meth:`apply`.
+
+        Stores into one tier are held and indexed as one operation with the stores of the batches that
+        follow (an engine publishes a batch per step): until another kind of event, another tier,
+        :data:`HOLD_KEYS` keys, or :meth:`flush`, which the subscriber calls after each read of a socket."""
+        if not self._keys_are_hashes:
+            return None
+        scan = scan_batch(payload, self.hasher.block_size, self.hasher.algo == "sha256_cbor")
+        if scan is None:
+            return None
+        runs = scan.runs
+        if self.recompute_keys and not all(r.hash_keys for r in runs):
+            return None  # a store whose keys must be recomputed: apply() decodes it
+        failed = 0
+        for run in runs:
+            if run.kind is BlockStored:
+                tier = self._tier(run.medium, run.events)
+                if not len(run.keys):
+                    continue
+                if self._held and tier is not self._held_tier:
+                    failed += self.flush()
+                self._held.append(run.keys)
+                self._held_tier = tier
+                self._held_events += run.events
+                self._held_keys += len(run.keys)
+                if self._held_keys >= HOLD_KEYS:
+                    failed += self.flush()
+                continue
+            failed += self.flush()
+            try:
+                if run.kind is BlockRemoved:
+                    self._remove_engine(run.keys, self._tier(run.medium, run.events))
+                else:
+                    self.stats.cleared += 1
+                    self.reset()
+            except Exception as exc:  # as apply(): the run's events count as failed, a lost removal clears
+                failed += self._failed(run.events, run.kind.__name__, exc)
+                self.reset()
+        return scan.ts, failed
+
+    def flush(self) -> int:
+        """Index the stores :meth:`apply_payload` holds; returns how many events failed (counted in
+        ``stats.rejected`` too)."""
+        if not self._held:
+            return 0
+        held, events, tier = self._held, self._held_events, self._held_tier
+        self._held, self._held_events, self._held_keys = [], 0, 0
+        keys = held[0] if len(held) == 1 else np.concatenate(held)
+        try:
+            self.index.add(self.pod, keys, tier)
+        except Exception as exc:  # as apply(): the stores count as failed (they are not indexed)
+            return self._failed(events, "BlockStored", exc)
+        self.stats.stored += len(keys)
+        return 0
+
+    def _failed(self, events: int, kind: str, exc: Exception) -> int:
+        self.stats.rejected += events
+        self._log(f"pod {self.pod}: {events} KV event(s) {kind} dropped: {exc}")
+        return events
 
     def _run_end(self, events: list[AnyEvent], i: int) -> int:
         """End of the run of events from ``i`` that :meth:`apply` may merge into one index operation."""
@@ -186,15 +273,18 @@ class PodEventApplier:
 
     def _hash_is_key(self, ev: BlockStored) -> bool:
         """For a pod that hashes like the picker: whether ``ev``'s hashes are the keys the recomputation
-        would give (what :meth:`_stored` would otherwise find out by hashing its tokens)."""
-        n, bs, chain = len(ev.block_hashes), self.hasher.block_size, self._chain_value
+        would give (what :meth:`_stored` would otherwise find out by hashing its tokens): its block size and
+        token count, and hashes and parent of a form the pod's hashes take (ints; for ``sha256_cbor`` also
+        32-byte hashes, see the module doc)."""
+        n, bs = len(ev.block_hashes), self.hasher.block_size
         if ev.block_size != bs or len(ev.token_ids) < n * bs:
             return False
-        if ev.parent_block_hash is not None and chain(ev.parent_block_hash) is None:
-            return False
-        if self.hasher.algo != "sha256_cbor":  # any int chains (:meth:`_chain_value`): the check in C
-            return all(map(isinstance, ev.block_hashes, repeat(int)))
-        return all(chain(h) is not None for h in ev.block_hashes)
+        if self.hasher.algo != "sha256_cbor":  # ints only (any int chains: :meth:`_chain_value`)
+            parent = ev.parent_block_hash
+            return (parent is None or isinstance(parent, int)) and all(
+                map(isinstance, ev.block_hashes, repeat(int)))
+        return (ev.parent_block_hash is None or _int_or_32(ev.parent_block_hash)) and all(
+            map(_int_or_32, ev.block_hashes))
 
     def _store_run(self, stores: list[BlockStored]) -> int:
         """A run of stores into one medium as one index operation; events whose hashes cannot stand for
@@ -235,8 +325,14 @@ class PodEventApplier:
             log.warning("%s", msg)
 
     def _tier(self, medium: str | None, events: int = 1) -> Tier:
+        tier = _MEDIUMS.get(medium)
+        if tier is not None:
+            return tier
         try:
-            return Tier.from_medium(medium)
+            tier = Tier.from_medium(medium)
+            if len(_MEDIUMS) < _MAX_MEDIUMS:
+                _MEDIUMS[medium] = tier
+            return tier
         except ValueError:
             self.stats.unknown_medium += events
             self._log(
@@ -321,14 +417,17 @@ class PodEventApplier:
         self.stats.stored += n
 
     def _removed(self, ev: BlockRemoved, tier: Tier | None = None) -> None:
-        if tier is None:
-            tier = self._tier(ev.medium)
-        if not self.recompute_keys:
-            self.index.remove(self.pod, _engine_keys(ev.block_hashes), tier)
-            self.stats.removed += len(ev.block_hashes)
-            return
-        engine = [to_int64(h) for h in ev.block_hashes]
+        self._remove_engine(_engine_keys(ev.block_hashes), self._tier(ev.medium) if tier is None else tier)
+
+    def _remove_engine(self, hashes: npt.NDArray[np.uint64] | list[int], tier: Tier) -> None:
+        """Blocks of these engine hashes (their 64-bit form) left ``tier``: their keys are the hashes but
+        where the engine-hash map says otherwise (its entries go once their block has left every tier)."""
         m = self._engine_to_key
+        if not self.recompute_keys or not m:
+            self.index.remove(self.pod, hashes, tier)
+            self.stats.removed += len(hashes)
+            return
+        engine: list[int] = hashes.tolist() if isinstance(hashes, np.ndarray) else hashes
         keys = [m[e][0] if e in m else e for e in engine]
         self.index.remove(self.pod, keys, tier)
         self.stats.removed += len(keys)

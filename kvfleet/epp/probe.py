@@ -8,12 +8,12 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from kvfleet.cache.compiled import load
+from kvfleet.cache.compiled import load, ptr
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -31,20 +31,6 @@ lib.kv_remove.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _INT, _INT, _INT
 lib.kv_remove.restype = None
 lib.kv_match.argtypes = [_P, _P, _P, _P, _I64, _INT, _P, _I64, _P, _I64, _P, _INT, _I64, _P, _P, _P]
 lib.kv_match.restype = None
-
-
-_CHAR = ctypes.c_char
-_address = ctypes.addressof
-
-
-def ptr(a: npt.NDArray[Any]) -> int:
-    """The address of ``a``'s first element (``a`` contiguous): through ctypes' buffer view, 0.45 µs
-    against 1.7 µs for ``__array_interface__``, which builds a dict per call (a decision passes a few
-    arrays); a read-only array (no writable buffer to view) takes the slower way."""
-    try:
-        return _address(_CHAR.from_buffer(a))  # type: ignore[arg-type]  # ndarray is a buffer
-    except (TypeError, ValueError):
-        return int(a.__array_interface__["data"][0])
 
 
 class Table(NamedTuple):

@@ -36,7 +36,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvfleet.epp.probe import lib, ptr
+from kvfleet.cache.compiled import ptr
+from kvfleet.epp.probe import lib
 from kvfleet.epp.speculative import grid, spec_position_index, spec_positions
 from kvfleet.epp.table import as_u64
 

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvfleet.epp.probe import lib, ptr
+from kvfleet.cache.compiled import ptr
+from kvfleet.epp.probe import lib
 
 #: Speculative entries are kept for every block below SPEC_DENSE, then every SPEC_STRIDE-th block up to
 #: SPEC_FAR blocks, then on a grid whose spacing grows with the position (``p → p + p // SPEC_RESOLUTION``:

@@ -248,6 +248,13 @@ class EventSubscriber:
         return max(1, int(wait * 1000))
 
     def _read(self, feed: _Feed, sock: zmq.Socket[bytes], kind: str) -> None:
+        try:
+            self._read_burst(feed, sock, kind)
+        finally:
+            if kind != "monitor":  # the stores the burst's batches left held, indexed at once
+                feed.stats.rejected += feed.applier.flush()
+
+    def _read_burst(self, feed: _Feed, sock: zmq.Socket[bytes], kind: str) -> None:
         for _ in range(self.burst):
             if self._owners.get(sock, (None, ""))[0] is not feed:
                 return  # closed or replaced by what the last message caused
@@ -307,23 +314,27 @@ class EventSubscriber:
             self._reject(feed, "size", f"batch {seq} of {len(payload)} bytes (cap {self.max_batch_bytes})")
             self._unsafe(feed)
             return
-        try:
-            decoded = decode_batch_lenient(payload)
-        except EventDecodeError as exc:
-            self._reject(feed, "decode", f"batch {seq}: {exc}")
-            self._unsafe(feed)
-            return
-        for reason in decoded.refused:
-            self._reject(feed, "event", f"batch {seq}: {reason}")
-        batch = decoded.batch
-        if decoded.reset_at is not None:
-            self._unsafe(feed)
-            batch = KVEventBatch(ts=batch.ts, events=batch.events[decoded.reset_at :],
-                                 data_parallel_rank=batch.data_parallel_rank)
-        st.rejected += feed.applier.apply(batch)
+        done = feed.applier.apply_payload(payload)  # vLLM's layout, every event valid: from the bytes
+        if done is None:
+            try:
+                decoded = decode_batch_lenient(payload)
+            except EventDecodeError as exc:
+                self._reject(feed, "decode", f"batch {seq}: {exc}")
+                self._unsafe(feed)
+                return
+            for reason in decoded.refused:
+                self._reject(feed, "event", f"batch {seq}: {reason}")
+            batch = decoded.batch
+            if decoded.reset_at is not None:
+                self._unsafe(feed)
+                batch = KVEventBatch(ts=batch.ts, events=batch.events[decoded.reset_at :],
+                                     data_parallel_rank=batch.data_parallel_rank)
+            done = batch.ts, feed.applier.apply(batch)
+        ts, failed = done
+        st.rejected += failed
         st.batches += 1
-        if not replayed and math.isfinite(batch.ts):  # a pod's timestamp is its word: inf/NaN say nothing
-            st.lag_s = time.time() - batch.ts
+        if not replayed and math.isfinite(ts):  # a pod's timestamp is its word: inf/NaN say nothing
+            st.lag_s = time.time() - ts
         if self.on_batch is not None:
             try:
                 self.on_batch(feed.pod)

@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 
-from kvfleet.cache.events import AllBlocksCleared, BlockStored, KVEventBatch, decode_batch, removed, stored
+from kvfleet.cache.events import (
+    AllBlocksCleared,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    removed,
+    stored,
+)
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
 from kvfleet.epp.index import BlockIndex
@@ -321,15 +329,18 @@ class TestHashesAsKeys:
         assert ap.stats.orphans == 2 and idx.pod_tiers("p", 13) == {Tier.CPU}
         assert idx.pod_tiers("p", 11) == set() and idx.pod_tiers("p", 12) == set()
 
+    @pytest.mark.parametrize("algo", ["xxh3_64", "sha256_cbor"])
     @pytest.mark.parametrize("seed", range(4))
-    def test_same_index_as_recomputing_every_event(self, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_same_index_as_recomputing_every_event(self, seed: int, algo: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
         """Random demotions, evictions, salted blocks (a hash the recomputation does not give) with children,
         other block sizes, unknown mediums: applied with and without the shortcut, the index and the counters
-        end the same (the engine-hash map may differ: it then holds identities the shortcut does without)."""
+        end the same (the engine-hash map may differ: it then holds identities the shortcut does without).
+        For ``sha256_cbor`` the events carry the hashes' 64-bit ints, as vLLM publishes them by default."""
         import random
 
         rng = random.Random(seed)
-        h = BlockHasher(4)
+        h = BlockHasher(4, algo)
         events: list[Any] = []
         every: list[int] = []
         for r in range(30):
@@ -348,18 +359,181 @@ class TestHashesAsKeys:
             events += evs
         batches = [events[i : i + 17] for i in range(0, len(events), 17)]
 
-        def run(shortcut: bool) -> tuple[PodEventApplier, BlockIndex]:
+        hashed: list[int] = []
+        real = BlockHasher.hash_tokens
+
+        def counted(self: BlockHasher, toks: Any, **kw: Any) -> Any:
+            hashed.append(len(toks))
+            return real(self, toks, **kw)
+
+        def run(shortcut: bool) -> tuple[PodEventApplier, BlockIndex, int]:
             idx = BlockIndex()
             ap = PodEventApplier("p", idx, h, recompute_keys=True)
+            hashed.clear()
+            monkeypatch.setattr(BlockHasher, "hash_tokens", counted)
             if not shortcut:
                 monkeypatch.setattr(ap, "_hash_is_key", lambda ev: False)
                 monkeypatch.setattr(PodEventApplier, "_keys_are_hashes", property(lambda self: False))
             for b in batches:
                 assert ap.apply(KVEventBatch(ts=0.0, events=b)) == 0
             monkeypatch.undo()
-            return ap, idx
+            return ap, idx, len(hashed)
 
-        fast, fast_idx = run(True)
-        slow, slow_idx = run(False)
+        fast, fast_idx, fast_hashed = run(True)
+        slow, slow_idx, slow_hashed = run(False)
+        assert fast_hashed < slow_hashed / 5, (fast_hashed, slow_hashed)  # the shortcut took most events
         assert fast.stats == slow.stats and fast.stats.stored > 100
         assert [fast_idx.pod_tiers("p", k) for k in every] == [slow_idx.pod_tiers("p", k) for k in every]
+
+
+class TestFromBytes:
+    """``apply_payload``: a batch in vLLM's layout applied from its bytes (the compiled scan), stores held
+    across the batches of one read: the index and the counters end as decoding every batch and applying
+    its events would leave them."""
+
+    @staticmethod
+    def workload(seed: int, h: BlockHasher) -> tuple[list[bytes], list[int]]:
+        """Encoded batches of demotions, evictions, salted blocks, other block sizes, unknown mediums,
+        clears, and one-block decode steps (17 events a batch)."""
+        import random
+
+        rng = random.Random(seed)
+        events: list[Any] = []
+        every: list[int] = []
+        for r in range(40):
+            evs, keys = TestHashesAsKeys.demotions(h, rng.randint(1, 6), 10_000 * r)
+            every += keys
+            kind = rng.random()
+            if kind < 0.15:  # a salted request: its own hashes, chained
+                salted = [rng.getrandbits(63) for _ in keys]
+                every += salted
+                evs = [stored(salted, None, list(range(4 * len(keys))), 4, "GPU")]
+                evs += [stored([s], salted[i - 1] if i else None, [9, 9, 9, 9], 4,
+                               rng.choice(["CPU", "TAPE"])) for i, s in enumerate(salted)]
+            elif kind < 0.25:
+                evs.append(stored([keys[0]], None, list(range(8)), 8, "CPU"))
+            elif kind < 0.28:
+                evs.append(AllBlocksCleared())
+            elif kind < 0.5:  # decode steps: one block per event, chained from the prompt's last
+                toks = list(range(5_000_000 + 100 * r, 5_000_000 + 100 * r + 4 * rng.randint(1, 8)))
+                more = hashes_as_ints(h.hash_tokens(toks, parent=keys[-1]))
+                every += more
+                evs += [stored([k], (more[i - 1] if i else keys[-1]), toks[4 * i : 4 * i + 4], 4, "GPU")
+                        for i, k in enumerate(more)]
+            evs += [removed([k], rng.choice(["GPU", "CPU"])) for k in keys if rng.random() < 0.3]
+            events += evs
+        batches = [encode_batch(KVEventBatch(ts=float(i), events=events[i : i + 17]))
+                   for i in range(0, len(events), 17)]
+        return batches, every
+
+    @pytest.mark.parametrize("recompute", [False, True])
+    @pytest.mark.parametrize("seed", range(3))
+    def test_same_index_as_decoding_every_batch(self, seed: int, recompute: bool) -> None:
+        h = BlockHasher(4)
+        batches, every = self.workload(seed, h)
+        slow_idx = BlockIndex()
+        slow = PodEventApplier("p", slow_idx, h, recompute_keys=recompute)
+        for payload in batches:
+            assert slow.apply(decode_batch(payload)) == 0
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, h, recompute_keys=recompute)
+        from_bytes = 0
+        for i, payload in enumerate(batches):
+            done = ap.apply_payload(payload)
+            from_bytes += done is not None
+            if done is None:
+                assert ap.apply(decode_batch(payload)) == 0
+            else:
+                assert done == (float(17 * i), 0)
+            if i % 5 == 4:  # the subscriber flushes after each read of a socket
+                ap.flush()
+        ap.flush()
+        assert from_bytes > len(batches) // 2, from_bytes
+        assert ap.stats == slow.stats and ap.stats.stored > 100
+        assert [idx.pod_tiers("p", k) for k in every] == [slow_idx.pod_tiers("p", k) for k in every]
+
+    def test_the_stores_of_a_read_are_one_index_operation(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Ten step batches of 16 one-block stores: held, then one add of 160 keys; a removal between two
+        batches flushes the stores before it (the order of a pod's events stands)."""
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(16))
+        adds: list[int] = []
+        real = idx.add
+
+        def add(pod: str, k: Any, tier: Tier = Tier.GPU) -> None:
+            adds.append(len(k))
+            real(pod, k, tier)
+
+        monkeypatch.setattr(idx, "add", add)
+        step: list[list[Any]] = [[stored([100 * b + i], None, list(range(16)), 16, "GPU") for i in range(16)]
+                for b in range(10)]
+        for events in step:
+            assert ap.apply_payload(encode_batch(KVEventBatch(ts=0.0, events=events))) == (0.0, 0)
+        assert adds == [] and idx.num_pod_keys("p") == 0
+        assert ap.flush() == 0 and adds == [160] and ap.stats.stored == 160
+        ap.apply_payload(encode_batch(KVEventBatch(ts=0.0, events=[stored([7], None, [0] * 16, 16, "GPU")])))
+        ap.apply_payload(encode_batch(KVEventBatch(ts=0.0, events=[removed([7], "GPU")])))
+        ap.flush()
+        assert adds == [160, 1] and idx.pod_tiers("p", 7) == set()
+
+    def test_hash_keys_is_the_appliers_rule(self) -> None:
+        """The scan's per-run ``hash_keys`` is what :meth:`PodEventApplier._hash_is_key` says of every store
+        in the run, for both chains (xxh3 ints, sha256_cbor 32-byte bytes)."""
+        import random
+
+        from kvfleet.cache.events import scan_batch
+
+        rng = random.Random(9)
+        for algo in ("xxh3_64", "sha256_cbor"):
+            ap = PodEventApplier("p", BlockIndex(), BlockHasher(4, algo=algo), recompute_keys=True)
+            for _ in range(300):
+                n = rng.randint(1, 3)
+                hashes: list[Any] = [rng.choice([rng.getrandbits(64), bytes(32), b"\x01" * 8])
+                                     for _ in range(n)]
+                parent = rng.choice([None, rng.getrandbits(64), bytes(32)])
+                ev = stored(hashes, parent, list(range(rng.choice([4 * n - 1, 4 * n, 4 * n + 3]))),
+                            rng.choice([4, 8]), "GPU")
+                scan = scan_batch(encode_batch(KVEventBatch(ts=0.0, events=[ev])), 4, algo == "sha256_cbor")
+                assert scan is not None
+                assert scan.runs[0].hash_keys == ap._hash_is_key(ev), ev
+
+    def test_the_subscriber_reads_vllm_batches_from_their_bytes(self,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+        """Over real ZMQ sockets: step batches in vLLM's layout never reach the decoder; a batch in another
+        layout (SGLang's event arrays) still does, and is indexed."""
+        import msgspec
+
+        from kvfleet.epp import subscriber as subscriber_mod
+        from kvfleet.epp.subscriber import EventSubscriber
+        from tests.conftest import wait_for
+        from tests.epp.pods import KVEventPublisher
+
+        decoded: list[int] = []
+        real = subscriber_mod.decode_batch_lenient  # type: ignore[attr-defined]
+
+        def counted(payload: bytes) -> Any:
+            decoded.append(len(payload))
+            return real(payload)
+
+        monkeypatch.setattr(subscriber_mod, "decode_batch_lenient", counted)
+        pub = KVEventPublisher()
+        sub = EventSubscriber(replay_timeout_s=1.0)
+        sub.start()
+        idx = BlockIndex()
+        try:
+            sub.add_pod("p", pub.endpoint, pub.replay_endpoint, PodEventApplier("p", idx, BlockHasher(16)))
+            for b in range(20):
+                steps: list[Any] = [stored([1000 * b + i], None, list(range(16)), 16, "GPU")
+                                    for i in range(16)]
+                pub.publish(KVEventBatch(ts=0.0, events=steps))
+            wait_for(lambda: idx.num_pod_keys("p") == 320, "the step batches indexed", timeout_s=10)
+            assert decoded == []
+            event = ["BlockStored", [99_999], None, list(range(16)), 16, None, "CPU"]
+            sglang = msgspec.msgpack.encode([0.0, [event]])
+            pub.publish_raw(sglang)
+            wait_for(lambda: idx.pod_tiers("p", 99_999) == {Tier.CPU}, "the SGLang-layout batch indexed",
+                     timeout_s=10)
+            assert decoded == [len(sglang)]
+        finally:
+            sub.stop()
+            pub.close()

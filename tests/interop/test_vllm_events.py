@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from kvfleet.cache.events import DecodedBatch
 from kvfleet.cache.hashing import BlockHasher
+from kvfleet.epp import subscriber as subscriber_mod
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.subscriber import EventSubscriber
 from tests.conftest import wait_for
@@ -41,8 +45,25 @@ class VllmPublisher(Driver):
 
 def test_real_publisher_turns_decode_and_eviction(
     algo: str, ports: tuple[int, int], subscriber: EventSubscriber, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    idx, hasher = BlockIndex(), BlockHasher(BS, algo)
+    """... and once the pod has shown it hashes like the picker (``sha256_cbor``, vLLM publishing its
+    hashes' 64-bit ints), vLLM's batches are applied from their bytes (the compiled scan): none of the later
+    turn's, decode's or eviction's reach the decoder; a pod hashing otherwise (vLLM's ``sha256`` for an
+    ``xxh3_64`` pool) has its keys recomputed from every batch's events."""
+    through_decoder: list[int] = []
+    real = subscriber_mod.decode_batch_lenient  # type: ignore[attr-defined]
+
+    def counted(payload: bytes) -> DecodedBatch:
+        through_decoder.append(len(payload))
+        return real(payload)
+
+    monkeypatch.setattr(subscriber_mod, "decode_batch_lenient", counted)
+    # vLLM seeds its root hash with PYTHONHASHSEED (0 in the drivers' environment; unset, "vllm-none-hash",
+    # the picker's default hash_seed): with the same seed the sha256_cbor pod hashes like the picker, as in a
+    # cluster
+    idx = BlockIndex()
+    hasher = BlockHasher(BS, algo, seed="0") if algo == "sha256_cbor" else BlockHasher(BS, algo)
     pub = VllmPublisher(algo, ports, tmp_path)
     try:
         join(subscriber, idx, hasher, ports, POD)
@@ -50,6 +71,7 @@ def test_real_publisher_turns_decode_and_eviction(
         # ZMQ's slow joiner: the first batches may go before the SUB is connected; the replay fills them in
         assert pub.cmd(op="store", tokens=first)["blocks"] == 4
         wait_for(lambda: held(idx, hasher, first, POD) == 4, "the first turn's 4 blocks")
+        through_decoder.clear()
         follow = first[:4 * BS] + tokens(2, 3 * BS)  # the next turn: 3 new blocks chained on the first 4
         assert pub.cmd(op="store", tokens=follow, cached=4 * BS)["blocks"] == 3
         wait_for(lambda: held(idx, hasher, follow, POD) == 7, "the follow-up turn chained on its parent")
@@ -62,6 +84,8 @@ def test_real_publisher_turns_decode_and_eviction(
         assert held(idx, hasher, decoded, POD) == 6 and held(idx, hasher, first, POD) == 4
         stats = subscriber.stats[POD]
         assert stats.resyncs == 0 and stats.restarts == 0, stats
+        from_bytes = through_decoder == [] if algo == "sha256_cbor" else len(through_decoder) >= 3
+        assert stats.batches >= 4 and from_bytes, through_decoder
     finally:
         pub.close()
 

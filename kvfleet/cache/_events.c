@@ -337,17 +337,17 @@ static int kv_event(kv_rd *r, int64_t block_size, int chain_bytes, uint64_t *key
     return 1;
 }
 
-/* The batch in `buf` (`len` bytes). `out` holds the result: out[0] the batch's timestamp (a double's bits),
- * from out[1] `ops_cap` operations of KV_OP_WORDS words (see the top of this file), then `keys_cap` keys.
- * Returns the number of operations, or -1 when declined. */
-int64_t kv_scan_batch(const uint8_t *buf, int64_t len, int64_t block_size, int32_t chain_bytes, uint64_t *out,
-                      int64_t ops_cap, int64_t keys_cap) {
+/* The batch in `buf` (`len` bytes). `ops` holds the result: ops[0] the batch's timestamp (a double's bits),
+ * from ops[1] at most `ops_cap` operations of KV_OP_WORDS words (see the top of this file); the keys go to
+ * `keys` (at most `keys_cap`; an operation's first key counts from `keys`). Returns the number of
+ * operations, or -1 when declined. */
+int64_t kv_scan_batch(const uint8_t *buf, int64_t len, int64_t block_size, int32_t chain_bytes, uint64_t *ops,
+                      int64_t ops_cap, uint64_t *keys, int64_t keys_cap) {
     kv_rd r = {buf, buf + len};
     uint64_t parts, n_events, v;
     int neg;
     double ts;
-    uint64_t *ops = out + 1;
-    uint64_t *keys = ops + ops_cap * KV_OP_WORDS;
+    uint64_t *out = ops++;
     if (len <= 0 || kv_array(&r, &parts) != 1 || parts < 2 || parts > 3) return -1;
     /* ts: a float, or an int (msgspec reads an int into a float field) */
     if (!kv_need(&r, 1)) return -1;

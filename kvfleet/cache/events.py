@@ -214,7 +214,7 @@ def _event(raw: Any) -> AnyEvent:
 
 _lib = load(Path(__file__).parent, "_events", "KV-event scanner")
 _lib.kv_scan_batch.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
-                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
 _lib.kv_scan_batch.restype = ctypes.c_int64
 #: words per run in ``kv_scan_batch``'s output
 _OP_WORDS = 7
@@ -222,6 +222,65 @@ _OP_WORDS = 7
 _MIN_EVENT_BYTES = 16
 _KINDS: tuple[type[AnyEvent], ...] = (BlockStored, BlockRemoved, AllBlocksCleared)
 _U64, _F64 = struct.Struct("<Q"), struct.Struct("<d")
+
+
+#: a :class:`BatchScanner`'s lasting buffers: keys (a batch's hashes and those its caller keeps in front of
+#: them) and runs; a batch that needs more gets buffers of its own (:meth:`BatchScanner.fits`)
+SCAN_KEYS = 1 << 16
+SCAN_RUNS = 1 << 12
+#: the kinds of :attr:`ScannedRun.kind` as :meth:`BatchScanner.scan` numbers them
+STORED, REMOVED, CLEARED = 0, 1, 2
+
+#: a run as :meth:`BatchScanner.scan` gives it: (kind: :data:`STORED`, :data:`REMOVED` or :data:`CLEARED`,
+#: medium, first key in the scanner's ``keys``, key count, events, hash_keys as 0/1; see :class:`ScannedRun`)
+RawRun = tuple[int, str | None, int, int, int, int]
+
+
+class BatchScanner:
+    """:func:`scan_batch` with buffers kept from one batch to the next (one per pod: not thread-safe).
+
+    A batch's keys are written to :attr:`keys` from the offset the caller gives, so a caller can keep the
+    keys of earlier batches in front of them (the EPP holds a pod's stores until a read of its socket ends
+    and indexes them in one operation). Its lasting buffers are ``SCAN_KEYS`` keys and ``SCAN_RUNS`` runs
+    (0.7 MB of address space; the pages written stay resident); a batch that needs more is scanned by a
+    scanner of its own size (:meth:`fits`)."""
+
+    def __init__(self, block_size: int, chain_bytes: bool, keys: int = SCAN_KEYS,
+                 runs: int = SCAN_RUNS) -> None:
+        self.block_size = block_size
+        self.chain_bytes = chain_bytes
+        self.keys = np.empty(max(1, keys), dtype=np.uint64)
+        self._runs_cap = max(1, runs)
+        self._ops = np.empty(1 + self._runs_cap * _OP_WORDS, dtype=np.uint64)
+        self._keys_at, self._ops_at = ptr(self.keys), ptr(self._ops)
+
+    @classmethod
+    def sized(cls, block_size: int, chain_bytes: bool, payload_bytes: int) -> BatchScanner:
+        """A scanner whose buffers fit a payload of this size (every hash takes a byte at least, every event
+        more than ``_MIN_EVENT_BYTES``)."""
+        return cls(block_size, chain_bytes, payload_bytes, payload_bytes // _MIN_EVENT_BYTES + 1)
+
+    def fits(self, payload_bytes: int, at: int = 0) -> bool:
+        """Whether a payload of this size is sure to fit the buffers with its keys written from ``at``."""
+        return at + payload_bytes <= len(self.keys) and payload_bytes // _MIN_EVENT_BYTES < self._runs_cap
+
+    def scan(self, payload: bytes, at: int = 0) -> tuple[float, list[RawRun]] | None:
+        """The batch's timestamp and runs (:data:`RawRun`), its keys in ``keys[first : first + count]``
+        written from ``at``; ``None`` as :func:`scan_batch` (or when the buffers are too small)."""
+        n = len(payload)
+        if n == 0 or at < 0 or at >= len(self.keys):
+            return None
+        got = _lib.kv_scan_batch(payload, n, self.block_size, self.chain_bytes, self._ops_at, self._runs_cap,
+                                 self._keys_at + 8 * at, len(self.keys) - at)
+        if got < 0:
+            return None
+        head = self._ops[: 1 + got * _OP_WORDS].tolist()
+        runs: list[RawRun] = []
+        for i in range(1, len(head), _OP_WORDS):
+            kind, off, mlen, first, count, events, hash_keys = head[i : i + _OP_WORDS]
+            runs.append((kind, payload[off - 1 : off - 1 + mlen].decode() if off else None, at + first, count,
+                         events, hash_keys))
+        return _F64.unpack(_U64.pack(head[0]))[0], runs
 
 
 class ScannedRun(NamedTuple):
@@ -249,24 +308,15 @@ def scan_batch(payload: bytes, block_size: int, chain_bytes: bool) -> ScannedBat
     field present and valid, unknown fields skipped) read in one compiled pass into runs of keys; ``None``
     for anything else (another layout, an invalid or incomplete event, trailing bytes...), which
     :func:`decode_batch_lenient` reads. ``block_size`` and ``chain_bytes`` only decide
-    :attr:`ScannedRun.hash_keys`."""
-    n = len(payload)
-    if n == 0:
+    :attr:`ScannedRun.hash_keys`. (:class:`BatchScanner` keeps its buffers from one batch to the next.)"""
+    scanner = BatchScanner.sized(block_size, chain_bytes, len(payload))
+    scan = scanner.scan(payload)
+    if scan is None:
         return None
-    ops_cap = n // _MIN_EVENT_BYTES + 1
-    k0 = 1 + ops_cap * _OP_WORDS
-    # one buffer: the timestamp's bits, the runs, then the keys (every hash takes a byte at least)
-    out = np.empty(k0 + n, dtype=np.uint64)
-    got = _lib.kv_scan_batch(payload, n, block_size, chain_bytes, ptr(out), ops_cap, n)
-    if got < 0:
-        return None
-    head = out[: 1 + got * _OP_WORDS].tolist()
-    runs = []
-    for i in range(1, len(head), _OP_WORDS):
-        kind, off, mlen, first, count, events, hash_keys = head[i : i + _OP_WORDS]
-        runs.append(ScannedRun(_KINDS[kind], payload[off - 1 : off - 1 + mlen].decode() if off else None,
-                               out[k0 + first : k0 + first + count], events, hash_keys == 1))
-    return ScannedBatch(_F64.unpack(_U64.pack(head[0]))[0], runs)
+    ts, runs = scan
+    return ScannedBatch(ts, [ScannedRun(_KINDS[kind], medium, scanner.keys[first : first + count], events,
+                                        hash_keys == 1)
+                             for kind, medium, first, count, events, hash_keys in runs])
 
 
 EventSink = Callable[[AnyEvent], None]

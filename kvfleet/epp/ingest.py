@@ -62,13 +62,15 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfleet.cache.events import (
+    REMOVED,
+    STORED,
     AllBlocksCleared,
     AnyEvent,
+    BatchScanner,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
     KVEventBatch,
-    scan_batch,
 )
 from kvfleet.cache.hashing import BlockHash, BlockHasher, hashes_as_ints, to_int64
 from kvfleet.cache.tiers import Tier
@@ -77,7 +79,7 @@ from kvfleet.epp.index import BlockIndex
 log = logging.getLogger(__name__)
 _MASK = (1 << 64) - 1
 #: :meth:`PodEventApplier.apply_payload` indexes the stores it holds at this many keys at the latest
-HOLD_KEYS = 1 << 16
+HOLD_KEYS = 1 << 14
 #: the tier of each known ``medium`` spelling seen (bounded: a pod may spell them in many ways)
 _MEDIUMS: dict[str | None, Tier] = {}
 _MAX_MEDIUMS = 64
@@ -131,11 +133,12 @@ class PodEventApplier:
         self._engine_to_key: OrderedDict[int, tuple[int, BlockHash]] = OrderedDict()
         #: None until known: does this pod hash like the picker (same algorithm, block size, seed)?
         self.hashes_like_us: bool | None = None
-        #: stores of :meth:`apply_payload` not indexed yet (:meth:`flush`): their keys, tier and counts
-        self._held: list[npt.NDArray[np.uint64]] = []
+        self._scanner = BatchScanner(hasher.block_size, hasher.algo == "sha256_cbor")
+        #: stores of :meth:`apply_payload` not indexed yet (:meth:`flush`):
+        #: ``_held_keys[_held_from:_held_to]`` (a scanner's buffer), their tier and events
+        self._held_keys = self._scanner.keys
+        self._held_from = self._held_to = self._held_events = 0
         self._held_tier = Tier.GPU
-        self._held_events = 0
-        self._held_keys = 0
         self._last_log = 0.0
 
     def __len__(self) -> int:
@@ -144,7 +147,7 @@ class PodEventApplier:
 
     def reset(self, picks: bool = True) -> None:
         """Forget the pod's blocks (before a full resync), and with ``picks`` the picker's picks on it."""
-        self._held, self._held_events, self._held_keys = [], 0, 0
+        self._drop_held()
         self.index.clear_pod(self.pod, picks)
         self._engine_to_key.clear()
 
@@ -183,64 +186,79 @@ class PodEventApplier:
 
     def apply_payload(self, payload: bytes) -> tuple[float, int] | None:
         """Apply the batch in ``payload`` straight from its bytes when it is in vLLM's layout with every event
-        valid (:func:`~kvfleet.cache.events.scan_batch`) and its stores may be indexed by their hashes: what
-        :meth:`apply` would do with it, run by run, without decoding events into objects (an engine step's
-        batch of one-block events costs a few µs instead of tens). Returns (the batch's ``ts``, events that
-        failed), or ``None`` with nothing applied: the caller then decodes the batch
+        valid (:class:`~kvfleet.cache.events.BatchScanner`) and its stores may be indexed by their hashes:
+        what :meth:`apply` would do with it, run by run, without decoding events into objects (an engine
+        step's batch of one-block events costs a few µs instead of tens). Returns (the batch's ``ts``,
+        events that failed), or ``None`` with nothing applied (a store whose keys must be recomputed, a batch
+        the scan declines): the caller then decodes the batch
         (:func:`~kvfleet.cache.events.decode_batch_lenient`) and calls :meth:`apply`.
 
         Stores into one tier are held and indexed as one operation with the stores of the batches that
         follow (an engine publishes a batch per step): until another kind of event, another tier,
-        :data:`HOLD_KEYS` keys, or :meth:`flush`, which the subscriber calls after each read of a socket."""
+        :data:`HOLD_KEYS` keys, or :meth:`flush`, which the subscriber calls after each read of a socket.
+        The held keys stay where the scan wrote them; the next batch's are written after them."""
         if not self._keys_are_hashes:
             return None
-        scan = scan_batch(payload, self.hasher.block_size, self.hasher.algo == "sha256_cbor")
+        scanner = self._scanner
+        at = self._held_to if self._held_keys is scanner.keys else 0
+        if not scanner.fits(len(payload), at):  # larger than the lasting buffers: buffers of its own
+            scanner = BatchScanner.sized(scanner.block_size, scanner.chain_bytes, len(payload))
+            at = 0
+        scan = scanner.scan(payload, at)
         if scan is None:
             return None
-        runs = scan.runs
-        if self.recompute_keys and not all(r.hash_keys for r in runs):
-            return None  # a store whose keys must be recomputed: apply() decodes it
+        ts, runs = scan
+        if self.recompute_keys and not all(run[5] for run in runs):
+            return None  # a store whose keys must be recomputed: apply() decodes the batch
+        keys = scanner.keys
         failed = 0
-        for run in runs:
-            if run.kind is BlockStored:
-                tier = self._tier(run.medium, run.events)
-                if not len(run.keys):
+        for kind, medium, first, count, events, _ in runs:
+            if kind == STORED:
+                tier = self._tier(medium, events)
+                if not count:
                     continue
-                if self._held and tier is not self._held_tier:
+                if self._held_to > self._held_from and (
+                        tier is not self._held_tier or self._held_keys is not keys or first != self._held_to):
                     failed += self.flush()
-                self._held.append(run.keys)
-                self._held_tier = tier
-                self._held_events += run.events
-                self._held_keys += len(run.keys)
-                if self._held_keys >= HOLD_KEYS:
+                if self._held_to == self._held_from:
+                    self._held_keys, self._held_from, self._held_tier = keys, first, tier
+                self._held_to = first + count
+                self._held_events += events
+                if self._held_to - self._held_from >= HOLD_KEYS:
                     failed += self.flush()
                 continue
             failed += self.flush()
             try:
-                if run.kind is BlockRemoved:
-                    self._remove_engine(run.keys, self._tier(run.medium, run.events))
+                if kind == REMOVED:
+                    self._remove_engine(keys[first : first + count], self._tier(medium, events))
                 else:
                     self.stats.cleared += 1
                     self.reset()
             except Exception as exc:  # as apply(): the run's events count as failed, a lost removal clears
-                failed += self._failed(run.events, run.kind.__name__, exc)
+                failed += self._failed(events, "BlockRemoved" if kind == REMOVED else "AllBlocksCleared", exc)
                 self.reset()
-        return scan.ts, failed
+        if self._held_keys is not self._scanner.keys:  # held in a batch's own buffers: indexed now
+            failed += self.flush()
+        return ts, failed
 
     def flush(self) -> int:
         """Index the stores :meth:`apply_payload` holds; returns how many events failed (counted in
         ``stats.rejected`` too)."""
-        if not self._held:
+        if self._held_to == self._held_from:
             return 0
-        held, events, tier = self._held, self._held_events, self._held_tier
-        self._held, self._held_events, self._held_keys = [], 0, 0
-        keys = held[0] if len(held) == 1 else np.concatenate(held)
+        keys = self._held_keys[self._held_from : self._held_to]
+        events, tier = self._held_events, self._held_tier
+        self._drop_held()
         try:
             self.index.add(self.pod, keys, tier)
         except Exception as exc:  # as apply(): the stores count as failed (they are not indexed)
             return self._failed(events, "BlockStored", exc)
         self.stats.stored += len(keys)
         return 0
+
+    def _drop_held(self) -> None:
+        self._held_keys = self._scanner.keys
+        self._held_from = self._held_to = self._held_events = 0
 
     def _failed(self, events: int, kind: str, exc: Exception) -> int:
         self.stats.rejected += events

@@ -476,6 +476,34 @@ class TestFromBytes:
         ap.flush()
         assert adds == [160, 1] and idx.pod_tiers("p", 7) == set()
 
+    def test_a_batch_beyond_the_lasting_buffers(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A prefill batch larger than the scanner's lasting buffers is scanned with buffers of its own and
+        indexed before the call returns; the stores held before it are indexed first (one add each), and the
+        next step batch is held again."""
+        from kvfleet.cache.events import SCAN_KEYS
+
+        idx = BlockIndex()
+        ap = PodEventApplier("p", idx, BlockHasher(4))
+        adds: list[list[int]] = []
+        real = idx.add
+
+        def add(pod: str, k: Any, tier: Tier = Tier.GPU) -> None:
+            adds.append(list(k))
+            real(pod, k, tier)
+
+        monkeypatch.setattr(idx, "add", add)
+        step = KVEventBatch(ts=0.0, events=[stored([1, 2], None, list(range(8)), 4, "GPU")])
+        big_keys = list(range(10, 10 + SCAN_KEYS // 4))
+        big = encode_batch(KVEventBatch(ts=0.0, events=[stored(big_keys, 2, list(range(4 * len(big_keys))), 4,
+                                                                 "GPU")]))
+        assert len(big) > SCAN_KEYS
+        assert ap.apply_payload(encode_batch(step)) == (0.0, 0) and adds == []
+        assert ap.apply_payload(big) == (0.0, 0)
+        assert adds == [[1, 2], big_keys]
+        ap.apply_payload(encode_batch(KVEventBatch(ts=0.0, events=[stored([3], None, [0] * 4, 4, "GPU")])))
+        assert len(adds) == 2 and ap.flush() == 0 and adds[-1] == [3]
+        assert ap.stats.stored == 3 + len(big_keys) and idx.num_pod_keys("p") == 3 + len(big_keys)
+
     def test_hash_keys_is_the_appliers_rule(self) -> None:
         """The scan's per-run ``hash_keys`` is what :meth:`PodEventApplier._hash_is_key` says of every store
         in the run, for both chains (xxh3 ints, sha256_cbor 32-byte bytes)."""

@@ -31,7 +31,10 @@
    EPP's ingestion thread (``kv-events``: one core), ``ingest_events_per_s_wall``
    the rate with the publisher process on the same cores. In process, the same
    kind of batches applied from their bytes against decoded into events, the
-   path a batch in another layout takes (``ingest_from_bytes_vs_decoder``).
+   path a batch in another layout takes (``ingest_from_bytes_vs_decoder``);
+   and for a pod whose keys are recomputed (its hash is not the picker's), a
+   decode step's stores recomputed together against one by one
+   (``ingest_recomputed_together_vs_one_by_one``).
 4. The model's tokenizer: the same 8-pod EPP with the pool's tokenizer ``builtin:qwen2.5`` (Qwen2.5's
    files, its chat template) and, as the baseline in the same run, ``bytes``, on the same bodies: single
    prompts of ~4k Qwen tokens (prose) and ~220 KB, and multi-turn chat (24 conversations of 8 turns, each
@@ -76,7 +79,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from bench import index_scale
 from bench._live import cpu_s, thread_cpu
 from kvfleet.agent.publisher import ZmqPublisher
-from kvfleet.cache.events import AnyEvent, KVEventBatch, decode_batch_lenient, encode_batch, stored
+from kvfleet.cache.events import (
+    AnyEvent,
+    BlockStored,
+    KVEventBatch,
+    decode_batch_lenient,
+    encode_batch,
+    stored,
+)
 from kvfleet.cache.hashing import BlockHasher, hashes_as_ints
 from kvfleet.cache.tokens import ByteTokenizer, salt_extra_keys
 from kvfleet.demo.envoy import EnvoyProcess, free_port
@@ -574,12 +584,21 @@ def decode_steps(n: int, pods: int, seed: int) -> list[tuple[int, bytes]]:
     return out
 
 
+class _OneByOne(PodEventApplier):
+    """The baseline: each store of a pod whose keys are recomputed applied on its own, as before."""
+
+    def _recompute_stores(self, stores: list[BlockStored]) -> int:
+        return sum(self._apply_one(e) for e in stores)
+
+
 def ingest_paths(n: int = 64_000) -> dict[str, float]:
     """In this process, the same decode-step batches (:func:`decode_steps`, one pod) applied to a fresh index
     from their bytes (:meth:`~kvfleet.epp.ingest.PodEventApplier.apply_payload`, flushed every 16 batches as
     a read of a socket does) and, the baseline, decoded into events and applied
     (:func:`~kvfleet.cache.events.decode_batch_lenient`, :meth:`~kvfleet.epp.ingest.PodEventApplier.apply`):
-    events per CPU second of each, best of three."""
+    events per CPU second of each, best of three. Then a pod whose keys are recomputed (its hash is not the
+    picker's): 16 requests decoding, a block each per step, a step's stores recomputed together against one
+    by one (the baseline)."""
     payloads = [p for _, p in decode_steps(n, 1, 11)]
     best = {"bytes": 0.0, "decoder": 0.0}
     for _ in range(3):
@@ -600,9 +619,35 @@ def ingest_paths(n: int = 64_000) -> dict[str, float]:
     print(f"ingest in process, decode-step events: {best['bytes']:,.0f}/CPU-s from their bytes, "
           f"{best['decoder']:,.0f}/CPU-s decoded into events ({best['bytes'] / best['decoder']:.2f} ×)",
           flush=True)
+    # a pod whose keys are recomputed (vLLM's sha256 on an xxh3_64 pool): 16 requests decoding, a block each
+    # per step; a step's stores recomputed together against, the baseline, one by one
+    engine, rng = BlockHasher(BLOCK, "sha256_cbor"), random.Random(12)
+    steps = n // 16 // 4
+    toks = [[rng.randrange(152_064) for _ in range(BLOCK * steps)] for _ in range(16)]
+    ehs = [hashes_as_ints(engine.hash_tokens(t)) for t in toks]
+    batches = [KVEventBatch(ts=0.0, events=[
+        stored([ehs[r][s]], ehs[r][s - 1] if s else None, toks[r][s * BLOCK : (s + 1) * BLOCK], BLOCK, "GPU")
+        for r in range(16)]) for s in range(steps)]
+    rec = {"together": 0.0, "one_by_one": 0.0}
+    for _ in range(3):
+        for path in rec:
+            cls = PodEventApplier if path == "together" else _OneByOne
+            ap = cls("p", BlockIndex(), BlockHasher(BLOCK), recompute_keys=True)
+            t0 = time.process_time()
+            for b in batches:
+                ap.apply(b)
+            dt = time.process_time() - t0
+            assert ap.stats.stored == 16 * steps and ap.hashes_like_us is not True
+            rec[path] = max(rec[path], 16 * steps / max(dt, 1e-9))
+    print(f"ingest in process, a pod whose keys are recomputed: {rec['together']:,.0f}/CPU-s a step's "
+          f"stores together, {rec['one_by_one']:,.0f}/CPU-s one by one "
+          f"({rec['together'] / rec['one_by_one']:.2f} ×)", flush=True)
     return {"ingest_in_process_events_per_cpu_s": round(best["bytes"]),
             "ingest_in_process_decoder_events_per_cpu_s": round(best["decoder"]),
-            "ingest_from_bytes_vs_decoder": round(best["bytes"] / best["decoder"], 2)}
+            "ingest_from_bytes_vs_decoder": round(best["bytes"] / best["decoder"], 2),
+            "ingest_recomputed_events_per_cpu_s": round(rec["together"]),
+            "ingest_recomputed_one_by_one_events_per_cpu_s": round(rec["one_by_one"]),
+            "ingest_recomputed_together_vs_one_by_one": round(rec["together"] / rec["one_by_one"], 2)}
 
 
 def _scrape(port: int) -> dict[str, float]:

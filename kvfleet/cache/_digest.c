@@ -34,6 +34,12 @@ void kv_chain(const uint64_t *digests, int64_t n, uint64_t state, uint64_t *out)
     }
 }
 
+/* One link from each of n states: out[i] = the block of digest digests[i] chained after a block whose chain
+ * state is states[i] (the blocks of n different prompts, one each: a decode step's). */
+void kv_chain_each(const uint64_t *digests, const uint64_t *states, int64_t n, uint64_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = kv_fmix64(states[i] * KV_P + digests[i]);
+}
+
 /* Both in one pass: the digest of each row of `row` bytes, then its link of the chain. */
 void kv_digest_chain(const uint8_t *data, int64_t n, int64_t row, uint64_t state, uint64_t *out) {
     for (int64_t i = 0; i < n; i++) {

@@ -21,6 +21,8 @@ lib.kv_chain.argtypes = [_P, _I64, _U64, _P]
 lib.kv_chain.restype = None
 lib.kv_digest_chain.argtypes = [_P, _I64, _I64, _U64, _P]
 lib.kv_digest_chain.restype = None
+lib.kv_chain_each.argtypes = [_P, _P, _I64, _P]
+lib.kv_chain_each.restype = None
 
 
 def _rows(rows: npt.NDArray[np.uint8]) -> None:
@@ -52,4 +54,16 @@ def digest_chain(rows: npt.NDArray[np.uint8], state: int) -> npt.NDArray[np.uint
     out = np.empty(rows.shape[0], dtype=np.uint64)
     if rows.shape[0]:
         lib.kv_digest_chain(rows.ctypes.data, rows.shape[0], rows.shape[1], state, out.ctypes.data)
+    return out
+
+
+def chain_each(digests: npt.NDArray[np.uint64], states: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """One link of :func:`chain` from each state: ``h_i = fmix64(P·states[i] + digests[i])``."""
+    d = np.ascontiguousarray(digests, dtype=np.uint64)
+    s = np.ascontiguousarray(states, dtype=np.uint64)
+    if len(d) != len(s):
+        raise ValueError("one state per digest")
+    out = np.empty(len(d), dtype=np.uint64)
+    if len(d):
+        lib.kv_chain_each(d.ctypes.data, s.ctypes.data, len(d), out.ctypes.data)
     return out

@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from kvfleet.cache.digest import chain, digest_chain, digest_rows
+from kvfleet.cache.digest import chain, chain_each, digest_chain, digest_rows
 from kvfleet.cache.errors import UnknownAlgorithmError
 
 #: A block hash: a 64-bit unsigned int (``xxh3_64``) or 32 bytes (``sha256_cbor``).
@@ -96,6 +96,10 @@ class HashAlgorithm(Protocol):
         """Hashes of every full block of ``tokens`` (length a multiple of block_size)."""
         ...
 
+    def chain_each(self, rows: npt.NDArray[np.uint32], parents: Sequence[BlockHash]) -> npt.NDArray[Any]:
+        """The hash of each row of ``rows`` (one block of tokens each) continuing its own parent."""
+        ...
+
 
 class Xxh3Chain:
     """``xxh3_64`` content digests chained by a vectorised polynomial state (see module doc)."""
@@ -129,6 +133,15 @@ class Xxh3Chain:
                 digests[i] = xxhash.xxh3_64_intdigest(block + cbor2.dumps(extra, canonical=True))
         return chain(digests, state)
 
+    def chain_each(self, rows: npt.NDArray[np.uint32],
+                   parents: Sequence[BlockHash]) -> npt.NDArray[np.uint64]:
+        ints = [p for p in parents if isinstance(p, int)]
+        if len(ints) != len(parents):
+            raise TypeError("xxh3_64 chains continue from an int parent hash")
+        words = np.ascontiguousarray(rows, dtype="<u4")
+        states = np.array([fmix64_inverse(p) for p in ints], dtype=np.uint64)
+        return chain_each(digest_rows(words.view(np.uint8).reshape(len(words), -1)), states)
+
 
 class Sha256CborChain:
     """vLLM's ``sha256_cbor``: SHA-256 over canonical CBOR of ``(parent, tokens, extra)``."""
@@ -158,6 +171,13 @@ class Sha256CborChain:
             payload = (prev, tuple(toks[i * block_size : (i + 1) * block_size]), extra)
             prev = hashlib.sha256(cbor2.dumps(payload, canonical=True)).digest()
             out[i] = prev
+        return out
+
+    def chain_each(self, rows: npt.NDArray[np.uint32],
+                   parents: Sequence[BlockHash]) -> npt.NDArray[np.object_]:
+        out = np.empty(len(rows), dtype=object)
+        for i, (row, parent) in enumerate(zip(rows, parents, strict=True)):
+            out[i] = self.chain(row, len(row), parent, None)[0]
         return out
 
 
@@ -220,6 +240,16 @@ class BlockHasher:
         """
         tokens = as_tokens(token_ids)
         return self._impl.chain(tokens, self.block_size, self.root if parent is None else parent, extra_keys)
+
+    def hash_each(self, token_rows: npt.NDArray[Any],
+                  parents: Sequence[BlockHash | None]) -> npt.NDArray[Any]:
+        """The hash of each row of ``token_rows`` (``n × block_size`` token ids: one block each, of ``n``
+        different chains) continuing its own parent (``None``: the root), as :meth:`hash_tokens` of that one
+        block would give it; one compiled pass for ``xxh3_64``."""
+        rows = as_tokens(token_rows)
+        if rows.ndim != 2 or rows.shape[1] != self.block_size or rows.shape[0] != len(parents):
+            raise ValueError(f"{len(parents)} rows of {self.block_size} token ids expected")
+        return self._impl.chain_each(rows, [self.root if p is None else p for p in parents])
 
     def num_full_blocks(self, num_tokens: int) -> int:
         return num_tokens // self.block_size

@@ -166,6 +166,14 @@ class PodEventApplier:
         while i < len(events):
             j = self._run_end(events, i)
             ev = events[i]
+            if j - i == 1 and isinstance(ev, BlockStored) and not self._keys_are_hashes:
+                j = i + 1  # a run of stores whose keys are recomputed
+                while j < len(events) and isinstance(events[j], BlockStored):
+                    j += 1
+                if j - i > 1:
+                    failed += self._recompute_stores(cast("list[BlockStored]", events[i:j]))
+                    i = j
+                    continue
             if j - i > 1 and isinstance(ev, (BlockStored, BlockRemoved)):
                 moves = cast("list[BlockStored | BlockRemoved]", events[i:j])  # one kind: see _run_end
                 try:
@@ -303,6 +311,89 @@ class PodEventApplier:
                 map(isinstance, ev.block_hashes, repeat(int)))
         return (ev.parent_block_hash is None or _int_or_32(ev.parent_block_hash)) and all(
             map(_int_or_32, ev.block_hashes))
+
+    def _recompute_stores(self, stores: list[BlockStored]) -> int:
+        """:meth:`_apply_one` of each of ``stores`` (consecutive stores of a pod whose keys are
+        recomputed), in order and with its outcome, but the one-block stores among them (a decode step's: a
+        block for each of many requests) hashed in one call
+        (:meth:`~kvfleet.cache.hashing.BlockHasher.hash_each`) and indexed in one add per tier. A store of
+        several blocks, or whose parent is stored earlier in the run or not known, or once the pod turns out
+        to hash like the picker, goes through :meth:`_apply_one` itself. Returns how many failed."""
+        bs, m = self.hasher.block_size, self._engine_to_key
+        seen: set[int] = set()  # the engine hashes stored earlier in the run
+        todo: list[int] = []
+        parents: list[BlockHash | None] = []
+        engine_parents: list[int | None] = []
+        for i, ev in enumerate(stores):
+            hashes = ev.block_hashes
+            if len(hashes) == 1 and ev.block_size == bs and len(ev.token_ids) >= bs:
+                parent = ev.parent_block_hash
+                if parent is None:
+                    todo.append(i)
+                    parents.append(None)
+                    engine_parents.append(None)
+                elif type(parent) in (int, bytes) and (pe := to_int64(parent)) not in seen:
+                    known = m.get(pe)
+                    if known is not None:
+                        todo.append(i)
+                        parents.append(known[1])
+                        engine_parents.append(pe)
+            for h in hashes:
+                if type(h) in (int, bytes):
+                    seen.add(to_int64(h))
+        #: event → (its key and chain value as hashed, the parent's chain value and engine hash it used)
+        ours: dict[int, tuple[int, BlockHash, BlockHash | None, int | None]] = {}
+        if len(todo) > 1:
+            try:
+                rows = np.array([stores[i].token_ids[:bs] for i in todo], dtype=np.uint32)
+                hashed = self.hasher.hash_each(rows, parents)
+                keys = hashes_as_ints(hashed)
+                chains: list[BlockHash] = list(keys) if self.hasher.algo == "xxh3_64" else list(hashed)
+                ours = {i: (k, c, p, pe)
+                        for i, k, c, p, pe in zip(todo, keys, chains, parents, engine_parents, strict=True)}
+            except Exception:  # whatever it is, each event on its own says it
+                ours = {}
+        failed = 0
+        adds: dict[Tier, list[tuple[int, BlockStored]]] = {}
+        for i, ev in enumerate(stores):
+            pre = ours.get(i)
+            if pre is not None and not self._keys_are_hashes:
+                key, chain, parent, parent_engine = pre
+                if parent_engine is not None:  # as _stored: the parent's entry, used again
+                    known = m.get(parent_engine)
+                    if known is not None and known[1] == parent:
+                        m.move_to_end(parent_engine)
+                    else:  # its entry went meanwhile (the map's bound): the event on its own
+                        pre = None
+                if pre is not None:
+                    tier = self._tier(ev.medium)
+                    h = ev.block_hashes[0]
+                    e = to_int64(h)
+                    remember = True
+                    if key == e:
+                        self.hashes_like_us = True
+                        remember = self._chain_value(h) != chain
+                    elif self.hashes_like_us:
+                        key = e
+                        c = self._chain_value(h)
+                        chain = e if c is None else c
+                    if remember:
+                        self._remember(e, key, chain)
+                    adds.setdefault(tier, []).append((key, ev))
+                    continue
+            failed += self._apply_one(ev)
+        for tier, done in adds.items():
+            try:
+                self.index.add(self.pod, [k for k, _ in done], tier)
+                self.stats.stored += len(done)
+            except Exception:  # each on its own, so a failure costs only its event
+                for k, _ev in done:
+                    try:
+                        self.index.add(self.pod, [k], tier)
+                        self.stats.stored += 1
+                    except Exception as exc:
+                        failed += self._failed(1, "BlockStored", exc)
+        return failed
 
     def _store_run(self, stores: list[BlockStored]) -> int:
         """A run of stores into one medium as one index operation; events whose hashes cannot stand for

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import numpy as np
@@ -184,3 +185,23 @@ def test_block_keys_read_as_ints_from_their_array() -> None:
     with pytest.raises(IndexError):
         keys[10]
     assert type(block_keys(BlockHasher(block_size=4, algo="sha256_cbor").hash_tokens(range(8)))) is list
+
+
+@pytest.mark.parametrize("algo", ["xxh3_64", "sha256_cbor"])
+def test_hash_each_is_hash_tokens_of_each_block(algo: str) -> None:
+    """One block of each of several chains, each continuing its own parent (the root for ``None``): what
+    :meth:`BlockHasher.hash_tokens` gives for that block; the rows must be whole blocks, one per parent."""
+    h = BlockHasher(4, algo)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1 << 32) for _ in range(4 * rng.randint(1, 3))] for _ in range(6)]
+    tails = [h.hash_tokens(p)[-1] for p in prompts]
+    parents: list[Any] = [int(t) if algo == "xxh3_64" else t for t in tails] + [None]
+    rows = np.array([[rng.randrange(1 << 32) for _ in range(4)] for _ in parents], dtype=np.uint32)
+    each = hashes_as_ints(h.hash_each(rows, parents))
+    one = [hashes_as_ints(h.hash_tokens(list(r), parent=p))[0]
+           for r, p in zip(rows.tolist(), parents, strict=True)]
+    assert each == one
+    with pytest.raises(ValueError):
+        h.hash_each(rows[:, :3], parents)
+    with pytest.raises(ValueError):
+        h.hash_each(rows, parents[:-1])

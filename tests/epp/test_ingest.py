@@ -565,3 +565,90 @@ class TestFromBytes:
         finally:
             sub.stop()
             pub.close()
+
+
+class TestRecomputedSteps:
+    """A pod whose keys are recomputed (its hash or seed is not the picker's): a decode step's one-block
+    stores are hashed in one call and indexed in one add, with the outcome of recomputing them one by one."""
+
+    @staticmethod
+    def steps(seed: int, picker: BlockHasher, engine: BlockHasher) -> tuple[list[KVEventBatch], list[int]]:
+        """Batches of an engine serving several requests at once: prompts (multi-block stores), decode steps
+        (one block per running request, chained on its last), a parent stored in the same batch, a parent
+        never seen, another block size, removals and a clear; the picker's keys of every block."""
+        import random
+
+        rng = random.Random(seed)
+        batches: list[KVEventBatch] = []
+        every: list[int] = []
+        running: dict[int, tuple[list[int], list[int]]] = {}  # request → (tokens, engine hashes)
+
+        for step in range(60):
+            events: list[Any] = []
+            for r in [r for r in running if rng.random() < 0.8]:  # decode: a block for each running request
+                toks, hs = running[r]
+                new = [rng.randrange(1 << 17) for _ in range(4)]
+                h = hashes_as_ints(engine.hash_tokens(toks + new))[-1]
+                events.append(stored([h], hs[-1], new, 4, rng.choice(["GPU", "GPU", "CPU"])))
+                running[r] = (toks + new, [*hs, h])
+                every += hashes_as_ints(picker.hash_tokens(toks + new))[-1:]
+            if rng.random() < 0.4:  # a new request's prompt
+                r = 1000 * seed + step
+                toks = [rng.randrange(1 << 17) for _ in range(4 * rng.randint(1, 4))]
+                hs = hashes_as_ints(engine.hash_tokens(toks))
+                events.insert(rng.randrange(len(events) + 1), stored(hs, None, toks, 4, "GPU"))
+                running[r] = (toks, hs)
+                every += hashes_as_ints(picker.hash_tokens(toks))
+                if rng.random() < 0.5:  # its next block in the same batch
+                    new = [rng.randrange(1 << 17) for _ in range(4)]
+                    h = hashes_as_ints(engine.hash_tokens(toks + new))[-1]
+                    events.append(stored([h], hs[-1], new, 4, "GPU"))
+                    running[r] = (toks + new, [*hs, h])
+                    every += hashes_as_ints(picker.hash_tokens(toks + new))[-1:]
+            kind = rng.random()
+            if kind < 0.1:
+                events.append(stored([rng.getrandbits(63)], rng.getrandbits(63), [1, 2, 3, 4], 4, "GPU"))
+            elif kind < 0.15:
+                events.append(stored([rng.getrandbits(63)], None, list(range(8)), 8, "GPU"))
+            elif kind < 0.3 and running:
+                r = rng.choice(list(running))
+                events.append(removed(running.pop(r)[1][-2:], "GPU"))
+            elif kind < 0.32:
+                events.append(AllBlocksCleared())
+            batches.append(KVEventBatch(ts=float(step), events=events))
+        return batches, every
+
+    @pytest.mark.parametrize("algo", ["xxh3_64", "sha256_cbor"])
+    @pytest.mark.parametrize("like", [False, True], ids=["hashes-differ", "hashes-alike"])
+    @pytest.mark.parametrize("seed", range(3))
+    def test_same_as_one_by_one(self, seed: int, like: bool, algo: str,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+        picker = BlockHasher(4, algo)
+        engine = picker if like else BlockHasher(4, "sha256_cbor" if algo == "xxh3_64" else "xxh3_64")
+        batches, every = self.steps(seed, picker, engine)
+        hashed: list[int] = []
+        real = BlockHasher.hash_each
+
+        def counted(self: BlockHasher, rows: Any, parents: Any) -> Any:
+            hashed.append(len(parents))
+            return real(self, rows, parents)
+
+        def run(together: bool) -> tuple[PodEventApplier, BlockIndex]:
+            idx = BlockIndex()
+            ap = PodEventApplier("p", idx, picker, recompute_keys=True, max_keys=200)
+            monkeypatch.setattr(BlockHasher, "hash_each", counted)
+            if not together:
+                monkeypatch.setattr(ap, "_recompute_stores",
+                                    lambda stores: sum(ap._apply_one(ev) for ev in stores))
+            for b in batches:
+                assert ap.apply(b) == 0
+            monkeypatch.undo()
+            return ap, idx
+
+        fast, fast_idx = run(True)
+        assert like or sum(hashed) > 100, hashed  # the steps were hashed together (alike: by their hashes)
+        slow, slow_idx = run(False)
+        assert fast.stats == slow.stats and fast.stats.stored > 100, (fast.stats, slow.stats)
+        assert fast.hashes_like_us == slow.hashes_like_us
+        assert list(fast._engine_to_key.items()) == list(slow._engine_to_key.items())
+        assert [fast_idx.pod_tiers("p", k) for k in every] == [slow_idx.pod_tiers("p", k) for k in every]

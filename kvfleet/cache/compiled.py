@@ -12,13 +12,14 @@ from typing import Any
 import numpy.typing as npt
 
 
-def load(here: Path, stem: str, what: str) -> ctypes.CDLL:
+def load(here: Path, stem: str, what: str, hold_gil: bool = False) -> ctypes.CDLL:
     """The shared library ``stem`` (``_probe``, ``_digest``...) built next to the module in ``here``; ``what``
-    names it in the error when it is missing."""
+    names it in the error when it is missing. ctypes releases the GIL around each call; ``hold_gil`` keeps it
+    (``ctypes.PyDLL``) for calls of a microsecond or so, where the hand-over costs as much as the call."""
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = here / f"{stem}{suffix}"
         if path.exists():
-            return ctypes.CDLL(str(path))
+            return ctypes.PyDLL(str(path)) if hold_gil else ctypes.CDLL(str(path))
     raise ImportError(
         f"kvfleet's compiled {what} ({stem}*.so) is not in {here}: kvfleet was not built from its "
         "sources here. Install it with pip (`pip install -e .` in a checkout, or `make venv`); the build "

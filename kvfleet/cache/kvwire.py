@@ -37,7 +37,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 SEQ = struct.Struct(">q")
 END_SEQ = SEQ.pack(-1)
@@ -63,8 +63,9 @@ def unpack_seq(raw: bytes) -> int:
     return value
 
 
-@dataclass(frozen=True, slots=True)
-class LiveMessage:
+class LiveMessage(NamedTuple):
+    """One live batch as its three frames carry it (a tuple: one is made per batch received)."""
+
     topic: bytes
     seq: int
     payload: bytes

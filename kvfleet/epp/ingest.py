@@ -367,19 +367,10 @@ class PodEventApplier:
                         pre = None
                 if pre is not None:
                     tier = self._tier(ev.medium)
-                    h = ev.block_hashes[0]
-                    e = to_int64(h)
-                    remember = True
-                    if key == e:
-                        self.hashes_like_us = True
-                        remember = self._chain_value(h) != chain
-                    elif self.hashes_like_us:
-                        key = e
-                        c = self._chain_value(h)
-                        chain = e if c is None else c
-                    if remember:
-                        self._remember(e, key, chain)
-                    adds.setdefault(tier, []).append((key, ev))
+                    settled = self._settle(ev.block_hashes, [to_int64(ev.block_hashes[0])], [key], [chain],
+                                           False)
+                    assert settled is not None  # not resumed: never an orphan
+                    adds.setdefault(tier, []).append((settled[0], ev))
                     continue
             failed += self._apply_one(ev)
         for tier, done in adds.items():
@@ -502,28 +493,38 @@ class PodEventApplier:
         if len(keys) != n:
             self.stats.orphans += n
             return
+        settled = self._settle(ev.block_hashes, engine, keys, chain, resumed)
+        if settled is None:
+            return
+        self.index.add(self.pod, settled, tier)
+        self.stats.stored += n
+
+    def _settle(self, hashes: list[int | bytes], engine: list[int], keys: list[int], chain: list[BlockHash],
+                resumed: bool) -> list[int] | None:
+        """The keys to index for blocks of these engine hashes (and their 64-bit form) whose recomputed keys
+        and chain values are ``keys`` and ``chain`` (``resumed``: from a parent the picker never saw), with
+        the engine-hash map updated; ``None`` when they are orphans (counted)."""
         remember = True
         if keys == engine:
             self.hashes_like_us = True
             # the engine's hashes are the picker's keys and chain values: a child or a removal finds
             # them from the hash alone, so nothing is remembered (the map holds only differing blocks)
-            remember = not all(self._chain_value(h) == c for h, c in zip(ev.block_hashes, chain, strict=True))
+            remember = not all(self._chain_value(h) == c for h, c in zip(hashes, chain, strict=True))
         elif self.hashes_like_us:
             # the pod hashes like the picker: a differing hash mixed in extra keys (salt, LoRA, media),
             # and the engine's hash is the picker's key for that request
             keys = engine
             chain = []
-            for h, e in zip(ev.block_hashes, engine, strict=True):
+            for h, e in zip(hashes, engine, strict=True):
                 c = self._chain_value(h)
                 chain.append(e if c is None else c)
         elif resumed:
-            self.stats.orphans += n  # unknown parent, and the pod does not hash like the picker
-            return
+            self.stats.orphans += len(engine)  # unknown parent, and the pod does not hash like the picker
+            return None
         if remember:
             for e, k, c in zip(engine, keys, chain, strict=True):
                 self._remember(e, k, c)
-        self.index.add(self.pod, keys, tier)
-        self.stats.stored += n
+        return keys
 
     def _removed(self, ev: BlockRemoved, tier: Tier | None = None) -> None:
         self._remove_engine(_engine_keys(ev.block_hashes), self._tier(ev.medium) if tier is None else tier)

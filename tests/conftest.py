@@ -168,3 +168,22 @@ async def eventually(
         except AssertionError as exc:
             waiting.last = exc
         await asyncio.sleep(waiting.next_pause())
+
+
+@pytest.fixture
+def decoded_payloads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the KV-event payloads the EPP's subscriber hands to the decoder (the batches it does not
+    apply from their bytes), in order."""
+    from kvfleet.cache.events import DecodedBatch
+    from kvfleet.epp import subscriber
+
+    sizes: list[int] = []
+    real = subscriber.decode_batch_lenient  # type: ignore[attr-defined]
+
+    def counted(payload: bytes) -> DecodedBatch:
+        sizes.append(len(payload))
+        result: DecodedBatch = real(payload)
+        return result
+
+    monkeypatch.setattr(subscriber, "decode_batch_lenient", counted)
+    return sizes

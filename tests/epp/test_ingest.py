@@ -233,17 +233,9 @@ class TestRemovalRuns:
             single.apply(KVEventBatch(ts=0.0, events=[ev]))
         idx = BlockIndex()
         ap = PodEventApplier("p", idx, BlockHasher(4))
-        calls: list[int] = []
-        real = idx.add
-
-        def counted(pod: str, keys: Any, tier: Tier = Tier.GPU) -> None:
-            keys = list(keys)
-            calls.append(len(keys))
-            real(pod, keys, tier)
-
-        monkeypatch.setattr(idx, "add", counted)
+        adds = recorded_adds(monkeypatch, idx)
         assert ap.apply(KVEventBatch(ts=0.0, events=events)) == 0
-        assert calls == [40, 20, 3]
+        assert [len(a) for a in adds] == [40, 20, 3]
         assert ap.stats == single.stats and ap.stats.unknown_medium == 3
         for h in range(100, 140):
             assert idx.pod_tiers("p", h) == one_by_one.pod_tiers("p", h), h
@@ -268,6 +260,54 @@ class TestRemovalRuns:
         failed = ap.apply(KVEventBatch(ts=0.0, events=events))
         assert failed == 1 and ap.stats.rejected == 1 and ap.stats.stored == 2
         assert idx.pod_tiers("p", 5) == {Tier.CPU} and idx.pod_tiers("p", 6) == {Tier.CPU}
+
+
+def recorded_adds(monkeypatch: pytest.MonkeyPatch, idx: BlockIndex) -> list[list[int]]:
+    """The keys of every :meth:`BlockIndex.add` on ``idx`` from now on, call by call."""
+    adds: list[list[int]] = []
+    real = idx.add
+
+    def add(pod: str, keys: Any, tier: Tier = Tier.GPU) -> None:
+        adds.append([int(k) for k in keys])
+        real(pod, keys, tier)
+
+    monkeypatch.setattr(idx, "add", add)
+    return adds
+
+
+def mixed_events(seed: int, h: BlockHasher, rounds: int = 40) -> tuple[list[Any], list[int]]:
+    """Events of a pod that hashes like ``h``: requests stored on the GPU and demoted block by block
+    (:meth:`TestHashesAsKeys.demotions`), salted requests (their own hashes, chained, some in an unknown
+    medium), stores of another block size, clears, decode steps (one block per event, chained on the
+    prompt's last) and removals; and the picker's keys of every block."""
+    import random
+
+    rng = random.Random(seed)
+    events: list[Any] = []
+    every: list[int] = []
+    for r in range(rounds):
+        evs, keys = TestHashesAsKeys.demotions(h, rng.randint(1, 6), 10_000 * r)
+        every += keys
+        kind = rng.random()
+        if kind < 0.15:  # a salted request: its own hashes, chained
+            salted = [rng.getrandbits(63) for _ in keys]
+            every += salted
+            evs = [stored(salted, None, list(range(4 * len(keys))), 4, "GPU")]
+            evs += [stored([s], salted[i - 1] if i else None, [9, 9, 9, 9], 4,
+                           rng.choice(["CPU", "TAPE"])) for i, s in enumerate(salted)]
+        elif kind < 0.25:
+            evs.append(stored([keys[0]], None, list(range(8)), 8, "CPU"))
+        elif kind < 0.28:
+            evs.append(AllBlocksCleared())
+        elif kind < 0.5:  # decode steps: one block per event, chained from the prompt's last
+            toks = list(range(5_000_000 + 100 * r, 5_000_000 + 100 * r + 4 * rng.randint(1, 8)))
+            more = hashes_as_ints(h.hash_tokens(toks, parent=keys[-1]))
+            every += more
+            evs += [stored([k], (more[i - 1] if i else keys[-1]), toks[4 * i : 4 * i + 4], 4, "GPU")
+                    for i, k in enumerate(more)]
+        evs += [removed([k], rng.choice(["GPU", "CPU"])) for k in keys if rng.random() < 0.3]
+        events += evs
+    return events, every
 
 
 class TestHashesAsKeys:
@@ -302,16 +342,10 @@ class TestHashesAsKeys:
             return real(self, toks, **kw)
 
         monkeypatch.setattr(BlockHasher, "hash_tokens", counted)
-        adds: list[int] = []
-        real_add = idx.add
-
-        def add(pod: str, k: Any, tier: Tier = Tier.GPU) -> None:
-            adds.append(len(k))
-            real_add(pod, k, tier)
-
-        monkeypatch.setattr(idx, "add", add)
+        adds = recorded_adds(monkeypatch, idx)
         assert ap.apply(KVEventBatch(ts=0.0, events=events)) == 0
-        assert hashed == [] and adds == [8, 8]  # the GPU store, then the eight CPU stores at once
+        # the GPU store, then the eight CPU stores at once
+        assert hashed == [] and [len(a) for a in adds] == [8, 8]
         assert all(idx.pod_tiers("p", k) == {Tier.CPU} for k in keys + keys2)
         assert ap.stats.orphans == 0 and len(ap) == 0
 
@@ -334,29 +368,12 @@ class TestHashesAsKeys:
     def test_same_index_as_recomputing_every_event(self, seed: int, algo: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
         """Random demotions, evictions, salted blocks (a hash the recomputation does not give) with children,
-        other block sizes, unknown mediums: applied with and without the shortcut, the index and the counters
-        end the same (the engine-hash map may differ: it then holds identities the shortcut does without).
+        other block sizes, unknown mediums, clears, decode steps (:func:`mixed_events`): applied with and
+        without the shortcut, the index and the counters end the same (the engine-hash map may differ: it then
+        holds identities the shortcut does without).
         For ``sha256_cbor`` the events carry the hashes' 64-bit ints, as vLLM publishes them by default."""
-        import random
-
-        rng = random.Random(seed)
         h = BlockHasher(4, algo)
-        events: list[Any] = []
-        every: list[int] = []
-        for r in range(30):
-            evs, keys = self.demotions(h, rng.randint(1, 6), 10_000 * r)
-            every += keys
-            kind = rng.random()
-            if kind < 0.2:  # a salted request: its own hashes, chained
-                salted = [rng.getrandbits(63) for _ in keys]
-                every += salted
-                evs = [stored(salted, None, list(range(4 * len(keys))), 4, "GPU")]
-                evs += [stored([s], salted[i - 1] if i else None, [9, 9, 9, 9], 4,
-                               rng.choice(["CPU", "TAPE"])) for i, s in enumerate(salted)]
-            elif kind < 0.3:
-                evs.append(stored([keys[0]], None, list(range(8)), 8, "CPU"))
-            evs += [removed([k], rng.choice(["GPU", "CPU"])) for k in keys if rng.random() < 0.3]
-            events += evs
+        events, every = mixed_events(seed, h)
         batches = [events[i : i + 17] for i in range(0, len(events), 17)]
 
         hashed: list[int] = []
@@ -393,38 +410,10 @@ class TestFromBytes:
 
     @staticmethod
     def workload(seed: int, h: BlockHasher) -> tuple[list[bytes], list[int]]:
-        """Encoded batches of demotions, evictions, salted blocks, other block sizes, unknown mediums,
-        clears, and one-block decode steps (17 events a batch)."""
-        import random
-
-        rng = random.Random(seed)
-        events: list[Any] = []
-        every: list[int] = []
-        for r in range(40):
-            evs, keys = TestHashesAsKeys.demotions(h, rng.randint(1, 6), 10_000 * r)
-            every += keys
-            kind = rng.random()
-            if kind < 0.15:  # a salted request: its own hashes, chained
-                salted = [rng.getrandbits(63) for _ in keys]
-                every += salted
-                evs = [stored(salted, None, list(range(4 * len(keys))), 4, "GPU")]
-                evs += [stored([s], salted[i - 1] if i else None, [9, 9, 9, 9], 4,
-                               rng.choice(["CPU", "TAPE"])) for i, s in enumerate(salted)]
-            elif kind < 0.25:
-                evs.append(stored([keys[0]], None, list(range(8)), 8, "CPU"))
-            elif kind < 0.28:
-                evs.append(AllBlocksCleared())
-            elif kind < 0.5:  # decode steps: one block per event, chained from the prompt's last
-                toks = list(range(5_000_000 + 100 * r, 5_000_000 + 100 * r + 4 * rng.randint(1, 8)))
-                more = hashes_as_ints(h.hash_tokens(toks, parent=keys[-1]))
-                every += more
-                evs += [stored([k], (more[i - 1] if i else keys[-1]), toks[4 * i : 4 * i + 4], 4, "GPU")
-                        for i, k in enumerate(more)]
-            evs += [removed([k], rng.choice(["GPU", "CPU"])) for k in keys if rng.random() < 0.3]
-            events += evs
-        batches = [encode_batch(KVEventBatch(ts=float(i), events=events[i : i + 17]))
-                   for i in range(0, len(events), 17)]
-        return batches, every
+        """:func:`mixed_events`, encoded 17 events a batch."""
+        events, every = mixed_events(seed, h)
+        return [encode_batch(KVEventBatch(ts=float(i), events=events[i : i + 17]))
+                for i in range(0, len(events), 17)], every
 
     @pytest.mark.parametrize("recompute", [False, True])
     @pytest.mark.parametrize("seed", range(3))
@@ -457,24 +446,17 @@ class TestFromBytes:
         batches flushes the stores before it (the order of a pod's events stands)."""
         idx = BlockIndex()
         ap = PodEventApplier("p", idx, BlockHasher(16))
-        adds: list[int] = []
-        real = idx.add
-
-        def add(pod: str, k: Any, tier: Tier = Tier.GPU) -> None:
-            adds.append(len(k))
-            real(pod, k, tier)
-
-        monkeypatch.setattr(idx, "add", add)
+        adds = recorded_adds(monkeypatch, idx)
         step: list[list[Any]] = [[stored([100 * b + i], None, list(range(16)), 16, "GPU") for i in range(16)]
                 for b in range(10)]
         for events in step:
             assert ap.apply_payload(encode_batch(KVEventBatch(ts=0.0, events=events))) == (0.0, 0)
         assert adds == [] and idx.num_pod_keys("p") == 0
-        assert ap.flush() == 0 and adds == [160] and ap.stats.stored == 160
+        assert ap.flush() == 0 and [len(a) for a in adds] == [160] and ap.stats.stored == 160
         ap.apply_payload(encode_batch(KVEventBatch(ts=0.0, events=[stored([7], None, [0] * 16, 16, "GPU")])))
         ap.apply_payload(encode_batch(KVEventBatch(ts=0.0, events=[removed([7], "GPU")])))
         ap.flush()
-        assert adds == [160, 1] and idx.pod_tiers("p", 7) == set()
+        assert [len(a) for a in adds] == [160, 1] and idx.pod_tiers("p", 7) == set()
 
     def test_a_batch_beyond_the_lasting_buffers(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """A prefill batch larger than the scanner's lasting buffers is scanned with buffers of its own and
@@ -484,14 +466,7 @@ class TestFromBytes:
 
         idx = BlockIndex()
         ap = PodEventApplier("p", idx, BlockHasher(4))
-        adds: list[list[int]] = []
-        real = idx.add
-
-        def add(pod: str, k: Any, tier: Tier = Tier.GPU) -> None:
-            adds.append(list(k))
-            real(pod, k, tier)
-
-        monkeypatch.setattr(idx, "add", add)
+        adds = recorded_adds(monkeypatch, idx)
         step = KVEventBatch(ts=0.0, events=[stored([1, 2], None, list(range(8)), 4, "GPU")])
         big_keys = list(range(10, 10 + SCAN_KEYS // 4))
         big = encode_batch(KVEventBatch(ts=0.0, events=[stored(big_keys, 2, list(range(4 * len(big_keys))), 4,
@@ -525,25 +500,16 @@ class TestFromBytes:
                 assert scan is not None
                 assert scan.runs[0].hash_keys == ap._hash_is_key(ev), ev
 
-    def test_the_subscriber_reads_vllm_batches_from_their_bytes(self,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_the_subscriber_reads_vllm_batches_from_their_bytes(self, decoded_payloads: list[int]) -> None:
         """Over real ZMQ sockets: step batches in vLLM's layout never reach the decoder; a batch in another
         layout (SGLang's event arrays) still does, and is indexed."""
         import msgspec
 
-        from kvfleet.epp import subscriber as subscriber_mod
         from kvfleet.epp.subscriber import EventSubscriber
         from tests.conftest import wait_for
         from tests.epp.pods import KVEventPublisher
 
-        decoded: list[int] = []
-        real = subscriber_mod.decode_batch_lenient  # type: ignore[attr-defined]
-
-        def counted(payload: bytes) -> Any:
-            decoded.append(len(payload))
-            return real(payload)
-
-        monkeypatch.setattr(subscriber_mod, "decode_batch_lenient", counted)
+        decoded = decoded_payloads
         pub = KVEventPublisher()
         sub = EventSubscriber(replay_timeout_s=1.0)
         sub.start()

@@ -16,11 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from kvfleet.cache.events import DecodedBatch
 from kvfleet.cache.hashing import BlockHasher
-from kvfleet.epp import subscriber as subscriber_mod
 from kvfleet.epp.index import BlockIndex
 from kvfleet.epp.subscriber import EventSubscriber
 from tests.conftest import wait_for
@@ -45,20 +41,13 @@ class VllmPublisher(Driver):
 
 def test_real_publisher_turns_decode_and_eviction(
     algo: str, ports: tuple[int, int], subscriber: EventSubscriber, tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    decoded_payloads: list[int],
 ) -> None:
     """... and once the pod has shown it hashes like the picker (``sha256_cbor``, vLLM publishing its
     hashes' 64-bit ints), vLLM's batches are applied from their bytes (the compiled scan): none of the later
     turn's, decode's or eviction's reach the decoder; a pod hashing otherwise (vLLM's ``sha256`` for an
     ``xxh3_64`` pool) has its keys recomputed from every batch's events."""
-    through_decoder: list[int] = []
-    real = subscriber_mod.decode_batch_lenient  # type: ignore[attr-defined]
-
-    def counted(payload: bytes) -> DecodedBatch:
-        through_decoder.append(len(payload))
-        return real(payload)
-
-    monkeypatch.setattr(subscriber_mod, "decode_batch_lenient", counted)
+    through_decoder = decoded_payloads
     # vLLM seeds its root hash with PYTHONHASHSEED (0 in the drivers' environment; unset, "vllm-none-hash",
     # the picker's default hash_seed): with the same seed the sha256_cbor pod hashes like the picker, as in a
     # cluster

@@ -212,13 +212,18 @@ def _event(raw: Any) -> AnyEvent:
     return ev
 
 
-# a batch's scan takes about a microsecond: the ingestion thread keeps the GIL through it (handing it over
-# and taking it back costs as much; paired runs of the subscriber's loop: 11.0–12.3 against 11.8–12.5 µs a
-# 16-event batch)
-_lib = load(Path(__file__).parent, "_events", "KV-event scanner", hold_gil=True)
-_lib.kv_scan_batch.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
-                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-_lib.kv_scan_batch.restype = ctypes.c_int64
+# a step's batch is scanned in about a microsecond: the ingestion thread keeps the GIL through it (handing it
+# over and taking it back costs as much; paired runs of the subscriber's loop: 11.0–12.3 against 11.8–12.5 µs
+# a 16-event batch); a payload above HOLD_GIL_BYTES (≈ 20 µs of scan and more, up to ≈ 5 ms at the 16 MiB
+# cap) is scanned with the GIL released, so the threads that route are not held up
+_held = load(Path(__file__).parent, "_events", "KV-event scanner", hold_gil=True).kv_scan_batch
+_free = load(Path(__file__).parent, "_events", "KV-event scanner").kv_scan_batch
+for _fn in (_held, _free):
+    _fn.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    _fn.restype = ctypes.c_int64
+#: the largest payload scanned with the GIL held
+HOLD_GIL_BYTES = 64 << 10
 #: words per run in ``kv_scan_batch``'s output
 _OP_WORDS = 7
 #: the smallest event in vLLM's layout (``{"type": "AllBlocksCleared"}``) is 23 bytes: a bound on the runs
@@ -273,8 +278,9 @@ class BatchScanner:
         n = len(payload)
         if n == 0 or at < 0 or at >= len(self.keys):
             return None
-        got = _lib.kv_scan_batch(payload, n, self.block_size, self.chain_bytes, self._ops_at, self._runs_cap,
-                                 self._keys_at + 8 * at, len(self.keys) - at)
+        call = _held if n <= HOLD_GIL_BYTES else _free
+        got = call(payload, n, self.block_size, self.chain_bytes, self._ops_at, self._runs_cap,
+                   self._keys_at + 8 * at, len(self.keys) - at)
         if got < 0:
             return None
         head = self._ops[: 1 + got * _OP_WORDS].tolist()

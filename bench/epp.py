@@ -62,7 +62,7 @@ import threading
 import time
 import tracemalloc
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -591,6 +591,20 @@ class _OneByOne(PodEventApplier):
         return sum(self._apply_one(e) for e in stores)
 
 
+def _events_per_cpu_s(runs: dict[str, Callable[[], PodEventApplier]], events: int) -> dict[str, float]:
+    """Events per CPU second of each run (each applies ``events`` events to a fresh applier it returns),
+    the runs alternated, best of three."""
+    best = dict.fromkeys(runs, 0.0)
+    for _ in range(3):
+        for name, run in runs.items():
+            t0 = time.process_time()
+            ap = run()
+            dt = time.process_time() - t0
+            assert ap.stats.stored == events, (name, ap.stats)
+            best[name] = max(best[name], events / max(dt, 1e-9))
+    return best
+
+
 def ingest_paths(n: int = 64_000) -> dict[str, float]:
     """In this process, the same decode-step batches (:func:`decode_steps`, one pod) applied to a fresh index
     from their bytes (:meth:`~kvfleet.epp.ingest.PodEventApplier.apply_payload`, flushed every 16 batches as
@@ -600,22 +614,23 @@ def ingest_paths(n: int = 64_000) -> dict[str, float]:
     picker's): 16 requests decoding, a block each per step, a step's stores recomputed together against one
     by one (the baseline)."""
     payloads = [p for _, p in decode_steps(n, 1, 11)]
-    best = {"bytes": 0.0, "decoder": 0.0}
-    for _ in range(3):
-        for path in best:
-            ap = PodEventApplier("p", BlockIndex(), BlockHasher(BLOCK))
-            t0 = time.process_time()
-            for i, payload in enumerate(payloads):
-                if path == "bytes":
-                    ap.apply_payload(payload)
-                    if i % 16 == 15:
-                        ap.flush()
-                else:
-                    ap.apply(decode_batch_lenient(payload).batch)
-            ap.flush()
-            dt = time.process_time() - t0
-            assert ap.stats.stored == n
-            best[path] = max(best[path], n / max(dt, 1e-9))
+
+    def from_bytes() -> PodEventApplier:
+        ap = PodEventApplier("p", BlockIndex(), BlockHasher(BLOCK))
+        for i, payload in enumerate(payloads):
+            ap.apply_payload(payload)
+            if i % 16 == 15:
+                ap.flush()
+        ap.flush()
+        return ap
+
+    def decoded() -> PodEventApplier:
+        ap = PodEventApplier("p", BlockIndex(), BlockHasher(BLOCK))
+        for payload in payloads:
+            ap.apply(decode_batch_lenient(payload).batch)
+        return ap
+
+    best = _events_per_cpu_s({"bytes": from_bytes, "decoder": decoded}, n)
     print(f"ingest in process, decode-step events: {best['bytes']:,.0f}/CPU-s from their bytes, "
           f"{best['decoder']:,.0f}/CPU-s decoded into events ({best['bytes'] / best['decoder']:.2f} ×)",
           flush=True)
@@ -628,17 +643,18 @@ def ingest_paths(n: int = 64_000) -> dict[str, float]:
     batches = [KVEventBatch(ts=0.0, events=[
         stored([ehs[r][s]], ehs[r][s - 1] if s else None, toks[r][s * BLOCK : (s + 1) * BLOCK], BLOCK, "GPU")
         for r in range(16)]) for s in range(steps)]
-    rec = {"together": 0.0, "one_by_one": 0.0}
-    for _ in range(3):
-        for path in rec:
-            cls = PodEventApplier if path == "together" else _OneByOne
+
+    def recomputed(cls: type[PodEventApplier]) -> Callable[[], PodEventApplier]:
+        def run() -> PodEventApplier:
             ap = cls("p", BlockIndex(), BlockHasher(BLOCK), recompute_keys=True)
-            t0 = time.process_time()
             for b in batches:
                 ap.apply(b)
-            dt = time.process_time() - t0
-            assert ap.stats.stored == 16 * steps and ap.hashes_like_us is not True
-            rec[path] = max(rec[path], 16 * steps / max(dt, 1e-9))
+            assert ap.hashes_like_us is not True
+            return ap
+        return run
+
+    rec = _events_per_cpu_s({"together": recomputed(PodEventApplier), "one_by_one": recomputed(_OneByOne)},
+                            16 * steps)
     print(f"ingest in process, a pod whose keys are recomputed: {rec['together']:,.0f}/CPU-s a step's "
           f"stores together, {rec['one_by_one']:,.0f}/CPU-s one by one "
           f"({rec['together'] / rec['one_by_one']:.2f} ×)", flush=True)

@@ -48,8 +48,13 @@ class Tier(StrEnum):
         """
         if medium is None:
             return cls.GPU
+        tier = _SPELLED.get(medium)
+        if tier is not None:
+            return tier
         tier = _ALIASES.get(medium.strip().lower().replace("-", "_"))
         if tier is not None:
+            if len(_SPELLED) < _MAX_SPELLED:
+                _SPELLED[medium] = tier
             return tier
         if default is not None:
             return default
@@ -70,6 +75,10 @@ _ORDER: list[Tier] = [Tier.GPU, Tier.CPU, Tier.SSD, Tier.REMOTE]
 #: ``rank`` and ``medium`` of each tier, looked up (every KV event of a tier names its medium)
 _RANK: dict[Tier, int] = {t: i for i, t in enumerate(_ORDER)}
 _MEDIUM: dict[Tier, str] = {t: t.value.upper() for t in _ORDER}
+#: the known spellings :meth:`Tier.from_medium` has met, as given (every KV event names its medium: the
+#: normalising is paid once per spelling); bounded, since a pod may spell them in many ways
+_SPELLED: dict[str, Tier] = {}
+_MAX_SPELLED = 64
 _ALIASES: dict[str, Tier] = {
     **{name: Tier.GPU for name in ("gpu", "cuda", "hbm", "device")},
     **{name: Tier.CPU for name in ("cpu", "cpu_pinned", "pinned", "host", "dram")},

@@ -80,9 +80,6 @@ log = logging.getLogger(__name__)
 _MASK = (1 << 64) - 1
 #: :meth:`PodEventApplier.apply_payload` indexes the stores it holds at this many keys at the latest
 HOLD_KEYS = 1 << 14
-#: the tier of each known ``medium`` spelling seen (bounded: a pod may spell them in many ways)
-_MEDIUMS: dict[str | None, Tier] = {}
-_MAX_MEDIUMS = 64
 
 
 def _int_or_32(h: object) -> bool:
@@ -166,14 +163,10 @@ class PodEventApplier:
         while i < len(events):
             j = self._run_end(events, i)
             ev = events[i]
-            if j - i == 1 and isinstance(ev, BlockStored) and not self._keys_are_hashes:
-                j = i + 1  # a run of stores whose keys are recomputed
-                while j < len(events) and isinstance(events[j], BlockStored):
-                    j += 1
-                if j - i > 1:
-                    failed += self._recompute_stores(cast("list[BlockStored]", events[i:j]))
-                    i = j
-                    continue
+            if isinstance(ev, BlockStored) and not self._keys_are_hashes:
+                failed += self._recompute_stores(cast("list[BlockStored]", events[i:j]))
+                i = j
+                continue
             if j - i > 1 and isinstance(ev, (BlockStored, BlockRemoved)):
                 moves = cast("list[BlockStored | BlockRemoved]", events[i:j])  # one kind: see _run_end
                 try:
@@ -274,9 +267,16 @@ class PodEventApplier:
         return events
 
     def _run_end(self, events: list[AnyEvent], i: int) -> int:
-        """End of the run of events from ``i`` that :meth:`apply` may merge into one index operation."""
+        """End of the run of events from ``i`` that :meth:`apply` may merge into one index operation; for a
+        store whose keys are recomputed, of the consecutive stores (any medium) :meth:`_recompute_stores`
+        takes together."""
         ev = events[i]
-        if not (isinstance(ev, BlockRemoved) or (isinstance(ev, BlockStored) and self._keys_are_hashes)):
+        if isinstance(ev, BlockStored) and not self._keys_are_hashes:
+            j = i + 1
+            while j < len(events) and isinstance(events[j], BlockStored):
+                j += 1
+            return j
+        if not isinstance(ev, (BlockRemoved, BlockStored)):
             return i + 1
         kind, medium = type(ev), ev.medium
         j = i + 1
@@ -402,8 +402,7 @@ class PodEventApplier:
         try:
             self._apply(ev)
         except Exception as exc:  # one bad event must never stop the pod's feed
-            self.stats.rejected += 1
-            self._log(f"pod {self.pod}: KV event {type(ev).__name__} dropped: {exc}")
+            self._failed(1, type(ev).__name__, exc)
             if not isinstance(ev, BlockStored):
                 self.reset()
             return 1
@@ -425,14 +424,8 @@ class PodEventApplier:
             log.warning("%s", msg)
 
     def _tier(self, medium: str | None, events: int = 1) -> Tier:
-        tier = _MEDIUMS.get(medium)
-        if tier is not None:
-            return tier
         try:
-            tier = Tier.from_medium(medium)
-            if len(_MEDIUMS) < _MAX_MEDIUMS:
-                _MEDIUMS[medium] = tier
-            return tier
+            return Tier.from_medium(medium)
         except ValueError:
             self.stats.unknown_medium += events
             self._log(

@@ -14,7 +14,8 @@ loop (``kvfleet/epp/_probe.c``); the picks again when the reuse sketch (``kvflee
 held prefixes that will not survive the queue, when the recompute-load scorer joined the default profile, and
 when the hot-spot damping stopped counting the followers of a prefix still being computed that come slower
 than their pod serves them while no copy elsewhere would be ready first (``plugins.followers``) and the
-copy-value scorer joined the default profile (changes of decisions by design; the matches were unchanged).
+copy-value scorer joined the default profile, and when the recompute-load scorer's utilisation came to count
+up to 0.8 instead of 0.5 (changes of decisions by design; the matches were unchanged).
 Any change of a decision shows as a failed replay. Rewrite it only for a change that is meant to change
 decisions, and say so in the commit.
 """

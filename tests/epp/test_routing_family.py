@@ -107,8 +107,9 @@ def test_placements_pay_for_what_they_evict(monkeypatch: pytest.MonkeyPatch) -> 
     """The eviction-cost scorer prices the cached blocks a placement pushes out of a full cache: without
     it agent tasks pile onto the pods holding their system prompt while others stay empty (at ρ 0.5 p90
     more than 1.4 ×, mean more than 1.15 ×, hit lower; at the ideal hit's utilisation ρ* 0.5 p90 and mean
-    more than 1.12 ×, hit lower)."""
-    saturated = case("agents", "ρ*", 0.5, 250, 1)
+    more than 1.12 ×, hit lower, over 1,600 requests: over the first 800 the overloaded pool is as well
+    off without it since the recompute-load scorer counts up to 0.8, ``docs/epp.md``)."""
+    saturated = case("agents", "ρ*", 0.5, 250, 1, n=1600)
     base_moderate, base = run(AGENTS_MODERATE), run(saturated)
     monkeypatch.setattr(EvictionCostScorer, "score", lambda self, req, cands: [0.0] * len(cands))
     moderate, blind = run(AGENTS_MODERATE), run(saturated)
@@ -146,7 +147,8 @@ def test_hot_spots_damp_only_followers_a_copy_relieves(monkeypatch: pytest.Monke
       piles onto the holder: p99 more than 1.15 × and p90 more than 1.1 × (storm at ρ 0.8, 250-block caches);
     - not counted for slow followers while computing even when a copy elsewhere would be ready first (the
       holder's queue longer than another pod's queue and recompute), agent trees near saturation pile onto
-      busy holders: p90 more than 1.25 × (agents at ρ* 0.5, 250-block caches, seed 0);
+      busy holders: p90 more than 1.1 × (agents at ρ* 0.5, 250-block caches, seed 0; 1.25 × before the
+      recompute-load scorer counted up to 0.8);
     - not counted for slow followers even once the prefix is cached, agent trees' sibling branches pile
       onto their holders: p90 more than 1.4 × (agents at ρ* 0.5, 250-block caches, seed 1)."""
     documents = case("documents", "ρ", 0.5, 1000, 1, n=2000, pods=12)
@@ -176,7 +178,7 @@ def test_hot_spots_damp_only_followers_a_copy_relieves(monkeypatch: pytest.Monke
     assert piled.ttft["p99"] > 1.15 * base[storm].ttft["p99"]
     assert piled.ttft["p90"] > 1.1 * base[storm].ttft["p90"]
     monkeypatch.setattr(plugins, "followers", rate_only)
-    assert run(AGENTS_SATURATED).ttft["p90"] > 1.25 * base[AGENTS_SATURATED].ttft["p90"]
+    assert run(AGENTS_SATURATED).ttft["p90"] > 1.1 * base[AGENTS_SATURATED].ttft["p90"]
     monkeypatch.setattr(plugins, "followers", only_fast)
     assert run(agents).ttft["p90"] > 1.4 * base[agents].ttft["p90"]
 
@@ -201,9 +203,10 @@ def test_a_copy_s_followers_are_counted_with_care(monkeypatch: pytest.MonkeyPatc
 
     - a popularity run younger than ``COPY_MIN_AGE_S`` counts no followers: counted from the first request,
       agent trees' bursts of sibling steps earn copies (agents at ρ* 0.5, 250-block caches: p90 more than
-      1.5 ×);
+      1.2 ×; 1.5 × before the recompute-load scorer counted up to 0.8, which keeps more of those steps on
+      their holders near saturation);
     - less the ``F`` follow-ups the queue scorer counts: without it, they are counted twice (the same case:
-      p90 more than 1.3 ×);
+      p90 more than 1.12 ×; 1.3 × before);
     - scaled by the pod's spare capacity: without it, copies go to pods as busy as the holder (sessions at
       ρ* 0.5, 250-block caches, seed 1: p90 more than 1.07 ×)."""
     sessions = case("sessions", "ρ*", 0.5, 250, 1, n=2000)
@@ -217,10 +220,10 @@ def test_a_copy_s_followers_are_counted_with_care(monkeypatch: pytest.MonkeyPatc
 
     with monkeypatch.context() as m:
         m.setattr(director, "COPY_MIN_AGE_S", 0.0)
-        assert run(AGENTS_SATURATED).ttft["p90"] > 1.5 * base_agents.ttft["p90"]
+        assert run(AGENTS_SATURATED).ttft["p90"] > 1.2 * base_agents.ttft["p90"]
     with monkeypatch.context() as m:
         m.setattr(plugins.CopyValueScorer, "__init__", without(max_followups=0.0))
-        assert run(AGENTS_SATURATED).ttft["p90"] > 1.3 * base_agents.ttft["p90"]
+        assert run(AGENTS_SATURATED).ttft["p90"] > 1.12 * base_agents.ttft["p90"]
     with monkeypatch.context() as m:
         m.setattr(plugins.CopyValueScorer, "__init__", without(max_busy=float("inf")))
         assert run(sessions).ttft["p90"] > 1.07 * base_sessions.ttft["p90"]
@@ -273,6 +276,24 @@ def test_a_recompute_on_a_busy_pod_pays_for_the_delay_it_causes(monkeypatch: pyt
     assert blind.hit_rate < base.hit_rate
 
 
+def test_a_recompute_near_saturation_pays_its_whole_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recompute-load scorer's ``u`` counts up to 0.8, not 0.5: held at 0.5 (the charge at most the
+    recompute itself), sessions near their pool's capacity on 10 pods trade hits for queues on pods just
+    as busy (p90 and mean more than 1.3 ×, hit lower)."""
+    sessions = case("sessions", "ρ*", 0.5, 250, 1, n=2000, pods=10)
+    base = run(sessions)
+    init = RecomputeLoadScorer.__init__
+
+    def capped_at_half(self: RecomputeLoadScorer, params: Mapping[str, float]) -> None:
+        init(self, {**params, "max_busy": 0.5})
+
+    monkeypatch.setattr(RecomputeLoadScorer, "__init__", capped_at_half)
+    capped = run(sessions)
+    assert capped.ttft["p90"] > 1.3 * base.ttft["p90"]
+    assert capped.ttft["mean"] > 1.3 * base.ttft["mean"]
+    assert capped.hit_rate < base.hit_rate
+
+
 def test_a_placement_counts_the_wait_of_the_requests_that_follow_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue scorer counts a pod's expected wait once more for each request expected to follow this one
     there (``QueueScorer.followups``, from the pool's reuse share): counted once, the steps of agent trees
@@ -304,13 +325,13 @@ def test_a_peer_replicas_pick_lives_as_its_own(monkeypatch: pytest.MonkeyPatch) 
 def test_peer_replicas_fold_every_follow_up_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each pick carries its pool's follow-up sample and every replica folds its peers' as its own
     (``Director.peer_followup``), so the share the queue scorer multiplies by is the fleet's, as one
-    picker's: on the agents trees at the utilisation of the ideal hit, three replicas are within 2 % of one
-    picker's p90 and 3 % of its mean; each counting only the third of the requests the gateway sends it, p50
-    was more than 1.15 × and mean more than 1.12 × (1.19 and 1.16 × with the gossip 1 ms late, 1.41 and
-    1.26 × at 2 ms)."""
+    picker's: on the agents trees at the utilisation of the ideal hit, three replicas are within 4 % of one
+    picker's p90 (2 % before the recompute-load scorer counted up to 0.8; 3.0 % since) and 3 % of its mean;
+    each counting only the third of the requests the gateway sends it, p50 was more than 1.15 × and mean
+    more than 1.12 × (1.19 and 1.16 × with the gossip 1 ms late, 1.41 and 1.26 × at 2 ms)."""
     agents = case("agents", "ρ*", 0.8, 250, 1)
     one, three = run(agents), run(agents, "kvfleet-x3")
-    assert three.ttft["p90"] <= 1.02 * one.ttft["p90"]
+    assert three.ttft["p90"] <= 1.04 * one.ttft["p90"]
     assert three.ttft["mean"] <= 1.03 * one.ttft["mean"]
     monkeypatch.setattr(director.Director, "peer_followup", lambda self, pool, share: None)
     alone = run(agents, "kvfleet-x3")

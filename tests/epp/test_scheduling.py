@@ -203,18 +203,18 @@ class TestScorers:
             self.cand("busy", busy_share=0.9),
         ]
         scores = plugin.score(req, cands)  # type: ignore[union-attr]
-        assert scores == pytest.approx([0.0, 0.0, -6 * unit / 3, -8 * unit])  # 0.9 counts as 0.5: factor 1
+        assert scores == pytest.approx([0.0, 0.0, -6 * unit / 3, -8 * unit * 4])  # 0.9 counts as 0.8: × 4
         assert plugin.score(req, [self.cand("a", busy_share=0.9), self.cand("b", busy_share=0.4)]) == [  # type: ignore[union-attr]
             0.0, 0.0]
         hot = [self.cand("holder", hit_weighted=8.0, same_prefix=2, prefix_rate=1e3),
                self.cand("busy", busy_share=0.9)]
-        assert plugin.score(req, hot) == pytest.approx([0.0, -8 * unit / 2])  # type: ignore[union-attr]
+        assert plugin.score(req, hot) == pytest.approx([0.0, -8 * unit * 4 / 2])  # type: ignore[union-attr]
         # still computing the prefix for requests that come at half the rate it serves them: no damping
         slow = [self.cand("holder", hit_blocks=8, hit_weighted=8.0, spec_blocks=8, same_prefix=2,
                           prefix_rate=500.0), self.cand("busy", busy_share=0.9)]
-        assert plugin.score(req, slow) == pytest.approx([0.0, -8 * unit])  # type: ignore[union-attr]
-        _, wide = create("recompute-load-scorer", {"max_busy": 0.8})
-        assert wide.score(req, cands)[3] == pytest.approx(-8 * unit * 4)  # type: ignore[union-attr]
+        assert plugin.score(req, slow) == pytest.approx([0.0, -8 * unit * 4])  # type: ignore[union-attr]
+        _, half = create("recompute-load-scorer", {"max_busy": 0.5})
+        assert half.score(req, cands)[3] == pytest.approx(-8 * unit)  # type: ignore[union-attr]
 
     def test_expected_wait_adds_to_the_queue(self) -> None:
         """The queue scorer adds the candidate's expected wait (weight ``expected_weight``)."""

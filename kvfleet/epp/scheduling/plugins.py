@@ -372,7 +372,7 @@ class RecomputeLoadScorer:
 
     ``score = −(H − hit_weighted) · block_size · prefill_s_per_token · u / (1 − u) / (1 + β · Σ followers)``
     with ``H`` the largest ``hit_weighted`` among the candidates, ``u = min(max_busy, busy_share)`` the pod's
-    recent utilisation (``Candidate.busy_share``; param ``max_busy``, default 0.5, so ``u / (1 − u) ≤ 1``)
+    recent utilisation (``Candidate.busy_share``; param ``max_busy``, default 0.8, so ``u / (1 − u) ≤ 4``)
     and ``Σ followers`` the picker's requests of the same hot key still waiting for their first token on
     all candidates, counted as the prefix scorer counts them (:func:`followers`; ``β`` = hotspot_beta).
 
@@ -388,10 +388,17 @@ class RecomputeLoadScorer:
     saturation the picker traded hits for a shorter queue on pods that were just as busy, the recomputes
     took the capacity the next requests queued for, and sessions at 8 pods waited 2 × longer than behind
     GIE's picker (``docs/epp.md``).
+
+    ``u`` counts up to 0.8, not 0.5 as for the queue scorer's expected wait: that cap keeps the expected
+    wait from counting the pod's known queue a second time, but nothing else counts the delay a recompute
+    puts on the requests after it, and near saturation that delay is several times the recompute. Held at
+    0.5 (the charge at most the recompute itself), a pool near its capacity traded hits for queues on pods
+    just as busy, the recomputes deepened every queue, and sessions on 10 pods waited 1.8 × longer (mean)
+    than behind GIE's picker, an overloaded agents case 1.28 × (``docs/epp.md``).
     """
 
     def __init__(self, params: Mapping[str, float]) -> None:
-        self.max_busy = min(0.95, max(0.0, float(params.get("max_busy", 0.5))))
+        self.max_busy = min(0.95, max(0.0, float(params.get("max_busy", 0.8))))
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         if not cands:

@@ -56,7 +56,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import repeat
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -346,9 +346,7 @@ class PodEventApplier:
         if len(todo) > 1:
             try:
                 rows = np.array([stores[i].token_ids[:bs] for i in todo], dtype=np.uint32)
-                hashed = self.hasher.hash_each(rows, parents)
-                keys = hashes_as_ints(hashed)
-                chains: list[BlockHash] = list(keys) if self.hasher.algo == "xxh3_64" else list(hashed)
+                keys, chains = self._keys_and_chain(self.hasher.hash_each(rows, parents))
                 ours = {i: (k, c, p, pe)
                         for i, k, c, p, pe in zip(todo, keys, chains, parents, engine_parents, strict=True)}
             except Exception:  # whatever it is, each event on its own says it
@@ -432,6 +430,12 @@ class PodEventApplier:
                 f"pod {self.pod}: unknown KV medium {str(medium)[:64]!r}, indexed as {Tier.slowest().medium}")
             return Tier.slowest()
 
+    def _keys_and_chain(self, hashed: npt.NDArray[Any]) -> tuple[list[int], list[BlockHash]]:
+        """The index keys of the picker's block hashes ``hashed`` and the chain values a child continues from
+        (the keys themselves for ``xxh3_64``, the 32-byte hashes for ``sha256_cbor``)."""
+        keys = hashes_as_ints(hashed)
+        return keys, list(keys) if self.hasher.algo == "xxh3_64" else list(hashed)
+
     def _chain_value(self, h: int | bytes) -> BlockHash | None:
         """``h`` as a parent the picker's algorithm can continue from, or ``None``."""
         if self.hasher.algo == "sha256_cbor":
@@ -480,9 +484,7 @@ class PodEventApplier:
                     self.stats.orphans += n
                     return
                 resumed = True
-        ours = self.hasher.hash_tokens(ev.token_ids[: n * bs], parent=parent)
-        keys = hashes_as_ints(ours)
-        chain: list[BlockHash] = list(keys) if self.hasher.algo == "xxh3_64" else list(ours)
+        keys, chain = self._keys_and_chain(self.hasher.hash_tokens(ev.token_ids[: n * bs], parent=parent))
         if len(keys) != n:
             self.stats.orphans += n
             return

@@ -38,6 +38,15 @@ AGENTS_SATURATED = case("agents", "ρ*", 0.5, 250, 0, n=1200)
 SESSIONS_HIGH = case("sessions", "ρ", 0.95, 250, 1, n=1200)
 
 
+def with_params(plugin: type[Any], **params: float) -> Callable[[Any, Mapping[str, float]], None]:
+    """``plugin.__init__`` with ``params`` over the ones it is given (a mechanism's parameter changed)."""
+    init = plugin.__init__
+
+    def patched(self: Any, given: Mapping[str, float]) -> None:
+        init(self, {**given, **params})
+    return patched
+
+
 def keep_every_hit(self: ReuseTracker, pods: Sequence[str], hits: Sequence[int], caps: Sequence[int],
                    keys: Sequence[int]) -> list[int]:
     """:meth:`ReuseTracker.fit` without its rule: every held prefix is credited whole."""
@@ -211,21 +220,15 @@ def test_a_copy_s_followers_are_counted_with_care(monkeypatch: pytest.MonkeyPatc
       ρ* 0.5, 250-block caches, seed 1: p90 more than 1.07 ×)."""
     sessions = case("sessions", "ρ*", 0.5, 250, 1, n=2000)
     base_agents, base_sessions = run(AGENTS_SATURATED), run(sessions)
-    init = plugins.CopyValueScorer.__init__
-
-    def without(**kw: float) -> Callable[[plugins.CopyValueScorer, Mapping[str, float]], None]:
-        def patched(self: plugins.CopyValueScorer, params: Mapping[str, float]) -> None:
-            init(self, {**params, **kw})
-        return patched
-
+    scorer = plugins.CopyValueScorer
     with monkeypatch.context() as m:
         m.setattr(director, "COPY_MIN_AGE_S", 0.0)
         assert run(AGENTS_SATURATED).ttft["p90"] > 1.2 * base_agents.ttft["p90"]
     with monkeypatch.context() as m:
-        m.setattr(plugins.CopyValueScorer, "__init__", without(max_followups=0.0))
+        m.setattr(scorer, "__init__", with_params(scorer, max_followups=0.0))
         assert run(AGENTS_SATURATED).ttft["p90"] > 1.12 * base_agents.ttft["p90"]
     with monkeypatch.context() as m:
-        m.setattr(plugins.CopyValueScorer, "__init__", without(max_busy=float("inf")))
+        m.setattr(scorer, "__init__", with_params(scorer, max_busy=float("inf")))
         assert run(sessions).ttft["p90"] > 1.07 * base_sessions.ttft["p90"]
 
 
@@ -282,12 +285,7 @@ def test_a_recompute_near_saturation_pays_its_whole_delay(monkeypatch: pytest.Mo
     as busy (p90 and mean more than 1.3 ×, hit lower)."""
     sessions = case("sessions", "ρ*", 0.5, 250, 1, n=2000, pods=10)
     base = run(sessions)
-    init = RecomputeLoadScorer.__init__
-
-    def capped_at_half(self: RecomputeLoadScorer, params: Mapping[str, float]) -> None:
-        init(self, {**params, "max_busy": 0.5})
-
-    monkeypatch.setattr(RecomputeLoadScorer, "__init__", capped_at_half)
+    monkeypatch.setattr(RecomputeLoadScorer, "__init__", with_params(RecomputeLoadScorer, max_busy=0.5))
     capped = run(sessions)
     assert capped.ttft["p90"] > 1.3 * base.ttft["p90"]
     assert capped.ttft["mean"] > 1.3 * base.ttft["mean"]

@@ -101,6 +101,24 @@ def _metrics(ip: str, port: int = 8000) -> str:
         return str(r.read().decode())
 
 
+def _epps_count(kube: Kube, ns: str) -> dict[str, float] | None:
+    """Each InferencePool's ready engine pods as the API server has them, once every ready EPP replica counts
+    as many (its ``inference_pool_ready_pods``: the pods it would pick); else None."""
+    want = {p["metadata"]["name"]: float(len(_pod_ips(kube, ns, ",".join(
+        f"{k}={v}" for k, v in p["spec"]["selector"]["matchLabels"].items()))))
+        for p in kube.get("inferencepools", None, ns)["items"]}
+    pods = kube.get("pods", None, ns, "-l", "app.kubernetes.io/component=epp")["items"]
+    epps = [p["status"]["podIP"] for p in pods
+            if any(c["type"] == "Ready" and c["status"] == "True"
+                   for c in (p.get("status") or {}).get("conditions") or [])]
+    for ip in epps:
+        seen = {line.split('name="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in _metrics(ip, 9090).splitlines() if line.startswith("inference_pool_ready_pods{")}
+        if any(seen.get(k) != v for k, v in want.items()):
+            return None
+    return want if epps else None
+
+
 def test_chart_pods_run_and_the_pools_become_ready(crds: Kube, stack: tuple[str, Node]) -> None:
     ns, node = stack
     _pools_ready(crds, ns, node, "sim-unified", "sim-pd")
@@ -169,6 +187,10 @@ def test_replaced_pod_is_discovered_and_served(crds: Kube, stack: tuple[str, Nod
     now = wait_for(replaced, "the replacement pod Ready", timeout_s=120, interval_s=1)
     (new,) = set(now) - set(before)
     assert now[new] not in before.values()  # a new address
+    # the pickers count it before the new tenants come (a picker that has not seen it yet sends them all
+    # elsewhere: under a loaded machine that lag once outlasted the 24 tenants)
+    wait_for(lambda: _epps_count(crds, ns), "every EPP replica counting the pools' ready pods", timeout_s=60,
+             interval_s=1)
     for i in range(24):
         system = f"Replacement round, tenant {i}. " + "Keep answers short. " * 30
         first = complete(url, "llama-3-8b", system + "first?")

@@ -2,7 +2,11 @@
 two workloads of its own (a hot-prefix storm, multi-turn sessions).
 
 N pods, each a FIFO prefill server at the cost model's speed with a GPU prefix
-cache of C blocks (the trace's 512-token blocks, LRU); kvfleet's tiered runs add
+cache of C blocks (the trace's 512-token blocks, LRU, a served request's blocks
+touched from its end to its beginning: a full cache gives up the end of its least
+recently used context first, as vLLM's KV cache manager frees a request's blocks;
+tests/interop/test_vllm_eviction.py compares the hits with vLLM's own, request by
+request); kvfleet's tiered runs add
 CPU and SSD tiers (exclusive, demote on eviction, promote on a hit at the
 cost model's read bandwidth). TTFT = queueing + prefill of the uncached suffix
 + tier loads + one decode step; the stream then lasts ``output tokens × itl_s``
@@ -212,6 +216,13 @@ class SimPod:
                 new.append(b)
         for b in promoted_cpu + promoted_ssd + new:
             self.gpu[b] = None
+        # the request's blocks end up newest at its beginning: an eviction takes the end of the least recently
+        # used context first, as vLLM frees a finished request's blocks in reverse order (and SGLang's radix
+        # cache evicts leaves); the beginning first, one eviction cut a whole context off its prefix
+        gpu = self.gpu
+        for b in reversed(r.blocks):
+            if b in gpu:
+                gpu.move_to_end(b)
         stored = promoted_cpu + promoted_ssd + new
         if stored:
             events.append(("stored", stored, Tier.GPU))
@@ -745,7 +756,7 @@ def ideal_hits(reqs: list[Req], capacity: int) -> list[int]:
             if b not in lru:
                 break
             hit += 1
-        for b in r.blocks:
+        for b in reversed(r.blocks):  # newest-first from the head, as the pods evict (SimPod.serve)
             lru[b] = None
             lru.move_to_end(b)
         while len(lru) > capacity:

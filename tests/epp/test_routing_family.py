@@ -156,14 +156,16 @@ def test_hot_spots_damp_only_followers_a_copy_relieves(monkeypatch: pytest.Monke
       piles onto the holder: p99 more than 1.15 × and p90 more than 1.1 × (storm at ρ 0.8, 250-block caches);
     - not counted for slow followers while computing even when a copy elsewhere would be ready first (the
       holder's queue longer than another pod's queue and recompute), agent trees near saturation pile onto
-      busy holders: p90 more than 1.1 × (agents at ρ* 0.5, 250-block caches, seed 0; 1.25 × before the
-      recompute-load scorer counted up to 0.8);
+      busy holders: p50 more than 1.15 × and mean more than 1.1 × (agents at ρ* 0.8, 250-block caches, seed
+      1; on the documents at ρ* 0.8 or 0.5 with 250-block caches it costs 2–13 % instead: docs/epp.md);
     - not counted for slow followers even once the prefix is cached, agent trees' sibling branches pile
-      onto their holders: p90 more than 1.4 × (agents at ρ* 0.5, 250-block caches, seed 1)."""
+      onto their holders: p90 more than 1.1 × (agents at ρ* 0.5, 250-block caches, seed 1; 1.4 × while the
+      pods evicted a context's head first, 1.03–1.2 × on each quantile of four other agents cases)."""
     documents = case("documents", "ρ", 0.5, 1000, 1, n=2000, pods=12)
     storm = case("storm", "ρ", 0.8, 250, 1, n=1200)
     agents = case("agents", "ρ*", 0.5, 250, 1)
-    base = {c: run(c) for c in (documents, storm, agents, AGENTS_SATURATED)}
+    overloaded = case("agents", "ρ*", 0.8, 250, 1, n=1200)
+    base = {c: run(c) for c in (documents, storm, agents, overloaded)}
 
     def always(req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         return [float(c.same_prefix) for c in cands]
@@ -187,9 +189,11 @@ def test_hot_spots_damp_only_followers_a_copy_relieves(monkeypatch: pytest.Monke
     assert piled.ttft["p99"] > 1.15 * base[storm].ttft["p99"]
     assert piled.ttft["p90"] > 1.1 * base[storm].ttft["p90"]
     monkeypatch.setattr(plugins, "followers", rate_only)
-    assert run(AGENTS_SATURATED).ttft["p90"] > 1.1 * base[AGENTS_SATURATED].ttft["p90"]
+    piled = run(overloaded)
+    assert piled.ttft["p50"] > 1.15 * base[overloaded].ttft["p50"]
+    assert piled.ttft["mean"] > 1.1 * base[overloaded].ttft["mean"]
     monkeypatch.setattr(plugins, "followers", only_fast)
-    assert run(agents).ttft["p90"] > 1.4 * base[agents].ttft["p90"]
+    assert run(agents).ttft["p90"] > 1.1 * base[agents].ttft["p90"]
 
 
 def test_a_popular_prefix_earns_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -211,22 +215,23 @@ def test_a_copy_s_followers_are_counted_with_care(monkeypatch: pytest.MonkeyPatc
     """Each factor of the copy value pinned near capacity on 8 pods:
 
     - a popularity run younger than ``COPY_MIN_AGE_S`` counts no followers: counted from the first request,
-      agent trees' bursts of sibling steps earn copies (agents at ρ* 0.5, 250-block caches: p90 more than
-      1.2 ×; 1.5 × before the recompute-load scorer counted up to 0.8, which keeps more of those steps on
-      their holders near saturation);
-    - less the ``F`` follow-ups the queue scorer counts: without it, they are counted twice (the same case:
-      p90 more than 1.12 ×; 1.3 × before);
+      agent trees' bursts of sibling steps earn copies (agents at ρ* 0.5, 250-block caches, 12 pods: mean
+      more than 1.1 ×; on 8 pods that case went the other way, 0.86 ×, once the pods evicted a context's
+      tail first: docs/epp.md);
+    - less the ``F`` follow-ups the queue scorer counts: without it, they are counted twice (agents at ρ*
+      0.5, 250-block caches, 8 pods: mean more than 1.15 ×);
     - scaled by the pod's spare capacity: without it, copies go to pods as busy as the holder (sessions at
       ρ* 0.5, 250-block caches, seed 1: p90 more than 1.07 ×)."""
     sessions = case("sessions", "ρ*", 0.5, 250, 1, n=2000)
-    base_agents, base_sessions = run(AGENTS_SATURATED), run(sessions)
+    trees = case("agents", "ρ*", 0.5, 250, 0, n=2000, pods=12)
+    base_trees, base_agents, base_sessions = run(trees), run(AGENTS_SATURATED), run(sessions)
     scorer = plugins.CopyValueScorer
     with monkeypatch.context() as m:
         m.setattr(director, "COPY_MIN_AGE_S", 0.0)
-        assert run(AGENTS_SATURATED).ttft["p90"] > 1.2 * base_agents.ttft["p90"]
+        assert run(trees).ttft["mean"] > 1.1 * base_trees.ttft["mean"]
     with monkeypatch.context() as m:
         m.setattr(scorer, "__init__", with_params(scorer, max_followups=0.0))
-        assert run(AGENTS_SATURATED).ttft["p90"] > 1.12 * base_agents.ttft["p90"]
+        assert run(AGENTS_SATURATED).ttft["mean"] > 1.15 * base_agents.ttft["mean"]
     with monkeypatch.context() as m:
         m.setattr(scorer, "__init__", with_params(scorer, max_busy=float("inf")))
         assert run(sessions).ttft["p90"] > 1.07 * base_sessions.ttft["p90"]
@@ -323,15 +328,16 @@ def test_a_peer_replicas_pick_lives_as_its_own(monkeypatch: pytest.MonkeyPatch) 
 def test_peer_replicas_fold_every_follow_up_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each pick carries its pool's follow-up sample and every replica folds its peers' as its own
     (``Director.peer_followup``), so the share the queue scorer multiplies by is the fleet's, as one
-    picker's: on the agents trees at the utilisation of the ideal hit, three replicas are within 4 % of one
-    picker's p90 (2 % before the recompute-load scorer counted up to 0.8; 3.0 % since) and 3 % of its mean;
-    each counting only the third of the requests the gateway sends it, p50 was more than 1.15 × and mean
-    more than 1.12 × (1.19 and 1.16 × with the gossip 1 ms late, 1.41 and 1.26 × at 2 ms)."""
+    picker's: on the agents trees at the utilisation of the ideal hit, three replicas are within 6 % of one
+    picker's p90 and 4 % of its mean (3.0 and 3 % before the pods evicted a context's tail first, 2 % before
+    the recompute-load scorer counted up to 0.8); each counting only the third of the requests the gateway
+    sends it, p50 was more than 1.1 × and mean more than 1.12 × (1.15 and 1.17 ×; 1.19 and 1.16 × with
+    head-first eviction and the gossip 1 ms late, 1.41 and 1.26 × at 2 ms)."""
     agents = case("agents", "ρ*", 0.8, 250, 1)
     one, three = run(agents), run(agents, "kvfleet-x3")
-    assert three.ttft["p90"] <= 1.04 * one.ttft["p90"]
-    assert three.ttft["mean"] <= 1.03 * one.ttft["mean"]
+    assert three.ttft["p90"] <= 1.06 * one.ttft["p90"]
+    assert three.ttft["mean"] <= 1.04 * one.ttft["mean"]
     monkeypatch.setattr(director.Director, "peer_followup", lambda self, pool, share: None)
     alone = run(agents, "kvfleet-x3")
-    assert alone.ttft["p50"] > 1.15 * one.ttft["p50"]
+    assert alone.ttft["p50"] > 1.1 * one.ttft["p50"]
     assert alone.ttft["mean"] > 1.12 * one.ttft["mean"]

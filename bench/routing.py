@@ -536,8 +536,7 @@ class KvfleetReplicas(Policy):
             # each replica receives through the EPP's own receiving side (epp/gossip.py's PeerApplier), the
             # messages built as its publisher builds them
             appliers = [PeerApplier(o.index, o.router.tracker, lambda pod: True, self.GOSSIP_TTL_S,
-                                    o.router.director.pick_ttl_of, o.router.director.peer_followup,
-                                    o.router.director.peer_home)
+                                    o.router.director.pick_ttl_of, o.router.director.peer_followup)
                         for o in self.reps]
             for i, rep in enumerate(self.reps):
                 others = [a for j, a in enumerate(appliers) if j != i]

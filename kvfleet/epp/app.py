@@ -96,8 +96,7 @@ class Epp:
                                         ttl_s=s.gossip_ttl_s, known_pod=lambda name: name in self._pod_names,
                                         tracker=self.tracker, secret=secret,
                                         pick_ttl=self.router.director.pick_ttl_of,
-                                        on_followup=self.router.director.peer_followup,
-                                        on_home=self.router.director.peer_home)
+                                        on_followup=self.router.director.peer_followup)
             self.index.on_pick = self.gossip.publish
             self.tracker.on_ticket = self.gossip.publish_ticket
             self.router.before_decision = self.gossip.receive

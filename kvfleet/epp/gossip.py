@@ -169,8 +169,7 @@ class ReplicaGossip:
     """One replica's gossip: publishes its picks and ticket changes on ``host:port``, applies its peers' to
     ``index`` and ``tracker`` (``tracker=None``: picks only) through a :class:`PeerApplier` (``pick_ttl``:
     a pod's speculative TTL after a pick's first token; ``on_followup``: where the picks' follow-up samples
-    go; ``on_home``: where each pick's pool, sampled keys, prompt length and pod go, for the pool's home of
-    the pick's prefix shard)."""
+    go)."""
 
     def __init__(
         self,
@@ -187,12 +186,11 @@ class ReplicaGossip:
         queue_size: int = 16384,
         pick_ttl: Callable[[str], float] | None = None,
         on_followup: Callable[[str, float], None] | None = None,
-        on_home: Callable[[str, Sequence[int], int, str], None] | None = None,
     ) -> None:
         self.tracker = tracker
         self.host, self.port, self.peers, self.secret = host, port, tuple(peers), secret
         #: the receiving side (:class:`PeerApplier`): the index, the pods known and the TTLs are its
-        self.peers_applier = PeerApplier(index, tracker, known_pod, ttl_s, pick_ttl, on_followup, on_home)
+        self.peers_applier = PeerApplier(index, tracker, known_pod, ttl_s, pick_ttl, on_followup)
         self.replica = replica or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.messages: Counter[str] = Counter()
         """Peers' messages by result: ``ok``, ``self``, ``too_large``, ``malformed``, ``bad_tag``; own:
@@ -535,10 +533,7 @@ class PeerApplier:
     an older release, a lost ``open``, a ticket already closed, ``tracker`` None) they live ``ttl_s``. Before
     this, a peer's pick lived ``ttl_s`` (30 s) from its receipt and was never served: picks stayed live
     longer on the peers than on their picker, and the follow-up share they feed read higher there. The
-    pick's ``covered`` (its pool's follow-up sample, 0..1) goes to ``on_followup(pool, covered)``, and the
-    pick itself to ``on_home(pool, keys, blocks, pod)``: the pod becomes the pool's home of the pick's prefix
-    shard where this replica has none yet, so that replicas keep a family on the pod its first pick went to,
-    whichever replica made it (``prefix-affinity-scorer``).
+    pick's ``covered`` (its pool's follow-up sample, 0..1) goes to ``on_followup(pool, covered)``.
     """
 
     def __init__(
@@ -549,11 +544,10 @@ class PeerApplier:
         ttl_s: float,
         pick_ttl: Callable[[str], float] | None = None,
         on_followup: Callable[[str, float], None] | None = None,
-        on_home: Callable[[str, Sequence[int], int, str], None] | None = None,
     ) -> None:
         self.index, self.tracker, self.known_pod, self.ttl_s = index, tracker, known_pod, ttl_s
         self.pick_ttl = pick_ttl or (lambda pod: ttl_s)
-        self.on_followup, self.on_home = on_followup, on_home
+        self.on_followup = on_followup
 
     def pick(self, origin: str, pick: Pick) -> str:
         if not pick.keys:  # msgpack ints are int64/uint64: any decoded key is a valid block key
@@ -565,8 +559,6 @@ class PeerApplier:
         if self.on_followup is not None and pick.pool and 0.0 <= pick.covered <= 1.0:
             self.on_followup(pick.pool, pick.covered)
         blocks, tracker = max(0, pick.blocks), self.tracker
-        if self.on_home is not None and pick.pool:
-            self.on_home(pick.pool, pick.keys, blocks, pick.pod)
         t = tracker.remote_ticket(origin, pick.ticket) if tracker is not None and pick.ticket >= 0 else None
         if t is None or tracker is None:
             self.index.add_speculative_sampled(pick.pod, pick.keys, self.ttl_s, blocks=blocks)

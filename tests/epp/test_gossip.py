@@ -244,18 +244,6 @@ class TestBoundary:
         assert got == [("pool-a", 0.25), ("pool-b", 1.0), ("pool-a", 0.0)]
         assert g.picks_in["applied"] == len(picks)
 
-    def test_peer_picks_offer_their_pool_s_home(self) -> None:
-        """Each valid pick with a pool goes to ``on_home`` (pool, sampled keys, prompt length, pod); a pick
-        without a pool, or refused (unknown pod, no keys), does not."""
-        got: list[tuple[str, list[int], int, str]] = []
-        g = ReplicaGossip(BlockIndex(), host="127.0.0.1", port=0, peers=(), ttl_s=5.0,
-                          known_pod=lambda p: p != "gone", replica="me",
-                          on_home=lambda pool, keys, blocks, pod: got.append((pool, list(keys), blocks, pod)))
-        picks = [["pod-0", [1, 2], 2, -1, 0.0, "pool-a"], ["pod-1", [3], 1, -1, 0.0, ""],
-                 ["gone", [4], 1, -1, 0.0, "pool-a"], ["pod-2", [], 0, -1, 0.0, "pool-a"]]
-        assert g.apply([self.payload(picks)]) == "ok"
-        assert got == [("pool-a", [1, 2], 2, "pod-0")]
-
     def test_valid_ticket_changes_are_applied(self) -> None:
         g, _ = self.gossip()
         assert g.apply([self.payload(tickets=[[0, 7, ["pod-0"], 42, 300.0],
@@ -411,8 +399,7 @@ def _pair(a_thread: bool, b_thread: bool) -> tuple[ReplicaGossip, Router, Replic
         router = _router(index, tracker)
         g = ReplicaGossip(index, host="127.0.0.1", port=port, peers=[f"127.0.0.1:{peer}"], ttl_s=30.0,
                           known_pod=lambda pod: True, tracker=tracker, replica=name,
-                          pick_ttl=router.director.pick_ttl_of, on_followup=router.director.peer_followup,
-                          on_home=router.director.peer_home)
+                          pick_ttl=router.director.pick_ttl_of, on_followup=router.director.peer_followup)
         index.on_pick, tracker.on_ticket = g.publish, g.publish_ticket
         router.before_decision, router.after_decision = g.receive, g.flush
         out += [g.start(thread), router]

@@ -336,33 +336,21 @@ def test_a_peer_replicas_pick_lives_as_its_own(monkeypatch: pytest.MonkeyPatch) 
 def test_peer_replicas_fold_every_follow_up_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each pick carries its pool's follow-up sample and every replica folds its peers' as its own
     (``Director.peer_followup``), so the share the queue scorer multiplies by is the fleet's, as one
-    picker's: on the agents trees at the utilisation of the ideal hit, three replicas are within 5 % of one
-    picker's p90 and mean (the homes of the prefix shards gossiped with the picks: each replica keeping
-    only its own, 1.16 × and 1.16 ×; 5.5 and 3.2 % while the home was the shard's rendezvous top; 3.0 and
-    3 % before the pods evicted a context's tail first); each counting only the third of the requests the
-    gateway sends it, p50 was more than 1.1 × and mean more than 1.1 × (1.16 and 1.11 ×; 1.19 and 1.16 ×
-    with head-first eviction and the gossip 1 ms late, 1.41 and 1.26 × at 2 ms)."""
+    picker's: on the agents trees at the utilisation of the ideal hit, three replicas are within 17 % of
+    one picker's p90 and 16 % of its mean: each replica remembers its own homes of the shards
+    (``prefix-affinity-scorer``), which can split a family between replicas (5.5 and 3.2 % while the home
+    was the shard's rendezvous top, which every replica computes alike; 3.0 and 3 % before the pods evicted
+    a context's tail first); each counting only the third of the requests the gateway sends it, p50 was
+    more than 1.1 × and mean more than 1.12 × (1.32 and 1.20 ×; 1.19 and 1.16 × with head-first eviction
+    and the gossip 1 ms late, 1.41 and 1.26 × at 2 ms)."""
     agents = case("agents", "ρ*", 0.8, 250, 1)
     one, three = run(agents), run(agents, "kvfleet-x3")
-    assert three.ttft["p90"] <= 1.05 * one.ttft["p90"]
-    assert three.ttft["mean"] <= 1.05 * one.ttft["mean"]
+    assert three.ttft["p90"] <= 1.17 * one.ttft["p90"]
+    assert three.ttft["mean"] <= 1.16 * one.ttft["mean"]
     monkeypatch.setattr(director.Director, "peer_followup", lambda self, pool, share: None)
     alone = run(agents, "kvfleet-x3")
     assert alone.ttft["p50"] > 1.1 * one.ttft["p50"]
-    assert alone.ttft["mean"] > 1.1 * one.ttft["mean"]
-
-
-def test_peer_replicas_share_the_homes_of_their_picks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A peer's pick sets the home of its prefix shard where a replica has none (``Director.peer_home``):
-    each replica keeping only the homes of its own picks, three replicas split families between their homes
-    and on the agents trees at the utilisation of the ideal hit have p90 and mean more than 1.1 × those of
-    three sharing them (1.11 ×)."""
-    agents = case("agents", "ρ*", 0.8, 250, 1)
-    shared = run(agents, "kvfleet-x3")
-    monkeypatch.setattr(director.Director, "peer_home", lambda self, pool, keys, blocks, pod: None)
-    own = run(agents, "kvfleet-x3")
-    assert own.ttft["p90"] > 1.1 * shared.ttft["p90"]
-    assert own.ttft["mean"] > 1.1 * shared.ttft["mean"]
+    assert alone.ttft["mean"] > 1.12 * one.ttft["mean"]
 
 
 def test_a_family_s_home_is_where_it_first_went(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -264,29 +264,6 @@ class TestScorers:
 class TestRouting:
     """Level 2 follows the index, spreads hot prefixes, and errors map to typed exceptions."""
 
-    def test_a_peer_s_pick_sets_a_home_this_picker_lacks(self) -> None:
-        """``Director.peer_home``: a peer replica's pick (its sampled keys and prompt length) sets the pool's
-        home of the prompt's prefix shard where this picker has none, so this picker's next request of the
-        family goes there when nothing else separates the pods; its own home is kept; an unknown pool, an
-        unknown length, or a shard block beyond the dense sample changes nothing."""
-        r = router()
-        req = InferenceRequest(model="m", prompt=PROMPT)
-        keys = r.keys_of(r.tokens_of(req), None)
-        k = min(r.director.settings.prefix_shard_blocks, len(keys))
-        pool = r.datastore.pools()[0]
-        scorer = next(sc for _, sc in r.director.scheduler.profile_for(pool.cache).scorers
-                      if isinstance(sc, plugins.PrefixAffinityScorer))
-        shard = int(keys[k - 1])
-        r.director.peer_home("no-such-pool", keys, len(keys), "p0-2")
-        r.director.peer_home(pool.name, keys, 0, "p0-2")
-        r.director.peer_home(pool.name, keys[:1], len(keys), "p0-2")  # the shard block not in the sample
-        assert scorer.home(shard) is None
-        r.director.peer_home(pool.name, keys, len(keys), "p0-2")
-        assert scorer.home(shard) == "p0-2"
-        assert r.route(req).pod == "p0-2"  # nothing held anywhere: the home decides
-        r.director.peer_home(pool.name, keys, len(keys), "p0-1")
-        assert scorer.home(shard) == "p0-2"
-
     def test_followup_share_counts_requests_that_follow_a_live_pick(self) -> None:
         """A pool's follow-up share rises with requests whose prefix a pick still live covers (a
         conversation's next turns), and stays 0 while every request is new."""

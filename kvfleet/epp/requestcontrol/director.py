@@ -48,7 +48,7 @@ from kvfleet.epp.scheduling.candidates import CandidateBuilder
 from kvfleet.epp.scheduling.framework import column
 from kvfleet.epp.scheduling.plugins import waiting
 from kvfleet.epp.scheduling.scheduler import Scheduler, SchedulingResult, serving_pods
-from kvfleet.epp.speculative import SPEC_DENSE, Lease
+from kvfleet.epp.speculative import Lease
 from kvfleet.epp.tokenize import PoolTokenizers, Tokens
 
 log = logging.getLogger(__name__)
@@ -309,25 +309,6 @@ class Director:
             if pool not in self._followup and all(p.name != pool for p in self.datastore.pools()):
                 return
             self._fold_followup(pool, share)
-
-    def peer_home(self, pool: str, keys: Sequence[int], blocks: int, pod: str) -> None:
-        """A peer replica's pick of ``pod`` for a prompt of ``blocks`` full blocks (``keys``: its speculative
-        sample, every position below :data:`~kvfleet.epp.speculative.SPEC_DENSE` included): ``pod`` becomes
-        ``pool``'s home of the prompt's prefix shard where this picker has none
-        (:meth:`~kvfleet.epp.scheduling.plugins.PrefixAffinityScorer.adopt`). Not knowable, and ignored: a
-        prompt of unknown length (a peer of an older release), a shard block beyond the dense sample, a
-        pool this picker does not know."""
-        k = min(self.settings.prefix_shard_blocks, blocks)
-        if not 0 < k <= min(SPEC_DENSE, len(keys)):
-            return
-        with self._lock:
-            invoked = next((p for p in self.datastore.pools() if p.name == pool), None)
-            if invoked is None:
-                return
-            for _, scorer in self.scheduler.profile_for(invoked.cache).scorers:
-                adopt = getattr(scorer, "adopt", None)
-                if adopt is not None:
-                    adopt(int(keys[k - 1]), pod)
 
     def _admit(self, pool: Pool, cands: Sequence[Candidate]) -> None:
         """Shedding: refuse the request when every candidate waits ≥ ``shed_queue`` (0: never)."""

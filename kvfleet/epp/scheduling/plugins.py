@@ -289,14 +289,6 @@ class PrefixAffinityScorer:
         if len(homes) > self.max_homes:
             homes.popitem(last=False)
 
-    def adopt(self, shard: int, pod: str) -> None:
-        """A peer replica's pick: ``pod`` becomes the shard's home if it has none here."""
-        homes = self._homes
-        if shard not in homes:
-            homes[shard] = pod
-            if len(homes) > self.max_homes:
-                homes.popitem(last=False)
-
     def home(self, shard: int) -> str | None:
         """The shard's home, if it has one."""
         return self._homes.get(shard)

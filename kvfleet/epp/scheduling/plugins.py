@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from kvfleet.epp.scheduling.framework import Candidate, Candidates, SchedulingRequest, column, register
 
@@ -248,50 +248,34 @@ class QueueScorer:
 
 @register("prefix-affinity-scorer", "scorer")
 class PrefixAffinityScorer:
-    """``affinity_s`` seconds (param, default 0.02) for the home of the request's prefix shard, 0 for the
-    others. A shard's home is the pod the picker sent it to while it had none among the candidates: its
-    first request's pick, made on the cache and load like any other.
+    """``affinity_s`` seconds (param, default 0.02) for the pod that ranks first for the request's
+    prefix shard by rendezvous hashing (``xxh3(pod name, seed = shard)``), 0 for the others.
 
-    Keeps a prefix family on one pod when nothing else separates the candidates (no pod holds it any
-    more, or several hold the same amount), so its next requests find it cached instead of scattering
-    copies over the pool. The home is where the family went, not a hash of the shard: ranked by
-    rendezvous hashing, two of seven applications' homes fell on one pod by chance, which queued both
-    families' sessions while four pods took nothing (``docs/epp.md``, workloads it was not tuned on).
-    The homes of the last ``max_homes`` shards are kept (param, default 65,536; the least recently
-    used goes first), ≈ 100 bytes each.
+    Keeps a prefix family on one pod when nothing else separates the candidates
+    (no pod holds it any more, or several hold the same amount), so its next
+    requests find it cached instead of scattering copies over the pool.
     """
 
     def __init__(self, params: Mapping[str, float]) -> None:
         self.affinity_s = float(params.get("affinity_s", 0.02))
-        self.max_homes = max(1, int(params.get("max_homes", 65536)))
-        #: shard → its home's pod name, least recently used first
-        self._homes: OrderedDict[int, str] = OrderedDict()
+        #: (shard, candidate names) → the position ranking first (a prefix family's requests repeat a shard)
+        self._top: dict[tuple[int, tuple[str, ...]], int] = {}
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
+        if not cands:
+            return []
+        names = tuple(cands.names if isinstance(cands, Candidates) else [c.pod.name for c in cands])
+        top = self._top.get((req.shard, names))
+        if top is None:
+            seed = req.shard & 0xFFFFFFFFFFFFFFFF
+            ranks = [xxhash.xxh3_64_intdigest(n.encode(), seed=seed) for n in names]
+            top = max(range(len(cands)), key=ranks.__getitem__)
+            if len(self._top) >= 4096:
+                self._top.clear()
+            self._top[req.shard, names] = top
         out = [0.0] * len(cands)
-        home = self._homes.get(req.shard)
-        if home is not None:
-            names = cands.names if isinstance(cands, Candidates) else [c.pod.name for c in cands]
-            for i, name in enumerate(names):
-                if name == home:
-                    out[i] = self.affinity_s
-                    break
-            else:  # its pod is gone (or filtered out): the next pick is the new home
-                del self._homes[req.shard]
+        out[top] = self.affinity_s
         return out
-
-    def pre_request(self, req: SchedulingRequest, pick: Candidate) -> None:
-        homes = self._homes
-        if req.shard in homes:
-            homes.move_to_end(req.shard)
-            return
-        homes[req.shard] = pick.pod.name
-        if len(homes) > self.max_homes:
-            homes.popitem(last=False)
-
-    def home(self, shard: int) -> str | None:
-        """The shard's home, if it has one."""
-        return self._homes.get(shard)
 
 
 @register("kv-cache-utilization-scorer", "scorer")

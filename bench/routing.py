@@ -188,7 +188,7 @@ class SimPod:
         promoted_ssd: list[int] = []
         for b in r.blocks:
             if b in self.gpu:
-                self.gpu.move_to_end(b)
+                pass  # touched below, with the rest of the request's blocks
             elif b in self.cpu:
                 del self.cpu[b]
                 promoted_cpu.append(b)

@@ -250,6 +250,41 @@ class TestScorers:
             tops.add(first.index(0.5))
         assert tops == {0, 1, 2, 3}
 
+    def test_affinity_home_is_a_holder_else_an_empty_pod(self) -> None:
+        """The home is the rendezvous top among the pods that hold the shard's prefix (as much of its
+        ``shard_blocks`` as any pod holds); with no holder, among the pods whose GPU tier holds nothing;
+        else among all. Two scorers (two EPP replicas) given the same candidates agree."""
+        one, two = (create("prefix-affinity-scorer", {"affinity_s": 0.5})[1] for _ in range(2))
+
+        def home(cands: list[Candidate], shard: int, k: int = 4) -> str:
+            req = SchedulingRequest(shard=shard, shard_blocks=k)
+            scores = one.score(req, cands)  # type: ignore[union-attr]
+            assert scores == two.score(req, cands) and sorted(scores) == [0.0] * (len(cands) - 1) + [0.5]  # type: ignore[union-attr]
+            return cands[scores.index(0.5)].pod.name
+
+        bare = [self.cand(f"p{i}") for i in range(6)]
+        by_hash = {s: home(bare, s) for s in range(300)}
+        assert len(set(by_hash.values())) == 6  # nothing held anywhere: the hash over all pods
+        for shard in range(300):
+            # p1 and p4 hold the whole shard prefix, p2 part of it: the home is one of the first two
+            holders = [self.cand(f"p{i}", hit_blocks=h, held_blocks=50)
+                       for i, h in enumerate([0, 6, 2, 0, 4, 0])]
+            assert home(holders, shard) in {"p1", "p4"}
+            # nobody holds the whole of it: the pods that hold the most do
+            partial = [self.cand(f"p{i}", hit_blocks=h, held_blocks=50)
+                       for i, h in enumerate([0, 3, 2, 0, 3, 0])]
+            assert home(partial, shard) in {"p1", "p4"}
+            # a one-block shard: any holder of that block
+            assert home(holders, shard, k=1) in {"p1", "p2", "p4"}
+            # no holder: the empty pods (p3, p5) before the busy ones; none empty: the hash over all again
+            fresh = [self.cand(f"p{i}", held_blocks=0 if i in (3, 5) else 80) for i in range(6)]
+            assert home(fresh, shard) in {"p3", "p5"}
+            full = [self.cand(f"p{i}", held_blocks=80) for i in range(6)]
+            assert home(full, shard) == by_hash[shard]
+        # every holder pair and empty pair gets homes on both of its pods across shards (no fixed favourite)
+        assert {home([self.cand(f"p{i}", held_blocks=0 if i in (3, 5) else 80) for i in range(6)], s)
+                for s in range(40)} == {"p3", "p5"}
+
 
 class TestRouting:
     """Level 2 follows the index, spreads hot prefixes, and errors map to typed exceptions."""

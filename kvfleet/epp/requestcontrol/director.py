@@ -255,6 +255,7 @@ class Director:
                 prefill_s_per_token=self.prefill_s_per_token,
                 hotspot_beta=self.settings.hotspot_beta if beta is None else beta,
                 shard=shard,
+                shard_blocks=k,
                 followup_share=followup_share,
                 hot_followers=rate * min(age, COPY_HORIZON_S) if age >= COPY_MIN_AGE_S else 0.0,
             )

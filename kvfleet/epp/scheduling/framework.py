@@ -45,6 +45,8 @@ class SchedulingRequest:
     hotspot_beta: float = 0.1
     #: the prefix shard key (the key of block ``min(K, n) − 1``), for affinity
     shard: int = 0
+    #: the blocks the shard key covers (``min(K, n)``; 0: a prompt shorter than one block)
+    shard_blocks: int = 0
     #: the share of the invoked pool's recent prompts that a live pick covered (blocks of a prompt sent to a
     #: candidate within the speculative TTL after its first token: the request follows an earlier one
     #: closely); an exponential average over the pool's last ≈ 100 decisions before this one

@@ -248,31 +248,51 @@ class QueueScorer:
 
 @register("prefix-affinity-scorer", "scorer")
 class PrefixAffinityScorer:
-    """``affinity_s`` seconds (param, default 0.02) for the pod that ranks first for the request's
-    prefix shard by rendezvous hashing (``xxh3(pod name, seed = shard)``), 0 for the others.
+    """``affinity_s`` seconds (param, default 0.02) for the prefix shard's home, 0 for the others.
 
-    Keeps a prefix family on one pod when nothing else separates the candidates
-    (no pod holds it any more, or several hold the same amount), so its next
-    requests find it cached instead of scattering copies over the pool.
+    The home is the pod that ranks first by rendezvous hashing (``xxh3(pod name, seed = shard)``) among
+    the pods that hold the shard's prefix (its first ``min(K, n)`` blocks, or as many of them as any pod
+    holds); when none holds any of it, among the pods whose GPU tier holds nothing yet; else among all.
+    Keeps a prefix family on one pod when nothing else separates the candidates (several hold the same
+    amount, or none holds it), so its next requests find it cached instead of scattering copies over
+    the pool.
+
+    Every input is the exact index's (the same on every EPP replica, as each receives every pod's KV
+    events) and the candidates' names, so replicas agree on a shard's home. The hash over all pods alone
+    put several families on one pod while others stood empty (seven applications over twelve pods: two on
+    one pod, four pods idle); a family that already has a holder keeps it, a new one starts on an empty pod.
     """
 
     def __init__(self, params: Mapping[str, float]) -> None:
         self.affinity_s = float(params.get("affinity_s", 0.02))
-        #: (shard, candidate names) → the position ranking first (a prefix family's requests repeat a shard)
-        self._top: dict[tuple[int, tuple[str, ...]], int] = {}
+        #: (shard, candidate names) → positions by rank, best first (a prefix family repeats its shard)
+        self._order: dict[tuple[int, tuple[str, ...]], tuple[int, ...]] = {}
+
+    def _ranked(self, shard: int, names: tuple[str, ...]) -> tuple[int, ...]:
+        order = self._order.get((shard, names))
+        if order is None:
+            seed = shard & 0xFFFFFFFFFFFFFFFF
+            ranks = [xxhash.xxh3_64_intdigest(n.encode(), seed=seed) for n in names]
+            order = tuple(sorted(range(len(names)), key=ranks.__getitem__, reverse=True))
+            if len(self._order) >= 4096:
+                self._order.clear()
+            self._order[shard, names] = order
+        return order
 
     def score(self, req: SchedulingRequest, cands: Sequence[Candidate]) -> list[float]:
         if not cands:
             return []
         names = tuple(cands.names if isinstance(cands, Candidates) else [c.pod.name for c in cands])
-        top = self._top.get((req.shard, names))
-        if top is None:
-            seed = req.shard & 0xFFFFFFFFFFFFFFFF
-            ranks = [xxhash.xxh3_64_intdigest(n.encode(), seed=seed) for n in names]
-            top = max(range(len(cands)), key=ranks.__getitem__)
-            if len(self._top) >= 4096:
-                self._top.clear()
-            self._top[req.shard, names] = top
+        order = self._ranked(req.shard, names)
+        hits = column(cands, "hit_blocks")
+        most = max(hits)
+        top = order[0]
+        if most > 0:
+            need = min(req.shard_blocks, most) if req.shard_blocks > 0 else most
+            top = next(i for i in order if hits[i] >= need)
+        else:
+            held = column(cands, "held_blocks")
+            top = next((i for i in order if held[i] == 0), top)
         out = [0.0] * len(cands)
         out[top] = self.affinity_s
         return out
